@@ -1,0 +1,40 @@
+# The two commands of the README, and the steps they are made of.
+#   make demo   bootstrap, build, run the daemon on its embedded default config
+#   make test   bootstrap, build, run every test that needs no GPU
+# The venv with the torch wheel and the ccache live outside the clone ($(DFLASHD_CACHE)).
+DFLASHD_CACHE ?= $(HOME)/.cache/dflashd
+PRESET ?= default
+BUILD_DIR := $(if $(filter cpu,$(PRESET)),build-cpu,build)
+export DFLASHD_CACHE
+export CCACHE_DIR ?= $(DFLASHD_CACHE)/ccache
+export CCACHE_MAXSIZE ?= 5G
+CUDACXX ?= $(firstword $(wildcard /usr/local/cuda/bin/nvcc))
+export CUDACXX
+
+.PHONY: all bootstrap configure build test test-gpu demo clean
+
+all: build
+
+bootstrap:
+	@deploy/bootstrap.sh
+
+$(BUILD_DIR)/.configured: CMakeLists.txt CMakePresets.json cmake/Dependencies.cmake | bootstrap
+	cmake --preset $(PRESET) -DDFLASHD_TORCH_DIR="$$(deploy/bootstrap.sh --print-torch-dir)"
+	@touch $@
+
+configure: bootstrap $(BUILD_DIR)/.configured
+
+build: configure
+	cmake --build $(BUILD_DIR) -j$$(nproc)
+
+test: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -LE gpu -j$$(nproc)
+
+test-gpu: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -L gpu
+
+demo: build
+	deploy/demo.sh $(BUILD_DIR)/daemon/dflashd
+
+clean:
+	rm -rf build build-cpu

@@ -1,0 +1,364 @@
+// config.cc: the schema (which keys exist, their types, ranges and defaults) and the checks
+// across keys. The defaults themselves live in config.h's struct initialisers.
+#include "config/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "config/yaml_reader.h"
+
+namespace dflash::config {
+
+std::string Diagnostic::str() const {
+  if (position.line <= 0) return file + ": " + message;
+  return file + ":" + std::to_string(position.line) + ":" + std::to_string(position.column) + ": " + message;
+}
+
+namespace {
+
+std::string join_messages(const std::vector<Diagnostic>& diagnostics) {
+  std::string out;
+  for (const auto& d : diagnostics) out += (out.empty() ? "" : "\n") + d.str();
+  return out;
+}
+
+template <class T>
+Check<T> at_least(T minimum) {
+  return [minimum](const T& v) -> std::string {
+    if (v >= minimum) return "";
+    std::ostringstream s;
+    s << "must be >= " << minimum << ", got " << v;
+    return s.str();
+  };
+}
+
+template <class T>
+Check<T> between(T low, T high) {
+  return [low, high](const T& v) -> std::string {
+    if (v >= low && v <= high) return "";
+    std::ostringstream s;
+    s << "must be in [" << low << ", " << high << "], got " << v;
+    return s.str();
+  };
+}
+
+template <class T>
+Check<T> positive() {
+  return [](const T& v) -> std::string {
+    if (v > 0) return "";
+    std::ostringstream s;
+    s << "must be > 0, got " << v;
+    return s.str();
+  };
+}
+
+Check<std::vector<int>> non_negative_ids() {
+  return [](const std::vector<int>& ids) -> std::string {
+    for (int id : ids)
+      if (id < 0) return "ids must be >= 0, got " + std::to_string(id);
+    return "";
+  };
+}
+
+void read_run(MapReader m, RunConfig* c) {
+  m.field("name", &c->name);
+  m.field("output_dir", &c->output_dir);
+  m.field("max_seconds", &c->max_seconds, at_least(0.0));
+  m.done();
+}
+
+void read_target(MapReader m, TargetConfig* c) {
+  m.field("path", &c->path);
+  m.choice("preset", &c->preset, {"tiny-qwen3_5", "tiny-qwen3_next", "tiny-qwen3", "tiny-llama"});
+  m.choice("weights", &c->weights, {"checkpoint", "random"});
+  m.choice("dtype", &c->dtype, {"bfloat16", "float16", "float32"});
+  m.field("allow_slow_path", &c->allow_slow_path);
+  m.done();
+}
+
+void read_drafter(MapReader m, DrafterConfig* c) {
+  m.field("init", &c->init);
+  m.field("num_layers", &c->num_layers, between(1, 64));
+  m.field("block_size", &c->block_size, between(2, 64));
+  m.field("target_layer_ids", &c->target_layer_ids, non_negative_ids());
+  m.field("num_target_features", &c->num_target_features, between(1, 32));
+  m.field("mask_token_id", &c->mask_token_id, at_least<int64_t>(0));
+  m.field("rope_theta", &c->rope_theta, positive<double>());
+  m.field("intermediate_size", &c->intermediate_size, positive<int>());
+  m.field("num_attention_heads", &c->num_attention_heads, positive<int>());
+  m.field("num_key_value_heads", &c->num_key_value_heads, positive<int>());
+  m.field("head_dim", &c->head_dim, positive<int>());
+  m.done();
+}
+
+void read_gpus(MapReader m, GpuConfig* c) {
+  m.choice("device", &c->device, {"cuda", "cpu"});
+  m.field("target", &c->target, non_negative_ids());
+  m.field("drafter", &c->drafter, non_negative_ids());
+  m.done();
+}
+
+void read_queues(MapReader m, QueueConfig* c) {
+  m.field("samples", &c->samples, between(1, 1 << 20));
+  m.field("features", &c->features, between(1, 1024));
+  m.field("feature_memory_budget_bytes", &c->feature_memory_budget_bytes, positive<int64_t>());
+  m.done();
+}
+
+void read_data(MapReader m, DataConfig* c) {
+  m.field("paths", &c->paths);
+  MapReader s = m.map("synthetic");
+  s.field("sequences", &c->synthetic.sequences, at_least<int64_t>(0));
+  s.field("min_length", &c->synthetic.min_length, at_least(2));
+  s.field("max_length", &c->synthetic.max_length, at_least(2));
+  s.done();
+  m.field("max_length", &c->max_length, at_least(2));
+  m.field("min_supervised_tokens", &c->min_supervised_tokens, at_least(2));
+  m.field("shuffle", &c->shuffle);
+  m.field("seed", &c->seed);
+  m.choice("on_malformed", &c->on_malformed, {"error", "skip"});
+  m.done();
+}
+
+void read_train(MapReader m, TrainConfig* c) {
+  m.field("anchors_per_sequence", &c->anchors_per_sequence, between(1, 65536));
+  m.field("sequences_per_step", &c->sequences_per_step, between(1, 4096));
+  m.field("grad_accumulation_steps", &c->grad_accumulation_steps, between(1, 65536));
+  m.field("epochs", &c->epochs, positive<double>());
+  m.field("max_steps", &c->max_steps, at_least<int64_t>(0));
+  m.field("learning_rate", &c->learning_rate, positive<double>());
+  m.field("min_learning_rate", &c->min_learning_rate, at_least(0.0));
+  m.field("warmup_ratio", &c->warmup_ratio, between(0.0, 1.0));
+  m.field("weight_decay", &c->weight_decay, at_least(0.0));
+  m.field("adam_beta1", &c->adam_beta1, between(0.0, 0.999999));
+  m.field("adam_beta2", &c->adam_beta2, between(0.0, 0.999999));
+  m.field("adam_epsilon", &c->adam_epsilon, positive<double>());
+  m.field("grad_clip_norm", &c->grad_clip_norm, at_least(0.0));
+  m.field("loss_gamma", &c->loss_gamma, positive<double>());
+  m.field("lm_head_chunk_blocks", &c->lm_head_chunk_blocks, between(1, 65536));
+  m.field("seed", &c->seed);
+  m.field("deterministic", &c->deterministic);
+  m.choice("on_nonfinite", &c->on_nonfinite, {"skip", "stop"});
+  m.done();
+}
+
+void read_checkpoint(MapReader m, CheckpointConfig* c) {
+  m.field("dir", &c->dir);
+  m.field("every_steps", &c->every_steps, at_least<int64_t>(0));
+  m.field("every_minutes", &c->every_minutes, at_least(0.0));
+  m.field("keep_last", &c->keep_last, at_least(1));
+  m.field("resume", &c->resume);
+  m.field("stop_timeout_seconds", &c->stop_timeout_seconds, positive<double>());
+  m.done();
+}
+
+void read_workers(MapReader m, WorkerConfig* c) {
+  m.field("stall_seconds", &c->stall_seconds, positive<double>());
+  m.choice("on_failure", &c->on_failure, {"stop", "restart"});
+  m.field("max_restarts", &c->max_restarts, at_least(0));
+  m.done();
+}
+
+void read_metrics(MapReader m, MetricsConfig* c) {
+  m.field<std::string>("listen", &c->listen, [](const std::string& v) -> std::string {
+    std::string host;
+    int port = 0;
+    if (v.empty() || split_host_port(v, &host, &port)) return "";
+    return "'" + v + "' is not host:port (e.g. 127.0.0.1:9400; port 1-65535)";
+  });
+  m.field("log_every_seconds", &c->log_every_seconds, positive<double>());
+  m.field("throughput_window_seconds", &c->throughput_window_seconds, positive<double>());
+  m.field("peak_flops_per_gpu", &c->peak_flops_per_gpu, positive<double>());
+  m.done();
+}
+
+void read_logging(MapReader m, LoggingConfig* c) {
+  m.choice("level", &c->level, {"trace", "debug", "info", "warn", "error", "critical", "off"});
+  m.choice("format", &c->format, {"text", "json"});
+  m.field("file", &c->file);
+  m.done();
+}
+
+// Checks that relate several keys. Each message names the keys and points at the first.
+void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
+  auto at = [&](const std::string& key) { return c.position_of(key); };
+
+  if (c.target.path.empty() == c.target.preset.empty()) {
+    d->add(c.target.path.empty() ? at("target") : at("target.preset"),
+           c.target.path.empty() ? "target: give target.path (a Hugging Face model directory) or target.preset"
+                                 : "target: target.path and target.preset exclude each other");
+  }
+  if (!c.target.preset.empty() && c.positions.count("target.weights") && c.target.weights != "random") {
+    d->add(at("target.weights"), "target.weights: a preset has no checkpoint; use weights: random");
+  }
+
+  for (const char* group : {"target", "drafter"}) {
+    const std::vector<int>& ids = std::string(group) == "target" ? c.gpus.target : c.gpus.drafter;
+    const std::string key = std::string("gpus.") + group;
+    if (ids.empty()) d->add(at(key), key + ": at least one id is needed");
+    std::set<int> seen;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (!seen.insert(ids[i]).second) {
+        d->add(at(key + "[" + std::to_string(i) + "]"),
+               key + ": GPU " + std::to_string(ids[i]) + " is listed twice in one group");
+      }
+    }
+  }
+
+  const auto& layer_ids = c.drafter.target_layer_ids;
+  for (size_t i = 1; i < layer_ids.size(); ++i) {
+    if (layer_ids[i] <= layer_ids[i - 1]) {
+      d->add(at("drafter.target_layer_ids[" + std::to_string(i) + "]"),
+             "drafter.target_layer_ids: ids must be strictly ascending (the fc input order is ascending)");
+      break;
+    }
+  }
+
+  const bool synthetic = c.data.synthetic.sequences > 0;
+  if (synthetic == !c.data.paths.empty()) {
+    d->add(at("data"), synthetic ? "data: data.paths and data.synthetic exclude each other"
+                                 : "data: give data.paths (JSONL files or directories) or data.synthetic.sequences");
+  }
+  if (c.data.synthetic.min_length > c.data.synthetic.max_length) {
+    d->add(at("data.synthetic.min_length"), "data.synthetic.min_length must be <= data.synthetic.max_length");
+  }
+  if (c.data.min_supervised_tokens > c.data.max_length) {
+    d->add(at("data.min_supervised_tokens"), "data.min_supervised_tokens must be <= data.max_length");
+  }
+  if (c.train.min_learning_rate > c.train.learning_rate) {
+    d->add(at("train.min_learning_rate"), "train.min_learning_rate must be <= train.learning_rate");
+  }
+  if (!c.train.loss_gamma) {
+    const int b = c.drafter.block_size;
+    if (b != 16 && b != 10 && b != 8) {
+      d->add(at("drafter.block_size"), "train.loss_gamma has a recipe default only for block sizes 16, 10 and 8; "
+                                       "set train.loss_gamma for block size " + std::to_string(b));
+    }
+  }
+  if (c.checkpoint.every_steps == 0 && c.checkpoint.every_minutes == 0) {
+    d->add(at("checkpoint"), "checkpoint: every_steps and every_minutes are both 0: the run would never checkpoint");
+  }
+  (void)root;
+}
+
+}  // namespace
+
+ConfigError::ConfigError(std::vector<Diagnostic> diagnostics)
+    : std::runtime_error(join_messages(diagnostics)), diagnostics_(std::move(diagnostics)) {}
+
+Position Config::position_of(const std::string& key_path) const {
+  // The value itself, else the nearest enclosing section that was given.
+  std::string key = key_path;
+  while (true) {
+    auto it = positions.find(key);
+    if (it != positions.end()) return it->second;
+    const size_t cut = key.find_last_of(".[");
+    if (cut == std::string::npos) return {};
+    key = key.substr(0, cut);
+  }
+}
+
+double Config::loss_gamma() const {
+  if (train.loss_gamma) return *train.loss_gamma;
+  switch (drafter.block_size) {
+    case 16: return 7;
+    case 10: return 5;
+    case 8: return 4;
+    default: return 7;  // unreachable for a validated config: parse() demands loss_gamma then
+  }
+}
+
+std::string Config::checkpoint_dir() const {
+  return checkpoint.dir.empty() ? run.output_dir + "/checkpoints" : checkpoint.dir;
+}
+
+bool split_host_port(const std::string& listen, std::string* host, int* port) {
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == listen.size()) return false;
+  std::string h = listen.substr(0, colon);
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  const std::string p = listen.substr(colon + 1);
+  if (!std::all_of(p.begin(), p.end(), ::isdigit) || p.size() > 5) return false;
+  const int value = std::stoi(p);
+  if (value < 1 || value > 65535) return false;
+  *host = h;
+  *port = value;
+  return true;
+}
+
+Config parse(std::string_view yaml_text, const std::string& file_name) {
+  Diagnostics diagnostics(file_name);
+  Config config;
+  config.source = file_name;
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(yaml_text));
+  } catch (const YAML::Exception& e) {
+    diagnostics.add(e.mark, "YAML syntax error: " + e.msg);
+    throw ConfigError(diagnostics.items());
+  }
+  if (!root.IsDefined() || root.IsNull()) {
+    diagnostics.add(Position{}, "the file is empty; see `dflashd config default` for a complete example");
+    throw ConfigError(diagnostics.items());
+  }
+  MapReader top(&diagnostics, &config.positions, root, "");
+  read_run(top.map("run"), &config.run);
+  read_target(top.map("target"), &config.target);
+  read_drafter(top.map("drafter"), &config.drafter);
+  read_gpus(top.map("gpus"), &config.gpus);
+  read_queues(top.map("queues"), &config.queues);
+  read_data(top.map("data"), &config.data);
+  read_train(top.map("train"), &config.train);
+  read_checkpoint(top.map("checkpoint"), &config.checkpoint);
+  read_workers(top.map("workers"), &config.workers);
+  read_metrics(top.map("metrics"), &config.metrics);
+  read_logging(top.map("logging"), &config.logging);
+  top.done();
+  if (!top.has("target")) diagnostics.add(top.position(), "target: required section (the frozen target model)");
+  if (!top.has("data")) diagnostics.add(top.position(), "data: required section (the training data)");
+  else check_contradictions(config, top, &diagnostics);
+
+  if (!diagnostics.items().empty()) {
+    std::vector<Diagnostic> sorted = diagnostics.items();
+    std::stable_sort(sorted.begin(), sorted.end(), [](const Diagnostic& a, const Diagnostic& b) {
+      return std::pair(a.position.line, a.position.column) < std::pair(b.position.line, b.position.column);
+    });
+    throw ConfigError(std::move(sorted));
+  }
+  return config;
+}
+
+Config load_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError({Diagnostic{path, {}, "cannot read the config file: " + std::string(std::strerror(errno))}});
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse(text.str(), path);
+}
+
+Config load_default() { return parse(default_yaml(), "<embedded default>"); }
+
+std::vector<Diagnostic> check_machine(const Config& config, const Machine& machine) {
+  std::vector<Diagnostic> out;
+  if (config.gpus.device != "cuda") return out;
+  for (const char* group : {"target", "drafter"}) {
+    const std::vector<int>& ids = std::string(group) == "target" ? config.gpus.target : config.gpus.drafter;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] < machine.cuda_devices) continue;
+      const std::string key = std::string("gpus.") + group + "[" + std::to_string(i) + "]";
+      std::string have = machine.cuda_devices == 0 ? "this machine has no CUDA GPU (use gpus.device: cpu for a CPU run)"
+                                                   : "this machine has GPUs 0.." + std::to_string(machine.cuda_devices - 1);
+      out.push_back({config.source, config.position_of(key),
+                     key + ": GPU " + std::to_string(ids[i]) + " does not exist; " + have});
+    }
+  }
+  return out;
+}
+
+}  // namespace dflash::config
