@@ -6,8 +6,10 @@ DFLASHD_CACHE ?= $(HOME)/.cache/dflashd
 PRESET ?= default
 BUILD_DIR := $(if $(filter cpu,$(PRESET)),build-cpu,build)
 export DFLASHD_CACHE
+export DFLASHD_TEST_PY ?= 1   # the tests compare against transformers (deploy/requirements-test.txt)
 export CCACHE_DIR ?= $(DFLASHD_CACHE)/ccache
 export CCACHE_MAXSIZE ?= 5G
+export CCACHE_BASEDIR ?= $(CURDIR)   # cache hits across clones in different directories
 CUDACXX ?= $(firstword $(wildcard /usr/local/cuda/bin/nvcc))
 export CUDACXX
 

@@ -38,8 +38,8 @@ add_library(dflash::concurrentqueue ALIAS dflash_concurrentqueue)
 
 # ---- libtorch from the wheel ----------------------------------------------------------------
 if(NOT DFLASHD_TORCH_DIR)
-  find_program(DFLASHD_PYTHON NAMES python3 REQUIRED)
-  execute_process(COMMAND ${DFLASHD_PYTHON} -c "import os, torch; print(os.path.dirname(torch.__file__))"
+  find_program(_python NAMES python3 REQUIRED)
+  execute_process(COMMAND ${_python} -c "import os, torch; print(os.path.dirname(torch.__file__))"
                   OUTPUT_VARIABLE _torch_dir OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc ERROR_QUIET)
   if(NOT _rc EQUAL 0)
     message(FATAL_ERROR "torch not found: pass -DDFLASHD_TORCH_DIR=.../site-packages/torch (make does this)")
@@ -57,6 +57,13 @@ if(EXISTS ${_tl}/libtorch_cuda.so)
   set(DFLASHD_TORCH_HAS_CUDA ON)
 endif()
 get_filename_component(DFLASHD_SITE_PACKAGES ${DFLASHD_TORCH_DIR} DIRECTORY)
+# The Python of the venv that holds the wheel runs the reference-model scripts of the tests.
+if(NOT DFLASHD_PYTHON OR NOT EXISTS "${DFLASHD_PYTHON}")
+  get_filename_component(_venv ${DFLASHD_SITE_PACKAGES}/../../.. ABSOLUTE)
+  if(EXISTS ${_venv}/bin/python3)
+    set(DFLASHD_PYTHON ${_venv}/bin/python3 CACHE FILEPATH "Python with torch and transformers (tests)" FORCE)
+  endif()
+endif()
 add_library(dflash_torch INTERFACE)
 target_include_directories(dflash_torch SYSTEM INTERFACE
   ${DFLASHD_TORCH_DIR}/include ${DFLASHD_TORCH_DIR}/include/torch/csrc/api/include)

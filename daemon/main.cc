@@ -8,6 +8,7 @@
 #include "common/log.h"
 #include "config/config.h"
 #include "daemon/exit_codes.h"
+#include "daemon/inspect.h"
 #include "daemon/machine.h"
 #include "daemon/run.h"
 
@@ -24,6 +25,7 @@ Commands:
   run        run the training service described by a config file
   validate   check a config file (and this machine) without training
   doctor     print what this machine offers: torch, CUDA, GPUs, NCCL, peer access, kernels
+  inspect    dump a target's tapped hidden states for a token file (debugging)
   config     print the embedded default config (a documented starting point)
   version    print the version
 
@@ -184,6 +186,14 @@ int main(int argc, char** argv) {
   if (command == "version" || command == "--version") {
     std::cout << "dflashd " << DFLASHD_VERSION << "\n";
     return exit_code::kOk;
+  }
+  if (command == "inspect") {
+    try {
+      return daemon::command_inspect(std::vector<std::string>(argv + 2, argv + argc));
+    } catch (const std::exception& e) {
+      std::cerr << e.what() << "\n";
+      return exit_code::kFailure;
+    }
   }
   Args args;
   if (auto error = parse_args(argc, argv, 2, &args); !error.empty()) return usage_error(error, kMainHelp);

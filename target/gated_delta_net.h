@@ -1,0 +1,40 @@
+// gated_delta_net.h: the GatedDeltaNet pieces of the hybrid targets (Qwen3.5, Qwen3-Next) as
+// plain libtorch ops: the CPU path, and the correctness reference for the CUDA kernels.
+//
+// Math (targets.md): per value head, state S (dk x dv, fp32) from 0 at each sequence start:
+//   S = exp(g_t) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
+// computed in the chunked WY form (chunk C = 64): every intra-chunk quantity for all chunks of
+// a sequence at once, then one pass over chunks for the state. No per-token or per-row host
+// loop; the host loops are over sequences of a packed batch and over chunks.
+//
+// Packed batches: tokens of several sequences are concatenated; `positions` gives each
+// token's index within its own sequence, `cu_seqlens` the sequence boundaries. Nothing leaks
+// across a boundary: the conv window and the state restart at 0.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace dflash::target {
+
+// Depthwise causal conv1d over the channels of x [N, C] with weight [C, K] (no bias), then
+// SiLU. Computed in fp32, returned in x's dtype.
+at::Tensor causal_conv1d_silu_reference(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions);
+
+// One sequence: q, k [T, Hk, dk] (raw: L2 normalisation and the dk^-0.5 scale happen here),
+// v [T, Hv, dv], g and beta [T, Hv] (fp32; g <= 0). Value head h reads key head h / (Hv/Hk).
+// Returns o [T, Hv, dv] in fp32.
+at::Tensor chunk_gated_delta_rule_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size = 64);
+
+// The same over a packed batch (cu_seqlens: B+1 offsets into the token dimension).
+at::Tensor chunk_gated_delta_rule_packed_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const at::Tensor& g, const at::Tensor& beta,
+                                                   const std::vector<int64_t>& cu_seqlens, int64_t chunk_size = 64);
+
+// The token-by-token recurrence, float64: an independent oracle for tests only (slow by design).
+at::Tensor recurrent_gated_delta_rule_oracle(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             const at::Tensor& g, const at::Tensor& beta);
+
+}  // namespace dflash::target

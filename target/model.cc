@@ -1,0 +1,393 @@
+#include "target/model.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include <cmath>
+
+#include "common/log.h"
+#include "target/gated_delta_net.h"
+
+namespace dflash::target {
+namespace {
+
+std::string layer_name(int64_t i, const std::string& rest) { return "layers." + std::to_string(i) + "." + rest; }
+
+struct Linear {
+  at::Tensor weight;  // [out, in]
+  at::Tensor bias;    // undefined when absent
+  at::Tensor operator()(const at::Tensor& x) const { return at::linear(x, weight, bias); }
+};
+
+struct Attention {
+  Linear q, k, v, o;
+  at::Tensor q_norm, k_norm;  // [head_dim], undefined without qk norm
+};
+
+struct GatedDeltaNet {
+  Linear qkv, z, b, a;  // qwen3_5 layout
+  Linear qkvz, ba;      // qwen3_next layout (grouped per key head)
+  at::Tensor conv;      // [channels, kernel]
+  at::Tensor a_log, dt_bias, norm;
+  Linear out;
+};
+
+struct Mlp {
+  Linear gate, up, down;  // dense SwiGLU
+  // MoE: router [E, H]; experts fused [E, 2I, H] and [E, H, I]; shared expert + its gate.
+  at::Tensor router, experts_gate_up, experts_down;
+  Linear shared_gate, shared_up, shared_down, shared_expert_gate;
+  bool moe = false;
+};
+
+struct Layer {
+  LayerKind kind;
+  at::Tensor input_norm, post_attention_norm;
+  Attention attention;
+  GatedDeltaNet gdn;
+  Mlp mlp;
+};
+
+}  // namespace
+
+struct TargetModel::Impl {
+  at::Tensor embed, head, final_norm;
+  at::Tensor inv_freq;  // [rotary_dim / 2] fp32
+  std::vector<Layer> layers;
+};
+
+namespace {
+
+// RMSNorm in fp32. Zero-centred (Qwen3.5/Next): (x_hat * (1 + w)) cast back. Plain (Qwen3,
+// Llama): w * x_hat cast back first, as HF does it (the order matters in bf16).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centred) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+  if (zero_centred) return (normed * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
+  return weight * normed.to(x.scalar_type());
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// x [tokens, heads, head_dim]; cos/sin [tokens, rotary_dim]; rotates the first rotary_dim dims.
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rotary = cos.size(-1);
+  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+  const at::Tensor rot = x.narrow(-1, 0, rotary);
+  const at::Tensor rotated = rot * c + rotate_half(rot) * s;
+  if (rotary == x.size(-1)) return rotated;
+  return at::cat({rotated, x.narrow(-1, rotary, x.size(-1) - rotary)}, -1);
+}
+
+at::Tensor compute_inv_freq(const ModelConfig& c) {
+  const int64_t rotary_dim = static_cast<int64_t>(c.head_dim * c.rope.partial_rotary_factor);
+  at::Tensor inv_freq =
+      1.0 / at::pow(c.rope.theta, at::arange(0, rotary_dim, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) /
+                                      static_cast<double>(rotary_dim));
+  if (c.rope.llama3_factor > 0) {
+    // Llama 3.1 frequency scaling: long wavelengths divided by factor, a smooth blend between.
+    const double factor = c.rope.llama3_factor, low = c.rope.llama3_low_freq_factor, high = c.rope.llama3_high_freq_factor;
+    const double old_context = static_cast<double>(c.rope.llama3_original_max_position);
+    const double low_wavelen = old_context / low, high_wavelen = old_context / high;
+    const at::Tensor wavelen = 2 * M_PI / inv_freq;
+    at::Tensor scaled = at::where(wavelen > low_wavelen, inv_freq / factor, inv_freq);
+    const at::Tensor smooth = (old_context / wavelen - low) / (high - low);
+    const at::Tensor smoothed = (1 - smooth) * scaled / factor + smooth * scaled;
+    const at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+    inv_freq = at::where(medium, smoothed, scaled);
+  }
+  return inv_freq;
+}
+
+at::Tensor attention_forward(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
+                             const at::Tensor& sin, const std::vector<int64_t>& cu_seqlens) {
+  const int64_t tokens = x.size(0), d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
+  at::Tensor q, gate;
+  if (c.gated_attention) {
+    // q_proj yields per head [query | gate].
+    const at::Tensor both = p.q(x).view({tokens, hq, 2 * d});
+    q = both.narrow(-1, 0, d);
+    gate = both.narrow(-1, d, d).reshape({tokens, hq * d});
+  } else {
+    q = p.q(x).view({tokens, hq, d});
+  }
+  at::Tensor k = p.k(x).view({tokens, hkv, d});
+  const at::Tensor v = p.v(x).view({tokens, hkv, d});
+  if (c.qk_norm) {
+    q = rms_norm(q, p.q_norm, c.rms_norm_eps, c.zero_centred_norm);
+    k = rms_norm(k, p.k_norm, c.rms_norm_eps, c.zero_centred_norm);
+  }
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
+  // Causal attention within each sequence. (GPU path: one varlen call; issue: pipeline.)
+  std::vector<at::Tensor> outputs;
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    const int64_t begin = cu_seqlens[s], length = cu_seqlens[s + 1] - begin;
+    if (length == 0) continue;
+    auto heads_first = [&](const at::Tensor& t) { return t.narrow(0, begin, length).transpose(0, 1).unsqueeze(0); };
+    const at::Tensor o = at::scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), {}, 0.0,
+                                                          /*is_causal=*/true, 1.0 / std::sqrt(static_cast<double>(d)),
+                                                          /*enable_gqa=*/true);
+    outputs.push_back(o.squeeze(0).transpose(0, 1).reshape({length, hq * d}));
+  }
+  at::Tensor out = at::cat(outputs, 0);
+  if (c.gated_attention) out = out * at::sigmoid(gate);
+  return p.o(out);
+}
+
+at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, const at::Tensor& positions,
+                       const std::vector<int64_t>& cu_seqlens) {
+  const int64_t tokens = x.size(0);
+  const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, group = hv / hk;
+  at::Tensor mixed, z, b, a;
+  if (c.fused_gdn_projections) {
+    // Qwen3-Next: per key head [q (dk) | k (dk) | v (group*dv) | z (group*dv)], and [b (group) | a (group)].
+    const at::Tensor qkvz = p.qkvz(x).view({tokens, hk, 2 * dk + 2 * group * dv});
+    const at::Tensor ba = p.ba(x).view({tokens, hk, 2 * group});
+    const at::Tensor q = qkvz.narrow(-1, 0, dk).reshape({tokens, hk * dk});
+    const at::Tensor k = qkvz.narrow(-1, dk, dk).reshape({tokens, hk * dk});
+    const at::Tensor v = qkvz.narrow(-1, 2 * dk, group * dv).reshape({tokens, hv * dv});
+    z = qkvz.narrow(-1, 2 * dk + group * dv, group * dv).reshape({tokens, hv, dv});
+    b = ba.narrow(-1, 0, group).reshape({tokens, hv});
+    a = ba.narrow(-1, group, group).reshape({tokens, hv});
+    mixed = at::cat({q, k, v}, -1);  // the conv runs over [all q | all k | all v] channels
+  } else {
+    mixed = p.qkv(x);
+    z = p.z(x).view({tokens, hv, dv});
+    b = p.b(x);
+    a = p.a(x);
+  }
+  mixed = causal_conv1d_silu_reference(mixed, p.conv, positions);
+  const at::Tensor q = mixed.narrow(-1, 0, hk * dk).view({tokens, hk, dk});
+  const at::Tensor k = mixed.narrow(-1, hk * dk, hk * dk).view({tokens, hk, dk});
+  const at::Tensor v = mixed.narrow(-1, 2 * hk * dk, hv * dv).view({tokens, hv, dv});
+  const at::Tensor beta = at::sigmoid(b.to(at::kFloat));                                               // [N, Hv]
+  const at::Tensor g = -at::exp(p.a_log.to(at::kFloat)) * at::softplus(a.to(at::kFloat) + p.dt_bias.to(at::kFloat));  // <= 0
+  const at::Tensor o = chunk_gated_delta_rule_packed_reference(q, k, v, g, beta, cu_seqlens);       // fp32 [N, Hv, dv]
+  // Gated RMSNorm per value head: w * rmsnorm(o) (cast to the model dtype first, as HF) * silu(z).
+  const at::Tensor normed = (o * at::rsqrt(o.pow(2).mean(-1, true) + c.rms_norm_eps)).to(x.scalar_type());
+  const at::Tensor gated = ((p.norm * normed).to(at::kFloat) * at::silu(z.to(at::kFloat))).to(x.scalar_type());
+  return p.out(gated.reshape({tokens, hv * dv}));
+}
+
+at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x) {
+  if (!p.moe) return p.down(at::silu(p.gate(x)) * p.up(x));
+  const int64_t experts = c.num_experts, top_k = c.num_experts_per_tok, inner = c.moe_intermediate_size;
+  const at::Tensor probabilities = at::softmax(at::linear(x, p.router).to(at::kFloat), -1);  // router in fp32
+  auto [weights, indices] = at::topk(probabilities, top_k, -1);
+  if (c.norm_topk_prob) weights = weights / weights.sum(-1, true);
+  weights = weights.to(x.scalar_type());
+  at::Tensor out = at::zeros_like(x);
+  // Tokens grouped by expert: one host iteration per expert that has tokens (not per token).
+  const at::Tensor flat_expert = indices.reshape({-1});
+  const at::Tensor order = at::argsort(flat_expert);
+  const at::Tensor counts = at::bincount(flat_expert, {}, experts).cpu();
+  const int64_t* count = counts.data_ptr<int64_t>();
+  const at::Tensor token_of = at::div(order, top_k, "floor");
+  const at::Tensor weight_of = weights.reshape({-1}).index_select(0, order);
+  int64_t offset = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (count[e] == 0) continue;
+    const at::Tensor tokens = token_of.narrow(0, offset, count[e]);
+    const at::Tensor h = x.index_select(0, tokens);
+    const at::Tensor gate_up = at::linear(h, p.experts_gate_up[e]);
+    const at::Tensor act = at::silu(gate_up.narrow(-1, 0, inner)) * gate_up.narrow(-1, inner, inner);
+    const at::Tensor y = at::linear(act, p.experts_down[e]) * weight_of.narrow(0, offset, count[e]).unsqueeze(1);
+    out.index_add_(0, tokens, y);
+    offset += count[e];
+  }
+  if (p.shared_down.weight.defined()) {
+    const at::Tensor shared = p.shared_down(at::silu(p.shared_gate(x)) * p.shared_up(x));
+    out = out + at::sigmoid(p.shared_expert_gate(x)) * shared;
+  }
+  return out;
+}
+
+}  // namespace
+
+TargetModel::TargetModel(ModelConfig config, WeightSource& w, int64_t last_layer, TargetOptions options)
+    : config_(std::move(config)), options_(options), impl_(std::make_unique<Impl>()) {
+  const ModelConfig& c = config_;
+  if (last_layer < 0 || last_layer >= c.num_layers) {
+    throw std::invalid_argument(c.source + ": layer " + std::to_string(last_layer) + " requested but the model has " +
+                                std::to_string(c.num_layers) + " layers (0.." + std::to_string(c.num_layers - 1) + ")");
+  }
+  const auto opts = at::TensorOptions().device(options.device).dtype(options.dtype);
+  const auto fp32 = opts.dtype(at::kFloat);
+  const int64_t h = c.hidden_size, d = c.head_dim;
+  const Init norm_init = c.zero_centred_norm ? Init::zeros : Init::ones;
+  auto linear = [&](const std::string& name, int64_t out, int64_t in, bool bias = false) {
+    Linear l;
+    l.weight = w.get(name + ".weight", {out, in}, opts);
+    if (bias) l.bias = w.get(name + ".bias", {out}, opts, Init::zeros);
+    return l;
+  };
+  impl_->embed = w.get("embed_tokens.weight", {c.vocab_size, h}, opts);
+  impl_->head = c.tie_word_embeddings ? impl_->embed : w.get("lm_head.weight", {c.vocab_size, h}, opts);
+  impl_->final_norm = w.get("norm.weight", {h}, opts, norm_init);
+  impl_->inv_freq = compute_inv_freq(c).to(options.device);
+
+  for (int64_t i = 0; i <= last_layer; ++i) {
+    Layer layer;
+    layer.kind = c.layer_types[i];
+    layer.input_norm = w.get(layer_name(i, "input_layernorm.weight"), {h}, opts, norm_init);
+    layer.post_attention_norm = w.get(layer_name(i, "post_attention_layernorm.weight"), {h}, opts, norm_init);
+    if (layer.kind == LayerKind::full_attention) {
+      Attention& a = layer.attention;
+      const std::string p = layer_name(i, "self_attn.");
+      const int64_t q_out = c.num_attention_heads * d * (c.gated_attention ? 2 : 1);
+      a.q = linear(p + "q_proj", q_out, h, c.attention_bias);
+      a.k = linear(p + "k_proj", c.num_key_value_heads * d, h, c.attention_bias);
+      a.v = linear(p + "v_proj", c.num_key_value_heads * d, h, c.attention_bias);
+      a.o = linear(p + "o_proj", h, c.num_attention_heads * d, c.attention_bias && c.family == Family::llama);
+      if (c.qk_norm) {
+        a.q_norm = w.get(p + "q_norm.weight", {d}, opts, norm_init);
+        a.k_norm = w.get(p + "k_norm.weight", {d}, opts, norm_init);
+      }
+    } else {
+      GatedDeltaNet& g = layer.gdn;
+      const std::string p = layer_name(i, "linear_attn.");
+      const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+      const int64_t key_channels = hk * c.linear_key_head_dim, value_channels = hv * c.linear_value_head_dim;
+      const int64_t conv_channels = 2 * key_channels + value_channels;
+      if (c.fused_gdn_projections) {
+        g.qkvz = linear(p + "in_proj_qkvz", 2 * key_channels + 2 * value_channels, h);
+        g.ba = linear(p + "in_proj_ba", 2 * hv, h);
+      } else {
+        g.qkv = linear(p + "in_proj_qkv", conv_channels, h);
+        g.z = linear(p + "in_proj_z", value_channels, h);
+        g.b = linear(p + "in_proj_b", hv, h);
+        g.a = linear(p + "in_proj_a", hv, h);
+      }
+      g.conv = w.get(p + "conv1d.weight", {conv_channels, 1, c.linear_conv_kernel_dim}, opts).squeeze(1);
+      g.a_log = w.get(p + "A_log", {hv}, fp32, Init::a_log);
+      g.dt_bias = w.get(p + "dt_bias", {hv}, fp32, Init::dt_bias);
+      g.norm = w.get(p + "norm.weight", {c.linear_value_head_dim}, opts, Init::ones);
+      g.out = linear(p + "out_proj", h, value_channels);
+    }
+    Mlp& m = layer.mlp;
+    const std::string p = layer_name(i, "mlp.");
+    if (c.layer_is_moe(i)) {
+      m.moe = true;
+      const int64_t e = c.num_experts, inner = c.moe_intermediate_size;
+      m.router = w.get(p + "gate.weight", {e, h}, opts);
+      if (w.contains(p + "experts.gate_up_proj")) {  // transformers 5 fused layout
+        m.experts_gate_up = w.get(p + "experts.gate_up_proj", {e, 2 * inner, h}, opts);
+        m.experts_down = w.get(p + "experts.down_proj", {e, h, inner}, opts);
+      } else {  // the released checkpoints: one module per expert
+        std::vector<at::Tensor> gate_up, down;
+        for (int64_t x = 0; x < e; ++x) {
+          const std::string ep = p + "experts." + std::to_string(x) + ".";
+          gate_up.push_back(at::cat({w.get(ep + "gate_proj.weight", {inner, h}, opts),
+                                     w.get(ep + "up_proj.weight", {inner, h}, opts)}, 0));
+          down.push_back(w.get(ep + "down_proj.weight", {h, inner}, opts));
+        }
+        m.experts_gate_up = at::stack(gate_up);
+        m.experts_down = at::stack(down);
+      }
+      if (c.shared_expert_intermediate_size > 0) {
+        const int64_t s = c.shared_expert_intermediate_size;
+        m.shared_gate = linear(p + "shared_expert.gate_proj", s, h);
+        m.shared_up = linear(p + "shared_expert.up_proj", s, h);
+        m.shared_down = linear(p + "shared_expert.down_proj", h, s);
+        m.shared_expert_gate = linear(p + "shared_expert_gate", 1, h);
+      }
+    } else {
+      m.gate = linear(p + "gate_proj", c.intermediate_size, h);
+      m.up = linear(p + "up_proj", c.intermediate_size, h);
+      m.down = linear(p + "down_proj", h, c.intermediate_size);
+    }
+    impl_->layers.push_back(std::move(layer));
+  }
+
+  // No silent slow path: on a GPU the GatedDeltaNet reference path is refused unless allowed.
+  if (!options.device.is_cpu()) {
+    for (int64_t i = 0; i <= last_layer; ++i) {
+      if (c.layer_types[i] != LayerKind::linear_attention || options.allow_slow_path) continue;
+      throw SlowPathRefused(
+          "target layer " + std::to_string(i) + " (linear_attention, GatedDeltaNet) on " + options.device.str() +
+          " would run the reference path (libtorch ops, about 10x slower than a fused kernel): this build has no "
+          "GatedDeltaNet CUDA kernel. Set target.allow_slow_path: true to accept the slow path knowingly.");
+    }
+  }
+  for (const auto& [kind, path] : kernel_paths()) log::info("target {}: {} layers run {}", family_name(c.family), kind, path);
+}
+
+TargetModel::~TargetModel() = default;
+
+int64_t TargetModel::last_layer() const { return static_cast<int64_t>(impl_->layers.size()) - 1; }
+const at::Tensor& TargetModel::embed_tokens() const { return impl_->embed; }
+const at::Tensor& TargetModel::lm_head() const { return impl_->head; }
+const at::Tensor& TargetModel::final_norm_weight() const { return impl_->final_norm; }
+
+std::map<std::string, std::string> TargetModel::kernel_paths() const {
+  std::map<std::string, std::string> paths;
+  for (const Layer& l : impl_->layers) {
+    if (l.kind == LayerKind::full_attention) paths["full_attention"] = "sdpa";
+    else paths["linear_attention"] = "reference (libtorch ops, chunked)";
+  }
+  return paths;
+}
+
+std::vector<at::Tensor> TargetModel::forward(const at::Tensor& input_ids, const std::vector<int64_t>& cu_seqlens,
+                                             const std::vector<int64_t>& layers) const {
+  c10::InferenceMode inference;
+  const ModelConfig& c = config_;
+  if (cu_seqlens.size() < 2 || cu_seqlens.front() != 0 || cu_seqlens.back() != input_ids.size(0)) {
+    throw std::invalid_argument("target forward: cu_seqlens must run from 0 to the token count " +
+                                std::to_string(input_ids.size(0)));
+  }
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i] < 0 || layers[i] > last_layer() || (i > 0 && layers[i] <= layers[i - 1])) {
+      throw std::invalid_argument("target forward: tapped layers must ascend within 0.." + std::to_string(last_layer()) +
+                                  ", got " + std::to_string(layers[i]));
+    }
+  }
+  const at::Device device = options_.device;
+  const at::Tensor ids = input_ids.to(device, at::kLong);
+  // Position of each token within its own sequence.
+  std::vector<int64_t> position_values(static_cast<size_t>(input_ids.size(0)));
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) position_values[t] = t - cu_seqlens[s];
+  }
+  const at::Tensor positions =
+      at::tensor(position_values, at::TensorOptions().dtype(at::kLong)).to(device);
+  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * impl_->inv_freq.unsqueeze(0);
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const at::Tensor cos = emb.cos().to(options_.dtype), sin = emb.sin().to(options_.dtype);
+
+  at::Tensor x = at::embedding(impl_->embed, ids);
+  std::vector<at::Tensor> tapped;
+  size_t next = 0;
+  for (int64_t i = 0; i <= layers.back(); ++i) {
+    const Layer& layer = impl_->layers[i];
+    const at::Tensor normed = rms_norm(x, layer.input_norm, c.rms_norm_eps, c.zero_centred_norm);
+    x = x + (layer.kind == LayerKind::full_attention
+                 ? attention_forward(c, layer.attention, normed, cos, sin, cu_seqlens)
+                 : gdn_forward(c, layer.gdn, normed, positions, cu_seqlens));
+    x = x + mlp_forward(c, layer.mlp, rms_norm(x, layer.post_attention_norm, c.rms_norm_eps, c.zero_centred_norm));
+    if (next < layers.size() && layers[next] == i) {
+      tapped.push_back(x);
+      ++next;
+    }
+  }
+  return tapped;
+}
+
+std::unique_ptr<TargetModel> load_target(const std::string& model_dir, int64_t last_layer, TargetOptions options) {
+  ModelConfig config = load_model_config(model_dir);
+  CheckpointWeights weights(model_dir);
+  return std::make_unique<TargetModel>(std::move(config), weights, last_layer, options);
+}
+
+std::unique_ptr<TargetModel> random_target(const ModelConfig& config, int64_t last_layer, TargetOptions options,
+                                           uint64_t seed) {
+  RandomWeights weights(seed);
+  return std::make_unique<TargetModel>(config, weights, last_layer, options);
+}
+
+}  // namespace dflash::target

@@ -1,0 +1,74 @@
+// model.h: the frozen target model, run forward up to its deepest tapped layer.
+//
+// One class serves the four families (qwen3_5, qwen3_next / qwen3_5_moe, qwen3, llama): they
+// differ in the mixer of each layer (gated full attention, plain attention, GatedDeltaNet),
+// the MLP (dense SwiGLU or MoE with a shared expert) and the norm (zero-centred or not), all
+// read from ModelConfig. Only the layers up to the deepest tapped one are loaded.
+//
+// Batches are packed: the tokens of all sequences concatenated, with cu_seqlens offsets;
+// attention, the conv window and the GatedDeltaNet state never cross a sequence boundary.
+// forward() runs under inference mode and keeps no autograd state. A TargetModel is used by
+// one thread at a time (its worker); different replicas may run in different threads.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "target/model_config.h"
+#include "target/weights.h"
+
+namespace dflash::target {
+
+struct TargetOptions {
+  at::Device device = at::kCPU;
+  at::ScalarType dtype = at::kFloat;
+  // The GatedDeltaNet reference path on a GPU is refused unless allowed (it is ~10x slower).
+  bool allow_slow_path = false;
+};
+
+// Raised when a layer would run a path the options do not allow; names the layer and the fix.
+class SlowPathRefused : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class TargetModel {
+ public:
+  // Builds layers 0..last_layer (inclusive) plus the embedding, final norm and LM head.
+  TargetModel(ModelConfig config, WeightSource& weights, int64_t last_layer, TargetOptions options);
+  ~TargetModel();
+
+  // input_ids: int64 [tokens] (any device); cu_seqlens: B+1 offsets. Returns the output of each
+  // requested decoder layer (ascending ids, each <= last_layer) as [tokens, hidden] in the
+  // model dtype on the model's device.
+  std::vector<at::Tensor> forward(const at::Tensor& input_ids, const std::vector<int64_t>& cu_seqlens,
+                                  const std::vector<int64_t>& layers) const;
+
+  const ModelConfig& config() const { return config_; }
+  const TargetOptions& options() const { return options_; }
+  int64_t last_layer() const;
+  const at::Tensor& embed_tokens() const;       // [vocab, hidden]
+  const at::Tensor& lm_head() const;            // [vocab, hidden] (the embedding when tied)
+  const at::Tensor& final_norm_weight() const;  // [hidden]
+  // Which implementation each layer kind runs ("full_attention" -> "sdpa",
+  // "linear_attention" -> "reference (libtorch ops, chunked)" or a kernel name).
+  std::map<std::string, std::string> kernel_paths() const;
+
+ private:
+  struct Impl;
+  ModelConfig config_;
+  TargetOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Loads a target from a Hugging Face directory or initialises it randomly from a config.
+std::unique_ptr<TargetModel> load_target(const std::string& model_dir, int64_t last_layer, TargetOptions options);
+std::unique_ptr<TargetModel> random_target(const ModelConfig& config, int64_t last_layer, TargetOptions options,
+                                           uint64_t seed);
+
+}  // namespace dflash::target

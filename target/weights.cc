@@ -1,0 +1,165 @@
+#include "target/weights.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <dirent.h>
+
+#include <algorithm>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "common/safetensors.h"
+
+namespace dflash::target {
+namespace {
+
+at::ScalarType to_scalar_type(DType dtype, const std::string& where) {
+  switch (dtype) {
+    case DType::F64: return at::kDouble;
+    case DType::F32: return at::kFloat;
+    case DType::F16: return at::kHalf;
+    case DType::BF16: return at::kBFloat16;
+    case DType::I64: return at::kLong;
+    case DType::I32: return at::kInt;
+    case DType::I16: return at::kShort;
+    case DType::I8: return at::kChar;
+    case DType::U8: return at::kByte;
+    case DType::BOOL: return at::kBool;
+    default: throw WeightsError(where + ": unsupported dtype " + dtype_name(dtype) + " for a target weight");
+  }
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+CheckpointWeights::CheckpointWeights(const std::string& model_dir) : dir_(model_dir) {
+  std::vector<std::string> file_names;
+  const std::string index_path = model_dir + "/model.safetensors.index.json";
+  std::ifstream index(index_path);
+  if (index) {
+    nlohmann::json j;
+    try {
+      index >> j;
+    } catch (const nlohmann::json::exception& e) {
+      throw WeightsError(index_path + ": invalid JSON: " + e.what());
+    }
+    if (!j.contains("weight_map") || !j["weight_map"].is_object()) {
+      throw WeightsError(index_path + ": no weight_map object");
+    }
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      const std::string f = it.value().get<std::string>();
+      if (std::find(file_names.begin(), file_names.end(), f) == file_names.end()) file_names.push_back(f);
+    }
+  } else if (DIR* dir = ::opendir(model_dir.c_str())) {
+    while (dirent* e = ::readdir(dir)) {
+      const std::string name = e->d_name;
+      if (ends_with(name, ".safetensors")) file_names.push_back(name);
+    }
+    ::closedir(dir);
+    std::sort(file_names.begin(), file_names.end());
+  } else {
+    throw WeightsError(model_dir + ": cannot open the model directory");
+  }
+  if (file_names.empty()) throw WeightsError(model_dir + ": no *.safetensors files (and no model.safetensors.index.json)");
+
+  std::map<std::string, std::pair<std::shared_ptr<SafetensorsFile>, std::string>> full;
+  for (const auto& f : file_names) {
+    auto file = SafetensorsFile::open(model_dir + "/" + f);  // throws SafetensorsError naming the file
+    files_.push_back(file);
+    for (const auto& t : file->tensors()) {
+      if (full.count(t.name)) {
+        throw WeightsError(model_dir + ": tensor '" + t.name + "' is in both " + full[t.name].first->path() + " and " +
+                           file->path());
+      }
+      full[t.name] = {file, t.name};
+    }
+  }
+  // The language model's prefix is where its embedding lives.
+  for (const char* candidate : {"model.language_model.", "model.", "language_model.model.", ""}) {
+    if (full.count(std::string(candidate) + "embed_tokens.weight")) {
+      prefix_ = candidate;
+      break;
+    }
+  }
+  for (auto& [name, location] : full) {
+    if (name.rfind(prefix_, 0) == 0 && !prefix_.empty()) {
+      by_name_[name.substr(prefix_.size())] = location;
+    } else if (prefix_.empty()) {
+      by_name_[name] = location;
+    }
+  }
+  // The LM head sits outside the prefix ("lm_head.weight" beside "model.").
+  for (const char* head : {"lm_head.weight", "language_model.lm_head.weight"}) {
+    if (full.count(head)) {
+      by_name_["lm_head.weight"] = full[head];
+      break;
+    }
+  }
+}
+
+const std::pair<std::shared_ptr<SafetensorsFile>, std::string>* CheckpointWeights::locate(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &it->second;
+}
+
+bool CheckpointWeights::contains(const std::string& name) const { return locate(name) != nullptr; }
+
+at::Tensor CheckpointWeights::get(const std::string& name, const std::vector<int64_t>& shape,
+                                  const at::TensorOptions& options, Init) {
+  const auto* location = locate(name);
+  if (!location) {
+    const std::string file_name = name == "lm_head.weight" ? name : prefix_ + name;  // the head sits outside the prefix
+    throw WeightsError(dir_ + ": missing tensor '" + file_name + "' (looked in " + std::to_string(files_.size()) +
+                       " safetensors file" + (files_.size() == 1 ? "" : "s") + ")");
+  }
+  const auto& [file, full_name] = *location;
+  const TensorEntry& entry = file->get(full_name);
+  const std::string where = file->path() + ": tensor '" + full_name + "'";
+  if (entry.shape != shape) {
+    throw WeightsError(where + " has shape " + shape_text(entry.shape) + ", expected " + shape_text(shape));
+  }
+  const at::ScalarType stored = to_scalar_type(entry.dtype, where);
+  // Alias the mapping (keeping the file alive through the deleter), then one copy to the target
+  // device/dtype. A CPU tensor in the stored dtype stays an alias: no host copy.
+  auto keep_alive = file;
+  at::Tensor view = at::from_blob(
+      const_cast<std::byte*>(entry.data), entry.shape, [keep_alive](void*) {}, at::TensorOptions().dtype(stored));
+  if (options.device().is_cpu() && options.dtype() == view.dtype()) return view;
+  return view.to(options, /*non_blocking=*/false, /*copy=*/true);
+}
+
+at::Tensor RandomWeights::get(const std::string& name, const std::vector<int64_t>& shape, const at::TensorOptions& options,
+                              Init init) {
+  switch (init) {
+    case Init::ones: return at::ones(shape, options);
+    case Init::zeros: return at::zeros(shape, options);
+    default: break;
+  }
+  // Each tensor gets its own generator seeded from (seed, name): the result does not depend on
+  // the order in which a model asks for its tensors, nor on the device.
+  const uint64_t seed = seed_ ^ (std::hash<std::string>{}(name) * 0x9E3779B97F4A7C15ULL);
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Tensor t;
+  const auto cpu = at::TensorOptions().dtype(at::kFloat);
+  if (init == Init::a_log) {
+    t = at::log(at::empty(shape, cpu).uniform_(1, 16, generator));  // decay rates like the HF init
+  } else if (init == Init::dt_bias) {
+    t = at::ones(shape, cpu);
+  } else {
+    t = at::empty(shape, cpu).normal_(0, std_, generator);
+  }
+  return t.to(options);
+}
+
+}  // namespace dflash::target

@@ -1,0 +1,251 @@
+// Target engine tests: parity with transformers on tiny random models of every family (the
+// references are made by tests/reference/make_target_models.py, a CTest fixture), the
+// chunked GatedDeltaNet reference against a float64 token-by-token oracle, packing without
+// leakage, random-weights mode, the slow-path refusal, and config errors.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "common/safetensors.h"
+#include "target/gated_delta_net.h"
+#include "target/model.h"
+#include "tests/test_util.h"
+
+namespace dflash::target {
+namespace {
+
+const std::string kReferenceDir = DFLASHD_TARGET_REFERENCE_DIR;
+
+at::Tensor to_tensor(const TensorEntry& e) {
+  const at::ScalarType type = e.dtype == DType::I64 ? at::kLong : at::kFloat;
+  return at::from_blob(const_cast<std::byte*>(e.data), e.shape, at::TensorOptions().dtype(type)).clone();
+}
+
+double max_relative_error(const at::Tensor& ours, const at::Tensor& reference) {
+  EXPECT_EQ(ours.sizes(), reference.sizes());
+  EXPECT_FALSE(at::isnan(ours).any().item<bool>()) << "NaN in our output";
+  const double scale = reference.abs().max().item<double>();
+  return (ours.to(at::kDouble) - reference.to(at::kDouble)).abs().max().item<double>() / scale;
+}
+
+class TargetParity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TargetParity, TappedStatesMatchTransformers) {
+  const std::string dir = kReferenceDir + "/" + GetParam();
+  auto reference = SafetensorsFile::open(dir + "/reference.safetensors");
+  const ModelConfig config = load_model_config(dir);
+  auto model = load_target(dir, config.num_layers - 1, TargetOptions{});
+  // All sequences packed into one batch.
+  std::vector<at::Tensor> ids;
+  std::vector<int64_t> cu_seqlens{0};
+  for (int s = 0; reference->find("seq." + std::to_string(s) + ".input_ids"); ++s) {
+    ids.push_back(to_tensor(reference->get("seq." + std::to_string(s) + ".input_ids")));
+    cu_seqlens.push_back(cu_seqlens.back() + ids.back().size(0));
+  }
+  ASSERT_GE(ids.size(), 3u);
+  std::vector<int64_t> layers;
+  for (int64_t i = 0; i < config.num_layers; ++i) layers.push_back(i);
+  const auto outputs = model->forward(at::cat(ids), cu_seqlens, layers);
+  ASSERT_EQ(outputs.size(), layers.size());
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    for (int64_t layer : layers) {
+      const at::Tensor expected =
+          to_tensor(reference->get("seq." + std::to_string(s) + ".layer." + std::to_string(layer)));
+      const at::Tensor ours = outputs[layer].narrow(0, cu_seqlens[s], cu_seqlens[s + 1] - cu_seqlens[s]);
+      EXPECT_LE(max_relative_error(ours, expected), 1e-5) << GetParam() << " sequence " << s << " layer " << layer;
+    }
+  }
+}
+
+TEST_P(TargetParity, OnlyRequestedLayersAreBuiltAndReturned) {
+  const std::string dir = kReferenceDir + "/" + GetParam();
+  auto reference = SafetensorsFile::open(dir + "/reference.safetensors");
+  auto model = load_target(dir, 3, TargetOptions{});
+  EXPECT_EQ(model->last_layer(), 3);
+  const at::Tensor ids = to_tensor(reference->get("seq.1.input_ids"));
+  const auto outputs = model->forward(ids, {0, ids.size(0)}, {1, 3});
+  ASSERT_EQ(outputs.size(), 2u);
+  EXPECT_LE(max_relative_error(outputs[0], to_tensor(reference->get("seq.1.layer.1"))), 1e-5);
+  EXPECT_LE(max_relative_error(outputs[1], to_tensor(reference->get("seq.1.layer.3"))), 1e-5);
+  EXPECT_THROW(model->forward(ids, {0, ids.size(0)}, {4}), std::invalid_argument);
+  EXPECT_EQ(model->embed_tokens().size(0), model->config().vocab_size);
+  EXPECT_EQ(model->lm_head().size(1), model->config().hidden_size);
+  EXPECT_EQ(model->final_norm_weight().size(0), model->config().hidden_size);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, TargetParity,
+                         ::testing::Values("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3", "llama"));
+
+TEST(TargetLoading, HybridConfigsAreReadWithTheirLayouts) {
+  const ModelConfig vl = load_model_config(kReferenceDir + "/qwen3_5");
+  EXPECT_EQ(vl.family, Family::qwen3_5);
+  EXPECT_EQ(vl.linear_num_value_heads, 6);
+  EXPECT_FALSE(vl.fused_gdn_projections);
+  EXPECT_DOUBLE_EQ(vl.rope.partial_rotary_factor, 0.25);
+  EXPECT_EQ(CheckpointWeights(kReferenceDir + "/qwen3_5").prefix(), "model.language_model.");
+  const ModelConfig next = load_model_config(kReferenceDir + "/qwen3_next");
+  EXPECT_TRUE(next.fused_gdn_projections);
+  EXPECT_FALSE(next.layer_is_moe(1));  // mlp_only_layers
+  EXPECT_TRUE(next.layer_is_moe(2));
+  EXPECT_TRUE(load_model_config(kReferenceDir + "/llama").tie_word_embeddings);
+}
+
+// ---- The chunked reference against the token-by-token oracle -------------------------------
+
+TEST(GatedDeltaNetReference, MatchesFloat64RecurrenceAtOddShapes) {
+  at::manual_seed(7);
+  for (int64_t length : {1, 63, 64, 130, 200}) {
+    const int64_t hk = 2, hv = 6, dk = 16, dv = 24;
+    const at::Tensor q = at::randn({length, hk, dk}), k = at::randn({length, hk, dk}), v = at::randn({length, hv, dv});
+    const at::Tensor g = -at::rand({length, hv}) * 0.5;  // log decays <= 0
+    const at::Tensor beta = at::rand({length, hv});
+    const at::Tensor ours = chunk_gated_delta_rule_reference(q, k, v, g, beta);
+    const at::Tensor oracle = recurrent_gated_delta_rule_oracle(q, k, v, g, beta);
+    EXPECT_LE(max_relative_error(ours, oracle), 1e-5) << "length " << length;
+  }
+}
+
+TEST(GatedDeltaNetReference, StrongDecayStaysFinite) {
+  at::manual_seed(3);
+  const int64_t length = 192;
+  const at::Tensor q = at::randn({length, 1, 8}), k = at::randn({length, 1, 8}), v = at::randn({length, 2, 8});
+  const at::Tensor g = -at::rand({length, 2}) * 20;  // exp(gamma) underflows within a chunk
+  const at::Tensor beta = at::rand({length, 2});
+  const at::Tensor ours = chunk_gated_delta_rule_reference(q, k, v, g, beta);
+  EXPECT_TRUE(at::isfinite(ours).all().item<bool>());
+  EXPECT_LE(max_relative_error(ours, recurrent_gated_delta_rule_oracle(q, k, v, g, beta)), 1e-4);
+}
+
+TEST(GatedDeltaNetReference, PackedSequencesDoNotLeak) {
+  at::manual_seed(11);
+  const at::Tensor q = at::randn({150, 2, 8}), k = at::randn({150, 2, 8}), v = at::randn({150, 4, 8});
+  const at::Tensor g = -at::rand({150, 4}), beta = at::rand({150, 4});
+  const at::Tensor packed = chunk_gated_delta_rule_packed_reference(q, k, v, g, beta, {0, 70, 150});
+  const at::Tensor second = chunk_gated_delta_rule_reference(q.narrow(0, 70, 80), k.narrow(0, 70, 80),
+                                                             v.narrow(0, 70, 80), g.narrow(0, 70, 80),
+                                                             beta.narrow(0, 70, 80));
+  EXPECT_TRUE(at::allclose(packed.narrow(0, 70, 80), second, 1e-6, 1e-6));
+  // The conv window restarts too: a token at position 0 sees only itself.
+  const at::Tensor x = at::randn({10, 3}), w = at::randn({3, 4});
+  const at::Tensor positions = at::tensor(std::vector<int64_t>{0, 1, 2, 3, 4, 0, 1, 2, 3, 4});
+  const at::Tensor conv = causal_conv1d_silu_reference(x, w, positions);
+  EXPECT_TRUE(at::allclose(conv[5], at::silu(x[5] * w.select(1, 3)), 1e-6, 1e-6));
+}
+
+TEST(GatedDeltaNetReference, ScalesLinearlyWithLength) {
+  // Work is linear in length: doubling the tokens doubles the chunks, nothing quadratic.
+  // (Checked by counting chunks through the output of equal-content halves, not by timing.)
+  at::manual_seed(5);
+  const at::Tensor q = at::randn({256, 1, 8}), k = at::randn({256, 1, 8}), v = at::randn({256, 1, 8});
+  const at::Tensor g = at::zeros({256, 1}) - 100.0;  // full decay: each token forgets the past
+  const at::Tensor beta = at::ones({256, 1});
+  const at::Tensor o = chunk_gated_delta_rule_reference(q, k, v, g, beta);
+  // With the past forgotten, o_t = (q_t . k_t) v_t after normalisation: no dependence on T.
+  const at::Tensor qn = q / q.norm(2, -1, true) / std::sqrt(8.0), kn = k / k.norm(2, -1, true);
+  const at::Tensor expected = (qn * kn).sum(-1, true) * v;
+  EXPECT_LE(max_relative_error(o, expected), 1e-4);
+}
+
+// ---- Random weights, presets, refusal ------------------------------------------------------
+
+TEST(TargetRandom, PresetsBuildAndRunDeterministically) {
+  for (const char* preset : {"tiny-qwen3_5", "tiny-qwen3_next", "tiny-qwen3", "tiny-llama"}) {
+    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
+    auto a = random_target(config, 5, TargetOptions{}, 42);
+    auto b = random_target(config, 5, TargetOptions{}, 42);
+    const at::Tensor ids = at::randint(0, config.vocab_size, {70}, at::TensorOptions().dtype(at::kLong));
+    const auto out_a = a->forward(ids, {0, 30, 70}, {1, 5});
+    const auto out_b = b->forward(ids, {0, 30, 70}, {1, 5});
+    EXPECT_TRUE(at::equal(out_a[1], out_b[1])) << preset;
+    EXPECT_TRUE(at::isfinite(out_a[1]).all().item<bool>()) << preset;
+    EXPECT_GT(out_a[1].std().item<double>(), 0.0) << preset;
+  }
+}
+
+TEST(TargetRandom, ReportsItsKernelPaths) {
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny");
+  auto model = random_target(config, 3, TargetOptions{}, 1);
+  const auto paths = model->kernel_paths();
+  EXPECT_EQ(paths.at("full_attention"), "sdpa");
+  EXPECT_EQ(paths.at("linear_attention"), "reference (libtorch ops, chunked)");
+}
+
+TEST(TargetRandom, SlowPathOnAGpuIsRefusedUnlessAllowed) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: the refusal applies to GPUs only";
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny");
+  TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+  try {
+    random_target(config, 3, options, 1);
+    FAIL() << "expected SlowPathRefused";
+  } catch (const SlowPathRefused& e) {
+    EXPECT_NE(std::string(e.what()).find("target layer 0 (linear_attention, GatedDeltaNet) on cuda:0"),
+              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("target.allow_slow_path: true"), std::string::npos);
+  }
+  options.allow_slow_path = true;
+  EXPECT_NO_THROW(random_target(config, 3, options, 1));
+}
+
+TEST(TargetConfig, DefaultTappedLayersFollowTheRecipe) {
+  ModelConfig c;
+  c.num_layers = 36;
+  EXPECT_EQ(c.default_tapped_layers(5), (std::vector<int64_t>{1, 9, 17, 25, 33}));
+  c.num_layers = 32;
+  EXPECT_EQ(c.default_tapped_layers(5), (std::vector<int64_t>{1, 8, 15, 22, 29}));
+  c.num_layers = 64;
+  EXPECT_EQ(c.default_tapped_layers(5), (std::vector<int64_t>{1, 16, 31, 46, 61}));
+}
+
+TEST(TargetConfig, ErrorsNameTheFileAndKey) {
+  auto message = [](const std::string& json) {
+    try {
+      parse_model_config(json, "/m/config.json");
+    } catch (const ModelConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message("{\"model_type\": \"gpt2\"}"),
+            "/m/config.json: model_type 'gpt2' is not supported (qwen3_5, qwen3_5_moe, qwen3_next, qwen3, llama)");
+  EXPECT_EQ(message("{\"model_type\": \"qwen3\", \"hidden_size\": 8}"), "/m/config.json: missing key 'num_hidden_layers'");
+  EXPECT_EQ(message("{\"model_type\": \"qwen3\", \"hidden_size\": \"big\"}"),
+            "/m/config.json: 'hidden_size' must be an integer, got \"big\"");
+  EXPECT_NE(message("{not json").find("/m/config.json: invalid JSON"), std::string::npos);
+  EXPECT_THROW(load_model_config("/nonexistent"), ModelConfigError);
+}
+
+TEST(TargetLoading, MissingAndMisshapenTensorsNameFileAndTensor) {
+  const std::string dir = test::make_temp_dir("target-bad");
+  std::ofstream(dir + "/config.json") << preset_config_json("tiny-qwen3");
+  std::vector<float> data(512 * 64, 0.5f);
+  write_safetensors(dir + "/model.safetensors",
+                    {{"model.embed_tokens.weight", DType::F32, {512, 32}, data.data(), 512 * 32 * 4}});
+  try {
+    load_target(dir, 1, TargetOptions{});
+    FAIL();
+  } catch (const WeightsError& e) {
+    EXPECT_EQ(std::string(e.what()), dir + "/model.safetensors: tensor 'model.embed_tokens.weight' has shape [512, 32], expected [512, 64]");
+  }
+  write_safetensors(dir + "/model.safetensors",
+                    {{"model.embed_tokens.weight", DType::F32, {512, 64}, data.data(), 512 * 64 * 4}});
+  try {
+    load_target(dir, 1, TargetOptions{});
+    FAIL();
+  } catch (const WeightsError& e) {
+    EXPECT_EQ(std::string(e.what()), dir + ": missing tensor 'lm_head.weight' (looked in 1 safetensors file)");
+  }
+  std::vector<uint8_t> bytes(512 * 64, 1);
+  write_safetensors(dir + "/model.safetensors",
+                    {{"model.embed_tokens.weight", DType::F8_E4M3, {512, 64}, bytes.data(), bytes.size()}});
+  try {
+    load_target(dir, 1, TargetOptions{});
+    FAIL();
+  } catch (const WeightsError& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'model.embed_tokens.weight': unsupported dtype F8_E4M3"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace dflash::target
