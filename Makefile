@@ -6,10 +6,12 @@ DFLASHD_CACHE ?= $(HOME)/.cache/dflashd
 PRESET ?= default
 BUILD_DIR := $(if $(filter cpu,$(PRESET)),build-cpu,build)
 export DFLASHD_CACHE
-export DFLASHD_TEST_PY ?= 1   # the tests compare against transformers (deploy/requirements-test.txt)
+# The tests compare against transformers (deploy/requirements-test.txt).
+export DFLASHD_TEST_PY ?= 1
 export CCACHE_DIR ?= $(DFLASHD_CACHE)/ccache
 export CCACHE_MAXSIZE ?= 5G
-export CCACHE_BASEDIR ?= $(CURDIR)   # cache hits across clones in different directories
+# Relative paths in the cache: hits across clones in different directories.
+export CCACHE_BASEDIR ?= $(CURDIR)
 CUDACXX ?= $(firstword $(wildcard /usr/local/cuda/bin/nvcc))
 export CUDACXX
 
