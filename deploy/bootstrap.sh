@@ -46,10 +46,11 @@ install_venv() {
     touch "$stamp"
   fi
   if [ "${DFLASHD_TEST_PY:-0}" = 1 ]; then
-    local tstamp="$VENV/.dflashd-test-py-1"
+    local tstamp="$VENV/.dflashd-test-py-2"
     if [ ! -f "$tstamp" ]; then
       log "pip install the Python reference packages (tests only)"
       "$VENV/bin/pip" install -q --progress-bar off -r "$(dirname "$0")/requirements-test.txt"
+      "$VENV/bin/pip" install -q --progress-bar off --no-deps -r "$(dirname "$0")/requirements-test-nodeps.txt"
       touch "$tstamp"
     fi
   fi

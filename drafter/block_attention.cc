@@ -1,0 +1,203 @@
+#include "drafter/block_attention.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cmath>
+#include <stdexcept>
+
+namespace dflash::drafter {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct Group {
+  int64_t first_row, rows, blocks, context;  // context: keys [0, context) of part A
+};
+
+std::vector<Group> make_groups(const at::Tensor& anchors, int64_t block_size, int64_t group_blocks) {
+  const int64_t blocks = anchors.size(0);
+  const int64_t* a = anchors.data_ptr<int64_t>();
+  std::vector<Group> groups;
+  for (int64_t first = 0; first < blocks; first += group_blocks) {
+    const int64_t count = std::min(group_blocks, blocks - first);
+    groups.push_back({first * block_size, count * block_size, count, a[first + count - 1]});  // sorted: last is max
+  }
+  return groups;
+}
+
+// Row r of the group (block r / B) may see context key j iff j < its anchor: [rows, context].
+at::Tensor staircase_mask(const at::Tensor& anchors, const Group& g, int64_t block_size, const at::Device& device) {
+  const at::Tensor block_anchor = anchors.narrow(0, g.first_row / block_size, g.blocks).to(device);
+  const at::Tensor row_anchor = block_anchor.repeat_interleave(block_size);  // [rows]
+  const at::Tensor columns = at::arange(g.context, at::TensorOptions().dtype(at::kLong).device(device));
+  return columns.unsqueeze(0) < row_anchor.unsqueeze(1);
+}
+
+// Per-group views, heads first, fp32. q: [Hkv, rep*rows, d] (query heads of one key-value
+// head side by side, so a matmul against [Hkv, keys, d] is GQA without repeating keys).
+struct GroupTensors {
+  at::Tensor q_rows;       // [Hkv, rep*rows, d]
+  at::Tensor q_blocks;     // [Hkv, rep, blocks, B, d]
+  at::Tensor k_ctx, v_ctx; // [Hkv, context, d]
+  at::Tensor k_blk, v_blk; // [Hkv, 1, blocks, B, d]
+  at::Tensor mask;         // [1, rep*rows, context] (true = attend)
+};
+
+GroupTensors group_tensors(const at::Tensor& qh, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& kb,
+                           const at::Tensor& vb, const at::Tensor& anchors, const Group& g, int64_t block_size) {
+  const int64_t hkv = kc.size(0), rep = qh.size(0) / hkv, d = qh.size(2);
+  GroupTensors t;
+  const at::Tensor q = qh.narrow(1, g.first_row, g.rows).view({hkv, rep, g.rows, d});
+  t.q_rows = q.reshape({hkv, rep * g.rows, d});
+  t.q_blocks = q.view({hkv, rep, g.blocks, block_size, d});
+  t.k_blk = kb.narrow(1, g.first_row, g.rows).view({hkv, 1, g.blocks, block_size, d});
+  t.v_blk = vb.narrow(1, g.first_row, g.rows).view({hkv, 1, g.blocks, block_size, d});
+  if (g.context > 0) {
+    t.k_ctx = kc.narrow(1, 0, g.context);
+    t.v_ctx = vc.narrow(1, 0, g.context);
+    t.mask = staircase_mask(anchors, g, block_size, qh.device()).unsqueeze(0).expand({rep, g.rows, g.context})
+                 .reshape({1, rep * g.rows, g.context});
+  }
+  return t;
+}
+
+struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k_context,
+                            const at::Tensor& v_context, const at::Tensor& k_block, const at::Tensor& v_block,
+                            const at::Tensor& anchors, int64_t block_size, int64_t group_blocks, double scale) {
+    const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_context.size(1), rep = hq / hkv;
+    // Heads first, fp32 (the math path; fused kernels take over on GPUs).
+    const at::Tensor qh = q.permute({1, 0, 2}).to(at::kFloat).contiguous();
+    const at::Tensor kc = k_context.permute({1, 0, 2}).to(at::kFloat).contiguous();
+    const at::Tensor vc = v_context.permute({1, 0, 2}).to(at::kFloat).contiguous();
+    const at::Tensor kb = k_block.permute({1, 0, 2}).to(at::kFloat).contiguous();
+    const at::Tensor vb = v_block.permute({1, 0, 2}).to(at::kFloat).contiguous();
+    at::Tensor out = at::empty({hkv, rep, rows, d}, qh.options());
+    at::Tensor lse = at::empty({hkv, rep, rows}, qh.options());
+    for (const Group& g : make_groups(anchors, block_size, group_blocks)) {
+      const GroupTensors t = group_tensors(qh, kc, vc, kb, vb, anchors, g, block_size);
+      // Part B: own block, unmasked.
+      const at::Tensor scores_b = at::matmul(t.q_blocks, t.k_blk.transpose(-1, -2)) * scale;  // [Hkv,rep,G,B,B]
+      const at::Tensor lse_b = at::logsumexp(scores_b, -1).reshape({hkv, rep * g.rows});
+      at::Tensor lse_g = lse_b;
+      at::Tensor scores_a;
+      if (g.context > 0) {
+        scores_a = (at::matmul(t.q_rows, t.k_ctx.transpose(-1, -2)) * scale).masked_fill(t.mask.logical_not(), -INFINITY);
+        lse_g = at::logaddexp(at::logsumexp(scores_a, -1), lse_b);  // rows with anchor 0: lse_a = -inf
+      }
+      // Each part's probabilities against the merged log-sum-exp sum to one over all keys.
+      at::Tensor o = at::matmul(at::exp(scores_b - lse_g.view({hkv, rep, g.blocks, block_size, 1})), t.v_blk)
+                         .reshape({hkv, rep * g.rows, d});
+      if (g.context > 0) o = o + at::matmul(at::exp(scores_a - lse_g.unsqueeze(-1)), t.v_ctx);
+      out.narrow(2, g.first_row, g.rows).copy_(o.view({hkv, rep, g.rows, d}));
+      lse.narrow(2, g.first_row, g.rows).copy_(lse_g.view({hkv, rep, g.rows}));
+    }
+    ctx->save_for_backward({qh, kc, vc, kb, vb, out, lse, anchors});
+    ctx->saved_data["block_size"] = block_size;
+    ctx->saved_data["group_blocks"] = group_blocks;
+    ctx->saved_data["scale"] = scale;
+    return out.view({hq, rows, d}).permute({1, 0, 2}).to(q.scalar_type()).contiguous();
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &qh = saved[0], &kc = saved[1], &vc = saved[2], &kb = saved[3], &vb = saved[4];
+    const at::Tensor &out = saved[5], &lse = saved[6], &anchors = saved[7];
+    const int64_t block_size = ctx->saved_data["block_size"].toInt();
+    const int64_t group_blocks = ctx->saved_data["group_blocks"].toInt();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t hq = qh.size(0), rows = qh.size(1), d = qh.size(2), hkv = kc.size(0), rep = hq / hkv;
+    const at::ScalarType input_type = grad_outputs[0].scalar_type();
+    const at::Tensor d_out = grad_outputs[0].permute({1, 0, 2}).to(at::kFloat).reshape({hkv, rep, rows, d});
+    at::Tensor dq = at::zeros_like(qh).view({hkv, rep, rows, d});
+    at::Tensor dkc = at::zeros_like(kc), dvc = at::zeros_like(vc), dkb = at::zeros_like(kb), dvb = at::zeros_like(vb);
+    for (const Group& g : make_groups(anchors, block_size, group_blocks)) {
+      const GroupTensors t = group_tensors(qh, kc, vc, kb, vb, anchors, g, block_size);
+      const at::Tensor o_g = out.narrow(2, g.first_row, g.rows).reshape({hkv, rep * g.rows, d});
+      const at::Tensor do_g = d_out.narrow(2, g.first_row, g.rows).reshape({hkv, rep * g.rows, d});
+      const at::Tensor lse_g = lse.narrow(2, g.first_row, g.rows).reshape({hkv, rep * g.rows});
+      const at::Tensor delta = (do_g * o_g).sum(-1);  // D_i = rowsum(dO o O)
+      at::Tensor dq_g;
+      // Part B, in [Hkv, rep, G, B, *] views.
+      {
+        const at::Tensor p = at::exp(at::matmul(t.q_blocks, t.k_blk.transpose(-1, -2)) * scale -
+                                     lse_g.view({hkv, rep, g.blocks, block_size, 1}));
+        const at::Tensor do_b = do_g.view({hkv, rep, g.blocks, block_size, d});
+        dvb.narrow(1, g.first_row, g.rows)
+            .add_(at::matmul(p.transpose(-1, -2), do_b).sum(1).reshape({hkv, g.rows, d}));
+        const at::Tensor ds = p * (at::matmul(do_b, t.v_blk.transpose(-1, -2)) -
+                                   delta.view({hkv, rep, g.blocks, block_size, 1}));
+        dq_g = (at::matmul(ds, t.k_blk) * scale).reshape({hkv, rep * g.rows, d});
+        dkb.narrow(1, g.first_row, g.rows)
+            .add_((at::matmul(ds.transpose(-1, -2), t.q_blocks).sum(1) * scale).reshape({hkv, g.rows, d}));
+      }
+      // Part A: the staircase window of context keys.
+      if (g.context > 0) {
+        const at::Tensor scores = (at::matmul(t.q_rows, t.k_ctx.transpose(-1, -2)) * scale)
+                                      .masked_fill(t.mask.logical_not(), -INFINITY);
+        const at::Tensor p = at::exp(scores - lse_g.unsqueeze(-1));
+        dvc.narrow(1, 0, g.context).add_(at::matmul(p.transpose(-1, -2), do_g));
+        const at::Tensor ds = p * (at::matmul(do_g, t.v_ctx.transpose(-1, -2)) - delta.unsqueeze(-1));
+        dq_g = dq_g + at::matmul(ds, t.k_ctx) * scale;
+        dkc.narrow(1, 0, g.context).add_(at::matmul(ds.transpose(-1, -2), t.q_rows) * scale);
+      }
+      dq.narrow(2, g.first_row, g.rows).copy_(dq_g.view({hkv, rep, g.rows, d}));
+    }
+    auto back = [&](const at::Tensor& t, int64_t heads) {
+      return t.reshape({heads, -1, d}).permute({1, 0, 2}).to(input_type).contiguous();
+    };
+    return {back(dq, hq), back(dkc, hkv), back(dvc, hkv), back(dkb, hkv), back(dvb, hkv),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k_context, const at::Tensor& v_context,
+                  const at::Tensor& k_block, const at::Tensor& v_block, const at::Tensor& anchors, int64_t block_size) {
+  const auto fail = [](const std::string& m) { throw std::invalid_argument("block_attention: " + m); };
+  if (q.dim() != 3 || k_context.dim() != 3 || k_block.dim() != 3) fail("q, k and v must be [tokens, heads, head_dim]");
+  if (anchors.device().type() != at::kCPU || anchors.scalar_type() != at::kLong) fail("anchors must be int64 on the CPU");
+  if (q.size(0) != anchors.size(0) * block_size) fail("q must have anchors * block_size rows");
+  if (q.size(1) % k_context.size(1) != 0) fail("query heads must be a multiple of key-value heads");
+  if (k_block.sizes() != v_block.sizes() || k_context.sizes() != v_context.sizes()) fail("k and v shapes differ");
+  const int64_t* a = anchors.data_ptr<int64_t>();
+  for (int64_t n = 0; n < anchors.size(0); ++n) {
+    if (a[n] < 0 || a[n] >= k_context.size(0) || (n > 0 && a[n] < a[n - 1])) {
+      fail("anchors must ascend within [0, context length)");
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, const at::Tensor& v_context,
+                           const at::Tensor& k_block, const at::Tensor& v_block, const at::Tensor& anchors,
+                           const BlockAttentionShape& shape) {
+  const at::Tensor a = anchors.contiguous();
+  check_inputs(q, k_context, v_context, k_block, v_block, a, shape.block_size);
+  const double scale = shape.scale > 0 ? shape.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  if (a.size(0) == 0) return at::zeros_like(q);
+  return BlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size,
+                                       shape.group_blocks, scale);
+}
+
+at::Tensor block_attention_dense_reference(const at::Tensor& q, const at::Tensor& k_context,
+                                           const at::Tensor& v_context, const at::Tensor& k_block,
+                                           const at::Tensor& v_block, const at::Tensor& anchors,
+                                           int64_t block_size) {
+  const int64_t rows = q.size(0), context = k_context.size(0);
+  const auto long_options = at::TensorOptions().dtype(at::kLong).device(q.device());
+  const at::Tensor row_anchor = anchors.to(q.device()).repeat_interleave(block_size);
+  const at::Tensor row_block = at::arange(rows, long_options).div(block_size, "floor");
+  const at::Tensor context_visible = at::arange(context, long_options).unsqueeze(0) < row_anchor.unsqueeze(1);
+  const at::Tensor block_visible = row_block.unsqueeze(1) == row_block.unsqueeze(0);
+  const at::Tensor mask = at::cat({context_visible, block_visible}, 1);  // [M, S + M]
+  const at::Tensor k = at::cat({k_context, k_block}).permute({1, 0, 2}).unsqueeze(0);
+  const at::Tensor v = at::cat({v_context, v_block}).permute({1, 0, 2}).unsqueeze(0);
+  const at::Tensor o = at::scaled_dot_product_attention(q.permute({1, 0, 2}).unsqueeze(0), k, v, mask, 0.0, false,
+                                                        std::nullopt, /*enable_gqa=*/true);
+  return o.squeeze(0).permute({1, 0, 2});
+}
+
+}  // namespace dflash::drafter

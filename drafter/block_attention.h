@@ -1,0 +1,44 @@
+// block_attention.h: the DFlash drafter's attention, exact, without compilation and without a
+// dense [N*B, S+N*B] mask. Thread-safe: no global state; any number of threads may call it.
+//
+// One sequence: N blocks of B query rows; block n (anchor a_n) sees the context keys
+// j < a_n (strictly: the anchor's own target state does not exist at serving time) and all
+// B keys of its own block, nothing else (dflash.md section 3).
+//
+// The "split" path: keys are split into parts that need no (or only a small) mask, each part
+// gives a partial output and its log-sum-exp, and the parts merge through the log-sum-exp.
+// Blocks are taken in anchor order, in groups of `group_blocks`; per group
+//   part A: the group's rows against context keys [0, a_max of the group) with the staircase
+//           mask of that small window,
+//   part B: each block against its own B keys, batched, unmasked.
+// Backward recomputes the scores per group and runs the standard attention backward of each
+// part against the *merged* output and log-sum-exp (the split-KV identity): exact gradients,
+// memory O(one group). GQA-native: query heads are grouped per key-value head, keys are never
+// repeated. This portable path is the reference for fused kernels (see design.md).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace dflash::drafter {
+
+struct BlockAttentionShape {
+  int64_t block_size = 16;
+  int64_t group_blocks = 64;  // blocks per group: bounds the memory of one group's scores
+  double scale = 0;           // 0: head_dim^-0.5
+};
+
+// q [M=N*B, Hq, d]; k_context, v_context [S, Hkv, d]; k_block, v_block [M, Hkv, d];
+// anchors int64 [N] on the CPU, ascending, each in [0, S). Returns [M, Hq, d] (q's dtype).
+// Differentiable with respect to q, k_context, v_context, k_block and v_block.
+at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, const at::Tensor& v_context,
+                           const at::Tensor& k_block, const at::Tensor& v_block, const at::Tensor& anchors,
+                           const BlockAttentionShape& shape);
+
+// The correctness reference: one SDPA over [context ; blocks] with the dense boolean mask of
+// dflash.md section 3 (what the Python trainers build). Differentiable through autograd.
+at::Tensor block_attention_dense_reference(const at::Tensor& q, const at::Tensor& k_context,
+                                           const at::Tensor& v_context, const at::Tensor& k_block,
+                                           const at::Tensor& v_block, const at::Tensor& anchors,
+                                           int64_t block_size);
+
+}  // namespace dflash::drafter

@@ -1,0 +1,181 @@
+#include "drafter/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/safetensors.h"
+
+namespace dflash::drafter {
+namespace {
+
+std::string step_name(int64_t step) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "step-%012lld", static_cast<long long>(step));
+  return buffer;
+}
+
+bool exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+void make_dirs(const std::string& path) {
+  std::string partial;
+  for (size_t i = 0; i <= path.size(); ++i) {
+    if (i == path.size() || path[i] == '/') {
+      partial = path.substr(0, i);
+      if (!partial.empty() && ::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+        throw CheckpointError(partial + ": cannot create directory: " + std::strerror(errno));
+      }
+    }
+  }
+}
+
+void remove_tree(const std::string& path) {
+  if (DIR* dir = ::opendir(path.c_str())) {
+    while (dirent* e = ::readdir(dir)) {
+      const std::string name = e->d_name;
+      if (name == "." || name == "..") continue;
+      const std::string child = path + "/" + name;
+      struct stat st {};
+      if (::lstat(child.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) remove_tree(child);
+      else ::unlink(child.c_str());
+    }
+    ::closedir(dir);
+  }
+  ::rmdir(path.c_str());
+}
+
+void fsync_dir(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+void write_tensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  std::vector<at::Tensor> keep;
+  std::vector<TensorToWrite> out;
+  for (const auto& [name, t] : tensors) {
+    keep.push_back(t.detach().to(at::kCPU, at::kFloat).contiguous());
+    out.push_back({name, DType::F32, keep.back().sizes().vec(), keep.back().data_ptr(),
+                   static_cast<size_t>(keep.back().nbytes())});
+  }
+  write_safetensors(path, out);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> read_tensors(const std::string& path) {
+  std::shared_ptr<SafetensorsFile> file;
+  try {
+    file = SafetensorsFile::open(path);
+  } catch (const SafetensorsError& e) {
+    throw CheckpointError(e.what());
+  }
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& e : file->tensors()) {
+    if (e.dtype != DType::F32) throw CheckpointError(path + ": tensor '" + e.name + "' is not F32");
+    out.emplace_back(e.name, at::from_blob(const_cast<std::byte*>(e.data), e.shape, at::TensorOptions().dtype(at::kFloat)).clone());
+  }
+  return out;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw CheckpointError(path + ": cannot read");
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+std::string write_checkpoint(const std::string& root, int64_t step, const Drafter& drafter, const AdamW& optimizer,
+                             const std::string& trainer_state_json) {
+  make_dirs(root);
+  const std::string name = step_name(step);
+  const std::string partial = root + "/." + name + ".partial";
+  const std::string final_dir = root + "/" + name;
+  remove_tree(partial);  // a crash during an earlier write
+  make_dirs(partial);
+  write_file_atomically(partial + "/config.json", export_config_json(drafter.shape()));
+  // The fp32 master weights are the model (bf16 parameters are their rounding).
+  std::vector<std::pair<std::string, at::Tensor>> model, state;
+  for (const auto& [n, t] : optimizer.state_tensors()) {
+    if (n.rfind("master.", 0) == 0) model.emplace_back(n.substr(7), t);
+  }
+  write_tensors(partial + "/model.safetensors", model);
+  write_tensors(partial + "/optimizer.safetensors", optimizer.state_tensors());
+  nlohmann::json state_json = {{"format", "dflashd-checkpoint"},
+                               {"version", 1},
+                               {"step", step},
+                               {"optimizer_steps", optimizer.steps_taken()},
+                               {"trainer", nlohmann::json::parse(trainer_state_json.empty() ? "{}" : trainer_state_json)}};
+  write_file_atomically(partial + "/state.json", state_json.dump(2) + "\n");
+  write_file_atomically(partial + "/COMMIT", name + "\n");
+  if (exists(final_dir)) remove_tree(final_dir);  // rewriting the same step (after a resume)
+  if (::rename(partial.c_str(), final_dir.c_str()) != 0) {
+    throw CheckpointError(final_dir + ": cannot rename the finished checkpoint: " + std::strerror(errno));
+  }
+  fsync_dir(root);
+  return final_dir;
+}
+
+std::vector<std::string> list_checkpoints(const std::string& root) {
+  std::vector<std::string> names;
+  if (DIR* dir = ::opendir(root.c_str())) {
+    while (dirent* e = ::readdir(dir)) {
+      const std::string n = e->d_name;
+      if (n.rfind("step-", 0) == 0 && exists(root + "/" + n + "/COMMIT")) names.push_back(n);
+    }
+    ::closedir(dir);
+  }
+  std::sort(names.begin(), names.end());  // zero-padded: lexical order is step order
+  for (auto& n : names) n = root + "/" + n;
+  return names;
+}
+
+void prune_checkpoints(const std::string& root, int keep_last) {
+  const auto all = list_checkpoints(root);
+  for (size_t i = 0; i + static_cast<size_t>(keep_last) < all.size(); ++i) remove_tree(all[i]);
+}
+
+LoadedCheckpoint read_checkpoint(const std::string& dir, Drafter* drafter, AdamW* optimizer) {
+  if (!exists(dir + "/COMMIT")) throw CheckpointError(dir + ": not a complete checkpoint (no COMMIT marker)");
+  nlohmann::json state;
+  try {
+    state = nlohmann::json::parse(read_text(dir + "/state.json"));
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(dir + "/state.json: " + e.what());
+  }
+  if (state.value("format", "") != "dflashd-checkpoint" || state.value("version", 0) != 1) {
+    throw CheckpointError(dir + "/state.json: not a version 1 dflashd checkpoint");
+  }
+  const auto model = read_tensors(dir + "/model.safetensors");
+  drafter->load_tensors(model, dir + "/model.safetensors");
+  if (optimizer) {
+    optimizer->load_state(read_tensors(dir + "/optimizer.safetensors"), state.at("optimizer_steps").get<int64_t>(),
+                          dir + "/optimizer.safetensors");
+  }
+  return {state.at("step").get<int64_t>(), state.at("trainer").dump()};
+}
+
+void export_checkpoint(const std::string& checkpoint_dir, const std::string& out_dir) {
+  if (!exists(checkpoint_dir + "/COMMIT")) {
+    throw CheckpointError(checkpoint_dir + ": not a complete checkpoint (no COMMIT marker)");
+  }
+  const DrafterShape shape = parse_export_config(read_text(checkpoint_dir + "/config.json"), checkpoint_dir + "/config.json");
+  Drafter drafter(shape, at::TensorOptions().dtype(at::kFloat));
+  drafter.load_tensors(read_tensors(checkpoint_dir + "/model.safetensors"), checkpoint_dir + "/model.safetensors");
+  make_dirs(out_dir);
+  drafter.save_export(out_dir);
+}
+
+}  // namespace dflash::drafter

@@ -1,0 +1,49 @@
+// checkpoint.h: resumable training checkpoints, written atomically, and export from them.
+//
+// On-disk format (version 1), one directory per checkpoint under the checkpoint root:
+//   step-<12 digits>/
+//     config.json            the drafter's serving config (dflash.md section 5)
+//     model.safetensors      fp32 weights (the optimizer's master copy), export names
+//     optimizer.safetensors  fp32 AdamW state: master.<name>, exp_avg.<name>, exp_avg_sq.<name>
+//     state.json             {"format": "dflashd-checkpoint", "version": 1, "step": N,
+//                             "optimizer_steps": N, "trainer": {...}} (trainer: data position,
+//                             seeds, metrics: whatever the pipeline needs to resume exactly)
+//     COMMIT                 written last; a directory without it is not a checkpoint
+// Protocol: everything goes into ".step-<N>.partial/" (each file written to a temporary name,
+// fsynced, renamed), then COMMIT, then the directory is renamed to "step-<N>" and the root
+// fsynced. A crash at any point leaves either the previous checkpoints only, or a complete new
+// one: never a half-written checkpoint that resume would pick. Stale partial directories are
+// removed by the next write.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "drafter/model.h"
+#include "drafter/optimizer.h"
+
+namespace dflash::drafter {
+
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Writes step `step` under `root` (created if needed). Returns the checkpoint's directory.
+std::string write_checkpoint(const std::string& root, int64_t step, const Drafter& drafter, const AdamW& optimizer,
+                             const std::string& trainer_state_json);
+// Complete checkpoints under root, oldest first ("" root or no checkpoints: empty).
+std::vector<std::string> list_checkpoints(const std::string& root);
+// Removes all but the newest `keep_last` complete checkpoints.
+void prune_checkpoints(const std::string& root, int keep_last);
+
+struct LoadedCheckpoint {
+  int64_t step = 0;
+  std::string trainer_state_json;
+};
+// Restores weights and optimizer state; throws CheckpointError naming the directory and file.
+LoadedCheckpoint read_checkpoint(const std::string& dir, Drafter* drafter, AdamW* optimizer);
+// `dflashd export`: the checkpoint's weights in the serving format (bf16) in out_dir.
+void export_checkpoint(const std::string& checkpoint_dir, const std::string& out_dir);
+
+}  // namespace dflash::drafter

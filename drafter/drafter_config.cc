@@ -1,0 +1,114 @@
+#include "drafter/drafter_config.h"
+
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+namespace dflash::drafter {
+
+int64_t DrafterShape::parameter_count() const {
+  const int64_t h = hidden_size, d = head_dim;
+  const int64_t attention = h * num_attention_heads * d * 2 + h * num_key_value_heads * d * 2 + 2 * d;
+  const int64_t mlp = 3 * h * intermediate_size;
+  return num_layers * (attention + mlp + 2 * h) + num_features() * h * h + 2 * h;
+}
+
+DrafterShape shape_for_target(const target::ModelConfig& t, const config::DrafterConfig& c) {
+  auto fail = [](const std::string& m) { throw std::invalid_argument(m); };
+  DrafterShape s;
+  s.hidden_size = t.hidden_size;
+  s.vocab_size = t.vocab_size;
+  s.rms_norm_eps = t.rms_norm_eps;
+  s.num_layers = c.num_layers;
+  s.block_size = c.block_size;
+  s.num_target_layers = t.num_layers;
+  s.num_attention_heads = c.num_attention_heads.value_or(t.num_attention_heads);
+  s.num_key_value_heads = c.num_key_value_heads.value_or(t.num_key_value_heads);
+  s.head_dim = c.head_dim.value_or(t.head_dim);
+  // Hybrid targets have an MoE or a very wide MLP; the published drafters use the dense width.
+  s.intermediate_size = c.intermediate_size.value_or(t.intermediate_size > 0 ? t.intermediate_size
+                                                                              : 4 * t.hidden_size);
+  s.rope_theta = c.rope_theta.value_or(t.rope.theta);
+  if (c.target_layer_ids.empty()) {
+    s.target_layer_ids = t.default_tapped_layers(c.num_target_features);
+  } else {
+    s.target_layer_ids.assign(c.target_layer_ids.begin(), c.target_layer_ids.end());
+  }
+  for (int64_t id : s.target_layer_ids) {
+    if (id < 0 || id >= t.num_layers) {
+      fail("drafter.target_layer_ids: layer " + std::to_string(id) + " does not exist in the target (" +
+           std::to_string(t.num_layers) + " layers)");
+    }
+  }
+  s.mask_token_id = c.mask_token_id.value_or(t.default_mask_token_id());
+  if (s.mask_token_id < 0) {
+    fail(std::string("drafter.mask_token_id: no default for a ") + target::family_name(t.family) +
+         " target of vocabulary " + std::to_string(t.vocab_size) + "; set it to an existing token id");
+  }
+  if (s.mask_token_id >= t.vocab_size) {
+    fail("drafter.mask_token_id: " + std::to_string(s.mask_token_id) + " is outside the target vocabulary (" +
+         std::to_string(t.vocab_size) + ")");
+  }
+  if (s.num_attention_heads % s.num_key_value_heads != 0) {
+    fail("drafter.num_attention_heads must be a multiple of drafter.num_key_value_heads");
+  }
+  if (s.head_dim % 2 != 0) fail("drafter.head_dim must be even (rotary embedding)");
+  return s;
+}
+
+std::string export_config_json(const DrafterShape& s) {
+  nlohmann::ordered_json j;
+  j["architectures"] = {"DFlashDraftModel"};
+  j["model_type"] = "qwen3";
+  j["hidden_size"] = s.hidden_size;
+  j["intermediate_size"] = s.intermediate_size;
+  j["num_hidden_layers"] = s.num_layers;
+  j["num_attention_heads"] = s.num_attention_heads;
+  j["num_key_value_heads"] = s.num_key_value_heads;
+  j["head_dim"] = s.head_dim;
+  j["hidden_act"] = "silu";
+  j["rms_norm_eps"] = s.rms_norm_eps;
+  j["rope_theta"] = s.rope_theta;
+  j["rope_scaling"] = nullptr;
+  j["max_position_embeddings"] = s.max_position_embeddings;
+  j["vocab_size"] = s.vocab_size;
+  j["tie_word_embeddings"] = false;
+  j["attention_bias"] = false;
+  j["attention_dropout"] = 0.0;
+  j["layer_types"] = std::vector<std::string>(static_cast<size_t>(s.num_layers), "full_attention");
+  j["sliding_window"] = nullptr;
+  j["use_sliding_window"] = false;
+  j["dtype"] = "bfloat16";
+  j["block_size"] = s.block_size;
+  j["num_target_layers"] = s.num_target_layers;
+  j["dflash_config"] = {{"mask_token_id", s.mask_token_id},
+                        {"target_layer_ids", s.target_layer_ids},
+                        {"block_size", s.block_size}};
+  return j.dump(2) + "\n";
+}
+
+DrafterShape parse_export_config(const std::string& json_text, const std::string& source) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json_text);
+    DrafterShape s;
+    s.hidden_size = j.at("hidden_size");
+    s.intermediate_size = j.at("intermediate_size");
+    s.num_layers = j.at("num_hidden_layers");
+    s.num_attention_heads = j.at("num_attention_heads");
+    s.num_key_value_heads = j.at("num_key_value_heads");
+    s.head_dim = j.at("head_dim");
+    s.rms_norm_eps = j.at("rms_norm_eps");
+    s.rope_theta = j.at("rope_theta");
+    s.max_position_embeddings = j.value("max_position_embeddings", int64_t{40960});
+    s.vocab_size = j.at("vocab_size");
+    s.block_size = j.at("block_size");
+    s.num_target_layers = j.at("num_target_layers");
+    s.mask_token_id = j.at("dflash_config").at("mask_token_id");
+    s.target_layer_ids = j.at("dflash_config").at("target_layer_ids").get<std::vector<int64_t>>();
+    return s;
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(source + ": not a DFlash drafter config.json: " + e.what());
+  }
+}
+
+}  // namespace dflash::drafter

@@ -1,0 +1,49 @@
+// drafter_config.h: the shape of a DFlash drafter and its serving config.json (dflash.md
+// section 5), without torch.
+//
+// A drafter has the target's hidden size and vocabulary (it borrows the target's embedding and
+// LM head), its own number of layers, and taps K target layers. By default it takes the
+// target's attention and MLP shape; the run config may override each.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "target/model_config.h"
+
+namespace dflash::drafter {
+
+struct DrafterShape {
+  int64_t hidden_size = 0;
+  int64_t num_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t intermediate_size = 0;
+  int64_t vocab_size = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 1e6;
+  int64_t max_position_embeddings = 40960;
+  int64_t block_size = 16;
+  int64_t mask_token_id = 0;
+  std::vector<int64_t> target_layer_ids;  // ascending
+  int64_t num_target_layers = 0;
+
+  int64_t num_features() const { return static_cast<int64_t>(target_layer_ids.size()); }
+  // Parameters of the drafter itself (decoder layers, fc, norms; no embedding, no head).
+  int64_t parameter_count() const;
+};
+
+// The drafter for `target` under the run's drafter section. Throws std::invalid_argument naming
+// the config key for impossible combinations (tapped layer past the target's last, mask token
+// outside the vocabulary, heads not dividing, no mask token known for the family).
+DrafterShape shape_for_target(const target::ModelConfig& target, const config::DrafterConfig& drafter);
+
+// config.json of the exported drafter (what SGLang, vLLM and transformers load).
+std::string export_config_json(const DrafterShape& shape);
+// Reads an exported config.json back (for drafter.init); throws std::runtime_error naming the file.
+DrafterShape parse_export_config(const std::string& json_text, const std::string& source);
+
+}  // namespace dflash::drafter

@@ -1,0 +1,153 @@
+#include "drafter/loss.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace dflash::drafter {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct ChunkedHeadLoss : public torch::autograd::Function<ChunkedHeadLoss> {
+  // Returns the loss; the hidden-state gradient is computed here, chunk by chunk.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& lm_head,
+                            const at::Tensor& labels, const at::Tensor& weights, const at::Tensor& offsets,
+                            double global_weight_sum, int64_t chunk_rows, int64_t block_size, LossStats* stats) {
+    c10::NoGradGuard no_grad;
+    const int64_t rows = hidden.size(0);
+    at::Tensor grad_hidden = at::empty_like(hidden);
+    at::Tensor loss_sum = at::zeros({}, hidden.options().dtype(at::kFloat));
+    at::Tensor correct = at::zeros({block_size}, labels.options());
+    at::Tensor count = at::zeros({block_size}, labels.options());
+    for (int64_t begin = 0; begin < rows; begin += chunk_rows) {
+      const int64_t n = std::min(chunk_rows, rows - begin);
+      const at::Tensor h = hidden.narrow(0, begin, n);
+      const at::Tensor y = labels.narrow(0, begin, n), w = weights.narrow(0, begin, n);
+      const at::Tensor logits = at::matmul(h, lm_head.t()).to(at::kFloat);  // [n, vocab]: one chunk only
+      const at::Tensor lse = at::logsumexp(logits, 1);
+      const at::Tensor picked = logits.gather(1, y.unsqueeze(1)).squeeze(1);
+      loss_sum += ((lse - picked) * w).sum();
+      // d(sum w CE)/d logits = w (softmax - onehot); scaled by 1 / global denominator.
+      at::Tensor d_logits = at::exp(logits - lse.unsqueeze(1));
+      d_logits.scatter_add_(1, y.unsqueeze(1), -at::ones({n, 1}, d_logits.options()));
+      d_logits.mul_((w / global_weight_sum).unsqueeze(1));
+      grad_hidden.narrow(0, begin, n).copy_(at::matmul(d_logits.to(lm_head.scalar_type()), lm_head));
+      const at::Tensor valid = (w > 0).to(at::kLong);
+      const at::Tensor hit = (logits.argmax(1) == y).to(at::kLong) * valid;
+      const at::Tensor k = offsets.narrow(0, begin, n);
+      correct.index_add_(0, k, hit);
+      count.index_add_(0, k, valid);
+    }
+    stats->loss_sum = loss_sum.item<double>();
+    stats->weight_sum = weights.sum().item<double>();
+    const at::Tensor c = correct.cpu(), t = count.cpu();
+    stats->correct.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + block_size);
+    stats->count.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + block_size);
+    ctx->save_for_backward({grad_hidden});
+    return loss_sum / global_weight_sum;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const at::Tensor grad_hidden = ctx->get_saved_variables()[0];
+    return {grad_hidden * grad_outputs[0].to(grad_hidden.scalar_type()),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+BlockTargets make_block_targets(const DrafterBatch& batch, int64_t block_size, double gamma, const at::Device& device) {
+  const at::Tensor ids = batch.input_ids.cpu().to(at::kLong).contiguous();
+  const at::Tensor mask = batch.loss_mask.cpu().to(at::kByte).contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const uint8_t* m = mask.data_ptr<uint8_t>();
+  std::vector<int64_t> labels, offsets;
+  std::vector<float> weights;
+  double weight_sum = 0;
+  for (size_t s = 0; s + 1 < batch.cu_seqlens.size(); ++s) {
+    const int64_t begin = batch.cu_seqlens[s], end = batch.cu_seqlens[s + 1];
+    const at::Tensor anchors = batch.anchors[s].contiguous();
+    const int64_t* a = anchors.data_ptr<int64_t>();
+    for (int64_t n = 0; n < anchors.size(0); ++n) {
+      for (int64_t k = 0; k < block_size; ++k) {
+        const int64_t position = begin + a[n] + k;  // same-position label: offset k -> token anchor + k
+        const bool valid = k >= 1 && position < end && m[position] != 0;
+        const float w = valid ? static_cast<float>(std::exp(-(k - 1) / gamma)) : 0.0f;
+        labels.push_back(valid ? id[position] : 0);
+        weights.push_back(w);
+        offsets.push_back(k);
+        weight_sum += w;
+      }
+    }
+  }
+  BlockTargets t;
+  const auto long_options = at::TensorOptions().dtype(at::kLong);
+  t.labels = at::tensor(labels, long_options).to(device);
+  t.offsets = at::tensor(offsets, long_options).to(device);
+  t.weights = at::tensor(weights, at::TensorOptions().dtype(at::kFloat)).to(device);
+  t.weight_sum = weight_sum;
+  return t;
+}
+
+void LossStats::add(const LossStats& other) {
+  loss_sum += other.loss_sum;
+  weight_sum += other.weight_sum;
+  if (correct.size() < other.correct.size()) {
+    correct.resize(other.correct.size(), 0);
+    count.resize(other.count.size(), 0);
+  }
+  for (size_t k = 0; k < other.correct.size(); ++k) {
+    correct[k] += other.correct[k];
+    count[k] += other.count[k];
+  }
+}
+
+std::vector<double> LossStats::accuracy() const {
+  std::vector<double> acc(correct.size(), 0.0);
+  for (size_t k = 1; k < correct.size(); ++k) acc[k] = count[k] ? static_cast<double>(correct[k]) / count[k] : 0.0;
+  return acc;
+}
+
+double LossStats::tau() const {
+  const std::vector<double> acc = accuracy();
+  double tau = 1, run = 1;
+  for (size_t k = 1; k < acc.size(); ++k) {
+    run *= acc[k];
+    tau += run;
+  }
+  return tau;
+}
+
+at::Tensor dflash_loss(const at::Tensor& hidden, const at::Tensor& lm_head, const BlockTargets& targets,
+                       double global_weight_sum, int64_t chunk_rows, int64_t block_size, LossStats* stats) {
+  if (hidden.size(0) == 0 || global_weight_sum <= 0) {
+    stats->correct.assign(block_size, 0);
+    stats->count.assign(block_size, 0);
+    return (hidden.sum() * 0.0).to(at::kFloat);  // keeps the graph connected; contributes nothing
+  }
+  return ChunkedHeadLoss::apply(hidden, lm_head.detach(), targets.labels, targets.weights, targets.offsets,
+                                global_weight_sum, chunk_rows, block_size, stats);
+}
+
+at::Tensor sample_anchors(const std::vector<uint8_t>& loss_mask, int64_t max_anchors, std::mt19937_64& rng) {
+  std::vector<int64_t> candidates;
+  for (size_t a = 0; a + 1 < loss_mask.size(); ++a) {
+    if (loss_mask[a] && loss_mask[a + 1]) candidates.push_back(static_cast<int64_t>(a));
+  }
+  const int64_t take = std::min<int64_t>(max_anchors, static_cast<int64_t>(candidates.size()));
+  // Partial Fisher-Yates: the first `take` entries are a uniform sample without replacement.
+  for (int64_t i = 0; i < take; ++i) {
+    std::uniform_int_distribution<int64_t> pick(i, static_cast<int64_t>(candidates.size()) - 1);
+    std::swap(candidates[i], candidates[pick(rng)]);
+  }
+  candidates.resize(take);
+  std::sort(candidates.begin(), candidates.end());
+  return at::tensor(candidates, at::TensorOptions().dtype(at::kLong));
+}
+
+}  // namespace dflash::drafter

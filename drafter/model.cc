@@ -1,0 +1,213 @@
+#include "drafter/model.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <stdexcept>
+
+#include "common/safetensors.h"
+
+namespace dflash::drafter {
+namespace {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  // Qwen3: w * (x_hat in the input dtype); x_hat computed in fp32.
+  const at::Tensor xf = x.to(at::kFloat);
+  return weight * (xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps)).to(x.scalar_type());
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// x [tokens, heads, d]; positions [tokens] int64.
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& positions, double theta) {
+  const int64_t d = x.size(-1);
+  const at::Tensor inv_freq =
+      1.0 / at::pow(theta, at::arange(0, d, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) / static_cast<double>(d))
+                .to(x.device());
+  const at::Tensor freqs = positions.to(x.device()).to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const at::Tensor cos = emb.cos().to(x.scalar_type()).unsqueeze(1), sin = emb.sin().to(x.scalar_type()).unsqueeze(1);
+  return x * cos + rotate_half(x) * sin;
+}
+
+std::string layer_key(int64_t i, const char* rest) { return "layers." + std::to_string(i) + "." + rest; }
+
+}  // namespace
+
+at::Tensor block_token_ids(const at::Tensor& sequence_ids, const at::Tensor& anchors, int64_t block_size,
+                           int64_t mask_token_id) {
+  const int64_t blocks = anchors.size(0);
+  at::Tensor ids = at::full({blocks, block_size}, mask_token_id, sequence_ids.options());
+  if (blocks > 0) ids.select(1, 0).copy_(sequence_ids.index_select(0, anchors.to(sequence_ids.device())));
+  return ids.reshape({-1});
+}
+
+at::Tensor block_positions(const at::Tensor& anchors, int64_t block_size) {
+  return (anchors.unsqueeze(1) + at::arange(block_size, anchors.options()).unsqueeze(0)).reshape({-1});
+}
+
+Drafter::Drafter(DrafterShape shape, at::TensorOptions options) : shape_(std::move(shape)), options_(options) {
+  const DrafterShape& s = shape_;
+  const int64_t h = s.hidden_size, d = s.head_dim;
+  auto add = [&](const std::string& name, std::vector<int64_t> dims) {
+    parameters_.emplace_back(name, at::empty(dims, options).requires_grad_(true));
+  };
+  add("fc.weight", {h, s.num_features() * h});
+  add("hidden_norm.weight", {h});
+  for (int64_t i = 0; i < s.num_layers; ++i) {
+    add(layer_key(i, "input_layernorm.weight"), {h});
+    add(layer_key(i, "post_attention_layernorm.weight"), {h});
+    add(layer_key(i, "self_attn.q_proj.weight"), {s.num_attention_heads * d, h});
+    add(layer_key(i, "self_attn.k_proj.weight"), {s.num_key_value_heads * d, h});
+    add(layer_key(i, "self_attn.v_proj.weight"), {s.num_key_value_heads * d, h});
+    add(layer_key(i, "self_attn.o_proj.weight"), {h, s.num_attention_heads * d});
+    add(layer_key(i, "self_attn.q_norm.weight"), {d});
+    add(layer_key(i, "self_attn.k_norm.weight"), {d});
+    add(layer_key(i, "mlp.gate_proj.weight"), {s.intermediate_size, h});
+    add(layer_key(i, "mlp.up_proj.weight"), {s.intermediate_size, h});
+    add(layer_key(i, "mlp.down_proj.weight"), {h, s.intermediate_size});
+  }
+  add("norm.weight", {h});
+}
+
+at::Tensor& Drafter::param(const std::string& name) {
+  for (auto& [n, t] : parameters_)
+    if (n == name) return t;
+  throw std::logic_error("drafter has no parameter " + name);
+}
+const at::Tensor& Drafter::param(const std::string& name) const { return const_cast<Drafter*>(this)->param(name); }
+
+void Drafter::init_random(uint64_t seed) {
+  c10::NoGradGuard no_grad;
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (auto& [name, t] : parameters_) {
+    if (t.dim() == 1) {
+      t.fill_(1.0);
+    } else {
+      t.copy_(at::empty(t.sizes(), at::TensorOptions().dtype(at::kFloat)).normal_(0, 0.02, generator));
+    }
+  }
+}
+
+void Drafter::load_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& source) {
+  c10::NoGradGuard no_grad;
+  std::map<std::string, const at::Tensor*> by_name;
+  for (const auto& [n, t] : tensors) by_name[n] = &t;
+  for (auto& [name, p] : parameters_) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) throw std::runtime_error(source + ": missing drafter tensor '" + name + "'");
+    if (it->second->sizes() != p.sizes()) {
+      throw std::runtime_error(source + ": drafter tensor '" + name + "' has shape " +
+                               c10::str(it->second->sizes()) + ", expected " + c10::str(p.sizes()));
+    }
+    p.copy_(*it->second);
+  }
+}
+
+void Drafter::load_export(const std::string& dir) {
+  std::ifstream in(dir + "/config.json");
+  if (!in) throw std::runtime_error(dir + "/config.json: cannot read (is " + dir + " an exported drafter?)");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const DrafterShape theirs = parse_export_config(text, dir + "/config.json");
+  if (theirs.hidden_size != shape_.hidden_size || theirs.num_layers != shape_.num_layers ||
+      theirs.num_attention_heads != shape_.num_attention_heads || theirs.head_dim != shape_.head_dim ||
+      theirs.intermediate_size != shape_.intermediate_size || theirs.target_layer_ids != shape_.target_layer_ids) {
+    throw std::runtime_error(dir + "/config.json: its drafter shape differs from the configured one");
+  }
+  auto file = SafetensorsFile::open(dir + "/model.safetensors");
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& e : file->tensors()) {
+    if (e.dtype != DType::BF16 && e.dtype != DType::F32) {
+      throw std::runtime_error(file->path() + ": tensor '" + e.name + "': unsupported dtype " + dtype_name(e.dtype));
+    }
+    const at::ScalarType type = e.dtype == DType::BF16 ? at::kBFloat16 : at::kFloat;
+    tensors.emplace_back(e.name, at::from_blob(const_cast<std::byte*>(e.data), e.shape, at::TensorOptions().dtype(type))
+                                     .to(options_.device(), options_.dtype().toScalarType(), false, true));
+  }
+  load_tensors(tensors, file->path());
+}
+
+void Drafter::save_export(const std::string& dir) const {
+  std::vector<at::Tensor> keep;
+  std::vector<TensorToWrite> out;
+  for (const auto& [name, p] : parameters_) {
+    keep.push_back(p.detach().to(at::kCPU, at::kBFloat16).contiguous());
+    out.push_back({name, DType::BF16, keep.back().sizes().vec(), keep.back().data_ptr(),
+                   static_cast<size_t>(keep.back().nbytes())});
+  }
+  write_safetensors(dir + "/model.safetensors", out, {{"format", "pt"}});
+  write_file_atomically(dir + "/config.json", export_config_json(shape_));
+}
+
+at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, int64_t group_blocks) const {
+  const DrafterShape& s = shape_;
+  const int64_t hq = s.num_attention_heads, hkv = s.num_key_value_heads, d = s.head_dim;
+  const int64_t sequences = static_cast<int64_t>(batch.cu_seqlens.size()) - 1;
+  const at::Device device = batch.input_ids.device();
+  // Per sequence: block ids, block positions, context positions; all sequences packed.
+  std::vector<at::Tensor> ids, block_pos, context_pos;
+  std::vector<int64_t> block_rows{0};
+  for (int64_t q = 0; q < sequences; ++q) {
+    const int64_t begin = batch.cu_seqlens[q], length = batch.cu_seqlens[q + 1] - begin;
+    const at::Tensor& anchors = batch.anchors[q];
+    ids.push_back(block_token_ids(batch.input_ids.narrow(0, begin, length), anchors, s.block_size, s.mask_token_id));
+    block_pos.push_back(block_positions(anchors, s.block_size));
+    context_pos.push_back(at::arange(length, at::TensorOptions().dtype(at::kLong)));
+    block_rows.push_back(block_rows.back() + anchors.size(0) * s.block_size);
+  }
+  if (block_rows.back() == 0) return at::zeros({0, s.hidden_size}, options_);
+  const at::Tensor all_block_pos = at::cat(block_pos).to(device);
+  const at::Tensor all_context_pos = at::cat(context_pos).to(device);
+
+  // Fused target context, once per sequence: hidden_norm(fc(concat(h_ids ascending))).
+  const at::Tensor context = rms_norm(at::linear(batch.features.to(options_.dtype()), param("fc.weight")),
+                                      param("hidden_norm.weight"), s.rms_norm_eps);
+  at::Tensor x;
+  {
+    c10::NoGradGuard frozen;  // the target's embedding is frozen
+    x = at::embedding(embed, at::cat(ids)).to(options_.dtype());
+  }
+  const BlockAttentionShape attention_shape{s.block_size, group_blocks, 0};
+  for (int64_t i = 0; i < s.num_layers; ++i) {
+    const at::Tensor h = rms_norm(x, param(layer_key(i, "input_layernorm.weight")), s.rms_norm_eps);
+    const at::Tensor& wk = param(layer_key(i, "self_attn.k_proj.weight"));
+    const at::Tensor& wv = param(layer_key(i, "self_attn.v_proj.weight"));
+    const at::Tensor& q_norm = param(layer_key(i, "self_attn.q_norm.weight"));
+    const at::Tensor& k_norm = param(layer_key(i, "self_attn.k_norm.weight"));
+    const int64_t rows = h.size(0), tokens = context.size(0);
+    const at::Tensor q = apply_rope(
+        rms_norm(at::linear(h, param(layer_key(i, "self_attn.q_proj.weight"))).view({rows, hq, d}), q_norm, s.rms_norm_eps),
+        all_block_pos, s.rope_theta);
+    const at::Tensor k_block = apply_rope(rms_norm(at::linear(h, wk).view({rows, hkv, d}), k_norm, s.rms_norm_eps),
+                                          all_block_pos, s.rope_theta);
+    const at::Tensor v_block = at::linear(h, wv).view({rows, hkv, d});
+    const at::Tensor k_context = apply_rope(
+        rms_norm(at::linear(context, wk).view({tokens, hkv, d}), k_norm, s.rms_norm_eps), all_context_pos, s.rope_theta);
+    const at::Tensor v_context = at::linear(context, wv).view({tokens, hkv, d});
+    std::vector<at::Tensor> attended;
+    for (int64_t q_index = 0; q_index < sequences; ++q_index) {
+      const int64_t begin = batch.cu_seqlens[q_index], length = batch.cu_seqlens[q_index + 1] - begin;
+      const int64_t row0 = block_rows[q_index], nrows = block_rows[q_index + 1] - row0;
+      if (nrows == 0) continue;
+      attended.push_back(block_attention(q.narrow(0, row0, nrows), k_context.narrow(0, begin, length),
+                                         v_context.narrow(0, begin, length), k_block.narrow(0, row0, nrows),
+                                         v_block.narrow(0, row0, nrows), batch.anchors[q_index], attention_shape));
+    }
+    const at::Tensor attention = at::cat(attended).reshape({rows, hq * d});
+    x = x + at::linear(attention, param(layer_key(i, "self_attn.o_proj.weight")));
+    const at::Tensor m = rms_norm(x, param(layer_key(i, "post_attention_layernorm.weight")), s.rms_norm_eps);
+    x = x + at::linear(at::silu(at::linear(m, param(layer_key(i, "mlp.gate_proj.weight")))) *
+                           at::linear(m, param(layer_key(i, "mlp.up_proj.weight"))),
+                       param(layer_key(i, "mlp.down_proj.weight")));
+  }
+  return rms_norm(x, param("norm.weight"), s.rms_norm_eps);
+}
+
+}  // namespace dflash::drafter

@@ -1,0 +1,68 @@
+// model.h: the DFlash drafter (dflash.md section 1) and its batch.
+//
+// Parameters (trainable): fc [H, K*H], hidden_norm [H], per layer the Qwen3 decoder layer
+// (input/post-attention norms, q/k/v/o projections, q_norm/k_norm over head_dim, SwiGLU MLP),
+// and the final norm. The embedding and LM head are the target's, frozen, passed in.
+// Per layer, K and V come from [context ; block] through that layer's own k_proj / v_proj
+// (k_norm on both), Q from the block only; attention is block_attention.h's.
+//
+// A Drafter is owned by one worker thread; replicas in different threads share nothing.
+// Parameter names are the export names (dflash.md section 5).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "drafter/block_attention.h"
+#include "drafter/drafter_config.h"
+
+namespace dflash::drafter {
+
+// One micro-batch, packed over sequences (no padding anywhere).
+struct DrafterBatch {
+  at::Tensor features;               // [tokens, K*H]: tapped target states, ascending layer ids
+  at::Tensor input_ids;              // [tokens] int64, same device
+  at::Tensor loss_mask;              // [tokens] uint8/bool/int, CPU
+  std::vector<int64_t> cu_seqlens;   // sequence boundaries in tokens
+  std::vector<at::Tensor> anchors;   // per sequence: int64 CPU, ascending, positions within the sequence
+};
+
+class Drafter {
+ public:
+  Drafter(DrafterShape shape, at::TensorOptions options);
+
+  const DrafterShape& shape() const { return shape_; }
+  // Seeded initialisation like the HF init (normal 0.02 for matrices, ones for norms).
+  void init_random(uint64_t seed);
+  // Copies values into the parameters by name; throws naming the missing or misshapen one.
+  void load_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& source);
+  // Loads an exported drafter directory (config.json shape must equal ours).
+  void load_export(const std::string& dir);
+  // Writes DIR/config.json and DIR/model.safetensors (bf16) atomically.
+  void save_export(const std::string& dir) const;
+
+  // Name -> parameter (leaf tensors with requires_grad), in a fixed order.
+  const std::vector<std::pair<std::string, at::Tensor>>& parameters() const { return parameters_; }
+
+  // Hidden states after the final norm for every block row of the batch: [sum_n N_n * B, H].
+  // `embed` is the target's embedding table [vocab, H] (frozen).
+  at::Tensor forward(const DrafterBatch& batch, const at::Tensor& embed, int64_t group_blocks = 64) const;
+
+ private:
+  at::Tensor& param(const std::string& name);
+  const at::Tensor& param(const std::string& name) const;
+  DrafterShape shape_;
+  at::TensorOptions options_;
+  std::vector<std::pair<std::string, at::Tensor>> parameters_;
+};
+
+// Block token ids for one sequence: per anchor [input_ids[a], mask, ..., mask] (dflash.md 4.3).
+at::Tensor block_token_ids(const at::Tensor& sequence_ids, const at::Tensor& anchors, int64_t block_size,
+                           int64_t mask_token_id);
+// Absolute positions of block rows: anchor .. anchor + B - 1 per block (dflash.md 4.4).
+at::Tensor block_positions(const at::Tensor& anchors, int64_t block_size);
+
+}  // namespace dflash::drafter

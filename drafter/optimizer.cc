@@ -1,0 +1,111 @@
+#include "drafter/optimizer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <map>
+#include <stdexcept>
+
+namespace dflash::drafter {
+
+double scheduled_learning_rate(const OptimizerSettings& s, int64_t step) {
+  if (s.warmup_steps > 0 && step < s.warmup_steps) {
+    return s.learning_rate * static_cast<double>(step + 1) / static_cast<double>(s.warmup_steps);
+  }
+  const double span = static_cast<double>(std::max<int64_t>(1, s.total_steps - s.warmup_steps));
+  const double progress = std::min(1.0, static_cast<double>(step - s.warmup_steps) / span);
+  return s.min_learning_rate + 0.5 * (s.learning_rate - s.min_learning_rate) * (1.0 + std::cos(M_PI * progress));
+}
+
+AdamW::AdamW(std::vector<std::pair<std::string, at::Tensor>> parameters, OptimizerSettings settings)
+    : settings_(settings) {
+  c10::NoGradGuard no_grad;
+  for (auto& [name, p] : parameters) {
+    Slot slot;
+    slot.name = name;
+    slot.param = p;
+    slot.master = p.scalar_type() == at::kFloat ? p.detach() : p.detach().to(at::kFloat).clone();
+    slot.exp_avg = at::zeros_like(slot.master);
+    slot.exp_avg_sq = at::zeros_like(slot.master);
+    slots_.push_back(std::move(slot));
+  }
+}
+
+void AdamW::zero_grad() {
+  for (Slot& s : slots_) {
+    if (s.param.grad().defined()) s.param.mutable_grad() = at::Tensor();
+  }
+}
+
+StepResult AdamW::step() {
+  c10::NoGradGuard no_grad;
+  StepResult result;
+  result.learning_rate = scheduled_learning_rate(settings_, step_);
+  // Global norm in fp32 over all gradients; one host sync per step.
+  std::vector<at::Tensor> squares;
+  for (const Slot& s : slots_) {
+    if (s.param.grad().defined()) squares.push_back(s.param.grad().to(at::kFloat).pow(2).sum());
+  }
+  const double norm = squares.empty() ? 0.0 : std::sqrt(at::stack(squares).sum().item<double>());
+  result.grad_norm = norm;
+  if (!std::isfinite(norm)) {
+    zero_grad();
+    return result;  // not applied: the caller counts a non-finite step
+  }
+  const double clip = settings_.grad_clip_norm > 0 && norm > settings_.grad_clip_norm
+                          ? settings_.grad_clip_norm / (norm + 1e-6)
+                          : 1.0;
+  ++step_;
+  const double lr = result.learning_rate;
+  const double bias1 = 1 - std::pow(settings_.beta1, static_cast<double>(step_));
+  const double bias2 = 1 - std::pow(settings_.beta2, static_cast<double>(step_));
+  for (Slot& s : slots_) {
+    if (!s.param.grad().defined()) continue;
+    at::Tensor g = s.param.grad().to(at::kFloat);
+    if (clip != 1.0) g = g * clip;
+    s.master.mul_(1 - lr * settings_.weight_decay);  // decoupled weight decay
+    s.exp_avg.mul_(settings_.beta1).add_(g, 1 - settings_.beta1);
+    s.exp_avg_sq.mul_(settings_.beta2).addcmul_(g, g, 1 - settings_.beta2);
+    const at::Tensor denom = (s.exp_avg_sq.sqrt() / std::sqrt(bias2)).add_(settings_.epsilon);
+    s.master.addcdiv_(s.exp_avg, denom, -lr / bias1);
+    if (!s.master.is_same(s.param)) s.param.detach().copy_(s.master);  // round to the model dtype
+  }
+  zero_grad();
+  result.applied = true;
+  return result;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> AdamW::state_tensors() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const Slot& s : slots_) {
+    out.emplace_back("master." + s.name, s.master);
+    out.emplace_back("exp_avg." + s.name, s.exp_avg);
+    out.emplace_back("exp_avg_sq." + s.name, s.exp_avg_sq);
+  }
+  return out;
+}
+
+void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps_taken,
+                       const std::string& source) {
+  c10::NoGradGuard no_grad;
+  std::map<std::string, const at::Tensor*> by_name;
+  for (const auto& [n, t] : tensors) by_name[n] = &t;
+  auto take = [&](const std::string& name, at::Tensor& into) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) throw std::runtime_error(source + ": missing optimizer tensor '" + name + "'");
+    if (it->second->sizes() != into.sizes()) {
+      throw std::runtime_error(source + ": optimizer tensor '" + name + "' has the wrong shape");
+    }
+    into.copy_(*it->second);
+  };
+  for (Slot& s : slots_) {
+    take("master." + s.name, s.master);
+    take("exp_avg." + s.name, s.exp_avg);
+    take("exp_avg_sq." + s.name, s.exp_avg_sq);
+    if (!s.master.is_same(s.param)) s.param.detach().copy_(s.master);
+  }
+  step_ = steps_taken;
+}
+
+}  // namespace dflash::drafter

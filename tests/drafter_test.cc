@@ -1,0 +1,458 @@
+// Drafter tests: parity of loss and gradients with SpecForge's published DFlash training step,
+// the split block attention against the dense-mask reference, each invariant of dflash.md
+// section 4, thread safety, optimizer, checkpoints and the exported serving format.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <atomic>
+#include <fstream>
+#include <sys/stat.h>
+
+#include <thread>
+
+#include "common/safetensors.h"
+#include "drafter/block_attention.h"
+#include "drafter/checkpoint.h"
+#include "drafter/loss.h"
+#include "drafter/model.h"
+#include "drafter/optimizer.h"
+#include "tests/test_util.h"
+
+namespace dflash::drafter {
+namespace {
+
+const std::string kReferenceDir = DFLASHD_DRAFTER_REFERENCE_DIR;
+const std::string kPython = DFLASHD_PYTHON_EXECUTABLE;
+const std::string kScript = DFLASHD_SPECFORGE_SCRIPT;
+
+at::Tensor load(const SafetensorsFile& f, const std::string& name) {
+  const TensorEntry& e = f.get(name);
+  const at::ScalarType type = e.dtype == DType::I64 ? at::kLong : at::kFloat;
+  return at::from_blob(const_cast<std::byte*>(e.data), e.shape, at::TensorOptions().dtype(type)).clone();
+}
+
+double relative_error(const at::Tensor& ours, const at::Tensor& reference) {
+  EXPECT_EQ(ours.sizes(), reference.sizes());
+  const double scale = std::max(reference.abs().max().item<double>(), 1e-30);
+  return (ours.to(at::kDouble) - reference.to(at::kDouble)).abs().max().item<double>() / scale;
+}
+
+DrafterShape tiny_shape() {
+  DrafterShape s;
+  s.hidden_size = 48;
+  s.num_layers = 2;
+  s.num_attention_heads = 4;
+  s.num_key_value_heads = 2;
+  s.head_dim = 16;
+  s.intermediate_size = 80;
+  s.vocab_size = 320;
+  s.rms_norm_eps = 1e-6;
+  s.rope_theta = 1e6;
+  s.block_size = 4;
+  s.mask_token_id = 7;
+  s.target_layer_ids = {1, 3, 5};
+  s.num_target_layers = 8;
+  return s;
+}
+
+struct Reference {
+  std::shared_ptr<SafetensorsFile> file;
+  DrafterBatch batch;
+  at::Tensor embed, lm_head;
+};
+
+Reference load_reference() {
+  Reference r;
+  r.file = SafetensorsFile::open(kReferenceDir + "/specforge_step.safetensors");
+  const at::Tensor ids = load(*r.file, "input_ids"), mask = load(*r.file, "loss_mask");
+  const at::Tensor features = load(*r.file, "features"), anchors = load(*r.file, "anchors");
+  const at::Tensor keep = load(*r.file, "keep"), lengths = load(*r.file, "lengths");
+  std::vector<at::Tensor> ids_parts, mask_parts, feature_parts;
+  r.batch.cu_seqlens = {0};
+  for (int64_t s = 0; s < ids.size(0); ++s) {
+    const int64_t length = lengths[s].item<int64_t>();
+    ids_parts.push_back(ids[s].narrow(0, 0, length));
+    mask_parts.push_back(mask[s].narrow(0, 0, length));
+    feature_parts.push_back(features[s].narrow(0, 0, length));
+    r.batch.cu_seqlens.push_back(r.batch.cu_seqlens.back() + length);
+    r.batch.anchors.push_back(anchors[s].masked_select(keep[s].to(at::kBool)).contiguous());
+  }
+  r.batch.input_ids = at::cat(ids_parts);
+  r.batch.loss_mask = at::cat(mask_parts).to(at::kByte);
+  r.batch.features = at::cat(feature_parts);
+  r.embed = load(*r.file, "target.embed");
+  r.lm_head = load(*r.file, "target.lm_head");
+  return r;
+}
+
+Drafter reference_drafter(const Reference& r) {
+  Drafter drafter(tiny_shape(), at::TensorOptions().dtype(at::kFloat));
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, p] : drafter.parameters()) tensors.emplace_back(name, load(*r.file, "param." + name));
+  drafter.load_tensors(tensors, "reference");
+  return drafter;
+}
+
+at::Tensor step_loss(const Drafter& drafter, const Reference& r, LossStats* stats, int64_t group_blocks = 64) {
+  const BlockTargets targets = make_block_targets(r.batch, 4, 7.0, at::kCPU);
+  const at::Tensor hidden = drafter.forward(r.batch, r.embed, group_blocks);
+  return dflash_loss(hidden, r.lm_head, targets, targets.weight_sum, /*chunk_rows=*/12, 4, stats);
+}
+
+TEST(DrafterParity, LossAndGradientsMatchSpecForge) {
+  const Reference r = load_reference();
+  for (int64_t group_blocks : {64, 2}) {  // one group per sequence, and several
+    Drafter drafter = reference_drafter(r);
+    LossStats stats;
+    const at::Tensor loss = step_loss(drafter, r, &stats, group_blocks);
+    loss.backward();
+    EXPECT_LE(relative_error(loss.reshape({1}), load(*r.file, "loss")), 1e-5) << loss.item<double>();
+    int64_t correct = 0, count = 0;
+    for (size_t k = 0; k < stats.correct.size(); ++k) correct += stats.correct[k], count += stats.count[k];
+    EXPECT_NEAR(static_cast<double>(correct) / count, load(*r.file, "accuracy").item<double>(), 1e-12);
+    for (const auto& [name, p] : drafter.parameters()) {
+      ASSERT_TRUE(p.grad().defined()) << name;
+      EXPECT_LE(relative_error(p.grad(), load(*r.file, "grad." + name)), 1e-5) << name << " groups " << group_blocks;
+    }
+  }
+}
+
+// ---- Block attention -----------------------------------------------------------------------
+
+struct AttentionInputs {
+  at::Tensor q, kc, vc, kb, vb, anchors;
+};
+
+AttentionInputs random_attention(int64_t context, std::vector<int64_t> anchors, int64_t block, int64_t hq, int64_t hkv,
+                                 int64_t d) {
+  const int64_t rows = static_cast<int64_t>(anchors.size()) * block;
+  const auto o = at::TensorOptions().dtype(at::kDouble);
+  return {at::randn({rows, hq, d}, o).requires_grad_(), at::randn({context, hkv, d}, o).requires_grad_(),
+          at::randn({context, hkv, d}, o).requires_grad_(), at::randn({rows, hkv, d}, o).requires_grad_(),
+          at::randn({rows, hkv, d}, o).requires_grad_(), at::tensor(anchors, at::TensorOptions().dtype(at::kLong))};
+}
+
+TEST(BlockAttention, SplitPathEqualsDenseMaskForwardAndBackward) {
+  at::manual_seed(3);
+  // Anchor 0 (no context), repeated anchors (overlapping blocks), GQA 6/2, odd head dim.
+  const std::vector<int64_t> anchors{0, 3, 3, 7, 20, 21, 29, 44, 45};
+  for (int64_t group_blocks : {1, 2, 4, 64}) {
+    AttentionInputs in = random_attention(46, anchors, 5, 6, 2, 12);
+    const at::Tensor dout = at::randn({static_cast<int64_t>(anchors.size()) * 5, 6, 12}, at::TensorOptions().dtype(at::kDouble));
+    const at::Tensor ours = block_attention(in.q, in.kc, in.vc, in.kb, in.vb, in.anchors, {5, group_blocks, 0});
+    const auto ours_grads = torch::autograd::grad({ours}, {in.q, in.kc, in.vc, in.kb, in.vb}, {dout});
+    const at::Tensor reference = block_attention_dense_reference(in.q, in.kc, in.vc, in.kb, in.vb, in.anchors, 5);
+    const auto reference_grads = torch::autograd::grad({reference}, {in.q, in.kc, in.vc, in.kb, in.vb}, {dout});
+    // The split path computes in fp32 internally.
+    EXPECT_LE(relative_error(ours, reference), 1e-5) << "groups of " << group_blocks;
+    for (size_t i = 0; i < ours_grads.size(); ++i) {
+      EXPECT_LE(relative_error(ours_grads[i], reference_grads[i]), 1e-5) << "grad " << i << " groups of " << group_blocks;
+    }
+  }
+}
+
+TEST(BlockAttention, RejectsUnsortedOrOutOfRangeAnchors) {
+  AttentionInputs in = random_attention(10, {2, 1}, 4, 2, 2, 8);
+  EXPECT_THROW(block_attention(in.q, in.kc, in.vc, in.kb, in.vb, in.anchors, {4, 64, 0}), std::invalid_argument);
+  AttentionInputs far = random_attention(10, {10}, 4, 2, 2, 8);
+  EXPECT_THROW(block_attention(far.q, far.kc, far.vc, far.kb, far.vb, far.anchors, {4, 64, 0}), std::invalid_argument);
+}
+
+// Invariant 2: context strictly before the anchor.
+TEST(DrafterInvariants, ContextIsStrictlyBeforeTheAnchor) {
+  at::manual_seed(5);
+  // Two blocks in one group: the first block's staircase row is checked inside the window
+  // that the second block's larger anchor opens.
+  AttentionInputs in = random_attention(30, {12, 20}, 4, 2, 1, 8);
+  const BlockAttentionShape shape{4, 64, 0};
+  const at::Tensor base = block_attention(in.q, in.kc, in.vc, in.kb, in.vb, in.anchors, shape).detach();
+  at::Tensor kc = in.kc.detach().clone(), vc = in.vc.detach().clone();
+  kc[12] += 5.0;  // the first anchor's own position: invisible to block 0
+  vc[12] += 5.0;
+  const at::Tensor moved = block_attention(in.q, kc, vc, in.kb, in.vb, in.anchors, shape);
+  EXPECT_TRUE(at::equal(moved.narrow(0, 0, 4), base.narrow(0, 0, 4))) << "context used <= anchor";
+  EXPECT_FALSE(at::allclose(moved.narrow(0, 4, 4), base.narrow(0, 4, 4))) << "block 1 (anchor 20) sees key 12";
+  kc[11] += 5.0;  // just before the anchor: visible
+  EXPECT_FALSE(at::allclose(block_attention(in.q, kc, vc, in.kb, in.vb, in.anchors, shape).narrow(0, 0, 4),
+                            base.narrow(0, 0, 4)));
+}
+
+// Invariants 1 and 3: same-position labels; anchor token at offset 0, mask token elsewhere.
+TEST(DrafterInvariants, SamePositionLabelsAndAnchorEmbedding) {
+  DrafterBatch batch;
+  batch.input_ids = at::arange(100, 120, at::TensorOptions().dtype(at::kLong));
+  batch.loss_mask = at::ones({20}, at::TensorOptions().dtype(at::kByte));
+  batch.loss_mask[15] = 0;
+  batch.cu_seqlens = {0, 20};
+  batch.anchors = {at::tensor(std::vector<int64_t>{3, 14}, at::TensorOptions().dtype(at::kLong))};
+  const BlockTargets t = make_block_targets(batch, 4, 7.0, at::kCPU);
+  // Block at 3: offsets 1..3 -> tokens 104, 105, 106 (anchor + k, not anchor + k + 1).
+  EXPECT_EQ(t.labels[1].item<int64_t>(), 104);
+  EXPECT_EQ(t.labels[3].item<int64_t>(), 106);
+  EXPECT_EQ(t.weights[0].item<float>(), 0.0f) << "offset 0 carries no loss";
+  EXPECT_FLOAT_EQ(t.weights[1].item<float>(), 1.0f);
+  EXPECT_FLOAT_EQ(t.weights[2].item<float>(), std::exp(-1.0f / 7.0f));
+  // Block at 14: offset 1 -> position 15 is outside the loss mask; 2 -> 16 valid.
+  EXPECT_EQ(t.weights[5].item<float>(), 0.0f);
+  EXPECT_EQ(t.labels[6].item<int64_t>(), 116);
+  const at::Tensor ids = block_token_ids(batch.input_ids, batch.anchors[0], 4, 7);
+  EXPECT_TRUE(at::equal(ids, at::tensor(std::vector<int64_t>{103, 7, 7, 7, 114, 7, 7, 7})));
+  // Invariant 4: absolute positions.
+  EXPECT_TRUE(at::equal(block_positions(batch.anchors[0], 4),
+                        at::tensor(std::vector<int64_t>{3, 4, 5, 6, 14, 15, 16, 17})));
+}
+
+// Invariant 6: labels past the end and other sequences of a packed batch never leak.
+TEST(DrafterInvariants, PackedSequencesAndSequenceEndsDoNotLeak) {
+  const Reference r = load_reference();
+  Drafter drafter = reference_drafter(r);
+  const at::Tensor hidden = drafter.forward(r.batch, r.embed).detach();
+  DrafterBatch changed = r.batch;
+  changed.input_ids = r.batch.input_ids.clone();
+  changed.features = r.batch.features.clone();
+  const int64_t second = r.batch.cu_seqlens[1];
+  changed.input_ids.narrow(0, second, 29).random_(0, 320);
+  changed.features.narrow(0, second, 29).normal_();
+  const at::Tensor other = drafter.forward(changed, r.embed).detach();
+  const int64_t first_rows = r.batch.anchors[0].size(0) * 4;
+  EXPECT_TRUE(at::equal(hidden.narrow(0, 0, first_rows), other.narrow(0, 0, first_rows)));
+  EXPECT_FALSE(at::equal(hidden, other));
+  // The last block of sequence 2 (anchor 27, length 29): offsets 2 and 3 are past the end.
+  const BlockTargets t = make_block_targets(r.batch, 4, 7.0, at::kCPU);
+  const int64_t last = t.weights.size(0) - 4;
+  EXPECT_GT(t.weights[last + 1].item<float>(), 0.0f);
+  EXPECT_EQ(t.weights[last + 2].item<float>(), 0.0f);
+  EXPECT_EQ(t.weights[last + 3].item<float>(), 0.0f);
+}
+
+TEST(Anchors, SampledOnlyWhereAnchorAndNextAreSupervisedUniqueSortedReproducible) {
+  std::vector<uint8_t> mask(200, 0);
+  for (int i = 10; i < 200; ++i) mask[i] = (i % 7 != 0);
+  std::mt19937_64 a(42), b(42);
+  const at::Tensor first = sample_anchors(mask, 50, a), again = sample_anchors(mask, 50, b);
+  EXPECT_TRUE(at::equal(first, again));
+  ASSERT_EQ(first.size(0), 50);
+  for (int64_t i = 0; i < 50; ++i) {
+    const int64_t p = first[i].item<int64_t>();
+    EXPECT_TRUE(mask[p] && mask[p + 1]) << p;
+    if (i > 0) {
+      EXPECT_LT(first[i - 1].item<int64_t>(), p);
+    }
+  }
+  EXPECT_FALSE(at::equal(sample_anchors(mask, 50, a), first)) << "redrawn each step";
+  std::vector<uint8_t> few{0, 1, 1, 0, 1, 1, 1};
+  std::mt19937_64 c(1);
+  EXPECT_TRUE(at::equal(sample_anchors(few, 512, c), at::tensor(std::vector<int64_t>{1, 4, 5})));
+}
+
+TEST(LossStats, TauFromPerPositionAccuracy) {
+  LossStats s;
+  s.correct = {0, 8, 4, 1};
+  s.count = {0, 10, 8, 4};
+  // tau = 1 + 0.8 + 0.8*0.5 + 0.8*0.5*0.25
+  EXPECT_NEAR(s.tau(), 1 + 0.8 + 0.4 + 0.1, 1e-12);
+}
+
+// ---- Threads, optimizer, checkpoints ----------------------------------------------------------
+
+std::vector<at::Tensor> train_steps(const Reference& r, int steps) {
+  Drafter drafter = reference_drafter(r);
+  OptimizerSettings settings;
+  settings.learning_rate = 1e-2;
+  settings.total_steps = steps;
+  AdamW optimizer(drafter.parameters(), settings);
+  for (int i = 0; i < steps; ++i) {
+    LossStats stats;
+    step_loss(drafter, r, &stats).backward();
+    optimizer.step();
+  }
+  std::vector<at::Tensor> out;
+  for (const auto& [n, p] : drafter.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+TEST(DrafterThreads, ConcurrentReplicasMatchSequentialRunsBitForBit) {
+  const Reference r = load_reference();
+  const auto sequential = train_steps(r, 3);
+  std::vector<std::vector<at::Tensor>> results(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) threads.emplace_back([&, t] { results[t] = train_steps(r, 3); });
+  for (auto& t : threads) t.join();
+  for (int t = 0; t < 4; ++t) {
+    for (size_t i = 0; i < sequential.size(); ++i) EXPECT_TRUE(at::equal(results[t][i], sequential[i])) << t << " " << i;
+  }
+  EXPECT_FALSE(at::equal(sequential[0], reference_drafter(r).parameters()[0].second)) << "training changed weights";
+}
+
+TEST(Optimizer, MatchesTheAdamWFormulaAndSchedules) {
+  at::Tensor p = at::tensor(std::vector<float>{1.0f, -2.0f}).requires_grad_();
+  OptimizerSettings s;
+  s.learning_rate = 0.1;
+  s.weight_decay = 0.01;
+  s.grad_clip_norm = 0;
+  s.total_steps = 1000;
+  AdamW opt({{"p", p}}, s);
+  p.mutable_grad() = at::tensor(std::vector<float>{0.5f, 1.0f});
+  opt.step();
+  // Step 1: m = 0.1 g, v = 0.001 g^2, m_hat = g, v_hat = g^2 -> update = lr * g/(|g|+eps) = lr * sign(g)
+  // after decay p *= (1 - lr*wd).
+  EXPECT_NEAR(p[0].item<float>(), 1.0 * (1 - 0.001) - 0.1, 1e-6);
+  EXPECT_NEAR(p[1].item<float>(), -2.0 * (1 - 0.001) - 0.1, 1e-6);
+  OptimizerSettings w;
+  w.learning_rate = 1.0;
+  w.min_learning_rate = 0.1;
+  w.warmup_steps = 4;
+  w.total_steps = 14;
+  EXPECT_DOUBLE_EQ(scheduled_learning_rate(w, 0), 0.25);
+  EXPECT_DOUBLE_EQ(scheduled_learning_rate(w, 3), 1.0);
+  EXPECT_NEAR(scheduled_learning_rate(w, 9), 0.55, 1e-12);  // half way down the cosine
+  EXPECT_NEAR(scheduled_learning_rate(w, 14), 0.1, 1e-12);
+}
+
+TEST(Optimizer, ClipsToTheGlobalNormAndSkipsNonFiniteSteps) {
+  at::Tensor a = at::zeros({1}).requires_grad_(), b = at::zeros({1}).requires_grad_();
+  OptimizerSettings s;
+  s.learning_rate = 1.0;
+  s.grad_clip_norm = 1.0;
+  AdamW opt({{"a", a}, {"b", b}}, s);
+  a.mutable_grad() = at::full({1}, 3.0f);
+  b.mutable_grad() = at::full({1}, 4.0f);
+  EXPECT_NEAR(opt.step().grad_norm, 5.0, 1e-9);
+  a.mutable_grad() = at::full({1}, NAN);
+  b.mutable_grad() = at::full({1}, 1.0f);
+  const at::Tensor before = a.detach().clone();
+  const StepResult r = opt.step();
+  EXPECT_FALSE(r.applied);
+  EXPECT_TRUE(at::equal(a.detach(), before));
+  EXPECT_EQ(opt.steps_taken(), 1);
+}
+
+TEST(Checkpoint, ResumeContinuesBitIdenticallyAndPartialDirectoriesAreIgnored) {
+  const Reference r = load_reference();
+  const std::string root = test::make_temp_dir("ckpt");
+  OptimizerSettings settings;
+  settings.learning_rate = 1e-2;
+  settings.total_steps = 4;
+  // Uninterrupted: 4 steps.
+  const auto straight = train_steps(r, 4);
+  // Interrupted: 2 steps, checkpoint, fresh objects, resume, 2 more.
+  {
+    Drafter drafter = reference_drafter(r);
+    AdamW optimizer(drafter.parameters(), settings);
+    for (int i = 0; i < 2; ++i) {
+      LossStats stats;
+      step_loss(drafter, r, &stats).backward();
+      optimizer.step();
+    }
+    write_checkpoint(root, 2, drafter, optimizer, R"({"data": {"epoch": 0, "position": 17}})");
+  }
+  // A crash while writing step 3 leaves a partial directory: it must be ignored.
+  test::make_temp_dir("unused");
+  ::mkdir((root + "/.step-000000000003.partial").c_str(), 0755);
+  ::mkdir((root + "/step-000000000004").c_str(), 0755);  // no COMMIT: not a checkpoint
+  const auto found = list_checkpoints(root);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0], root + "/step-000000000002");
+  Drafter drafter(tiny_shape(), at::TensorOptions().dtype(at::kFloat));
+  drafter.init_random(99);
+  AdamW optimizer(drafter.parameters(), settings);
+  const LoadedCheckpoint loaded = read_checkpoint(found[0], &drafter, &optimizer);
+  EXPECT_EQ(loaded.step, 2);
+  EXPECT_EQ(loaded.trainer_state_json, R"({"data":{"epoch":0,"position":17}})");
+  for (int i = 0; i < 2; ++i) {
+    LossStats stats;
+    step_loss(drafter, r, &stats).backward();
+    optimizer.step();
+  }
+  for (size_t i = 0; i < straight.size(); ++i) EXPECT_TRUE(at::equal(drafter.parameters()[i].second, straight[i])) << i;
+  // keep-last pruning
+  write_checkpoint(root, 5, drafter, optimizer, "{}");
+  write_checkpoint(root, 6, drafter, optimizer, "{}");
+  prune_checkpoints(root, 2);
+  const auto kept = list_checkpoints(root);
+  ASSERT_EQ(kept.size(), 2u);
+  EXPECT_EQ(kept[0], root + "/step-000000000005");
+}
+
+TEST(Checkpoint, CorruptOrIncompleteCheckpointsAreClearErrors) {
+  const std::string root = test::make_temp_dir("ckpt-bad");
+  Drafter drafter(tiny_shape(), at::TensorOptions().dtype(at::kFloat));
+  drafter.init_random(1);
+  AdamW optimizer(drafter.parameters(), OptimizerSettings{});
+  const std::string dir = write_checkpoint(root, 1, drafter, optimizer, "{}");
+  // Truncate the weights file.
+  std::ofstream(dir + "/model.safetensors", std::ios::trunc) << "short";
+  try {
+    read_checkpoint(dir, &drafter, &optimizer);
+    FAIL();
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find(dir + "/model.safetensors: truncated"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(read_checkpoint(root, &drafter, &optimizer), CheckpointError);  // no COMMIT
+}
+
+// Invariant 7: the exported drafter loads in the published model code and gives our logits.
+TEST(DrafterExport, LoadsInSpecForgeModelCodeWithTheSameLogits) {
+  const Reference r = load_reference();
+  Drafter drafter = reference_drafter(r);
+  const std::string dir = test::make_temp_dir("export");
+  drafter.save_export(dir);
+  // Our logits from the bf16-rounded weights that were exported.
+  Drafter reloaded(tiny_shape(), at::TensorOptions().dtype(at::kFloat));
+  reloaded.load_export(dir);
+  DrafterBatch one;
+  one.cu_seqlens = {0, 40};
+  one.input_ids = r.batch.input_ids.narrow(0, 0, 40);
+  one.loss_mask = r.batch.loss_mask.narrow(0, 0, 40);
+  one.features = r.batch.features.narrow(0, 0, 40);
+  one.anchors = {r.batch.anchors[0]};
+  const at::Tensor logits = at::matmul(reloaded.forward(one, r.embed).detach(), r.lm_head.t()).contiguous();
+  const at::Tensor ids = one.input_ids.contiguous(), features = one.features.contiguous();
+  const at::Tensor anchors = one.anchors[0].contiguous();
+  write_safetensors(dir + "/inputs.safetensors",
+                    {{"features", DType::F32, features.sizes().vec(), features.data_ptr(), (size_t)features.nbytes()},
+                     {"input_ids", DType::I64, ids.sizes().vec(), ids.data_ptr(), (size_t)ids.nbytes()},
+                     {"anchors", DType::I64, anchors.sizes().vec(), anchors.data_ptr(), (size_t)anchors.nbytes()},
+                     {"target.embed", DType::F32, r.embed.sizes().vec(), r.embed.data_ptr(), (size_t)r.embed.nbytes()},
+                     {"target.lm_head", DType::F32, r.lm_head.sizes().vec(), r.lm_head.data_ptr(), (size_t)r.lm_head.nbytes()},
+                     {"dflashd.logits", DType::F32, logits.sizes().vec(), logits.data_ptr(), (size_t)logits.nbytes()}});
+  const std::string command = kPython + " " + kScript + " check-export " + dir + " " + dir + "/inputs.safetensors > " +
+                              dir + "/check.log 2>&1";
+  EXPECT_EQ(std::system(command.c_str()), 0) << test::read_file(dir + "/check.log");
+  // Round trip through our own loader keeps the (bf16-rounded) weights.
+  for (size_t i = 0; i < drafter.parameters().size(); ++i) {
+    EXPECT_TRUE(at::equal(reloaded.parameters()[i].second, drafter.parameters()[i].second.to(at::kBFloat16).to(at::kFloat)));
+  }
+  // export_checkpoint produces the same files from a checkpoint.
+  AdamW optimizer(drafter.parameters(), OptimizerSettings{});
+  const std::string ckpt = write_checkpoint(dir + "/ckpt", 3, drafter, optimizer, "{}");
+  export_checkpoint(ckpt, dir + "/exported");
+  EXPECT_EQ(test::read_file(dir + "/exported/config.json"), test::read_file(dir + "/config.json"));
+  EXPECT_EQ(test::read_file(dir + "/exported/model.safetensors"), test::read_file(dir + "/model.safetensors"));
+}
+
+TEST(DrafterShapeTest, FromTargetConfigWithDefaultsAndErrors) {
+  target::ModelConfig t = target::parse_model_config(target::preset_config_json("tiny-qwen3_5"), "tiny");
+  config::DrafterConfig c;
+  c.mask_token_id = 5;
+  const DrafterShape s = shape_for_target(t, c);
+  EXPECT_EQ(s.hidden_size, 64);
+  EXPECT_EQ(s.target_layer_ids, (std::vector<int64_t>{1, 2, 3, 4, 5}));
+  EXPECT_DOUBLE_EQ(s.rope_theta, 1e7);
+  config::DrafterConfig bad;
+  EXPECT_THROW(shape_for_target(t, bad), std::invalid_argument);  // tiny vocab: no default mask token
+  bad.mask_token_id = 9999;
+  EXPECT_THROW(shape_for_target(t, bad), std::invalid_argument);
+  bad.mask_token_id = 1;
+  bad.target_layer_ids = {1, 9};
+  EXPECT_THROW(shape_for_target(t, bad), std::invalid_argument);
+  const std::string json = export_config_json(s);
+  const DrafterShape back = parse_export_config(json, "x");
+  EXPECT_EQ(back.target_layer_ids, s.target_layer_ids);
+  EXPECT_EQ(back.mask_token_id, 5);
+  EXPECT_NE(json.find("\"architectures\": [\n    \"DFlashDraftModel\""), std::string::npos);
+}
+
+}  // namespace
+}  // namespace dflash::drafter
