@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 
 #include "common/health.h"
 #include "daemon/exit_codes.h"
@@ -15,6 +16,7 @@
 #include "daemon/process_metrics.h"
 #include "daemon/signals.h"
 #include "daemon/systemd_notify.h"
+#include "pipeline/trainer.h"
 
 namespace dflash::daemon {
 
@@ -100,47 +102,76 @@ int run_service(const config::Config& config, const RunOptions& options) {
     }
   }
 
-  // The training pipeline (issue: pipeline) plugs in here. Until then the service runs its
-  // lifecycle and endpoints only, and says so.
-  log::warn("the training pipeline is not part of this build yet: serving metrics and health only");
+  // The training run: loads the target, builds the drafter replicas, opens the data, resumes.
+  std::unique_ptr<pipeline::Trainer> trainer;
+  try {
+    notifier.status("starting: loading the target and the data");
+    trainer = std::make_unique<pipeline::Trainer>(config, *registry, health);
+  } catch (const std::exception& e) {
+    log::error("cannot start the run: {}", e.what());
+    notifier.status(std::string("failed: ") + e.what());
+    return exit_code::kStartup;
+  }
 
   starting.Set(0);
   running.Set(1);
+  trainer->start();
   notifier.ready();
-  notifier.status("running: serving metrics (no training pipeline in this build)");
 
   const auto started = Clock::now();
   auto last_watchdog = Clock::time_point{};
-  auto last_log = started;
+  auto last_status = Clock::time_point{};
+  std::optional<Clock::time_point> stop_deadline;
   const auto watchdog_interval = notifier.watchdog_interval();
-  while (!signals.stop_requested()) {
+  while (!trainer->done()) {
     const auto now = Clock::now();
     loop_heartbeat.Set(std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+    trainer->supervise();
     // The watchdog is fed only from this loop: if it stops turning, systemd notices.
     if (watchdog_interval && now - last_watchdog >= *watchdog_interval) {
       notifier.watchdog();
       watchdog_pings.Increment();
       last_watchdog = now;
     }
-    const double elapsed = std::chrono::duration<double>(now - started).count();
-    if (config.run.max_seconds > 0 && elapsed >= config.run.max_seconds) {
-      log::info("run.max_seconds ({}) reached", config.run.max_seconds);
-      break;
+    const bool out_of_time = config.run.max_seconds > 0 &&
+                             std::chrono::duration<double>(now - started).count() >= config.run.max_seconds;
+    if ((signals.stop_requested() || out_of_time) && !stop_deadline) {
+      if (out_of_time) log::info("run.max_seconds ({}) reached", config.run.max_seconds);
+      trainer->request_stop();
+      running.Set(0);
+      stopping.Set(1);
+      notifier.stopping();
+      notifier.status("stopping: finishing the step in flight, then a checkpoint");
+      stop_deadline = now + std::chrono::milliseconds(static_cast<int64_t>(config.checkpoint.stop_timeout_seconds * 1000));
     }
-    if (std::chrono::duration<double>(now - last_log).count() >= config.metrics.log_every_seconds) {
-      log::info("alive for {} s", static_cast<int64_t>(elapsed));
-      last_log = now;
+    if (stop_deadline && now > *stop_deadline) {
+      log::critical("the graceful stop took longer than checkpoint.stop_timeout_seconds ({} s): exiting without a "
+                    "final checkpoint (the last complete one stays valid)",
+                    config.checkpoint.stop_timeout_seconds);
+      log::flush();
+      return exit_code::kFailure;
+    }
+    if (!stop_deadline && now - last_status >= std::chrono::seconds(5)) {
+      notifier.status(trainer->status());
+      last_status = now;
     }
     std::unique_lock lock(mutex);
-    wake.wait_for(lock, std::chrono::milliseconds(100), [&] { return signals.stop_requested(); });
+    wake.wait_for(lock, std::chrono::milliseconds(200), [&] { return signals.stop_requested() && !stop_deadline; });
   }
-
+  notifier.status("stopping: writing the final checkpoint");
+  const pipeline::Outcome outcome = trainer->wait();
+  trainer->supervise();
   running.Set(0);
   stopping.Set(1);
   notifier.stopping();
-  log::info("stopping: nothing in flight, exiting");
   endpoint.reset();
-  log::info("stopped cleanly");
+  if (outcome == pipeline::Outcome::failed) {
+    log::error("run failed at step {}: {}", trainer->step(), trainer->failure());
+    log::flush();
+    return exit_code::kFailure;
+  }
+  log::info(outcome == pipeline::Outcome::finished ? "run finished at step {}" : "stopped cleanly at step {}",
+            trainer->step());
   log::flush();
   return exit_code::kOk;
 }

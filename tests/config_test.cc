@@ -72,7 +72,7 @@ TEST(Config, EmbeddedDefaultParsesAndIsCpuTinySynthetic) {
   EXPECT_TRUE(c.data.paths.empty());
   EXPECT_TRUE(check_machine(c, Machine{0}).empty());
   // Every default in the struct is what the embedded file documents, section by section.
-  EXPECT_DOUBLE_EQ(c.train.learning_rate, TrainConfig{}.learning_rate);
+  EXPECT_DOUBLE_EQ(c.train.learning_rate, 0.002);  // the demo's; the struct default is the recipe's 6e-4
   EXPECT_EQ(c.train.anchors_per_sequence, TrainConfig{}.anchors_per_sequence);
   EXPECT_EQ(c.checkpoint.every_steps, CheckpointConfig{}.every_steps);
   EXPECT_EQ(c.queues.feature_memory_budget_bytes, QueueConfig{}.feature_memory_budget_bytes);

@@ -14,7 +14,7 @@ const std::string kBinary = std::getenv("DFLASHD_BINARY") ? std::getenv("DFLASHD
 
 std::string write_config(const std::string& dir, int port, const std::string& extra = "") {
   const std::string path = dir + "/run.yaml";
-  std::ofstream(path) << "target: {preset: tiny-qwen3, weights: random}\n"
+  std::ofstream(path) << "target: {preset: tiny-qwen3, weights: random}\ndrafter: {mask_token_id: 500, num_layers: 1}\ntrain: {max_steps: 100000}\n"
                          "data: {synthetic: {sequences: 8}}\n"
                          "gpus: {device: cpu}\n"
                          "run: {output_dir: " << dir << "/out}\n"
@@ -69,7 +69,7 @@ TEST(Daemon, StopsByItselfAfterMaxSecondsAndOnSigint) {
   const std::string dir = test::make_temp_dir("daemon-max");
   const std::string config = write_config(dir, test::free_port(), "run:\n  max_seconds: 1\n");
   // run: given twice is a duplicate key: make sure the file is valid first.
-  std::ofstream(config, std::ios::trunc) << "target: {preset: tiny-qwen3, weights: random}\n"
+  std::ofstream(config, std::ios::trunc) << "target: {preset: tiny-qwen3, weights: random}\ndrafter: {mask_token_id: 500, num_layers: 1}\ntrain: {max_steps: 100000}\n"
                                             "data: {synthetic: {sequences: 8}}\n"
                                             "gpus: {device: cpu}\n"
                                             "run: {max_seconds: 1, output_dir: " << dir << "/out}\n"

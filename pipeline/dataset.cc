@@ -1,0 +1,207 @@
+#include "pipeline/dataset.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+
+#include "common/log.h"
+
+namespace dflash::pipeline {
+namespace {
+
+uint64_t mix(uint64_t x) {  // splitmix64: a stateless, well-spread hash for seeds
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+std::vector<std::string> expand_paths(const std::vector<std::string>& paths) {
+  std::vector<std::string> files;
+  for (const auto& p : paths) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0) throw std::runtime_error("data.paths: " + p + ": no such file or directory");
+    if (S_ISDIR(st.st_mode)) {
+      std::vector<std::string> shard;
+      if (DIR* dir = ::opendir(p.c_str())) {
+        while (dirent* e = ::readdir(dir)) {
+          const std::string n = e->d_name;
+          if (n.size() > 6 && n.substr(n.size() - 6) == ".jsonl") shard.push_back(p + "/" + n);
+        }
+        ::closedir(dir);
+      }
+      if (shard.empty()) throw std::runtime_error("data.paths: " + p + ": a directory without *.jsonl files");
+      std::sort(shard.begin(), shard.end());
+      files.insert(files.end(), shard.begin(), shard.end());
+    } else {
+      files.push_back(p);
+    }
+  }
+  return files;
+}
+
+int64_t supervised(const TokenSample& s) {
+  return std::count(s.loss_mask.begin(), s.loss_mask.end(), 1);
+}
+
+}  // namespace
+
+TokenSample synthetic_sample(int64_t number, const config::SyntheticData& synthetic, int64_t vocab_size, int64_t seed) {
+  std::mt19937_64 rng(mix(static_cast<uint64_t>(seed) ^ mix(static_cast<uint64_t>(number))));
+  const int64_t length = synthetic.min_length + static_cast<int64_t>(rng() % (synthetic.max_length - synthetic.min_length + 1));
+  const int64_t usable = std::max<int64_t>(2, vocab_size - 1);
+  const int64_t start = static_cast<int64_t>(rng() % usable), stride = 1 + static_cast<int64_t>(rng() % 3);
+  TokenSample s;
+  s.line = number;
+  for (int64_t t = 0; t < length; ++t) {
+    s.input_ids.push_back((start + t * stride) % usable);
+    s.loss_mask.push_back(t >= 4 ? 1 : 0);  // a short unsupervised "prompt"
+  }
+  return s;
+}
+
+std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t vocab_size) {
+  auto d = std::shared_ptr<Dataset>(new Dataset());
+  d->config_ = config;
+  d->vocab_size_ = vocab_size;
+  auto accept = [&](const TokenSample& s, Entry e) {
+    const int64_t tokens = std::min<int64_t>(static_cast<int64_t>(s.input_ids.size()), config.max_length);
+    TokenSample truncated = s;
+    truncated.input_ids.resize(tokens);
+    truncated.loss_mask.resize(tokens);
+    if (supervised(truncated) < config.min_supervised_tokens) {
+      ++d->skipped_short_;
+      return;
+    }
+    e.tokens = static_cast<int32_t>(tokens);
+    d->tokens_per_epoch_ += tokens;
+    d->index_.push_back(e);
+  };
+  if (config.synthetic.sequences > 0) {
+    for (int64_t i = 0; i < config.synthetic.sequences; ++i) {
+      accept(synthetic_sample(i, config.synthetic, vocab_size, config.seed), Entry{-1, i, i, 0});
+    }
+  } else {
+    d->files_ = expand_paths(config.paths);
+    for (int32_t f = 0; f < static_cast<int32_t>(d->files_.size()); ++f) {
+      const std::string& path = d->files_[f];
+      std::ifstream in(path, std::ios::binary);
+      if (!in) throw std::runtime_error("data.paths: " + path + ": cannot read");
+      std::string text;
+      int64_t line = 0;
+      while (true) {
+        const int64_t offset = static_cast<int64_t>(in.tellg());
+        if (!std::getline(in, text)) break;
+        ++line;
+        if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+        try {
+          TokenSample s = parse_token_line(text, path, line);
+          if (s.loss_mask.empty()) throw TokenFileError(path + ":" + std::to_string(line) + ": training data needs a \"loss_mask\"");
+          for (int64_t id : s.input_ids) {
+            if (id >= vocab_size) {
+              throw TokenFileError(path + ":" + std::to_string(line) + ": token id " + std::to_string(id) +
+                                   " is outside the target vocabulary (" + std::to_string(vocab_size) + ")");
+            }
+          }
+          accept(s, Entry{f, offset, line, 0});
+        } catch (const TokenFileError& e) {
+          if (config.on_malformed == "error") throw;
+          ++d->skipped_malformed_;
+          log::warn("skipping malformed sample: {}", e.what());
+        }
+      }
+    }
+  }
+  if (d->index_.empty()) {
+    throw std::runtime_error("data: no usable sample (" + std::to_string(d->skipped_short_) +
+                             " with too few supervised tokens, " + std::to_string(d->skipped_malformed_) + " malformed)");
+  }
+  return d;
+}
+
+TokenSample Dataset::load(int64_t index) const {
+  const Entry& e = index_.at(static_cast<size_t>(index));
+  TokenSample s;
+  if (e.file < 0) {
+    s = synthetic_sample(e.offset, config_.synthetic, vocab_size_, config_.seed);
+  } else {
+    std::ifstream in(files_[e.file], std::ios::binary);
+    in.seekg(e.offset);
+    std::string text;
+    if (!in || !std::getline(in, text)) {
+      throw std::runtime_error(files_[e.file] + ":" + std::to_string(e.line) + ": cannot re-read (file changed?)");
+    }
+    s = parse_token_line(text, files_[e.file], e.line);
+  }
+  s.input_ids.resize(e.tokens);
+  s.loss_mask.resize(e.tokens);
+  return s;
+}
+
+std::vector<int64_t> Dataset::epoch_order(int64_t epoch) const {
+  std::vector<int64_t> order(index_.size());
+  std::iota(order.begin(), order.end(), 0);
+  if (config_.shuffle) {
+    std::mt19937_64 rng(mix(static_cast<uint64_t>(config_.seed) * 1000003ULL + static_cast<uint64_t>(epoch)));
+    for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng() % i]);  // Fisher-Yates
+  }
+  return order;
+}
+
+int64_t Dataset::sample_at(int64_t epoch, int64_t position) const {
+  std::lock_guard lock(order_mutex_);
+  if (cached_epoch_ != epoch) {
+    cached_order_ = epoch_order(epoch);
+    cached_epoch_ = epoch;
+  }
+  return cached_order_.at(static_cast<size_t>(position));
+}
+
+StepPlan StepPlan::make(int64_t samples_per_epoch, int64_t replicas, int64_t sequences_per_micro, int64_t micro_steps,
+                        double epochs, int64_t max_steps) {
+  StepPlan p;
+  p.samples_per_epoch = samples_per_epoch;
+  p.replicas = replicas;
+  p.sequences_per_micro = sequences_per_micro;
+  p.micro_steps = micro_steps;
+  p.steps_per_epoch = (samples_per_epoch + p.global_batch() - 1) / p.global_batch();  // the last step may be partial
+  p.total_steps = max_steps > 0 ? max_steps : static_cast<int64_t>(std::ceil(epochs * static_cast<double>(p.steps_per_epoch)));
+  return p;
+}
+
+int64_t StepPlan::first_sample(int64_t step) const {
+  const int64_t epoch = step / steps_per_epoch, s = step % steps_per_epoch;
+  return epoch * samples_per_epoch + s * global_batch();
+}
+
+int64_t StepPlan::end_sample(int64_t step) const {
+  const int64_t epoch = step / steps_per_epoch, s = step % steps_per_epoch;
+  return epoch * samples_per_epoch + std::min(samples_per_epoch, (s + 1) * global_batch());
+}
+
+int64_t StepPlan::step_of(int64_t q) const {
+  const int64_t epoch = q / samples_per_epoch, position = q % samples_per_epoch;
+  return epoch * steps_per_epoch + position / global_batch();
+}
+
+int64_t StepPlan::replica_of(int64_t q) const {
+  const int64_t offset = q - first_sample(step_of(q));
+  return offset / (sequences_per_micro * micro_steps);
+}
+
+std::vector<int64_t> StepPlan::samples_for(int64_t step, int64_t replica) const {
+  const int64_t per_replica = sequences_per_micro * micro_steps;
+  const int64_t begin = first_sample(step) + replica * per_replica;
+  const int64_t end = std::min(begin + per_replica, end_sample(step));
+  std::vector<int64_t> out;
+  for (int64_t q = begin; q < end; ++q) out.push_back(q);
+  return out;
+}
+
+}  // namespace dflash::pipeline

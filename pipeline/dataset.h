@@ -1,0 +1,86 @@
+// dataset.h: the training data, indexed once at start, and the deterministic order in which
+// optimizer steps consume it.
+//
+// Input: JSON Lines files (or directories of *.jsonl shards), one sample per line:
+// {"input_ids": [...], "loss_mask": [...]}; or synthetic sequences (tests, demo). At open()
+// every line is parsed once: malformed lines are an error naming file and line (or skipped
+// and counted, by config), samples longer than data.max_length are truncated, samples with
+// fewer than data.min_supervised_tokens supervised tokens are skipped and counted. The index
+// keeps (file, byte offset) per usable sample; load() re-reads one line.
+//
+// Order: epoch e visits the usable samples in a permutation seeded by (data.seed, e) (or in
+// file order without shuffle). Sample number q (counting across epochs) is epoch q / N,
+// position q % N. StepPlan maps optimizer steps to sample numbers: a pure function, which is
+// what makes resume exact (a checkpoint only needs the step).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/token_file.h"
+#include "config/config.h"
+
+namespace dflash::pipeline {
+
+class Dataset {
+ public:
+  // vocab_size bounds the token ids (checked per line) and the synthetic generator.
+  static std::shared_ptr<Dataset> open(const config::DataConfig& config, int64_t vocab_size);
+
+  int64_t size() const { return static_cast<int64_t>(index_.size()); }
+  int64_t skipped_short() const { return skipped_short_; }        // too few supervised tokens
+  int64_t skipped_malformed() const { return skipped_malformed_; }  // on_malformed: skip
+  int64_t tokens_per_epoch() const { return tokens_per_epoch_; }
+  // The usable sample at `index` (0 <= index < size()), truncated. Thread-safe.
+  TokenSample load(int64_t index) const;
+  // The sample index at `position` of epoch `epoch`.
+  int64_t sample_at(int64_t epoch, int64_t position) const;
+  int64_t tokens_of(int64_t index) const { return index_[index].tokens; }
+
+ private:
+  struct Entry {
+    int32_t file = -1;    // -1: synthetic
+    int64_t offset = 0;   // byte offset of the line, or the synthetic sample number
+    int64_t line = 0;
+    int32_t tokens = 0;
+  };
+  std::vector<int64_t> epoch_order(int64_t epoch) const;
+  config::DataConfig config_;
+  int64_t vocab_size_ = 0;
+  std::vector<std::string> files_;
+  std::vector<Entry> index_;
+  int64_t skipped_short_ = 0, skipped_malformed_ = 0, tokens_per_epoch_ = 0;
+  mutable std::mutex order_mutex_;
+  mutable int64_t cached_epoch_ = -1;
+  mutable std::vector<int64_t> cached_order_;
+};
+
+// The synthetic generator (exposed for tests): arithmetic progressions modulo the vocabulary,
+// a few prompt tokens unsupervised. Learnable: the drafter must infer the stride from context.
+TokenSample synthetic_sample(int64_t number, const config::SyntheticData& synthetic, int64_t vocab_size, int64_t seed);
+
+struct StepPlan {
+  int64_t samples_per_epoch = 0;    // N
+  int64_t replicas = 1;             // R drafter replicas
+  int64_t sequences_per_micro = 1;  // m
+  int64_t micro_steps = 1;          // A (gradient accumulation)
+  int64_t steps_per_epoch = 0;
+  int64_t total_steps = 0;
+
+  static StepPlan make(int64_t samples_per_epoch, int64_t replicas, int64_t sequences_per_micro, int64_t micro_steps,
+                       double epochs, int64_t max_steps);
+  int64_t global_batch() const { return replicas * sequences_per_micro * micro_steps; }
+  // Sample numbers [first, last) consumed by step t (all replicas).
+  int64_t first_sample(int64_t step) const;
+  int64_t end_sample(int64_t step) const;
+  // The step and replica that consume sample number q.
+  int64_t step_of(int64_t q) const;
+  int64_t replica_of(int64_t q) const;
+  // Sample numbers of step t for replica r, ascending.
+  std::vector<int64_t> samples_for(int64_t step, int64_t replica) const;
+};
+
+}  // namespace dflash::pipeline

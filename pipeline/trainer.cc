@@ -1,0 +1,823 @@
+#include "pipeline/trainer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <sys/stat.h>
+
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <cstdlib>
+#include <random>
+#include <thread>
+
+#include "common/log.h"
+#include "drafter/checkpoint.h"
+#include "drafter/loss.h"
+#include "drafter/model.h"
+#include "drafter/optimizer.h"
+#include "pipeline/bounded_queue.h"
+#include "pipeline/dataset.h"
+#include "pipeline/flops.h"
+#include "target/model.h"
+
+namespace dflash::pipeline {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+uint64_t mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+std::string fixed(double value, int digits) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, value);
+  return buffer;
+}
+
+at::Device device_for(const config::GpuConfig& gpus, int id) {
+  return gpus.device == "cuda" ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(id)) : at::Device(at::kCPU);
+}
+
+at::ScalarType dtype_of(const std::string& name) {
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  return at::kFloat;
+}
+
+struct SampleItem {
+  int64_t q = 0;  // sample number across epochs
+  TokenSample sample;
+};
+
+struct FeatureItem {
+  int64_t q = 0;
+  at::Tensor features;   // [tokens, K*H] on the drafter replica's device
+  at::Tensor input_ids;  // [tokens] int64, same device
+  std::vector<uint8_t> loss_mask;
+};
+
+struct Worker {
+  std::string name;
+  std::atomic<double> heartbeat{0};
+  std::atomic<int> restarts{0};
+  std::atomic<bool> busy{false};
+  std::atomic<bool> stalled{false};
+  prometheus::Gauge* heartbeat_gauge = nullptr;
+  prometheus::Gauge* busy_seconds = nullptr;  // not used as gauge of state; see metrics
+  prometheus::Counter* restarts_counter = nullptr;
+  void beat() { heartbeat.store(now_seconds()); }
+};
+
+// Sums across drafter replicas living in threads of this process, in replica order (so the
+// result does not depend on thread timing). Every replica calls each operation once per step,
+// in the same sequence. A failed run releases waiters (abort()).
+class LocalCollective {
+ public:
+  explicit LocalCollective(int replicas) : replicas_(replicas), scalars_(replicas), tensors_(replicas) {}
+
+  double sum(int replica, double value) {
+    scalars_[replica] = value;
+    if (!barrier()) throw std::runtime_error("run aborted while waiting for the other drafter replicas");
+    double total = 0;
+    for (double v : scalars_) total += v;
+    if (!barrier()) throw std::runtime_error("run aborted while waiting for the other drafter replicas");
+    return total;
+  }
+
+  // Replaces each tensor of `values` by the sum over replicas (on its own device).
+  void sum(int replica, std::vector<at::Tensor>& values) {
+    if (replicas_ == 1) return;
+    tensors_[replica] = &values;
+    if (!barrier()) throw std::runtime_error("run aborted while waiting for the other drafter replicas");
+    std::vector<at::Tensor> totals;
+    for (size_t i = 0; i < values.size(); ++i) {
+      at::Tensor total = (*tensors_[0])[i].to(values[i].device(), /*non_blocking=*/false, /*copy=*/true);
+      for (int r = 1; r < replicas_; ++r) total.add_((*tensors_[r])[i].to(values[i].device()));
+      totals.push_back(total);
+    }
+    if (!barrier()) throw std::runtime_error("run aborted while waiting for the other drafter replicas");
+    values = std::move(totals);
+  }
+
+  void abort() {
+    std::lock_guard lock(mutex_);
+    aborted_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  bool barrier() {
+    std::unique_lock lock(mutex_);
+    const int64_t generation = generation_;
+    if (++arrived_ == replicas_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return !aborted_;
+    }
+    cv_.wait(lock, [&] { return generation_ != generation || aborted_; });
+    return !aborted_;
+  }
+  const int replicas_;
+  std::vector<double> scalars_;
+  std::vector<std::vector<at::Tensor>*> tensors_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  int64_t generation_ = 0;
+  bool aborted_ = false;
+};
+
+}  // namespace
+
+struct Trainer::Impl {
+  config::Config config;
+  // Test hook: DFLASHD_TEST_FAULT="target:<sample>" makes the target worker throw once on that
+  // sample number ("target:<sample>:always": every time). Used by the failure-policy tests.
+  int64_t fault_sample = -1;
+  bool fault_always = false;
+  std::atomic<bool> fault_fired{false};
+  std::shared_ptr<Health> health;
+  target::ModelConfig target_config;
+  drafter::DrafterShape shape;
+  std::shared_ptr<Dataset> data;
+  StepPlan plan;
+  std::vector<std::unique_ptr<target::TargetModel>> targets;
+  std::vector<std::unique_ptr<drafter::Drafter>> drafters;
+  std::vector<std::unique_ptr<drafter::AdamW>> optimizers;
+  std::vector<at::Tensor> embeds, heads;  // per drafter replica (frozen, on its device)
+  std::vector<at::Device> drafter_devices;
+  std::unique_ptr<BoundedQueue<SampleItem>> sample_queue;
+  std::vector<std::unique_ptr<BoundedQueue<FeatureItem>>> feature_queues;
+  std::unique_ptr<LocalCollective> collective;
+  std::vector<std::unique_ptr<Worker>> workers;
+  std::vector<std::thread> threads;
+
+  int64_t start_step = 0;
+  std::atomic<int64_t> completed_step{0};
+  std::atomic<bool> stop_requested{false};
+  std::atomic<bool> failed{false};
+  std::atomic<int> drafters_running{0};
+  std::atomic<bool> finished{false};
+  mutable std::mutex failure_mutex;
+  std::string failure_reason;
+  Outcome outcome = Outcome::finished;
+
+  // Metrics state (replica 0 writes, supervise() reads; guarded by metrics_mutex).
+  std::mutex metrics_mutex;
+  std::deque<std::pair<double, int64_t>> token_window;  // (time, tokens consumed so far)
+  int64_t tokens_consumed = 0, samples_consumed = 0;
+  double last_loss = 0, last_tau = 1, best_tau = 0, last_lr = 0, last_grad_norm = 0;
+  std::vector<double> last_accuracy;
+  double target_busy_seconds = 0, drafter_busy_seconds = 0, flops_done = 0;
+  Clock::time_point last_checkpoint_time = Clock::now();
+  Clock::time_point last_log_time = Clock::now();
+  double start_time = now_seconds();
+
+  // Prometheus.
+  prometheus::Counter *tokens_total, *samples_total, *steps_total, *nonfinite_total, *skipped_short_total,
+      *skipped_malformed_total, *worker_failures_total;
+  prometheus::Gauge *tokens_per_second, *eta_seconds, *mfu, *loss, *tau, *learning_rate, *grad_norm, *checkpoint_time,
+      *checkpoint_duration, *bottleneck_target, *bottleneck_drafter, *suggested_target_gpus, *progress;
+  prometheus::Family<prometheus::Gauge>* accuracy_family;
+  prometheus::Family<prometheus::Gauge>* queue_depth_family;
+  prometheus::Family<prometheus::Gauge>* queue_capacity_family;
+  prometheus::Family<prometheus::Gauge>* queue_blocked_family;
+  prometheus::Family<prometheus::Gauge>* queue_starved_family;
+  prometheus::Family<prometheus::Gauge>* memory_family;
+  prometheus::Family<prometheus::Gauge>* kernel_path_family;
+  prometheus::Family<prometheus::Gauge>* worker_heartbeat_family;
+  prometheus::Family<prometheus::Gauge>* worker_stalled_family;
+  prometheus::Family<prometheus::Counter>* worker_restarts_family;
+
+  void fail(const std::string& reason) {
+    {
+      std::lock_guard lock(failure_mutex);
+      if (failure_reason.empty()) failure_reason = reason;
+    }
+    log::error("{}", reason);
+    failed.store(true);
+    stop_requested.store(true);
+    health->set_unhealthy("pipeline", reason);
+    collective->abort();
+    sample_queue->close();
+    for (auto& q : feature_queues) q->close();
+  }
+
+  // Runs `work` with the restart policy. Returns false when the run must stop.
+  bool guarded(Worker& w, const std::string& what, const std::function<void()>& work) {
+    while (true) {
+      try {
+        work();
+        return true;
+      } catch (const std::exception& e) {
+        if (stop_requested.load() && failed.load()) return false;
+        worker_failures_total->Increment();
+        const std::string message = w.name + " failed on " + what + ": " + e.what();
+        const bool retry = config.workers.on_failure == "restart" && w.restarts.load() < config.workers.max_restarts;
+        if (!retry) {
+          fail(message + (config.workers.on_failure == "restart" ? " (restarts exhausted)" : ""));
+          return false;
+        }
+        w.restarts.fetch_add(1);
+        if (w.restarts_counter) w.restarts_counter->Increment();
+        log::warn("{}; retrying ({} of {})", message, w.restarts.load(), config.workers.max_restarts);
+        health->set_unhealthy(w.name, "restarted after: " + std::string(e.what()));
+      }
+    }
+  }
+
+  // No exception ever leaves a worker thread (that would terminate the process): what escapes
+  // the guarded units (a collective aborted by another worker's failure, a bug) ends the run
+  // with a reason.
+  void contained(Worker& w, const std::function<void()>& loop) {
+    try {
+      loop();
+    } catch (const std::exception& e) {
+      if (!failed.load()) fail(w.name + ": " + e.what());
+    }
+  }
+
+  Worker& add_worker(const std::string& name) {
+    workers.push_back(std::make_unique<Worker>());
+    Worker& w = *workers.back();
+    w.name = name;
+    w.beat();
+    w.heartbeat_gauge = &worker_heartbeat_family->Add({{"worker", name}});
+    w.restarts_counter = &worker_restarts_family->Add({{"worker", name}});
+    worker_stalled_family->Add({{"worker", name}});
+    health->set_healthy(name);
+    return w;
+  }
+
+  // ---- reader ----------------------------------------------------------------------------
+  void reader_loop(Worker& w) {
+    const int64_t first = plan.first_sample(start_step);
+    const int64_t end = plan.end_sample(plan.total_steps - 1);
+    for (int64_t q = first; q < end && !stop_requested.load(); ++q) {
+      w.beat();
+      SampleItem item;
+      item.q = q;
+      if (!guarded(w, "sample " + std::to_string(q), [&] {
+            item.sample = data->load(data->sample_at(q / plan.samples_per_epoch, q % plan.samples_per_epoch));
+          })) {
+        return;
+      }
+      if (!sample_queue->push(std::move(item), [&] { w.beat(); })) return;
+    }
+  }
+
+  // ---- target worker -----------------------------------------------------------------------
+  void target_loop(Worker& w, size_t replica) {
+    c10::InferenceMode inference;
+    const target::TargetModel& model = *targets[replica];
+    const std::vector<int64_t> layers(shape.target_layer_ids.begin(), shape.target_layer_ids.end());
+    while (auto item = sample_queue->pop([&] { w.beat(); })) {
+      w.beat();
+      w.busy.store(true);
+      const int64_t drafter_replica = plan.replica_of(item->q);
+      FeatureItem out;
+      out.q = item->q;
+      const auto started = Clock::now();
+      const bool ok = guarded(w, "sample " + std::to_string(item->q), [&] {
+        if (item->q == fault_sample && (fault_always || !fault_fired.exchange(true))) {
+          throw std::runtime_error("injected fault (DFLASHD_TEST_FAULT)");
+        }
+        const at::Tensor ids = at::tensor(item->sample.input_ids, at::TensorOptions().dtype(at::kLong));
+        const int64_t tokens = ids.size(0);
+        auto tapped = model.forward(ids, {0, tokens}, layers);
+        // fc input: the tapped layers concatenated in ascending id order (dflash.md 4.5).
+        const at::Device to = drafter_devices[drafter_replica];
+        out.features = at::cat(tapped, -1).to(to, /*non_blocking=*/false, /*copy=*/false);
+        out.input_ids = ids.to(to);
+        out.loss_mask = item->sample.loss_mask;
+      });
+      w.busy.store(false);
+      if (!ok) return;
+      {
+        std::lock_guard lock(metrics_mutex);
+        target_busy_seconds += std::chrono::duration<double>(Clock::now() - started).count();
+      }
+      if (!feature_queues[drafter_replica]->push(std::move(out), [&] { w.beat(); })) return;
+    }
+  }
+
+  // ---- drafter worker ----------------------------------------------------------------------
+  void drafter_loop(Worker& w, int replica) {
+    drafter::Drafter& model = *drafters[replica];
+    drafter::AdamW& optimizer = *optimizers[replica];
+    BoundedQueue<FeatureItem>& queue = *feature_queues[replica];
+    std::map<int64_t, FeatureItem> waiting;  // reorder buffer: items arrive in any order
+    const int64_t block = shape.block_size;
+    const double gamma = config.loss_gamma();
+    for (int64_t step = start_step; step < plan.total_steps; ++step) {
+      w.beat();
+      // Every replica agrees to stop at the same step boundary.
+      if (collective->sum(replica, stop_requested.load() ? 1.0 : 0.0) > 0) return;
+      const std::vector<int64_t> wanted = plan.samples_for(step, replica);
+      for (int64_t q : wanted) {
+        while (!waiting.count(q)) {
+          auto item = queue.pop([&] { w.beat(); });
+          if (!item) return;  // closed: the run is stopping or failed
+          waiting.emplace(item->q, std::move(*item));
+        }
+      }
+      w.busy.store(true);
+      const auto started = Clock::now();
+      drafter::LossStats stats;
+      drafter::StepResult result;
+      int64_t tokens = 0;
+      double flops = 0;
+      const bool ok = guarded(w, "step " + std::to_string(step), [&] {
+        stats = drafter::LossStats{};
+        tokens = 0;
+        flops = 0;
+        // Micro-batches of sequences_per_step sequences; anchors redrawn per sample number.
+        std::vector<drafter::DrafterBatch> micro;
+        std::vector<drafter::BlockTargets> micro_targets;
+        double local_weight = 0;
+        const int64_t m = config.train.sequences_per_step;
+        for (size_t i = 0; i < wanted.size(); i += static_cast<size_t>(m)) {
+          drafter::DrafterBatch batch;
+          std::vector<at::Tensor> features, ids;
+          std::vector<uint8_t> mask;
+          batch.cu_seqlens = {0};
+          for (size_t j = i; j < std::min(wanted.size(), i + static_cast<size_t>(m)); ++j) {
+            const FeatureItem& item = waiting.at(wanted[j]);
+            std::mt19937_64 rng(mix(static_cast<uint64_t>(config.train.seed) ^ mix(static_cast<uint64_t>(item.q))));
+            batch.anchors.push_back(drafter::sample_anchors(item.loss_mask, config.train.anchors_per_sequence, rng));
+            features.push_back(item.features);
+            ids.push_back(item.input_ids);
+            mask.insert(mask.end(), item.loss_mask.begin(), item.loss_mask.end());
+            batch.cu_seqlens.push_back(batch.cu_seqlens.back() + item.input_ids.size(0));
+            const int64_t rows = batch.anchors.back().size(0) * block;
+            flops += drafter_flops(shape, item.input_ids.size(0), rows, batch.anchors.back().sum().item<int64_t>());
+            flops += target_flops(target_config, shape.target_layer_ids.back(), item.input_ids.size(0));
+            tokens += item.input_ids.size(0);
+          }
+          batch.features = at::cat(features);
+          batch.input_ids = at::cat(ids);
+          batch.loss_mask = at::tensor(mask, at::TensorOptions().dtype(at::kByte));
+          micro_targets.push_back(drafter::make_block_targets(batch, block, gamma, drafter_devices[replica]));
+          local_weight += micro_targets.back().weight_sum;
+          micro.push_back(std::move(batch));
+        }
+        // The global denominator: all replicas, all micro-steps (known before any forward).
+        const double global_weight = collective->sum(replica, local_weight);
+        for (size_t i = 0; i < micro.size(); ++i) {
+          drafter::LossStats micro_stats;
+          const at::Tensor hidden = model.forward(micro[i], embeds[replica]);
+          const at::Tensor loss = drafter::dflash_loss(hidden, heads[replica], micro_targets[i], global_weight,
+                                                       config.train.lm_head_chunk_blocks * block, block, &micro_stats);
+          loss.backward();
+          stats.add(micro_stats);
+        }
+        // Gradients summed across replicas (each replica's loss is already divided by the
+        // global denominator, so the sum is the gradient of the global loss).
+        std::vector<at::Tensor> grads;
+        for (const auto& [name, p] : model.parameters()) {
+          grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
+        }
+        collective->sum(replica, grads);
+        size_t g = 0;
+        for (const auto& [name, p] : model.parameters()) p.mutable_grad() = grads[g++];
+        // Metrics across replicas: loss sum, per-position correct/count.
+        stats.loss_sum = collective->sum(replica, stats.loss_sum);
+        stats.weight_sum = global_weight;
+        stats.correct.resize(block, 0);
+        stats.count.resize(block, 0);
+        for (int64_t k = 0; k < block; ++k) {
+          stats.correct[k] = static_cast<int64_t>(collective->sum(replica, static_cast<double>(stats.correct[k])));
+          stats.count[k] = static_cast<int64_t>(collective->sum(replica, static_cast<double>(stats.count[k])));
+        }
+        tokens = static_cast<int64_t>(collective->sum(replica, static_cast<double>(tokens)));
+        flops = collective->sum(replica, flops);
+        result = optimizer.step();
+      });
+      w.busy.store(false);
+      if (!ok) return;
+      for (int64_t q : wanted) waiting.erase(q);
+      if (!result.applied) {
+        nonfinite_total->Increment();
+        const std::string message = "non-finite gradient (norm " + std::to_string(result.grad_norm) + ") at step " +
+                                    std::to_string(step);
+        if (config.train.on_nonfinite == "stop") {
+          if (replica == 0) fail(message + "; stopping (train.on_nonfinite: stop)");
+          return;
+        }
+        log::warn("{}: step skipped", message);
+      }
+      completed_step.store(step + 1);
+      if (replica != 0) continue;
+      const double step_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+      record_step(step, stats, result, tokens, static_cast<int64_t>(wanted.size()) * plan.replicas, flops, step_seconds);
+      maybe_checkpoint(step + 1, false);
+    }
+  }
+
+  void record_step(int64_t step, const drafter::LossStats& stats, const drafter::StepResult& result, int64_t tokens,
+                   int64_t samples, double flops, double step_seconds) {
+    std::lock_guard lock(metrics_mutex);
+    tokens_consumed += tokens;
+    samples_consumed += samples;
+    tokens_total->Increment(static_cast<double>(tokens));
+    samples_total->Increment(static_cast<double>(samples));
+    steps_total->Increment();
+    flops_done += flops;
+    drafter_busy_seconds += step_seconds;
+    last_loss = stats.weight_sum > 0 ? stats.loss_sum / stats.weight_sum : 0;
+    last_tau = stats.tau();
+    last_accuracy = stats.accuracy();
+    last_lr = result.learning_rate;
+    last_grad_norm = result.grad_norm;
+    loss->Set(last_loss);
+    tau->Set(last_tau);
+    learning_rate->Set(last_lr);
+    grad_norm->Set(last_grad_norm);
+    for (size_t k = 1; k < last_accuracy.size(); ++k) {
+      accuracy_family->Add({{"position", std::to_string(k)}}).Set(last_accuracy[k]);
+    }
+    token_window.emplace_back(now_seconds(), tokens_consumed);
+    progress->Set(static_cast<double>(step + 1) / static_cast<double>(plan.total_steps));
+  }
+
+  std::string trainer_state_json(int64_t step) {
+    std::lock_guard lock(metrics_mutex);
+    nlohmann::json j = {{"step", step},
+                        {"tokens_consumed", tokens_consumed},
+                        {"samples_consumed", samples_consumed},
+                        {"best_tau", best_tau},
+                        {"data", {{"next_sample", step < plan.total_steps ? plan.first_sample(step) : -1},
+                                  {"samples_per_epoch", plan.samples_per_epoch},
+                                  {"global_batch", plan.global_batch()}}}};
+    return j.dump();
+  }
+
+  // Replica 0's thread (or the owner at the end): by steps, by minutes, or forced.
+  void maybe_checkpoint(int64_t step, bool force) {
+    const auto& c = config.checkpoint;
+    const bool by_steps = c.every_steps > 0 && step % c.every_steps == 0;
+    const bool by_time = c.every_minutes > 0 &&
+                         std::chrono::duration<double>(Clock::now() - last_checkpoint_time).count() >= c.every_minutes * 60;
+    if (!force && !by_steps && !by_time) return;
+    const auto started = Clock::now();
+    try {
+      const std::string dir =
+          drafter::write_checkpoint(config.checkpoint_dir(), step, *drafters[0], *optimizers[0], trainer_state_json(step));
+      drafter::prune_checkpoints(config.checkpoint_dir(), c.keep_last);
+      const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
+      checkpoint_time->Set(now_seconds());
+      checkpoint_duration->Set(seconds);
+      last_checkpoint_time = Clock::now();
+      log::info("checkpoint {} written in {} s", dir, seconds);
+      double tau_now;
+      {
+        std::lock_guard lock(metrics_mutex);
+        tau_now = last_tau;
+      }
+      if (tau_now > best_tau) {
+        best_tau = tau_now;
+        export_to(config.run.output_dir + "/export/best");
+      }
+    } catch (const std::exception& e) {
+      // A failed checkpoint leaves the previous ones intact (atomic protocol); the run goes on.
+      health->set_unhealthy("checkpoint", e.what());
+      log::error("checkpoint at step {} failed: {}", step, e.what());
+    }
+  }
+
+  void export_to(const std::string& dir) {
+    ::mkdir(config.run.output_dir.c_str(), 0755);
+    ::mkdir((config.run.output_dir + "/export").c_str(), 0755);
+    ::mkdir(dir.c_str(), 0755);
+    drafters[0]->save_export(dir);
+  }
+};
+
+Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, std::shared_ptr<Health> health)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.config = config;
+  s.health = std::move(health);
+  // ---- metrics --------------------------------------------------------------------------
+  auto counter = [&](const char* name, const char* help) -> prometheus::Counter& {
+    return prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({});
+  };
+  auto gauge = [&](const char* name, const char* help) -> prometheus::Gauge& {
+    return prometheus::BuildGauge().Name(name).Help(help).Register(registry).Add({});
+  };
+  s.tokens_total = &counter("dflashd_tokens_total", "Training tokens consumed (target forward + drafter step)");
+  s.samples_total = &counter("dflashd_samples_total", "Training sequences consumed");
+  s.steps_total = &counter("dflashd_optimizer_steps_total", "Optimizer steps completed (plan steps, skipped included)");
+  s.nonfinite_total = &counter("dflashd_nonfinite_steps_total", "Steps whose gradient was not finite");
+  s.skipped_short_total = &counter("dflashd_samples_skipped_total", "Samples skipped: too few supervised tokens");
+  s.skipped_malformed_total = &counter("dflashd_samples_malformed_total", "Malformed samples skipped (data.on_malformed: skip)");
+  s.worker_failures_total = &counter("dflashd_worker_failures_total", "Exceptions raised in pipeline workers");
+  s.tokens_per_second = &gauge("dflashd_tokens_per_second", "Training tokens per second over the throughput window");
+  s.eta_seconds = &gauge("dflashd_eta_seconds", "Estimated seconds until the run's last step");
+  s.mfu = &gauge("dflashd_mfu_ratio", "Model FLOPs utilisation: model FLOPs per second / (GPUs x peak)");
+  s.loss = &gauge("dflashd_loss", "Training loss of the last step (decay-weighted cross entropy)");
+  s.tau = &gauge("dflashd_expected_acceptance_length", "Expected acceptance length tau of the last step");
+  s.learning_rate = &gauge("dflashd_learning_rate", "Learning rate of the last step");
+  s.grad_norm = &gauge("dflashd_grad_norm", "Gradient norm of the last step, before clipping");
+  s.checkpoint_time = &gauge("dflashd_checkpoint_last_success_timestamp_seconds", "Unix time of the last checkpoint");
+  s.checkpoint_duration = &gauge("dflashd_checkpoint_duration_seconds", "Duration of the last checkpoint");
+  s.progress = &gauge("dflashd_progress_ratio", "Completed steps / planned steps");
+  auto& bottleneck = prometheus::BuildGauge()
+                         .Name("dflashd_bottleneck")
+                         .Help("1 for the stage that limits throughput (the other one waits for it)")
+                         .Register(registry);
+  s.bottleneck_target = &bottleneck.Add({{"stage", "target"}});
+  s.bottleneck_drafter = &bottleneck.Add({{"stage", "drafter"}});
+  s.suggested_target_gpus = &gauge("dflashd_suggested_target_gpus",
+                                   "Target GPUs of the current total that would balance the measured stage times");
+  s.accuracy_family = &prometheus::BuildGauge().Name("dflashd_position_accuracy").Help("Accuracy per block position k of the last step").Register(registry);
+  s.queue_depth_family = &prometheus::BuildGauge().Name("dflashd_queue_depth").Help("Items waiting in a queue").Register(registry);
+  s.queue_capacity_family = &prometheus::BuildGauge().Name("dflashd_queue_capacity").Help("Capacity of a queue in items").Register(registry);
+  s.queue_blocked_family = &prometheus::BuildGauge().Name("dflashd_queue_producer_blocked_seconds_total").Help("Seconds producers waited on a full queue").Register(registry);
+  s.queue_starved_family = &prometheus::BuildGauge().Name("dflashd_queue_consumer_starved_seconds_total").Help("Seconds consumers waited on an empty queue").Register(registry);
+  s.memory_family = &prometheus::BuildGauge().Name("dflashd_gpu_memory_bytes").Help("GPU memory of the caching allocator (kind: allocated, reserved)").Register(registry);
+  s.kernel_path_family = &prometheus::BuildGauge().Name("dflashd_target_kernel_path").Help("1 for the implementation each target layer kind runs").Register(registry);
+  s.worker_heartbeat_family = &prometheus::BuildGauge().Name("dflashd_worker_last_heartbeat_timestamp_seconds").Help("Unix time of a worker's last heartbeat").Register(registry);
+  s.worker_stalled_family = &prometheus::BuildGauge().Name("dflashd_worker_stalled").Help("1 while a worker's heartbeat is older than workers.stall_seconds").Register(registry);
+  s.worker_restarts_family = &prometheus::BuildCounter().Name("dflashd_worker_restarts_total").Help("Restarts of a worker after a failure").Register(registry);
+
+  if (const char* fault = std::getenv("DFLASHD_TEST_FAULT")) {
+    const std::string f = fault;
+    if (f.rfind("target:", 0) == 0) {
+      s.fault_sample = std::stoll(f.substr(7));
+      s.fault_always = f.find(":always") != std::string::npos;
+      log::warn("DFLASHD_TEST_FAULT: the target worker will fail on sample {}", s.fault_sample);
+    }
+  }
+  if (config.train.deterministic) {
+    // Bit-identical reruns and resumes: deterministic kernels only (CPU math is deterministic
+    // at a fixed thread count already).
+    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  }
+  // ---- models and data --------------------------------------------------------------------
+  const at::ScalarType dtype = dtype_of(config.target.dtype);
+  if (!config.target.preset.empty()) {
+    s.target_config = target::parse_model_config(target::preset_config_json(config.target.preset), config.target.preset);
+  } else {
+    s.target_config = target::load_model_config(config.target.path);
+  }
+  s.shape = drafter::shape_for_target(s.target_config, config.drafter);
+  const int64_t last_layer = s.shape.target_layer_ids.back();
+  for (int id : config.gpus.target) {
+    target::TargetOptions options{device_for(config.gpus, id), dtype, config.target.allow_slow_path};
+    if (config.target.weights == "random" || !config.target.preset.empty()) {
+      s.targets.push_back(target::random_target(s.target_config, last_layer, options, 0x7a11 ^ config.train.seed));
+    } else {
+      s.targets.push_back(target::load_target(config.target.path, last_layer, options));
+    }
+  }
+  for (const auto& [kind, path] : s.targets[0]->kernel_paths()) s.kernel_path_family->Add({{"layer_type", kind}, {"path", path}}).Set(1);
+  for (size_t r = 0; r < config.gpus.drafter.size(); ++r) {
+    const at::Device device = device_for(config.gpus, config.gpus.drafter[r]);
+    s.drafter_devices.push_back(device);
+    s.drafters.push_back(std::make_unique<drafter::Drafter>(s.shape, at::TensorOptions().device(device).dtype(dtype)));
+    s.drafters.back()->init_random(static_cast<uint64_t>(config.train.seed));
+    s.embeds.push_back(s.targets[0]->embed_tokens().to(device));
+    s.heads.push_back(s.targets[0]->lm_head().to(device));
+  }
+  s.data = Dataset::open(config.data, s.target_config.vocab_size);
+  s.skipped_short_total->Increment(static_cast<double>(s.data->skipped_short()));
+  s.skipped_malformed_total->Increment(static_cast<double>(s.data->skipped_malformed()));
+  const int64_t replicas = static_cast<int64_t>(config.gpus.drafter.size());
+  s.plan = StepPlan::make(s.data->size(), replicas, config.train.sequences_per_step,
+                          config.train.grad_accumulation_steps, config.train.epochs, config.train.max_steps);
+  drafter::OptimizerSettings settings;
+  settings.learning_rate = config.train.learning_rate;
+  settings.min_learning_rate = config.train.min_learning_rate;
+  settings.total_steps = s.plan.total_steps;
+  settings.warmup_steps = static_cast<int64_t>(std::ceil(config.train.warmup_ratio * static_cast<double>(s.plan.total_steps)));
+  settings.beta1 = config.train.adam_beta1;
+  settings.beta2 = config.train.adam_beta2;
+  settings.epsilon = config.train.adam_epsilon;
+  settings.weight_decay = config.train.weight_decay;
+  settings.grad_clip_norm = config.train.grad_clip_norm;
+  for (auto& d : s.drafters) s.optimizers.push_back(std::make_unique<drafter::AdamW>(d->parameters(), settings));
+
+  // ---- resume -------------------------------------------------------------------------------
+  std::string resume_from;
+  if (config.checkpoint.resume == "auto") {
+    const auto found = drafter::list_checkpoints(config.checkpoint_dir());
+    if (!found.empty()) resume_from = found.back();
+  } else if (config.checkpoint.resume != "never") {
+    resume_from = config.checkpoint.resume;
+  }
+  if (!resume_from.empty()) {
+    for (size_t r = 0; r < s.drafters.size(); ++r) {
+      const auto loaded = drafter::read_checkpoint(resume_from, s.drafters[r].get(), s.optimizers[r].get());
+      s.start_step = loaded.step;
+      const auto state = nlohmann::json::parse(loaded.trainer_state_json);
+      s.tokens_consumed = state.value("tokens_consumed", int64_t{0});
+      s.samples_consumed = state.value("samples_consumed", int64_t{0});
+      s.best_tau = state.value("best_tau", 0.0);
+      const auto data_state = state.value("data", nlohmann::json::object());
+      if (data_state.value("samples_per_epoch", s.plan.samples_per_epoch) != s.plan.samples_per_epoch ||
+          data_state.value("global_batch", s.plan.global_batch()) != s.plan.global_batch()) {
+        throw std::runtime_error(resume_from + ": the data or batch shape changed since this checkpoint (" +
+                                 std::to_string(data_state.value("samples_per_epoch", int64_t{0})) +
+                                 " samples per epoch then, " + std::to_string(s.plan.samples_per_epoch) +
+                                 " now); resuming would not be exact. Use checkpoint.resume: never to start over");
+      }
+    }
+    s.tokens_total->Increment(static_cast<double>(s.tokens_consumed));
+    s.samples_total->Increment(static_cast<double>(s.samples_consumed));
+    log::info("resuming from {} at step {} of {}", resume_from, s.start_step, s.plan.total_steps);
+  }
+  s.completed_step.store(s.start_step);
+  s.collective = std::make_unique<LocalCollective>(static_cast<int>(replicas));
+  s.sample_queue = std::make_unique<BoundedQueue<SampleItem>>(config.queues.samples);
+  s.queue_capacity_family->Add({{"queue", "samples"}}).Set(static_cast<double>(config.queues.samples));
+  for (int64_t r = 0; r < replicas; ++r) {
+    s.feature_queues.push_back(std::make_unique<BoundedQueue<FeatureItem>>(config.queues.features));
+    s.queue_capacity_family->Add({{"queue", "features-" + std::to_string(r)}}).Set(static_cast<double>(config.queues.features));
+  }
+  // Feature memory: capacity x (longest sample x K x H x dtype) must fit the budget.
+  const int64_t item_bytes = static_cast<int64_t>(config.data.max_length) * s.shape.num_features() * s.shape.hidden_size *
+                             static_cast<int64_t>(c10::elementSize(dtype));
+  if (item_bytes * config.queues.features > config.queues.feature_memory_budget_bytes) {
+    throw std::runtime_error("queues.features: " + std::to_string(config.queues.features) + " items of up to " +
+                             std::to_string(item_bytes) + " bytes exceed queues.feature_memory_budget_bytes (" +
+                             std::to_string(config.queues.feature_memory_budget_bytes) + ")");
+  }
+  log::info("data: {} samples ({} tokens) per epoch, {} skipped (too few supervised tokens), {} malformed skipped",
+            s.data->size(), s.data->tokens_per_epoch(), s.data->skipped_short(), s.data->skipped_malformed());
+  log::info("plan: {} steps ({} per epoch), global batch {} sequences on {} drafter replica(s); drafter {} layers, {} parameters",
+            s.plan.total_steps, s.plan.steps_per_epoch, s.plan.global_batch(), replicas, s.shape.num_layers,
+            s.shape.parameter_count());
+}
+
+Trainer::~Trainer() {
+  if (!impl_->threads.empty()) {
+    request_stop();
+    wait();
+  }
+}
+
+void Trainer::start() {
+  Impl& s = *impl_;
+  s.health->set_healthy("pipeline");
+  if (s.start_step >= s.plan.total_steps) {
+    log::info("the plan is already complete (step {} of {})", s.start_step, s.plan.total_steps);
+    s.finished.store(true);
+    return;
+  }
+  Worker& reader = s.add_worker("reader");
+  s.threads.emplace_back([&s, &reader] {
+    s.contained(reader, [&] { s.reader_loop(reader); });
+    s.sample_queue->close();  // no more samples: target workers drain and exit
+  });
+  std::vector<Worker*> target_workers;
+  for (size_t t = 0; t < s.targets.size(); ++t) target_workers.push_back(&s.add_worker("target-" + std::to_string(t)));
+  auto targets_left = std::make_shared<std::atomic<int>>(static_cast<int>(s.targets.size()));
+  for (size_t t = 0; t < s.targets.size(); ++t) {
+    s.threads.emplace_back([&s, w = target_workers[t], t, targets_left] {
+      s.contained(*w, [&] { s.target_loop(*w, t); });
+      if (targets_left->fetch_sub(1) == 1) {
+        for (auto& q : s.feature_queues) q->close();
+      }
+    });
+  }
+  s.drafters_running.store(static_cast<int>(s.drafters.size()));
+  for (size_t r = 0; r < s.drafters.size(); ++r) {
+    Worker& w = s.add_worker("drafter-" + std::to_string(r));
+    s.threads.emplace_back([&s, &w, r] {
+      s.contained(w, [&] { s.drafter_loop(w, static_cast<int>(r)); });
+      if (s.drafters_running.fetch_sub(1) == 1) {
+        // All drafters are done: stop the producers.
+        s.stop_requested.store(true);
+        s.sample_queue->close();
+        for (auto& q : s.feature_queues) q->close();
+        s.finished.store(true);
+      }
+    });
+  }
+}
+
+void Trainer::supervise() {
+  Impl& s = *impl_;
+  const double now = now_seconds();
+  for (auto& w : s.workers) {
+    const double age = now - w->heartbeat.load();
+    w->heartbeat_gauge->Set(w->heartbeat.load());
+    const bool stalled = age > s.config.workers.stall_seconds;
+    s.worker_stalled_family->Add({{"worker", w->name}}).Set(stalled ? 1 : 0);
+    if (stalled && !w->stalled.exchange(true)) {
+      const std::string reason = "no heartbeat for " + std::to_string(static_cast<int64_t>(age)) + " s";
+      log::error("{} stalled: {}", w->name, reason);
+      s.health->set_unhealthy(w->name, "stalled: " + reason);
+    } else if (!stalled && w->stalled.exchange(false)) {
+      s.health->set_healthy(w->name);
+    }
+  }
+  s.queue_depth_family->Add({{"queue", "samples"}}).Set(static_cast<double>(s.sample_queue->depth()));
+  s.queue_blocked_family->Add({{"queue", "samples"}}).Set(s.sample_queue->producer_blocked_seconds());
+  s.queue_starved_family->Add({{"queue", "samples"}}).Set(s.sample_queue->consumer_starved_seconds());
+  double drafter_starved = 0, target_blocked = 0;
+  for (size_t r = 0; r < s.feature_queues.size(); ++r) {
+    const auto& q = *s.feature_queues[r];
+    const std::string name = "features-" + std::to_string(r);
+    s.queue_depth_family->Add({{"queue", name}}).Set(static_cast<double>(q.depth()));
+    s.queue_blocked_family->Add({{"queue", name}}).Set(q.producer_blocked_seconds());
+    s.queue_starved_family->Add({{"queue", name}}).Set(q.consumer_starved_seconds());
+    drafter_starved += q.consumer_starved_seconds();
+    target_blocked += q.producer_blocked_seconds();
+  }
+  // The stage that waits less is the bottleneck; the split that balances the measured busy
+  // times is the suggestion.
+  s.bottleneck_target->Set(drafter_starved > target_blocked ? 1 : 0);
+  s.bottleneck_drafter->Set(drafter_starved > target_blocked ? 0 : 1);
+  std::lock_guard lock(s.metrics_mutex);
+  const double total_gpus = static_cast<double>(s.config.gpus.target.size() + s.config.gpus.drafter.size());
+  if (s.target_busy_seconds + s.drafter_busy_seconds > 0) {
+    const double target_share = s.target_busy_seconds / (s.target_busy_seconds + s.drafter_busy_seconds);
+    s.suggested_target_gpus->Set(std::max(1.0, std::round(total_gpus * target_share)));
+  }
+  // Throughput over the window, ETA, MFU.
+  while (s.token_window.size() > 1 && now - s.token_window.front().first > s.config.metrics.throughput_window_seconds) {
+    s.token_window.pop_front();
+  }
+  double rate = 0;
+  if (s.token_window.size() > 1) {
+    const double span = s.token_window.back().first - s.token_window.front().first;
+    if (span > 0) rate = (s.token_window.back().second - s.token_window.front().second) / span;
+  }
+  s.tokens_per_second->Set(rate);
+  const int64_t steps_left = s.plan.total_steps - s.completed_step.load();
+  const double tokens_per_step = s.plan.samples_per_epoch > 0
+                                     ? static_cast<double>(s.data->tokens_per_epoch()) / s.plan.steps_per_epoch
+                                     : 0;
+  s.eta_seconds->Set(rate > 0 ? steps_left * tokens_per_step / rate : 0);
+  const double elapsed = now - s.start_time;
+  const double gpus = s.config.gpus.device == "cuda" ? static_cast<double>(s.config.gpus.target.size() + s.config.gpus.drafter.size()) : 1.0;
+  if (elapsed > 0) s.mfu->Set(s.flops_done / elapsed / (gpus * s.config.metrics.peak_flops_per_gpu));
+  if (std::chrono::duration<double>(Clock::now() - s.last_log_time).count() >= s.config.metrics.log_every_seconds) {
+    s.last_log_time = Clock::now();
+    log::info("step {}/{}  loss {}  tau {}  lr {}  tok/s {}  ETA {} s  queues samples {}/{} features {}/{}",
+              s.completed_step.load(), s.plan.total_steps, fixed(s.last_loss, 4), fixed(s.last_tau, 3),
+              fixed(s.last_lr, 6), fixed(rate, 1),
+              static_cast<int64_t>(rate > 0 ? steps_left * tokens_per_step / rate : 0), s.sample_queue->depth(),
+              s.sample_queue->capacity(), s.feature_queues[0]->depth(), s.feature_queues[0]->capacity());
+  }
+}
+
+void Trainer::request_stop() {
+  Impl& s = *impl_;
+  if (!s.stop_requested.exchange(true)) log::info("stop requested: finishing the step in flight");
+}
+
+bool Trainer::done() const { return impl_->finished.load() || (impl_->failed.load() && impl_->drafters_running.load() == 0); }
+
+Outcome Trainer::wait() {
+  Impl& s = *impl_;
+  for (auto& t : s.threads) {
+    if (t.joinable()) t.join();
+  }
+  s.threads.clear();
+  const int64_t step = s.completed_step.load();
+  if (s.failed.load()) {
+    s.maybe_checkpoint(step, /*force=*/true);  // weights are those of the last completed step
+    return Outcome::failed;
+  }
+  s.maybe_checkpoint(step, /*force=*/true);
+  if (step >= s.plan.total_steps) {
+    s.export_to(s.config.run.output_dir + "/export/final");
+    log::info("run complete: {} steps; drafter exported to {}/export/final (best by training tau: {}/export/best)",
+              step, s.config.run.output_dir, s.config.run.output_dir);
+    return Outcome::finished;
+  }
+  return Outcome::stopped;
+}
+
+std::string Trainer::failure() const {
+  std::lock_guard lock(impl_->failure_mutex);
+  return impl_->failure_reason;
+}
+
+std::string Trainer::status() const {
+  const Impl& s = *impl_;
+  return "training: step " + std::to_string(s.completed_step.load()) + "/" + std::to_string(s.plan.total_steps);
+}
+
+int64_t Trainer::step() const { return impl_->completed_step.load(); }
+
+}  // namespace dflash::pipeline

@@ -1,0 +1,65 @@
+// trainer.h: the training pipeline (design.md "Data flow"):
+//
+//   reader thread -> [sample queue] -> target workers (one per target replica)
+//                 -> [feature queue per drafter replica] -> drafter workers (one per replica,
+//                    data parallel: loss denominator and gradients summed across replicas)
+//
+// Which samples an optimizer step consumes is a pure function of the step (StepPlan), anchors
+// are drawn from a generator seeded by (train.seed, sample number), and checkpoints hold the
+// fp32 master weights and optimizer state: a run resumed from its newest checkpoint continues
+// exactly where the uninterrupted run would be (bit-identical on CPU).
+//
+// Threads and ordering: samples and features cross threads only through the bounded queues
+// (push happens-before pop). Features computed on a target GPU are copied to the drafter
+// replica's device on the default stream of each device; the consumer's kernels, issued later
+// on the same default stream, are ordered after the copy by the stream itself.
+//
+// Failures: an exception in a worker (including CUDA out-of-memory) is logged with the worker
+// and the sample or step, counted, shown on /healthz, and handled by workers.on_failure:
+// "restart" retries the same unit of work up to workers.max_restarts times, "stop" (or running
+// out of restarts) stops the run with a checkpoint of the last completed step. A worker whose
+// heartbeat is older than workers.stall_seconds is reported stalled. Non-finite gradients skip
+// the step (counted) or stop the run (train.on_nonfinite).
+//
+// Lifecycle: start() spawns the threads; the owner calls supervise() periodically from its own
+// loop (stall detection, metrics, the headline log line) and request_stop() on SIGTERM (the
+// in-flight step finishes, a checkpoint is written); wait() joins and says how it ended.
+#pragma once
+
+#include <prometheus/registry.h>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "common/health.h"
+#include "config/config.h"
+
+namespace dflash::pipeline {
+
+enum class Outcome { finished, stopped, failed };
+
+class Trainer {
+ public:
+  // Loads the target, builds the drafter replicas, opens the data, resumes from a checkpoint
+  // (checkpoint.resume). Throws std::runtime_error with a clear message on bad input.
+  Trainer(const config::Config& config, prometheus::Registry& registry, std::shared_ptr<Health> health);
+  ~Trainer();
+
+  void start();
+  // Call every few hundred milliseconds from the owner's thread.
+  void supervise();
+  void request_stop();
+  bool done() const;
+  Outcome wait();
+  std::string failure() const;   // why the run failed ("" otherwise)
+  std::string status() const;    // a one-line summary (for systemd STATUS=)
+  int64_t step() const;          // completed plan steps
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dflash::pipeline

@@ -1,0 +1,281 @@
+// The training pipeline: unit tests of its pieces (step plan, data, queue) and end-to-end runs
+// of the real binary on CPU: a whole run, SIGTERM with a checkpoint, SIGKILL-and-resume
+// bit-identical at several kill points, a worker that throws, malformed data, and a metrics
+// scrape during training with every pipeline metric present.
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <set>
+
+#include "pipeline/bounded_queue.h"
+#include "pipeline/dataset.h"
+#include "tests/test_util.h"
+
+namespace dflash::pipeline {
+namespace {
+
+const std::string kBinary = std::getenv("DFLASHD_BINARY") ? std::getenv("DFLASHD_BINARY") : DFLASHD_BINARY;
+
+TEST(StepPlan, EveryEpochSampleExactlyOnceAcrossStepsAndReplicas) {
+  const StepPlan plan = StepPlan::make(/*samples*/ 23, /*replicas*/ 2, /*m*/ 2, /*accumulation*/ 3, /*epochs*/ 2.0, 0);
+  EXPECT_EQ(plan.global_batch(), 12);
+  EXPECT_EQ(plan.steps_per_epoch, 2);  // 12 + 11 (the last step is partial)
+  EXPECT_EQ(plan.total_steps, 4);
+  std::vector<int> seen(46, 0);
+  for (int64_t step = 0; step < plan.total_steps; ++step) {
+    for (int64_t r = 0; r < 2; ++r) {
+      for (int64_t q : plan.samples_for(step, r)) {
+        ++seen[q];
+        EXPECT_EQ(plan.step_of(q), step);
+        EXPECT_EQ(plan.replica_of(q), r);
+      }
+    }
+  }
+  for (int v : seen) EXPECT_EQ(v, 1);
+  EXPECT_EQ(plan.samples_for(1, 1).size(), 5u);  // partial step: replica 1 gets the remainder
+  EXPECT_EQ(StepPlan::make(23, 1, 1, 1, 1.0, 7).total_steps, 7);  // max_steps wins
+}
+
+TEST(Dataset, ShufflesPerEpochDeterministicallyAndSkipsWithCounts) {
+  config::DataConfig c;
+  c.synthetic.sequences = 50;
+  c.synthetic.min_length = 8;
+  c.synthetic.max_length = 20;
+  c.max_length = 12;
+  c.min_supervised_tokens = 6;
+  auto d = Dataset::open(c, 100);
+  EXPECT_EQ(d->size() + d->skipped_short(), 50);
+  EXPECT_GT(d->skipped_short(), 0);  // short synthetic samples have < 6 supervised tokens
+  std::set<int64_t> epoch0, epoch1;
+  bool differs = false;
+  for (int64_t p = 0; p < d->size(); ++p) {
+    epoch0.insert(d->sample_at(0, p));
+    epoch1.insert(d->sample_at(1, p));
+    differs |= d->sample_at(0, p) != d->sample_at(1, p);
+  }
+  EXPECT_EQ(static_cast<int64_t>(epoch0.size()), d->size());
+  EXPECT_EQ(epoch0, epoch1);
+  EXPECT_TRUE(differs) << "each epoch has its own order";
+  auto again = Dataset::open(c, 100);
+  EXPECT_EQ(again->sample_at(1, 3), d->sample_at(1, 3));
+  for (int64_t i = 0; i < d->size(); ++i) EXPECT_LE(d->load(i).input_ids.size(), 12u) << "truncated";
+}
+
+TEST(Dataset, MalformedLinesErrorWithFileAndLineOrAreSkipped) {
+  const std::string dir = test::make_temp_dir("data");
+  std::ofstream(dir + "/a.jsonl") << "{\"input_ids\": [1,2,3,4], \"loss_mask\": [0,1,1,1]}\n"
+                                     "{\"input_ids\": [1,2,3], \"loss_mask\": [1,1]}\n"
+                                     "{\"input_ids\": [5,6,7,8], \"loss_mask\": [1,1,1,1]}\n";
+  config::DataConfig c;
+  c.paths = {dir};
+  try {
+    Dataset::open(c, 100);
+    FAIL();
+  } catch (const TokenFileError& e) {
+    EXPECT_EQ(std::string(e.what()), dir + "/a.jsonl:2: loss_mask has 2 entries for 3 input_ids");
+  }
+  c.on_malformed = "skip";
+  auto d = Dataset::open(c, 100);
+  EXPECT_EQ(d->size(), 2);
+  EXPECT_EQ(d->skipped_malformed(), 1);
+  EXPECT_EQ(d->load(1).input_ids, (std::vector<int64_t>{5, 6, 7, 8}));
+  config::DataConfig missing;
+  missing.paths = {dir + "/nope.jsonl"};
+  EXPECT_THROW(Dataset::open(missing, 100), std::runtime_error);
+}
+
+TEST(BoundedQueue, BoundsBlocksProducersAndDrainsOnClose) {
+  BoundedQueue<int> q(2);
+  EXPECT_TRUE(q.push(1));
+  EXPECT_TRUE(q.push(2));
+  std::atomic<bool> third_done{false};
+  std::thread producer([&] {
+    q.push(3);
+    third_done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  EXPECT_FALSE(third_done.load()) << "a full queue blocks its producer";
+  EXPECT_EQ(q.depth(), 2);
+  EXPECT_EQ(*q.pop(), 1);
+  producer.join();
+  EXPECT_TRUE(third_done.load());
+  EXPECT_GT(q.producer_blocked_seconds(), 0.1);
+  q.close();
+  EXPECT_FALSE(q.push(4));
+  // FIFO per producer only (moodycamel): 2 and 3 came from different threads.
+  std::set<int> rest{*q.pop(), *q.pop()};
+  EXPECT_EQ(rest, (std::set<int>{2, 3}));
+  EXPECT_FALSE(q.pop().has_value());
+}
+
+// ---- The real binary --------------------------------------------------------------------------
+
+struct RunDir {
+  std::string dir, config;
+};
+
+RunDir make_run(const std::string& tag, const std::string& extra = "", int port = 0) {
+  RunDir r;
+  r.dir = test::make_temp_dir(tag);
+  r.config = r.dir + "/run.yaml";
+  std::ofstream(r.config) << "run: {output_dir: " << r.dir << "/out}\n"
+                          << "target: {preset: tiny-qwen3_5, weights: random, dtype: float32}\n"
+                          << "drafter: {num_layers: 1, block_size: 8, mask_token_id: 511}\n"
+                          << "gpus: {device: cpu}\n"
+                          << "data: {synthetic: {sequences: 64, min_length: 24, max_length: 48}}\n"
+                          << "metrics: {listen: \"" << (port ? "127.0.0.1:" + std::to_string(port) : "")
+                          << "\", log_every_seconds: 1}\n"
+                          << extra;
+  return r;
+}
+
+std::string final_weights(const RunDir& r, const std::string& step) {
+  return test::read_file(r.dir + "/out/checkpoints/step-" + step + "/model.safetensors");
+}
+
+bool exists(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0;
+}
+
+std::vector<std::string> drafter_checkpoints(const RunDir& r) {
+  std::vector<std::string> out;
+  if (DIR* dir = ::opendir((r.dir + "/out/checkpoints").c_str())) {
+    while (dirent* e = ::readdir(dir)) {
+      const std::string n = e->d_name;
+      if (n.rfind("step-", 0) == 0 && exists(r.dir + "/out/checkpoints/" + n + "/COMMIT")) out.push_back(n);
+    }
+    ::closedir(dir);
+  }
+  return out;
+}
+
+TEST(PipelineRun, TrainsToTheEndCheckpointsAndExports) {
+  const RunDir r = make_run("run", "train: {max_steps: 24, learning_rate: 0.003, deterministic: true}\n"
+                                "checkpoint: {every_steps: 10, keep_last: 2}\n");
+  test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
+  ASSERT_EQ(p.wait(120000), 0) << p.err();
+  EXPECT_NE(p.err().find("run finished at step 24"), std::string::npos) << p.err();
+  EXPECT_TRUE(exists(r.dir + "/out/export/final/model.safetensors"));
+  EXPECT_TRUE(exists(r.dir + "/out/export/final/config.json"));
+  EXPECT_TRUE(exists(r.dir + "/out/checkpoints/step-000000000024/COMMIT"));
+  EXPECT_TRUE(exists(r.dir + "/out/checkpoints/step-000000000020/COMMIT"));
+  EXPECT_FALSE(exists(r.dir + "/out/checkpoints/step-000000000010")) << "keep_last 2";
+  // Running again resumes at the end and does nothing more.
+  test::Process again({kBinary, "run", "-c", r.config}, {}, r.dir);
+  ASSERT_EQ(again.wait(60000), 0) << again.err();
+  EXPECT_NE(again.err().find("the plan is already complete (step 24 of 24)"), std::string::npos) << again.err();
+}
+
+TEST(PipelineRun, SigkillAndResumeIsBitIdenticalAtSeveralKillPoints) {
+  const std::string extra = "train: {max_steps: 40, deterministic: true}\ncheckpoint: {every_steps: 3, keep_last: 3}\n";
+  const RunDir straight = make_run("straight", extra);
+  test::Process p({kBinary, "run", "-c", straight.config}, {}, straight.dir);
+  ASSERT_EQ(p.wait(120000), 0) << p.err();
+  const std::string reference = final_weights(straight, "000000000040");
+  ASSERT_FALSE(reference.empty());
+
+  const RunDir killed = make_run("killed", extra);
+  // Kill points: right after a checkpoint commits, between checkpoints, and very early.
+  const std::vector<std::string> wait_for{"step-000000000006/COMMIT", "step-000000000015/COMMIT", ""};
+  const std::vector<int> extra_delay_ms{0, 170, 40};
+  for (size_t k = 0; k < wait_for.size(); ++k) {
+    test::Process run({kBinary, "run", "-c", killed.config}, {}, killed.dir);
+    if (!wait_for[k].empty()) {
+      for (int i = 0; i < 600 && !exists(killed.dir + "/out/checkpoints/" + wait_for[k]); ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(extra_delay_ms[k]));
+    run.signal(SIGKILL);
+    EXPECT_EQ(run.wait(), 128 + SIGKILL);
+  }
+  test::Process finish({kBinary, "run", "-c", killed.config}, {}, killed.dir);
+  ASSERT_EQ(finish.wait(120000), 0) << finish.err();
+  EXPECT_NE(finish.err().find("resuming from"), std::string::npos) << finish.err();
+  EXPECT_TRUE(final_weights(killed, "000000000040") == reference) << "resumed run differs from the uninterrupted one";
+}
+
+TEST(PipelineRun, SigtermFinishesTheStepCheckpointsAndExitsZero) {
+  const RunDir r = make_run("sigterm", "train: {max_steps: 100000}\ncheckpoint: {every_steps: 100000}\n");
+  test::NotifySocket notify;
+  test::Process p({kBinary, "run", "-c", r.config}, {"NOTIFY_SOCKET=" + notify.path()}, r.dir);
+  ASSERT_NE(notify.wait_for("READY=1", 60000), "");
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  p.signal(SIGTERM);
+  EXPECT_NE(notify.wait_for("STOPPING=1", 30000), "");
+  ASSERT_EQ(p.wait(60000), 0) << p.err();
+  EXPECT_NE(p.err().find("stopped cleanly at step"), std::string::npos) << p.err();
+  EXPECT_FALSE(drafter_checkpoints(r).empty());
+}
+
+TEST(PipelineRun, WorkerFailureStopsWithReasonOrIsRetried) {
+  const RunDir stop = make_run("fail-stop", "train: {max_steps: 30}\n");
+  test::Process p({kBinary, "run", "-c", stop.config}, {"DFLASHD_TEST_FAULT=target:5"}, stop.dir);
+  EXPECT_EQ(p.wait(120000), 1) << p.err();
+  EXPECT_NE(p.err().find("target-0 failed on sample 5: injected fault"), std::string::npos) << p.err();
+  EXPECT_NE(p.err().find("run failed at step"), std::string::npos) << p.err();
+
+  const RunDir retry = make_run("fail-retry", "train: {max_steps: 30}\nworkers: {on_failure: restart, max_restarts: 2}\n");
+  test::Process q({kBinary, "run", "-c", retry.config}, {"DFLASHD_TEST_FAULT=target:5"}, retry.dir);
+  EXPECT_EQ(q.wait(120000), 0) << q.err();
+  EXPECT_NE(q.err().find("retrying (1 of 2)"), std::string::npos) << q.err();
+
+  const RunDir exhausted = make_run("fail-exhausted", "train: {max_steps: 30}\nworkers: {on_failure: restart, max_restarts: 2}\n");
+  test::Process x({kBinary, "run", "-c", exhausted.config}, {"DFLASHD_TEST_FAULT=target:5:always"}, exhausted.dir);
+  EXPECT_EQ(x.wait(120000), 1) << x.err();
+  EXPECT_NE(x.err().find("(restarts exhausted)"), std::string::npos) << x.err();
+}
+
+TEST(PipelineRun, MalformedDataLineIsAStartupErrorNamingFileAndLine) {
+  const std::string dir = test::make_temp_dir("bad-data");
+  std::ofstream(dir + "/train.jsonl") << "{\"input_ids\": [1,2,3,4], \"loss_mask\": [0,1,1,1]}\n{\"input_ids\": [1,2,\n";
+  const RunDir r = make_run("bad-data-run");
+  std::string text = test::read_file(r.config);
+  text.replace(text.find("data: {synthetic: {sequences: 64, min_length: 24, max_length: 48}}"), 66,
+               "data: {paths: [" + dir + "/train.jsonl]}");
+  std::ofstream(r.config) << text;
+  test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
+  EXPECT_EQ(p.wait(60000), 4) << p.err();
+  EXPECT_NE(p.err().find(dir + "/train.jsonl:2: invalid JSON"), std::string::npos) << p.err();
+}
+
+TEST(PipelineRun, ScrapeDuringTrainingHasEveryPipelineMetric) {
+  const int port = test::free_port();
+  const RunDir r = make_run("scrape", "train: {max_steps: 100000}\n", port);
+  test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
+  httplib::Client client("127.0.0.1", port);
+  std::string body;
+  for (int i = 0; i < 300; ++i) {
+    auto response = client.Get("/metrics");
+    if (response && response->body.find("dflashd_optimizer_steps_total 1") == std::string::npos &&
+        response->body.find("\ndflashd_optimizer_steps_total ") != std::string::npos &&
+        response->body.find("dflashd_loss ") != std::string::npos &&
+        response->body.find("dflashd_tokens_per_second ") != std::string::npos) {
+      body = response->body;
+      if (body.find("dflashd_optimizer_steps_total 0\n") == std::string::npos &&
+          body.find("dflashd_tokens_per_second 0\n") == std::string::npos) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  for (const char* name :
+       {"dflashd_tokens_total", "dflashd_samples_total", "dflashd_tokens_per_second", "dflashd_eta_seconds",
+        "dflashd_mfu_ratio", "dflashd_optimizer_steps_total", "dflashd_loss", "dflashd_position_accuracy{position=\"1\"}",
+        "dflashd_expected_acceptance_length", "dflashd_learning_rate", "dflashd_grad_norm",
+        "dflashd_nonfinite_steps_total", "dflashd_queue_depth{queue=\"samples\"}",
+        "dflashd_queue_capacity{queue=\"features-0\"}", "dflashd_queue_producer_blocked_seconds_total",
+        "dflashd_queue_consumer_starved_seconds_total", "dflashd_worker_last_heartbeat_timestamp_seconds{worker=\"drafter-0\"}",
+        "dflashd_worker_restarts_total{worker=\"target-0\"}", "dflashd_worker_stalled", "dflashd_checkpoint_last_success_timestamp_seconds",
+        "dflashd_checkpoint_duration_seconds", "dflashd_target_kernel_path{layer_type=\"linear_attention\"",
+        "dflashd_bottleneck{stage=\"target\"}", "dflashd_suggested_target_gpus", "dflashd_samples_skipped_total",
+        "dflashd_build_info", "process_resident_memory_bytes"}) {
+    EXPECT_NE(body.find(name), std::string::npos) << name << "\n" << body.substr(0, 3000);
+  }
+  p.signal(SIGTERM);
+  EXPECT_EQ(p.wait(60000), 0) << p.err();
+}
+
+}  // namespace
+}  // namespace dflash::pipeline
