@@ -51,10 +51,12 @@ it reports READY/STATUS/STOPPING and feeds the watchdog.
   --log-level LEVEL     trace|debug|info|warn|error|critical|off (overrides logging.level)
 )";
 
-constexpr const char* kValidateHelp = R"(Usage: dflashd validate (-c FILE | --default-config)
+constexpr const char* kValidateHelp = R"(Usage: dflashd validate (-c FILE | --default-config) [--offline]
 
 Parses the config strictly and checks it against this machine (GPU ids). Prints every
 problem as file:line:col: message and exits 3 if there is any; prints "OK" and exits 0 otherwise.
+
+  --offline   skip the checks against this machine (validating a config for another host)
 )";
 
 constexpr const char* kDoctorHelp = R"(Usage: dflashd doctor
@@ -74,6 +76,7 @@ struct Args {
   bool default_config = false;
   std::optional<log::Level> log_level;
   bool help = false;
+  bool offline = false;
   std::vector<std::string> positional;
 };
 
@@ -94,6 +97,8 @@ std::string parse_args(int argc, char** argv, int first, Args* args) {
       args->config_path = *v;
     } else if (a.rfind("--config=", 0) == 0) {
       args->config_path = a.substr(9);
+    } else if (a == "--offline") {
+      args->offline = true;
     } else if (a == "--default-config") {
       args->default_config = true;
     } else if (a == "--log-level" || a.rfind("--log-level=", 0) == 0) {
@@ -150,8 +155,11 @@ int command_validate(const Args& args) {
   int status = exit_code::kOk;
   auto config = load_config(args, &status);
   if (!config) return status;
-  const auto machine = daemon::probe_basic();
-  const auto problems = config::check_machine(*config, config::Machine{machine.cuda_devices});
+  std::vector<config::Diagnostic> problems;
+  if (!args.offline) {
+    const auto machine = daemon::probe_basic();
+    problems = config::check_machine(*config, config::Machine{machine.cuda_devices});
+  }
   for (const auto& d : problems) std::cerr << d.str() << "\n";
   if (!problems.empty()) {
     std::cerr << problems.size() << (problems.size() == 1 ? " error" : " errors") << " in " << config->source << "\n";

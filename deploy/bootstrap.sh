@@ -21,6 +21,7 @@ debian_packages=(
   build-essential cmake ninja-build ccache pkg-config git curl python3-venv
   libspdlog-dev libfmt-dev libyaml-cpp-dev prometheus-cpp-dev libconcurrentqueue-dev
   libcpp-httplib-dev nlohmann-json3-dev libgtest-dev libgmock-dev
+  prometheus systemd  # promtool and systemd-analyze check the deploy files in the tests
 )
 
 install_debian() {

@@ -76,6 +76,9 @@ fi
 cp "$here/../config/default.yaml" "$root/share/default.yaml"
 [ -d "$here/systemd" ] && cp -r "$here/systemd" "$root/share/"
 [ -d "$here/examples" ] && cp -r "$here/examples" "$root/share/"
+[ -d "$here/prometheus" ] && cp -r "$here/prometheus" "$root/share/"
+[ -d "$here/grafana" ] && cp -r "$here/grafana" "$root/share/"
+cp "$here/../README.md" "$root/share/README.md"
 
 cat > "$root/bin/dflashd" <<'LAUNCHER'
 #!/usr/bin/env bash

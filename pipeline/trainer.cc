@@ -25,6 +25,7 @@
 #include "pipeline/bounded_queue.h"
 #include "pipeline/dataset.h"
 #include "pipeline/flops.h"
+#include "pipeline/gpu_memory.h"
 #include "target/model.h"
 
 namespace dflash::pipeline {
@@ -197,8 +198,16 @@ struct Trainer::Impl {
   prometheus::Family<prometheus::Gauge>* accuracy_family;
   prometheus::Family<prometheus::Gauge>* queue_depth_family;
   prometheus::Family<prometheus::Gauge>* queue_capacity_family;
-  prometheus::Family<prometheus::Gauge>* queue_blocked_family;
-  prometheus::Family<prometheus::Gauge>* queue_starved_family;
+  prometheus::Family<prometheus::Counter>* queue_blocked_family;
+  prometheus::Family<prometheus::Counter>* queue_starved_family;
+  std::map<std::string, double> counted_seconds;  // what the queue counters already hold
+
+  // Queues accumulate seconds themselves; the counters follow by increments.
+  void advance(prometheus::Family<prometheus::Counter>* family, const std::string& queue, double total) {
+    double& counted = counted_seconds[family->GetName() + queue];
+    if (total > counted) family->Add({{"queue", queue}}).Increment(total - counted);
+    counted = std::max(counted, total);
+  }
   prometheus::Family<prometheus::Gauge>* memory_family;
   prometheus::Family<prometheus::Gauge>* kernel_path_family;
   prometheus::Family<prometheus::Gauge>* worker_heartbeat_family;
@@ -549,8 +558,8 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   s.accuracy_family = &prometheus::BuildGauge().Name("dflashd_position_accuracy").Help("Accuracy per block position k of the last step").Register(registry);
   s.queue_depth_family = &prometheus::BuildGauge().Name("dflashd_queue_depth").Help("Items waiting in a queue").Register(registry);
   s.queue_capacity_family = &prometheus::BuildGauge().Name("dflashd_queue_capacity").Help("Capacity of a queue in items").Register(registry);
-  s.queue_blocked_family = &prometheus::BuildGauge().Name("dflashd_queue_producer_blocked_seconds_total").Help("Seconds producers waited on a full queue").Register(registry);
-  s.queue_starved_family = &prometheus::BuildGauge().Name("dflashd_queue_consumer_starved_seconds_total").Help("Seconds consumers waited on an empty queue").Register(registry);
+  s.queue_blocked_family = &prometheus::BuildCounter().Name("dflashd_queue_producer_blocked_seconds_total").Help("Seconds producers waited on a full queue").Register(registry);
+  s.queue_starved_family = &prometheus::BuildCounter().Name("dflashd_queue_consumer_starved_seconds_total").Help("Seconds consumers waited on an empty queue").Register(registry);
   s.memory_family = &prometheus::BuildGauge().Name("dflashd_gpu_memory_bytes").Help("GPU memory of the caching allocator (kind: allocated, reserved)").Register(registry);
   s.kernel_path_family = &prometheus::BuildGauge().Name("dflashd_target_kernel_path").Help("1 for the implementation each target layer kind runs").Register(registry);
   s.worker_heartbeat_family = &prometheus::BuildGauge().Name("dflashd_worker_last_heartbeat_timestamp_seconds").Help("Unix time of a worker's last heartbeat").Register(registry);
@@ -647,9 +656,14 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   s.collective = std::make_unique<LocalCollective>(static_cast<int>(replicas));
   s.sample_queue = std::make_unique<BoundedQueue<SampleItem>>(config.queues.samples);
   s.queue_capacity_family->Add({{"queue", "samples"}}).Set(static_cast<double>(config.queues.samples));
+  s.queue_blocked_family->Add({{"queue", "samples"}});
+  s.queue_starved_family->Add({{"queue", "samples"}});
   for (int64_t r = 0; r < replicas; ++r) {
     s.feature_queues.push_back(std::make_unique<BoundedQueue<FeatureItem>>(config.queues.features));
-    s.queue_capacity_family->Add({{"queue", "features-" + std::to_string(r)}}).Set(static_cast<double>(config.queues.features));
+    const std::string name = "features-" + std::to_string(r);
+    s.queue_capacity_family->Add({{"queue", name}}).Set(static_cast<double>(config.queues.features));
+    s.queue_blocked_family->Add({{"queue", name}});
+    s.queue_starved_family->Add({{"queue", name}});
   }
   // Feature memory: capacity x (longest sample x K x H x dtype) must fit the budget.
   const int64_t item_bytes = static_cast<int64_t>(config.data.max_length) * s.shape.num_features() * s.shape.hidden_size *
@@ -730,17 +744,27 @@ void Trainer::supervise() {
     }
   }
   s.queue_depth_family->Add({{"queue", "samples"}}).Set(static_cast<double>(s.sample_queue->depth()));
-  s.queue_blocked_family->Add({{"queue", "samples"}}).Set(s.sample_queue->producer_blocked_seconds());
-  s.queue_starved_family->Add({{"queue", "samples"}}).Set(s.sample_queue->consumer_starved_seconds());
+  s.advance(s.queue_blocked_family, "samples", s.sample_queue->producer_blocked_seconds());
+  s.advance(s.queue_starved_family, "samples", s.sample_queue->consumer_starved_seconds());
   double drafter_starved = 0, target_blocked = 0;
   for (size_t r = 0; r < s.feature_queues.size(); ++r) {
     const auto& q = *s.feature_queues[r];
     const std::string name = "features-" + std::to_string(r);
     s.queue_depth_family->Add({{"queue", name}}).Set(static_cast<double>(q.depth()));
-    s.queue_blocked_family->Add({{"queue", name}}).Set(q.producer_blocked_seconds());
-    s.queue_starved_family->Add({{"queue", name}}).Set(q.consumer_starved_seconds());
+    s.advance(s.queue_blocked_family, name, q.producer_blocked_seconds());
+    s.advance(s.queue_starved_family, name, q.consumer_starved_seconds());
     drafter_starved += q.consumer_starved_seconds();
     target_blocked += q.producer_blocked_seconds();
+  }
+  if (s.config.gpus.device == "cuda") {
+    std::vector<int> devices(s.config.gpus.target.begin(), s.config.gpus.target.end());
+    for (int d : s.config.gpus.drafter) {
+      if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
+    }
+    for (const GpuMemory& m : gpu_memory(devices)) {
+      s.memory_family->Add({{"gpu", std::to_string(m.device)}, {"kind", "allocated"}}).Set(static_cast<double>(m.allocated_bytes));
+      s.memory_family->Add({{"gpu", std::to_string(m.device)}, {"kind", "reserved"}}).Set(static_cast<double>(m.reserved_bytes));
+    }
   }
   // The stage that waits less is the bottleneck; the split that balances the measured busy
   // times is the suggestion.
