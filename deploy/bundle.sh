@@ -71,6 +71,9 @@ if ((with_tests)); then
     cp "$t" "$root/tests/"
     copy_libs "$t"
   done
+  for b in "$build"/bench/*_bench; do
+    [ -x "$b" ] && cp "$b" "$root/libexec/"
+  done
 fi
 
 cp "$here/../config/default.yaml" "$root/share/default.yaml"
@@ -99,5 +102,7 @@ export LD_LIBRARY_PATH="$root/lib:$torch_lib:$nvidia/cu13/lib:$nvidia/nccl/lib${
 exec "$root/libexec/${DFLASHD_EXEC:-dflashd}" "$@"
 LAUNCHER
 chmod +x "$root/bin/dflashd"
+# Debug info stays in the build tree; the bundle carries stripped binaries.
+find "$root/libexec" "$root/tests" -type f -perm -u+x -exec strip --strip-debug {} + 2>/dev/null || true
 tar -C "$out" -czf "$out/dflashd-$version.tar.gz" "dflashd-$version"
 echo "$root ($(du -sh "$root" | cut -f1)); $out/dflashd-$version.tar.gz"

@@ -107,12 +107,14 @@ std::string write_checkpoint(const std::string& root, int64_t step, const Drafte
   make_dirs(partial);
   write_file_atomically(partial + "/config.json", export_config_json(drafter.shape()));
   // The fp32 master weights are the model (bf16 parameters are their rounding).
-  std::vector<std::pair<std::string, at::Tensor>> model, state;
+  // The master copies are written once, as the model; the optimizer file holds the moments.
+  std::vector<std::pair<std::string, at::Tensor>> model, moments;
   for (const auto& [n, t] : optimizer.state_tensors()) {
     if (n.rfind("master.", 0) == 0) model.emplace_back(n.substr(7), t);
+    else moments.emplace_back(n, t);
   }
   write_tensors(partial + "/model.safetensors", model);
-  write_tensors(partial + "/optimizer.safetensors", optimizer.state_tensors());
+  write_tensors(partial + "/optimizer.safetensors", moments);
   nlohmann::json state_json = {{"format", "dflashd-checkpoint"},
                                {"version", 1},
                                {"step", step},
@@ -161,8 +163,9 @@ LoadedCheckpoint read_checkpoint(const std::string& dir, Drafter* drafter, AdamW
   const auto model = read_tensors(dir + "/model.safetensors");
   drafter->load_tensors(model, dir + "/model.safetensors");
   if (optimizer) {
-    optimizer->load_state(read_tensors(dir + "/optimizer.safetensors"), state.at("optimizer_steps").get<int64_t>(),
-                          dir + "/optimizer.safetensors");
+    auto tensors = read_tensors(dir + "/optimizer.safetensors");
+    for (const auto& [name, t] : model) tensors.emplace_back("master." + name, t);
+    optimizer->load_state(tensors, state.at("optimizer_steps").get<int64_t>(), dir + "/optimizer.safetensors");
   }
   return {state.at("step").get<int64_t>(), state.at("trainer").dump()};
 }

@@ -4,7 +4,8 @@
 //   step-<12 digits>/
 //     config.json            the drafter's serving config (dflash.md section 5)
 //     model.safetensors      fp32 weights (the optimizer's master copy), export names
-//     optimizer.safetensors  fp32 AdamW state: master.<name>, exp_avg.<name>, exp_avg_sq.<name>
+//     optimizer.safetensors  fp32 AdamW moments: exp_avg.<name>, exp_avg_sq.<name> (the master
+//                            weights are model.safetensors)
 //     state.json             {"format": "dflashd-checkpoint", "version": 1, "step": N,
 //                             "optimizer_steps": N, "trainer": {...}} (trainer: data position,
 //                             seeds, metrics: whatever the pipeline needs to resume exactly)

@@ -11,6 +11,7 @@ struct GpuMemory {
   int device = 0;
   int64_t allocated_bytes = 0;
   int64_t reserved_bytes = 0;
+  int64_t peak_allocated_bytes = 0;
 };
 
 std::vector<GpuMemory> gpu_memory(const std::vector<int>& devices);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <fstream>
 #include <functional>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -146,12 +147,21 @@ at::Tensor RandomWeights::get(const std::string& name, const std::vector<int64_t
     case Init::zeros: return at::zeros(shape, options);
     default: break;
   }
-  // Each tensor gets its own generator seeded from (seed, name): the result does not depend on
-  // the order in which a model asks for its tensors, nor on the device.
+  // Each tensor is drawn from a generator seeded from (seed, name): the result does not depend
+  // on the order in which a model asks for its tensors. On a GPU the numbers are drawn there
+  // (a 27B target would not fit in host memory as fp32), with the device's own generator, so
+  // CPU and GPU initialisations differ.
   const uint64_t seed = seed_ ^ (std::hash<std::string>{}(name) * 0x9E3779B97F4A7C15ULL);
-  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Generator generator;
+  if (options.device().is_cpu()) {
+    generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  } else {
+    generator = at::globalContext().defaultGenerator(options.device());
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_current_seed(seed);
+  }
   at::Tensor t;
-  const auto cpu = at::TensorOptions().dtype(at::kFloat);
+  const auto cpu = at::TensorOptions().dtype(at::kFloat).device(options.device());
   if (init == Init::a_log) {
     t = at::log(at::empty(shape, cpu).uniform_(1, 16, generator));  // decay rates like the HF init
   } else if (init == Init::dt_bias) {

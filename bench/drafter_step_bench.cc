@@ -1,0 +1,98 @@
+// drafter_step_bench: one DFlash drafter training step (forward, chunked LM-head loss, backward,
+// AdamW) at the Qwen3.5-27B drafter shape on a GPU: hidden 5120, 32/8 heads of 128, MLP 17408,
+// 5 layers, vocabulary 248320, S 3072, 512 anchors, block 16. Prints time, memory and MFU.
+// Usage: drafter_step_bench [repeats]   (needs a CUDA GPU; bench/run_h200.sh runs it)
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+
+#include "drafter/loss.h"
+#include "drafter/model.h"
+#include "drafter/optimizer.h"
+#include "pipeline/flops.h"
+#include "pipeline/gpu_memory.h"
+
+using namespace dflash;
+
+int main(int argc, char** argv) {
+  const int repeats = argc > 1 ? std::atoi(argv[1]) : 5;
+  if (!at::hasCUDA()) {
+    std::fprintf(stderr, "drafter_step_bench: no CUDA device\n");
+    return 1;
+  }
+  drafter::DrafterShape s;
+  s.hidden_size = 5120;
+  s.num_layers = 5;
+  s.num_attention_heads = 32;
+  s.num_key_value_heads = 8;
+  s.head_dim = 128;
+  s.intermediate_size = 17408;
+  s.vocab_size = 248320;
+  s.rope_theta = 1e7;
+  s.block_size = 16;
+  s.mask_token_id = 248070;
+  s.target_layer_ids = {1, 16, 31, 46, 61};
+  s.num_target_layers = 64;
+  const int64_t S = 3072;
+  const at::Device device(at::kCUDA, 0);
+  const auto bf16 = at::TensorOptions().device(device).dtype(at::kBFloat16);
+  drafter::Drafter model(s, bf16);
+  {
+    c10::NoGradGuard no_grad;
+    for (const auto& [name, p] : model.parameters()) {
+      if (p.dim() == 1) p.fill_(1.0);
+      else p.normal_(0, 0.02);
+    }
+  }
+  const at::Tensor embed = at::randn({s.vocab_size, s.hidden_size}, bf16) * 0.02;
+  const at::Tensor head = at::randn({s.vocab_size, s.hidden_size}, bf16) * 0.02;
+  drafter::DrafterBatch batch;
+  batch.features = at::randn({S, s.num_features() * s.hidden_size}, bf16);
+  batch.input_ids = at::randint(0, 248000, {S}, at::TensorOptions().device(device).dtype(at::kLong));
+  std::vector<uint8_t> mask(S, 1);
+  for (int i = 0; i < 64; ++i) mask[i] = 0;
+  batch.loss_mask = at::tensor(mask, at::TensorOptions().dtype(at::kByte));
+  batch.cu_seqlens = {0, S};
+  std::mt19937_64 rng(1);
+  batch.anchors = {drafter::sample_anchors(mask, 512, rng)};
+  drafter::OptimizerSettings settings;
+  settings.total_steps = 1000;
+  drafter::AdamW optimizer(model.parameters(), settings);
+  const drafter::BlockTargets targets = drafter::make_block_targets(batch, 16, 7.0, device);
+  const int64_t rows = batch.anchors[0].size(0) * 16;
+  const double flops = pipeline::drafter_flops(s, S, rows, batch.anchors[0].sum().item<int64_t>());
+
+  std::vector<double> fwd_bwd, opt;
+  for (int i = 0; i < repeats + 2; ++i) {
+    torch::cuda::synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    drafter::LossStats stats;
+    const at::Tensor hidden = model.forward(batch, embed);
+    drafter::dflash_loss(hidden, head, targets, targets.weight_sum, 128 * 16, 16, &stats).backward();
+    torch::cuda::synchronize();
+    const auto t1 = std::chrono::steady_clock::now();
+    optimizer.step();
+    torch::cuda::synchronize();
+    const auto t2 = std::chrono::steady_clock::now();
+    if (i >= 2) {
+      fwd_bwd.push_back(std::chrono::duration<double>(t1 - t0).count());
+      opt.push_back(std::chrono::duration<double>(t2 - t1).count());
+    }
+  }
+  std::sort(fwd_bwd.begin(), fwd_bwd.end());
+  std::sort(opt.begin(), opt.end());
+  const double median = fwd_bwd[fwd_bwd.size() / 2], median_opt = opt[opt.size() / 2];
+  const auto memory = pipeline::gpu_memory({0});
+  std::printf("dflashd drafter step (27B drafter shape, S %lld, %lld anchors x 16, split-path attention, bf16)\n",
+              static_cast<long long>(S), static_cast<long long>(batch.anchors[0].size(0)));
+  std::printf("  forward+loss+backward  %.3f s  (%.1f TFLOP model, %.0f TFLOP/s, MFU %.1f%% of 790)\n", median,
+              flops / 1e12, flops / median / 1e12, 100 * flops / median / 790e12);
+  std::printf("  AdamW step             %.3f s\n", median_opt);
+  std::printf("  peak allocated         %.1f GiB\n", memory.empty() ? 0.0 : memory[0].peak_allocated_bytes / 1073741824.0);
+  return 0;
+}
