@@ -11,16 +11,20 @@ T=$(python3 -c 'import os,torch;print(os.path.dirname(torch.__file__))')
 export LD_LIBRARY_PATH="$B/lib:$T/lib:$T/../nvidia/cu13/lib:$T/../nvidia/nccl/lib"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-"$B/bin/dflashd" doctor | tee "$out/doctor.txt"
-"$B/tests/target_test" --gtest_filter='*SlowPath*' 2>&1 | tail -3 | tee "$out/gpu_tests.txt"
-timeout 240 "$B/libexec/drafter_step_bench" 5 2>&1 | tee "$out/drafter_step.txt"
-timeout 240 python3 bench/python/specforge_step.py 5 2>&1 | grep -v Warning | tail -3 | tee "$out/specforge_step.txt"
-(timeout 230 "$B/bin/dflashd" run -c bench/pipeline_27b.yaml > "$out/pipeline.log" 2>&1; echo "exit $?" >> "$out/pipeline.log") &
-sleep 150
-curl -s localhost:9400/metrics | grep -E '^dflashd_(tokens_per_second|mfu_ratio|optimizer_steps_total|loss|expected_acceptance|gpu_memory_bytes|queue_depth|queue_consumer|queue_producer|bottleneck|suggested)' | tee "$out/pipeline_metrics.txt"
-wait
-grep -E "step |plan:|exit|error|refus" "$out/pipeline.log" | tail -8
-echo "==== summary"
-grep -E "forward\+|AdamW|peak" "$out/drafter_step.txt"
-cat "$out/specforge_step.txt" | tail -1
-grep -E "tokens_per_second|mfu_ratio|optimizer_steps_total" "$out/pipeline_metrics.txt"
+phase="${1:-step}"
+if [ "$phase" = step ]; then
+  "$B/bin/dflashd" doctor | tee "$out/doctor.txt"
+  "$B/tests/target_test" --gtest_filter='*SlowPath*' 2>&1 | tail -3 | tee "$out/gpu_tests.txt"
+  timeout 200 env DFLASHD_EXEC=drafter_step_bench "$B/bin/dflashd" 5 2>&1 | tee "$out/drafter_step.txt"
+  timeout 240 python3 bench/python/specforge_step.py 5 2>&1 | grep -v Warning | tail -3 | tee "$out/specforge_step.txt"
+  echo "==== summary"
+  grep -E "forward\+|AdamW|peak" "$out/drafter_step.txt"
+  tail -1 "$out/specforge_step.txt"
+else
+  (timeout 400 "$B/bin/dflashd" run -c bench/pipeline_27b.yaml > "$out/pipeline.log" 2>&1; echo "exit $?" >> "$out/pipeline.log") &
+  for i in $(seq 60); do sleep 5; grep -qE "step [1-9][0-9]*/" "$out/pipeline.log" 2>/dev/null && break; done
+  sleep 100
+  curl -s localhost:9400/metrics | grep -E '^dflashd_(tokens_per_second|mfu_ratio|optimizer_steps_total|loss|expected_acceptance|gpu_memory_bytes|queue_depth|queue_consumer|queue_producer|bottleneck|suggested|eta)' | tee "$out/pipeline_metrics.txt"
+  wait
+  grep -E "step |plan:|exit|error|refus|checkpoint|resum|data:" "$out/pipeline.log" | tail -12
+fi
