@@ -8,6 +8,7 @@
 #include "common/log.h"
 #include "config/config.h"
 #include "daemon/exit_codes.h"
+#include "drafter/checkpoint.h"
 #include "daemon/inspect.h"
 #include "daemon/machine.h"
 #include "daemon/run.h"
@@ -26,6 +27,7 @@ Commands:
   validate   check a config file (and this machine) without training
   doctor     print what this machine offers: torch, CUDA, GPUs, NCCL, peer access, kernels
   inspect    dump a target's tapped hidden states for a token file (debugging)
+  export     write a checkpoint's drafter in the serving format (SGLang, vLLM, HF)
   config     print the embedded default config (a documented starting point)
   version    print the version
 
@@ -64,6 +66,13 @@ constexpr const char* kDoctorHelp = R"(Usage: dflashd doctor
 Prints torch and CUDA versions, GPUs with memory, whether dflashd's compiled kernels run on
 each GPU, NCCL version, peer access between GPUs and the SDPA backend torch would choose.
 Works (and says so) on machines without GPUs. Exits 0.
+)";
+
+constexpr const char* kExportHelp = R"(Usage: dflashd export CHECKPOINT_DIR OUT_DIR
+
+Writes the drafter of a checkpoint (a step-N directory with its COMMIT marker) to OUT_DIR as
+config.json + model.safetensors (bf16, no embedding or LM head): what SGLang
+(--speculative-algorithm DFLASH), vLLM (method "dflash") and transformers load.
 )";
 
 constexpr const char* kConfigHelp = R"(Usage: dflashd config default
@@ -176,6 +185,19 @@ int command_doctor(const Args& args) {
   return exit_code::kOk;
 }
 
+int command_export(const Args& args) {
+  if (args.help) return std::cout << kExportHelp, exit_code::kOk;
+  if (args.positional.size() != 2) return usage_error("expected CHECKPOINT_DIR OUT_DIR", kExportHelp);
+  try {
+    drafter::export_checkpoint(args.positional[0], args.positional[1]);
+  } catch (const std::exception& e) {
+    std::cerr << "dflashd export: " << e.what() << "\n";
+    return exit_code::kFailure;
+  }
+  std::cout << "exported " << args.positional[0] << " to " << args.positional[1] << "\n";
+  return exit_code::kOk;
+}
+
 int command_config(const Args& args) {
   if (args.help) return std::cout << kConfigHelp, exit_code::kOk;
   if (args.positional.size() != 1 || args.positional[0] != "default") {
@@ -210,6 +232,7 @@ int main(int argc, char** argv) {
     if (command == "validate") return command_validate(args);
     if (command == "doctor") return command_doctor(args);
     if (command == "config") return command_config(args);
+    if (command == "export") return command_export(args);
   } catch (const std::exception& e) {
     log::critical("{}", e.what());
     log::flush();

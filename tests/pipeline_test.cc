@@ -163,6 +163,14 @@ TEST(PipelineRun, TrainsToTheEndCheckpointsAndExports) {
   EXPECT_TRUE(exists(r.dir + "/out/checkpoints/step-000000000024/COMMIT"));
   EXPECT_TRUE(exists(r.dir + "/out/checkpoints/step-000000000020/COMMIT"));
   EXPECT_FALSE(exists(r.dir + "/out/checkpoints/step-000000000010")) << "keep_last 2";
+  // `dflashd export` of the last checkpoint gives the same files as the run's final export.
+  test::Process exported({kBinary, "export", r.dir + "/out/checkpoints/step-000000000024", r.dir + "/exported"}, {}, r.dir);
+  ASSERT_EQ(exported.wait(60000), 0) << exported.err();
+  EXPECT_EQ(test::read_file(r.dir + "/exported/model.safetensors"), test::read_file(r.dir + "/out/export/final/model.safetensors"));
+  EXPECT_EQ(test::read_file(r.dir + "/exported/config.json"), test::read_file(r.dir + "/out/export/final/config.json"));
+  test::Process bad({kBinary, "export", r.dir + "/out", r.dir + "/nothing"}, {}, r.dir);
+  EXPECT_EQ(bad.wait(60000), 1);
+  EXPECT_NE(bad.err().find("not a complete checkpoint (no COMMIT marker)"), std::string::npos) << bad.err();
   // Running again resumes at the end and does nothing more.
   test::Process again({kBinary, "run", "-c", r.config}, {}, r.dir);
   ASSERT_EQ(again.wait(60000), 0) << again.err();
