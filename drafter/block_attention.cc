@@ -12,6 +12,32 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// Batched product with an fp32 result. fp32 operands: at::matmul. bf16/fp16 operands (GPU):
+// cuBLAS with fp32 accumulation and fp32 output (tensor cores), as flash attention keeps its
+// scores in fp32 while P and dS enter the next product in the input precision.
+at::Tensor product(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble) return at::matmul(a, b);
+  const auto batch = at::infer_size(a.sizes().slice(0, a.dim() - 2), b.sizes().slice(0, b.dim() - 2));
+  auto shape_of = [&](const at::Tensor& t) {
+    std::vector<int64_t> s(batch.begin(), batch.end());
+    s.push_back(t.size(-2));
+    s.push_back(t.size(-1));
+    return s;
+  };
+  const at::Tensor a3 = a.expand(shape_of(a)).reshape({-1, a.size(-2), a.size(-1)});
+  const at::Tensor b3 = b.expand(shape_of(b)).reshape({-1, b.size(-2), b.size(-1)});
+  std::vector<int64_t> out(batch.begin(), batch.end());
+  out.push_back(a.size(-2));
+  out.push_back(b.size(-1));
+  return at::bmm(a3, b3, at::kFloat).view(out);
+}
+
+// Operand precision: bf16/fp16 stay as they are on a GPU; everything else computes in fp32.
+at::ScalarType operand_type(const at::Tensor& q) {
+  const bool reduced = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
+  return reduced && q.is_cuda() ? q.scalar_type() : at::kFloat;
+}
+
 struct Group {
   int64_t first_row, rows, blocks, context;  // context: keys [0, context) of part A
 };
@@ -68,29 +94,32 @@ struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionF
                             const at::Tensor& v_context, const at::Tensor& k_block, const at::Tensor& v_block,
                             const at::Tensor& anchors, int64_t block_size, int64_t group_blocks, double scale) {
     const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_context.size(1), rep = hq / hkv;
-    // Heads first, fp32 (the math path; fused kernels take over on GPUs).
-    const at::Tensor qh = q.permute({1, 0, 2}).to(at::kFloat).contiguous();
-    const at::Tensor kc = k_context.permute({1, 0, 2}).to(at::kFloat).contiguous();
-    const at::Tensor vc = v_context.permute({1, 0, 2}).to(at::kFloat).contiguous();
-    const at::Tensor kb = k_block.permute({1, 0, 2}).to(at::kFloat).contiguous();
-    const at::Tensor vb = v_block.permute({1, 0, 2}).to(at::kFloat).contiguous();
-    at::Tensor out = at::empty({hkv, rep, rows, d}, qh.options());
-    at::Tensor lse = at::empty({hkv, rep, rows}, qh.options());
+    // Heads first. Operands stay bf16/fp16 on a GPU (tensor cores, fp32 accumulation and
+    // scores); everything else computes in fp32. Output and log-sum-exp are kept in fp32.
+    const at::ScalarType op = operand_type(q);
+    const at::Tensor qh = q.permute({1, 0, 2}).to(op).contiguous();
+    const at::Tensor kc = k_context.permute({1, 0, 2}).to(op).contiguous();
+    const at::Tensor vc = v_context.permute({1, 0, 2}).to(op).contiguous();
+    const at::Tensor kb = k_block.permute({1, 0, 2}).to(op).contiguous();
+    const at::Tensor vb = v_block.permute({1, 0, 2}).to(op).contiguous();
+    const auto fp32 = qh.options().dtype(at::kFloat);
+    at::Tensor out = at::empty({hkv, rep, rows, d}, fp32);
+    at::Tensor lse = at::empty({hkv, rep, rows}, fp32);
     for (const Group& g : make_groups(anchors, block_size, group_blocks)) {
       const GroupTensors t = group_tensors(qh, kc, vc, kb, vb, anchors, g, block_size);
       // Part B: own block, unmasked.
-      const at::Tensor scores_b = at::matmul(t.q_blocks, t.k_blk.transpose(-1, -2)) * scale;  // [Hkv,rep,G,B,B]
+      const at::Tensor scores_b = product(t.q_blocks, t.k_blk.transpose(-1, -2)) * scale;  // [Hkv,rep,G,B,B]
       const at::Tensor lse_b = at::logsumexp(scores_b, -1).reshape({hkv, rep * g.rows});
       at::Tensor lse_g = lse_b;
       at::Tensor scores_a;
       if (g.context > 0) {
-        scores_a = (at::matmul(t.q_rows, t.k_ctx.transpose(-1, -2)) * scale).masked_fill(t.mask.logical_not(), -INFINITY);
+        scores_a = (product(t.q_rows, t.k_ctx.transpose(-1, -2)) * scale).masked_fill(t.mask.logical_not(), -INFINITY);
         lse_g = at::logaddexp(at::logsumexp(scores_a, -1), lse_b);  // rows with anchor 0: lse_a = -inf
       }
       // Each part's probabilities against the merged log-sum-exp sum to one over all keys.
-      at::Tensor o = at::matmul(at::exp(scores_b - lse_g.view({hkv, rep, g.blocks, block_size, 1})), t.v_blk)
+      at::Tensor o = product(at::exp(scores_b - lse_g.view({hkv, rep, g.blocks, block_size, 1})).to(op), t.v_blk)
                          .reshape({hkv, rep * g.rows, d});
-      if (g.context > 0) o = o + at::matmul(at::exp(scores_a - lse_g.unsqueeze(-1)), t.v_ctx);
+      if (g.context > 0) o = o + product(at::exp(scores_a - lse_g.unsqueeze(-1)).to(op), t.v_ctx);
       out.narrow(2, g.first_row, g.rows).copy_(o.view({hkv, rep, g.rows, d}));
       lse.narrow(2, g.first_row, g.rows).copy_(lse_g.view({hkv, rep, g.rows}));
     }
@@ -110,38 +139,43 @@ struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionF
     const double scale = ctx->saved_data["scale"].toDouble();
     const int64_t hq = qh.size(0), rows = qh.size(1), d = qh.size(2), hkv = kc.size(0), rep = hq / hkv;
     const at::ScalarType input_type = grad_outputs[0].scalar_type();
-    const at::Tensor d_out = grad_outputs[0].permute({1, 0, 2}).to(at::kFloat).reshape({hkv, rep, rows, d});
-    at::Tensor dq = at::zeros_like(qh).view({hkv, rep, rows, d});
-    at::Tensor dkc = at::zeros_like(kc), dvc = at::zeros_like(vc), dkb = at::zeros_like(kb), dvb = at::zeros_like(vb);
+    const at::ScalarType op = qh.scalar_type();
+    const at::Tensor d_out_f = grad_outputs[0].permute({1, 0, 2}).to(at::kFloat).reshape({hkv, rep, rows, d});
+    const at::Tensor d_out = d_out_f.to(op);
+    const auto fp32 = qh.options().dtype(at::kFloat);
+    at::Tensor dq = at::zeros({hkv, rep, rows, d}, fp32);
+    at::Tensor dkc = at::zeros(kc.sizes(), fp32), dvc = at::zeros(vc.sizes(), fp32);
+    at::Tensor dkb = at::zeros(kb.sizes(), fp32), dvb = at::zeros(vb.sizes(), fp32);
     for (const Group& g : make_groups(anchors, block_size, group_blocks)) {
       const GroupTensors t = group_tensors(qh, kc, vc, kb, vb, anchors, g, block_size);
       const at::Tensor o_g = out.narrow(2, g.first_row, g.rows).reshape({hkv, rep * g.rows, d});
       const at::Tensor do_g = d_out.narrow(2, g.first_row, g.rows).reshape({hkv, rep * g.rows, d});
       const at::Tensor lse_g = lse.narrow(2, g.first_row, g.rows).reshape({hkv, rep * g.rows});
-      const at::Tensor delta = (do_g * o_g).sum(-1);  // D_i = rowsum(dO o O)
+      const at::Tensor delta = (d_out_f.narrow(2, g.first_row, g.rows).reshape({hkv, rep * g.rows, d}) * o_g).sum(-1);  // D = rowsum(dO o O)
       at::Tensor dq_g;
       // Part B, in [Hkv, rep, G, B, *] views.
       {
-        const at::Tensor p = at::exp(at::matmul(t.q_blocks, t.k_blk.transpose(-1, -2)) * scale -
+        const at::Tensor p = at::exp(product(t.q_blocks, t.k_blk.transpose(-1, -2)) * scale -
                                      lse_g.view({hkv, rep, g.blocks, block_size, 1}));
+        const at::Tensor p_op = p.to(op);
         const at::Tensor do_b = do_g.view({hkv, rep, g.blocks, block_size, d});
         dvb.narrow(1, g.first_row, g.rows)
-            .add_(at::matmul(p.transpose(-1, -2), do_b).sum(1).reshape({hkv, g.rows, d}));
-        const at::Tensor ds = p * (at::matmul(do_b, t.v_blk.transpose(-1, -2)) -
-                                   delta.view({hkv, rep, g.blocks, block_size, 1}));
-        dq_g = (at::matmul(ds, t.k_blk) * scale).reshape({hkv, rep * g.rows, d});
+            .add_(product(p_op.transpose(-1, -2), do_b).sum(1).reshape({hkv, g.rows, d}));
+        const at::Tensor ds = (p * (product(do_b, t.v_blk.transpose(-1, -2)) -
+                                    delta.view({hkv, rep, g.blocks, block_size, 1}))).to(op);
+        dq_g = (product(ds, t.k_blk) * scale).reshape({hkv, rep * g.rows, d});
         dkb.narrow(1, g.first_row, g.rows)
-            .add_((at::matmul(ds.transpose(-1, -2), t.q_blocks).sum(1) * scale).reshape({hkv, g.rows, d}));
+            .add_((product(ds.transpose(-1, -2), t.q_blocks).sum(1) * scale).reshape({hkv, g.rows, d}));
       }
       // Part A: the staircase window of context keys.
       if (g.context > 0) {
-        const at::Tensor scores = (at::matmul(t.q_rows, t.k_ctx.transpose(-1, -2)) * scale)
+        const at::Tensor scores = (product(t.q_rows, t.k_ctx.transpose(-1, -2)) * scale)
                                       .masked_fill(t.mask.logical_not(), -INFINITY);
         const at::Tensor p = at::exp(scores - lse_g.unsqueeze(-1));
-        dvc.narrow(1, 0, g.context).add_(at::matmul(p.transpose(-1, -2), do_g));
-        const at::Tensor ds = p * (at::matmul(do_g, t.v_ctx.transpose(-1, -2)) - delta.unsqueeze(-1));
-        dq_g = dq_g + at::matmul(ds, t.k_ctx) * scale;
-        dkc.narrow(1, 0, g.context).add_(at::matmul(ds.transpose(-1, -2), t.q_rows) * scale);
+        dvc.narrow(1, 0, g.context).add_(product(p.to(op).transpose(-1, -2), do_g));
+        const at::Tensor ds = (p * (product(do_g, t.v_ctx.transpose(-1, -2)) - delta.unsqueeze(-1))).to(op);
+        dq_g = dq_g + product(ds, t.k_ctx) * scale;
+        dkc.narrow(1, 0, g.context).add_(product(ds.transpose(-1, -2), t.q_rows) * scale);
       }
       dq.narrow(2, g.first_row, g.rows).copy_(dq_g.view({hkv, rep, g.rows, d}));
     }

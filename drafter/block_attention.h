@@ -14,7 +14,10 @@
 // Backward recomputes the scores per group and runs the standard attention backward of each
 // part against the *merged* output and log-sum-exp (the split-KV identity): exact gradients,
 // memory O(one group). GQA-native: query heads are grouped per key-value head, keys are never
-// repeated. This portable path is the reference for fused kernels (see design.md).
+// repeated. Precision: fp32 inputs compute in fp32; bf16/fp16 inputs on a GPU keep their
+// precision as matmul operands (tensor cores) with fp32 accumulation, fp32 scores, softmax,
+// output and log-sum-exp, as flash attention does. This portable path is the reference for
+// fused kernels (see design.md).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -152,6 +152,33 @@ TEST(BlockAttention, SplitPathEqualsDenseMaskForwardAndBackward) {
   }
 }
 
+TEST(BlockAttention, GpuBf16OperandsMatchTheFp32Reference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(9);
+  std::vector<int64_t> anchors;
+  for (int64_t a = 0; a < 700; a += 7) anchors.push_back(a + (a % 3));
+  const auto cuda = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  const int64_t rows = static_cast<int64_t>(anchors.size()) * 16;
+  const at::Tensor q = at::randn({rows, 8, 64}, cuda), kc = at::randn({710, 2, 64}, cuda), vc = at::randn({710, 2, 64}, cuda);
+  const at::Tensor kb = at::randn({rows, 2, 64}, cuda), vb = at::randn({rows, 2, 64}, cuda), dout = at::randn({rows, 8, 64}, cuda);
+  const at::Tensor a = at::tensor(anchors, at::TensorOptions().dtype(at::kLong));
+  std::vector<at::Tensor> low, full;
+  for (const at::Tensor& t : {q, kc, vc, kb, vb}) {
+    low.push_back(t.to(at::kBFloat16).requires_grad_());
+    full.push_back(t.to(at::kBFloat16).to(at::kFloat).requires_grad_());  // the same rounded inputs
+  }
+  const at::Tensor ours = block_attention(low[0], low[1], low[2], low[3], low[4], a, {16, 32, 0});
+  EXPECT_EQ(ours.scalar_type(), at::kBFloat16);
+  const auto ours_grads = torch::autograd::grad({ours}, low, {dout.to(at::kBFloat16)});
+  const at::Tensor ref = block_attention_dense_reference(full[0], full[1], full[2], full[3], full[4], a, 16);
+  const auto ref_grads = torch::autograd::grad({ref}, full, {dout.to(at::kBFloat16).to(at::kFloat)});
+  EXPECT_LE(relative_error(ours.to(at::kFloat), ref), 2e-2);
+  for (size_t i = 0; i < ours_grads.size(); ++i) {
+    EXPECT_LE(relative_error(ours_grads[i].to(at::kFloat), ref_grads[i]), 2e-2) << "grad " << i;
+    EXPECT_FALSE(at::isnan(ours_grads[i]).any().item<bool>());
+  }
+}
+
 TEST(BlockAttention, RejectsUnsortedOrOutOfRangeAnchors) {
   AttentionInputs in = random_attention(10, {2, 1}, 4, 2, 2, 8);
   EXPECT_THROW(block_attention(in.q, in.kc, in.vc, in.kb, in.vb, in.anchors, {4, 64, 0}), std::invalid_argument);
