@@ -3,6 +3,7 @@
 #include <httplib.h>
 #include <prometheus/text_serializer.h>
 
+#include <chrono>
 #include <cstring>
 
 #include "common/log.h"
@@ -70,6 +71,9 @@ HttpEndpoint::HttpEndpoint(const std::string& listen,
     throw StartupError("metrics.listen " + listen + ": " + why);
   }
   thread_ = std::thread([this] { server_->listen_after_bind(); });
+  // httplib's stop() does nothing until the accept loop has started (is_running()), so a
+  // destructor racing the thread's start would join forever: wait for the loop here.
+  for (int i = 0; i < 5000 && !server_->is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   // The socket already listens (bind_to_port does listen()), so connections made before the
   // accept loop starts wait in the backlog: no start-up race for scrapers.
   log::info("metrics on http://{}:{}/metrics, health on /healthz", host_, port_);
