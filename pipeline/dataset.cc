@@ -13,14 +13,15 @@
 #include "common/log.h"
 
 namespace dflash::pipeline {
-namespace {
 
-uint64_t mix(uint64_t x) {  // splitmix64: a stateless, well-spread hash for seeds
+uint64_t mix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ULL;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
   return x ^ (x >> 31);
 }
+
+namespace {
 
 std::vector<std::string> expand_paths(const std::vector<std::string>& paths) {
   std::vector<std::string> files;
@@ -53,7 +54,7 @@ int64_t supervised(const TokenSample& s) {
 }  // namespace
 
 TokenSample synthetic_sample(int64_t number, const config::SyntheticData& synthetic, int64_t vocab_size, int64_t seed) {
-  std::mt19937_64 rng(mix(static_cast<uint64_t>(seed) ^ mix(static_cast<uint64_t>(number))));
+  std::mt19937_64 rng(mix64(static_cast<uint64_t>(seed) ^ mix64(static_cast<uint64_t>(number))));
   const int64_t length = synthetic.min_length + static_cast<int64_t>(rng() % (synthetic.max_length - synthetic.min_length + 1));
   const int64_t usable = std::max<int64_t>(2, vocab_size - 1);
   const int64_t start = static_cast<int64_t>(rng() % usable), stride = 1 + static_cast<int64_t>(rng() % 3);
@@ -148,7 +149,7 @@ std::vector<int64_t> Dataset::epoch_order(int64_t epoch) const {
   std::vector<int64_t> order(index_.size());
   std::iota(order.begin(), order.end(), 0);
   if (config_.shuffle) {
-    std::mt19937_64 rng(mix(static_cast<uint64_t>(config_.seed) * 1000003ULL + static_cast<uint64_t>(epoch)));
+    std::mt19937_64 rng(mix64(static_cast<uint64_t>(config_.seed) * 1000003ULL + static_cast<uint64_t>(epoch)));
     for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng() % i]);  // Fisher-Yates
   }
   return order;

@@ -25,6 +25,9 @@
 
 namespace dflash::pipeline {
 
+// splitmix64: a stateless, well-spread hash for deriving seeds (sample order, anchors).
+uint64_t mix64(uint64_t x);
+
 class Dataset {
  public:
   // vocab_size bounds the token ids (checked per line) and the synthetic generator.

@@ -37,13 +37,6 @@ double now_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-uint64_t mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
 std::string fixed(double value, int digits) {
   char buffer[64];
   std::snprintf(buffer, sizeof(buffer), "%.*f", digits, value);
@@ -368,7 +361,7 @@ struct Trainer::Impl {
           batch.cu_seqlens = {0};
           for (size_t j = i; j < std::min(wanted.size(), i + static_cast<size_t>(m)); ++j) {
             const FeatureItem& item = waiting.at(wanted[j]);
-            std::mt19937_64 rng(mix(static_cast<uint64_t>(config.train.seed) ^ mix(static_cast<uint64_t>(item.q))));
+            std::mt19937_64 rng(mix64(static_cast<uint64_t>(config.train.seed) ^ mix64(static_cast<uint64_t>(item.q))));
             batch.anchors.push_back(drafter::sample_anchors(item.loss_mask, config.train.anchors_per_sequence, rng));
             features.push_back(item.features);
             ids.push_back(item.input_ids);

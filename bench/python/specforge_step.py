@@ -3,27 +3,16 @@ flex_attention with its compiled block mask, hard-label decay-weighted CE over a
 at the Qwen3.5-27B drafter shape, random weights, bf16, on the GPU. Prints the median
 forward+backward time after warm-up (the first calls compile). Run by bench/run_h200.sh.
 """
-import importlib
-import importlib.util
 import os
 import sys
 import time
-import types
 
 import torch
 from transformers import Qwen3Config
 
-
-def import_specforge():
-    spec = importlib.util.find_spec("specforge")
-    root = os.path.dirname(spec.origin)
-    for name in ["specforge", "specforge.core", "specforge.modeling", "specforge.modeling.draft",
-                 "specforge.algorithms", "specforge.algorithms.common"]:
-        m = types.ModuleType(name)
-        m.__path__ = [os.path.join(root, *name.split(".")[1:])]
-        sys.modules[name] = m
-    return (importlib.import_module("specforge.modeling.draft.dflash"),
-            importlib.import_module("specforge.algorithms.common.dflash_family_model"))
+# The same bypass of specforge's package __init__ files as the tests use.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "reference"))
+from specforge_reference import import_specforge  # noqa: E402
 
 
 def main():
