@@ -26,6 +26,7 @@
 #include "pipeline/dataset.h"
 #include "pipeline/flops.h"
 #include "pipeline/gpu_memory.h"
+#include "pipeline/nccl_gradients.h"
 #include "target/model.h"
 
 namespace dflash::pipeline {
@@ -158,7 +159,8 @@ struct Trainer::Impl {
   std::vector<at::Device> drafter_devices;
   std::unique_ptr<BoundedQueue<SampleItem>> sample_queue;
   std::vector<std::unique_ptr<BoundedQueue<FeatureItem>>> feature_queues;
-  std::unique_ptr<LocalCollective> collective;
+  std::unique_ptr<LocalCollective> collective;  // scalars (and gradients on CPU) through host memory
+  std::unique_ptr<NcclGradients> nccl;          // gradients across GPU replicas
   std::vector<std::unique_ptr<Worker>> workers;
   std::vector<std::thread> threads;
 
@@ -395,7 +397,11 @@ struct Trainer::Impl {
         for (const auto& [name, p] : model.parameters()) {
           grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
         }
-        collective->sum(replica, grads);
+        if (nccl) {
+          nccl->sum(replica, grads);
+        } else {
+          collective->sum(replica, grads);
+        }
         size_t g = 0;
         for (const auto& [name, p] : model.parameters()) p.mutable_grad() = grads[g++];
         // Metrics across replicas: loss sum, per-position correct/count.
@@ -647,6 +653,10 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   }
   s.completed_step.store(s.start_step);
   s.collective = std::make_unique<LocalCollective>(static_cast<int>(replicas));
+  if (config.gpus.device == "cuda" && replicas > 1) {
+    s.nccl = std::make_unique<NcclGradients>(config.gpus.drafter);
+    log::info("data-parallel gradients: NCCL all-reduce over {} GPUs", replicas);
+  }
   s.sample_queue = std::make_unique<BoundedQueue<SampleItem>>(config.queues.samples);
   s.queue_capacity_family->Add({{"queue", "samples"}}).Set(static_cast<double>(config.queues.samples));
   s.queue_blocked_family->Add({{"queue", "samples"}});

@@ -10,7 +10,11 @@
 #include <cmath>
 #include <set>
 
+#include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+
 #include "pipeline/bounded_queue.h"
+#include "pipeline/nccl_gradients.h"
 #include "pipeline/dataset.h"
 #include "tests/test_util.h"
 
@@ -109,6 +113,28 @@ TEST(BoundedQueue, BoundsBlocksProducersAndDrainsOnClose) {
   std::set<int> rest{*q.pop(), *q.pop()};
   EXPECT_EQ(rest, (std::set<int>{2, 3}));
   EXPECT_FALSE(q.pop().has_value());
+}
+
+TEST(NcclGradients, SumsAcrossTheGpusOfThisProcess) {
+  const int gpus = at::detail::getCUDAHooks().isBuilt() && at::hasCUDA() ? at::detail::getCUDAHooks().deviceCount() : 0;
+  if (gpus == 0 || !NcclGradients::available()) GTEST_SKIP() << "needs a CUDA GPU and NCCL";
+  std::vector<int> devices;
+  for (int d = 0; d < gpus; ++d) devices.push_back(d);
+  NcclGradients nccl(devices);
+  std::vector<std::vector<at::Tensor>> grads(gpus);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < gpus; ++r) {
+    const auto options = at::TensorOptions().device(at::kCUDA, r);
+    grads[r] = {at::full({3, 5}, r + 1.0, options.dtype(at::kBFloat16)), at::full({7}, 2.0 * (r + 1), options.dtype(at::kFloat))};
+    threads.emplace_back([&, r] { nccl.sum(r, grads[r]); });
+  }
+  for (auto& t : threads) t.join();
+  const double total = gpus * (gpus + 1) / 2.0;
+  for (int r = 0; r < gpus; ++r) {
+    EXPECT_EQ(grads[r][0].scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::allclose(grads[r][0].to(at::kFloat).cpu(), at::full({3, 5}, total)));
+    EXPECT_TRUE(at::allclose(grads[r][1].cpu(), at::full({7}, 2 * total)));
+  }
 }
 
 // ---- The real binary --------------------------------------------------------------------------

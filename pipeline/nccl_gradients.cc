@@ -1,0 +1,75 @@
+#include "pipeline/nccl_gradients.h"
+
+#include <ATen/ATen.h>
+
+#include <stdexcept>
+#include <string>
+
+#if defined(DFLASHD_WITH_CUDA) && defined(DFLASHD_WITH_NCCL)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <nccl.h>
+#define DFLASHD_NCCL 1
+#endif
+
+namespace dflash::pipeline {
+
+#ifdef DFLASHD_NCCL
+struct NcclGradients::Impl {
+  std::vector<int> devices;
+  std::vector<ncclComm_t> comms;
+};
+
+namespace {
+void check(ncclResult_t result, const std::string& what) {
+  if (result != ncclSuccess) throw std::runtime_error(what + ": NCCL error: " + ncclGetErrorString(result));
+}
+}  // namespace
+
+bool NcclGradients::available() { return true; }
+
+NcclGradients::NcclGradients(const std::vector<int>& devices) : impl_(std::make_unique<Impl>()) {
+  impl_->devices = devices;
+  impl_->comms.resize(devices.size());
+  std::string list;
+  for (int d : devices) list += (list.empty() ? "" : ",") + std::to_string(d);
+  check(ncclCommInitAll(impl_->comms.data(), static_cast<int>(devices.size()), devices.data()),
+        "ncclCommInitAll over GPUs " + list);
+}
+
+NcclGradients::~NcclGradients() {
+  for (ncclComm_t c : impl_->comms) {
+    if (c) ncclCommDestroy(c);
+  }
+}
+
+void NcclGradients::sum(int replica, std::vector<at::Tensor>& tensors) {
+  if (tensors.empty()) return;
+  const int device = impl_->devices[replica];
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  // One fp32 buffer: a single all-reduce, and bf16 gradients summed without bf16 rounding.
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& t : tensors) flat.push_back(t.reshape({-1}).to(at::kFloat));
+  at::Tensor buffer = at::cat(flat);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  check(ncclAllReduce(buffer.data_ptr(), buffer.data_ptr(), static_cast<size_t>(buffer.numel()), ncclFloat, ncclSum,
+                      impl_->comms[replica], stream),
+        "gradient all-reduce on GPU " + std::to_string(device));
+  int64_t offset = 0;
+  for (at::Tensor& t : tensors) {
+    const int64_t n = t.numel();
+    t = buffer.narrow(0, offset, n).view(t.sizes()).to(t.scalar_type());
+    offset += n;
+  }
+}
+#else
+struct NcclGradients::Impl {};
+bool NcclGradients::available() { return false; }
+NcclGradients::NcclGradients(const std::vector<int>&) {
+  throw std::runtime_error("this dflashd was built without NCCL: data-parallel GPU replicas need it");
+}
+NcclGradients::~NcclGradients() = default;
+void NcclGradients::sum(int, std::vector<at::Tensor>&) {}
+#endif
+
+}  // namespace dflash::pipeline
