@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <random>
 
+#include "drafter/block_attention.h"
 #include "drafter/loss.h"
 #include "drafter/model.h"
 #include "drafter/optimizer.h"
@@ -84,6 +85,37 @@ int main(int argc, char** argv) {
       opt.push_back(std::chrono::duration<double>(t2 - t1).count());
     }
   }
+  // Where the time goes: the parts timed alone (synchronised), same inputs.
+  auto timed = [&](auto&& f) {
+    std::vector<double> t;
+    for (int i = 0; i < repeats + 1; ++i) {
+      torch::cuda::synchronize();
+      const auto a = std::chrono::steady_clock::now();
+      f();
+      torch::cuda::synchronize();
+      if (i > 0) t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  const double forward_only = timed([&] {
+    c10::NoGradGuard no_grad;
+    model.forward(batch, embed);
+  });
+  at::Tensor hidden_leaf = model.forward(batch, embed).detach().requires_grad_();
+  const double head_loss = timed([&] {
+    drafter::LossStats stats;
+    drafter::dflash_loss(hidden_leaf, head, targets, targets.weight_sum, 128 * 16, 16, &stats).backward();
+  });
+  // One layer's block attention alone, forward + backward, at this shape.
+  const int64_t hq = 32, hkv = 8, d = 128;
+  at::Tensor q = at::randn({rows, hq, d}, bf16).requires_grad_(), kc = at::randn({S, hkv, d}, bf16).requires_grad_();
+  at::Tensor vc = at::randn({S, hkv, d}, bf16).requires_grad_(), kb = at::randn({rows, hkv, d}, bf16).requires_grad_();
+  at::Tensor vb = at::randn({rows, hkv, d}, bf16).requires_grad_();
+  const at::Tensor dout = at::randn({rows, hq, d}, bf16);
+  const double attention = timed([&] {
+    drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], {16, 64, 0}).backward(dout);
+  });
   std::sort(fwd_bwd.begin(), fwd_bwd.end());
   std::sort(opt.begin(), opt.end());
   const double median = fwd_bwd[fwd_bwd.size() / 2], median_opt = opt[opt.size() / 2];
@@ -93,6 +125,8 @@ int main(int argc, char** argv) {
   std::printf("  forward+loss+backward  %.3f s  (%.1f TFLOP model, %.0f TFLOP/s, MFU %.1f%% of 790)\n", median,
               flops / 1e12, flops / median / 1e12, 100 * flops / median / 790e12);
   std::printf("  AdamW step             %.3f s\n", median_opt);
+  std::printf("  parts: forward alone (no grad) %.3f s; LM head + loss fwd+bwd %.3f s; block attention fwd+bwd %.4f s per layer (x5 = %.3f s)\n",
+              forward_only, head_loss, attention, 5 * attention);
   std::printf("  peak allocated         %.1f GiB\n", memory.empty() ? 0.0 : memory[0].peak_allocated_bytes / 1073741824.0);
   return 0;
 }
