@@ -347,7 +347,13 @@ struct Trainer::Impl {
       drafter::StepResult result;
       int64_t tokens = 0;
       double flops = 0;
+      // A retried step starts from clean gradients. With several replicas a retry would put this
+      // replica out of step with the others' collectives, so failures stop the run instead.
       const bool ok = guarded(w, "step " + std::to_string(step), [&] {
+        if (w.restarts.load() > 0 && plan.replicas > 1) {
+          throw std::runtime_error("a drafter step cannot be retried with several data-parallel replicas");
+        }
+        optimizer.zero_grad();
         stats = drafter::LossStats{};
         tokens = 0;
         flops = 0;
