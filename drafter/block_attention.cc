@@ -1,9 +1,13 @@
 #include "drafter/block_attention.h"
 
 #include <ATen/ATen.h>
+#include <ATen/ops/_efficient_attention_backward.h>
+#include <ATen/ops/_efficient_attention_forward.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <stdexcept>
 
 namespace dflash::drafter {
@@ -187,6 +191,131 @@ struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionF
   }
 };
 
+
+// ---- GPU path on PyTorch's fused memory-efficient attention kernels -----------------------
+// The same split, run by tuned kernels instead of materialised scores: part B (own blocks) is
+// one variable-length call with a sequence per block; part A is one call per group with the
+// staircase as an additive bias over the window [0, a_max). Each kernel returns its output and
+// log-sum-exp; the parts merge through the log-sum-exp, and each part's backward kernel is
+// given the merged output and log-sum-exp (split-KV identity). The kernels are not GQA-native:
+// key-value heads are repeated for them (the math path above is GQA-native).
+struct FusedBlockAttentionFunction : public torch::autograd::Function<FusedBlockAttentionFunction> {
+  static at::Tensor expand_heads(const at::Tensor& t, int64_t rep) {
+    return rep == 1 ? t.contiguous() : t.repeat_interleave(rep, 1).contiguous();
+  }
+  // Additive staircase bias for one group, [1, 1, rows, window] viewed from storage whose rows
+  // are padded to a multiple of 16 elements (the kernel's alignment rule).
+  static at::Tensor staircase_bias(const at::Tensor& anchors, const Group& g, int64_t block_size, const at::Tensor& like) {
+    const int64_t padded = (g.context + 15) / 16 * 16;
+    const at::Tensor visible = staircase_mask(anchors, g, block_size, like.device());  // [rows, context]
+    at::Tensor storage = at::full({g.rows, padded}, -INFINITY, like.options());
+    storage.narrow(1, 0, g.context).masked_fill_(visible, 0.0);
+    return storage.narrow(1, 0, g.context).unsqueeze(0).unsqueeze(0);
+  }
+  // [heads, rows] -> the kernel's [batch, heads, ceil(rows/32)*32] layout.
+  static at::Tensor kernel_lse(const at::Tensor& lse_rows_first, int64_t align = 32) {
+    const int64_t rows = lse_rows_first.size(-1);
+    const int64_t padded = (rows + align - 1) / align * align;
+    return at::constant_pad_nd(lse_rows_first, {0, padded - rows}, 0.0).contiguous();
+  }
+
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k_context,
+                            const at::Tensor& v_context, const at::Tensor& k_block, const at::Tensor& v_block,
+                            const at::Tensor& anchors, int64_t block_size, int64_t group_blocks, double scale) {
+    const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2), rep = hq / k_context.size(1);
+    const int64_t blocks = rows / block_size;
+    const at::Tensor qc = q.contiguous();
+    const at::Tensor kc = expand_heads(k_context, rep), vc = expand_heads(v_context, rep);
+    const at::Tensor kb = expand_heads(k_block, rep), vb = expand_heads(v_block, rep);
+    const at::Tensor cu = at::arange(0, rows + 1, block_size, qc.options().dtype(at::kInt));
+    // Part B: a variable-length batch with one 16-token sequence per block.
+    auto part_b = at::_efficient_attention_forward(qc.unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0), std::nullopt, cu,
+                                                   cu, block_size, block_size, 0.0, 0, true, scale);
+    const at::Tensor o_b = std::get<0>(part_b).squeeze(0).to(at::kFloat);                                  // [M, Hq, d]
+    const at::Tensor lse_b = std::get<1>(part_b).narrow(2, 0, block_size).permute({1, 0, 2}).reshape({hq, rows});
+    at::Tensor lse = lse_b.clone(), out = o_b.clone();
+    const auto groups = make_groups(anchors, block_size, group_blocks);
+    for (const Group& g : groups) {
+      if (g.context == 0) continue;
+      const at::Tensor bias = staircase_bias(anchors, g, block_size, qc).expand({1, hq, g.rows, g.context});
+      auto part_a = at::_efficient_attention_forward(qc.narrow(0, g.first_row, g.rows).unsqueeze(0),
+                                                     kc.narrow(0, 0, g.context).unsqueeze(0),
+                                                     vc.narrow(0, 0, g.context).unsqueeze(0), bias, std::nullopt,
+                                                     std::nullopt, std::nullopt, std::nullopt, 0.0, 0, true, scale);
+      // Rows whose anchor is 0 see no context key: their part A is empty (lse -inf, output 0),
+      // whatever the kernel wrote for a fully masked row.
+      const at::Tensor empty_row =
+          (anchors.narrow(0, g.first_row / block_size, g.blocks).repeat_interleave(block_size) == 0).to(qc.device());
+      const at::Tensor lse_a = std::get<1>(part_a).squeeze(0).narrow(1, 0, g.rows).masked_fill(empty_row.unsqueeze(0), -INFINITY);
+      const at::Tensor o_a = std::get<0>(part_a).squeeze(0).to(at::kFloat).masked_fill(empty_row.view({-1, 1, 1}), 0.0);
+      const at::Tensor lse_b_g = lse_b.narrow(1, g.first_row, g.rows);
+      const at::Tensor merged = at::logaddexp(lse_a, lse_b_g);
+      const at::Tensor wa = at::exp(lse_a - merged).t().unsqueeze(-1), wb = at::exp(lse_b_g - merged).t().unsqueeze(-1);
+      out.narrow(0, g.first_row, g.rows).copy_(wa * o_a + wb * o_b.narrow(0, g.first_row, g.rows));
+      lse.narrow(1, g.first_row, g.rows).copy_(merged);
+    }
+    const at::Tensor result = out.to(q.scalar_type());
+    ctx->save_for_backward({qc, kc, vc, kb, vb, result, lse, anchors, std::get<2>(part_b), std::get<3>(part_b)});
+    ctx->saved_data["block_size"] = block_size;
+    ctx->saved_data["group_blocks"] = group_blocks;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["rep"] = rep;
+    (void)blocks;
+    (void)d;
+    return result;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &kc = saved[1], &vc = saved[2], &kb = saved[3], &vb = saved[4];
+    const at::Tensor &out = saved[5], &lse = saved[6], &anchors = saved[7], &seed = saved[8], &offset = saved[9];
+    const int64_t block_size = ctx->saved_data["block_size"].toInt();
+    const int64_t group_blocks = ctx->saved_data["group_blocks"].toInt();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t rep = ctx->saved_data["rep"].toInt();
+    const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2), blocks = rows / block_size;
+    const at::Tensor d_out = grad_outputs[0].to(q.scalar_type()).contiguous();
+    const at::Tensor cu = at::arange(0, rows + 1, block_size, q.options().dtype(at::kInt));
+    // Part B with the merged output and log-sum-exp, in the kernel's per-sequence LSE layout.
+    const at::Tensor lse_b = kernel_lse(lse.view({hq, blocks, block_size}).permute({1, 0, 2}));
+    auto grads_b = at::_efficient_attention_backward(d_out.unsqueeze(0), q.unsqueeze(0), kb.unsqueeze(0),
+                                                     vb.unsqueeze(0), std::nullopt, out.unsqueeze(0), cu, cu, block_size,
+                                                     block_size, lse_b, 0.0, seed, offset, 0, false, scale);
+    at::Tensor dq = std::get<0>(grads_b).squeeze(0).to(at::kFloat);
+    const at::Tensor dkb = std::get<1>(grads_b).squeeze(0).to(at::kFloat);
+    const at::Tensor dvb = std::get<2>(grads_b).squeeze(0).to(at::kFloat);
+    at::Tensor dkc = at::zeros(kc.sizes(), kc.options().dtype(at::kFloat));
+    at::Tensor dvc = at::zeros(vc.sizes(), vc.options().dtype(at::kFloat));
+    for (const Group& g : make_groups(anchors, block_size, group_blocks)) {
+      if (g.context == 0) continue;
+      const at::Tensor bias = staircase_bias(anchors, g, block_size, q).expand({1, hq, g.rows, g.context});
+      const at::Tensor lse_g = kernel_lse(lse.narrow(1, g.first_row, g.rows)).unsqueeze(0);
+      auto grads_a = at::_efficient_attention_backward(
+          d_out.narrow(0, g.first_row, g.rows).unsqueeze(0), q.narrow(0, g.first_row, g.rows).unsqueeze(0),
+          kc.narrow(0, 0, g.context).unsqueeze(0), vc.narrow(0, 0, g.context).unsqueeze(0), bias,
+          out.narrow(0, g.first_row, g.rows).unsqueeze(0), std::nullopt, std::nullopt, g.rows, g.context, lse_g, 0.0,
+          seed, offset, 0, false, scale);
+      dq.narrow(0, g.first_row, g.rows).add_(std::get<0>(grads_a).squeeze(0).to(at::kFloat));
+      dkc.narrow(0, 0, g.context).add_(std::get<1>(grads_a).squeeze(0).to(at::kFloat));
+      dvc.narrow(0, 0, g.context).add_(std::get<2>(grads_a).squeeze(0).to(at::kFloat));
+    }
+    // Repeated key-value heads back to their groups: head h_q = h_kv * rep + r.
+    auto fold = [&](const at::Tensor& t) {
+      return t.view({t.size(0), hq / rep, rep, d}).sum(2).to(q.scalar_type());
+    };
+    return {dq.to(q.scalar_type()), fold(dkc), fold(dvc), fold(dkb), fold(dvb),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+bool use_fused_kernels(const at::Tensor& q) {
+  static const bool forced_math = [] {
+    const char* v = std::getenv("DFLASHD_BLOCK_ATTENTION");
+    return v && std::string(v) == "math";
+  }();
+  return !forced_math && q.is_cuda() && operand_type(q) != at::kFloat && q.size(2) % 8 == 0;
+}
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k_context, const at::Tensor& v_context,
                   const at::Tensor& k_block, const at::Tensor& v_block, const at::Tensor& anchors, int64_t block_size) {
   const auto fail = [](const std::string& m) { throw std::invalid_argument("block_attention: " + m); };
@@ -212,6 +341,10 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, con
   check_inputs(q, k_context, v_context, k_block, v_block, a, shape.block_size);
   const double scale = shape.scale > 0 ? shape.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   if (a.size(0) == 0) return at::zeros_like(q);
+  if (use_fused_kernels(q)) {
+    return FusedBlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size,
+                                              shape.group_blocks, scale);
+  }
   return BlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size,
                                        shape.group_blocks, scale);
 }
