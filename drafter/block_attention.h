@@ -14,7 +14,11 @@
 // Backward recomputes the scores per group and runs the standard attention backward of each
 // part against the *merged* output and log-sum-exp (the split-KV identity): exact gradients,
 // memory O(one group). GQA-native: query heads are grouped per key-value head, keys are never
-// repeated. Precision: fp32 inputs compute in fp32; bf16/fp16 inputs on a GPU keep their
+// repeated. On GPUs with bf16/fp16 inputs the same parts run on PyTorch's fused
+// memory-efficient attention kernels (variable-length for the blocks, a staircase bias per
+// group; key-value heads repeated for them), which is 2.3x faster at the 27B drafter shape
+// (bench/RESULTS.md); DFLASHD_BLOCK_ATTENTION=math forces the math path. Precision of the math
+// path: fp32 inputs compute in fp32; bf16/fp16 inputs on a GPU keep their
 // precision as matmul operands (tensor cores) with fp32 accumulation, fp32 scores, softmax,
 // output and log-sum-exp, as flash attention does. This portable path is the reference for
 // fused kernels (see design.md).
