@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/safetensors.h"
+#include "drafter/tensor_io.h"
 
 namespace dflash::drafter {
 namespace {
@@ -63,30 +64,20 @@ void fsync_dir(const std::string& path) {
   }
 }
 
-void write_tensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
-  std::vector<at::Tensor> keep;
-  std::vector<TensorToWrite> out;
-  for (const auto& [name, t] : tensors) {
-    keep.push_back(t.detach().to(at::kCPU, at::kFloat).contiguous());
-    out.push_back({name, DType::F32, keep.back().sizes().vec(), keep.back().data_ptr(),
-                   static_cast<size_t>(keep.back().nbytes())});
-  }
-  write_safetensors(path, out);
+void write_tensors(const std::string& path, const NamedTensors& tensors) {
+  write_named_tensors(path, tensors, at::kFloat);
 }
 
-std::vector<std::pair<std::string, at::Tensor>> read_tensors(const std::string& path) {
-  std::shared_ptr<SafetensorsFile> file;
+NamedTensors read_tensors(const std::string& path) {
   try {
-    file = SafetensorsFile::open(path);
+    NamedTensors tensors = read_named_tensors(path);
+    for (const auto& [name, t] : tensors) {
+      if (t.scalar_type() != at::kFloat) throw CheckpointError(path + ": tensor '" + name + "' is not F32");
+    }
+    return tensors;
   } catch (const SafetensorsError& e) {
     throw CheckpointError(e.what());
   }
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& e : file->tensors()) {
-    if (e.dtype != DType::F32) throw CheckpointError(path + ": tensor '" + e.name + "' is not F32");
-    out.emplace_back(e.name, at::from_blob(const_cast<std::byte*>(e.data), e.shape, at::TensorOptions().dtype(at::kFloat)).clone());
-  }
-  return out;
 }
 
 std::string read_text(const std::string& path) {

@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "common/safetensors.h"
+#include "drafter/tensor_io.h"
 
 namespace dflash::drafter {
 namespace {
@@ -121,28 +122,13 @@ void Drafter::load_export(const std::string& dir) {
       theirs.intermediate_size != shape_.intermediate_size || theirs.target_layer_ids != shape_.target_layer_ids) {
     throw std::runtime_error(dir + "/config.json: its drafter shape differs from the configured one");
   }
-  auto file = SafetensorsFile::open(dir + "/model.safetensors");
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& e : file->tensors()) {
-    if (e.dtype != DType::BF16 && e.dtype != DType::F32) {
-      throw std::runtime_error(file->path() + ": tensor '" + e.name + "': unsupported dtype " + dtype_name(e.dtype));
-    }
-    const at::ScalarType type = e.dtype == DType::BF16 ? at::kBFloat16 : at::kFloat;
-    tensors.emplace_back(e.name, at::from_blob(const_cast<std::byte*>(e.data), e.shape, at::TensorOptions().dtype(type))
-                                     .to(options_.device(), options_.dtype().toScalarType(), false, true));
-  }
-  load_tensors(tensors, file->path());
+  NamedTensors tensors = read_named_tensors(dir + "/model.safetensors");
+  for (auto& [name, t] : tensors) t = t.to(options_.device(), options_.dtype().toScalarType());
+  load_tensors(tensors, dir + "/model.safetensors");
 }
 
 void Drafter::save_export(const std::string& dir) const {
-  std::vector<at::Tensor> keep;
-  std::vector<TensorToWrite> out;
-  for (const auto& [name, p] : parameters_) {
-    keep.push_back(p.detach().to(at::kCPU, at::kBFloat16).contiguous());
-    out.push_back({name, DType::BF16, keep.back().sizes().vec(), keep.back().data_ptr(),
-                   static_cast<size_t>(keep.back().nbytes())});
-  }
-  write_safetensors(dir + "/model.safetensors", out, {{"format", "pt"}});
+  write_named_tensors(dir + "/model.safetensors", parameters_, at::kBFloat16, {{"format", "pt"}});
   write_file_atomically(dir + "/config.json", export_config_json(shape_));
 }
 
