@@ -5,6 +5,7 @@
 #include <prometheus/registry.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <condition_variable>
 #include <mutex>
 #include <optional>
@@ -149,7 +150,9 @@ int run_service(const config::Config& config, const RunOptions& options) {
                     "final checkpoint (the last complete one stays valid)",
                     config.checkpoint.stop_timeout_seconds);
       log::flush();
-      return exit_code::kFailure;
+      notifier.status("failed: graceful stop timed out");
+      // The workers are stuck: joining them (the Trainer's destructor) could hang for ever.
+      std::_Exit(exit_code::kFailure);
     }
     if (!stop_deadline && now - last_status >= std::chrono::seconds(5)) {
       notifier.status(trainer->status());
