@@ -10,8 +10,12 @@ export DFLASHD_CACHE
 export DFLASHD_TEST_PY ?= 1
 export CCACHE_DIR ?= $(DFLASHD_CACHE)/ccache
 export CCACHE_MAXSIZE ?= 5G
-# Relative paths in the cache: hits across clones in different directories.
+# Hits across clones in different directories: relative paths, the build directory kept out of
+# the hash (debug info would otherwise put it there), and the precompiled headers made
+# cacheable (with -fpch-preprocess, set in CMakeLists.txt when ccache is used).
 export CCACHE_BASEDIR ?= $(CURDIR)
+export CCACHE_NOHASHDIR ?= 1
+export CCACHE_SLOPPINESS ?= pch_defines,time_macros,include_file_mtime,include_file_ctime
 CUDACXX ?= $(firstword $(wildcard /usr/local/cuda/bin/nvcc))
 export CUDACXX
 
