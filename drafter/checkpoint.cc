@@ -29,18 +29,6 @@ bool exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-void make_dirs(const std::string& path) {
-  std::string partial;
-  for (size_t i = 0; i <= path.size(); ++i) {
-    if (i == path.size() || path[i] == '/') {
-      partial = path.substr(0, i);
-      if (!partial.empty() && ::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-        throw CheckpointError(partial + ": cannot create directory: " + std::strerror(errno));
-      }
-    }
-  }
-}
-
 void remove_tree(const std::string& path) {
   if (DIR* dir = ::opendir(path.c_str())) {
     while (dirent* e = ::readdir(dir)) {
@@ -90,12 +78,12 @@ std::string read_text(const std::string& path) {
 
 std::string write_checkpoint(const std::string& root, int64_t step, const Drafter& drafter, const AdamW& optimizer,
                              const std::string& trainer_state_json) {
-  make_dirs(root);
+  make_directories(root);
   const std::string name = step_name(step);
   const std::string partial = root + "/." + name + ".partial";
   const std::string final_dir = root + "/" + name;
   remove_tree(partial);  // a crash during an earlier write
-  make_dirs(partial);
+  make_directories(partial);
   write_file_atomically(partial + "/config.json", export_config_json(drafter.shape()));
   // The fp32 master weights are the model (bf16 parameters are their rounding).
   // The master copies are written once, as the model; the optimizer file holds the moments.
@@ -168,7 +156,6 @@ void export_checkpoint(const std::string& checkpoint_dir, const std::string& out
   const DrafterShape shape = parse_export_config(read_text(checkpoint_dir + "/config.json"), checkpoint_dir + "/config.json");
   Drafter drafter(shape, at::TensorOptions().dtype(at::kFloat));
   drafter.load_tensors(read_tensors(checkpoint_dir + "/model.safetensors"), checkpoint_dir + "/model.safetensors");
-  make_dirs(out_dir);
   drafter.save_export(out_dir);
 }
 

@@ -44,7 +44,6 @@ struct ChunkedHeadLoss : public torch::autograd::Function<ChunkedHeadLoss> {
       count.index_add_(0, k, valid);
     }
     stats->loss_sum = loss_sum.item<double>();
-    stats->weight_sum = weights.sum().item<double>();
     const at::Tensor c = correct.cpu(), t = count.cpu();
     stats->correct.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + block_size);
     stats->count.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + block_size);
@@ -130,8 +129,10 @@ at::Tensor dflash_loss(const at::Tensor& hidden, const at::Tensor& lm_head, cons
     stats->count.assign(block_size, 0);
     return (hidden.sum() * 0.0).to(at::kFloat);  // keeps the graph connected; contributes nothing
   }
-  return ChunkedHeadLoss::apply(hidden, lm_head.detach(), targets.labels, targets.weights, targets.offsets,
-                                global_weight_sum, chunk_rows, block_size, stats);
+  at::Tensor loss = ChunkedHeadLoss::apply(hidden, lm_head.detach(), targets.labels, targets.weights, targets.offsets,
+                                          global_weight_sum, chunk_rows, block_size, stats);
+  stats->weight_sum = targets.weight_sum;  // the local sum, computed with the targets
+  return loss;
 }
 
 at::Tensor sample_anchors(const std::vector<uint8_t>& loss_mask, int64_t max_anchors, std::mt19937_64& rng) {

@@ -10,21 +10,11 @@
 #include <stdexcept>
 
 #include "common/safetensors.h"
+#include "common/tensor_math.h"
 #include "drafter/tensor_io.h"
 
 namespace dflash::drafter {
 namespace {
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  // Qwen3: w * (x_hat in the input dtype); x_hat computed in fp32.
-  const at::Tensor xf = x.to(at::kFloat);
-  return weight * (xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps)).to(x.scalar_type());
-}
-
-at::Tensor rotate_half(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
 
 // x [tokens, heads, d]; positions [tokens] int64.
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& positions, double theta) {
@@ -128,6 +118,7 @@ void Drafter::load_export(const std::string& dir) {
 }
 
 void Drafter::save_export(const std::string& dir) const {
+  make_directories(dir);
   write_named_tensors(dir + "/model.safetensors", parameters_, at::kBFloat16, {{"format", "pt"}});
   write_file_atomically(dir + "/config.json", export_config_json(shape_));
 }

@@ -41,7 +41,7 @@ class Drafter {
   void load_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& source);
   // Loads an exported drafter directory (config.json shape must equal ours).
   void load_export(const std::string& dir);
-  // Writes DIR/config.json and DIR/model.safetensors (bf16) atomically.
+  // Writes DIR/config.json and DIR/model.safetensors (bf16) atomically; creates DIR if needed.
   void save_export(const std::string& dir) const;
 
   // Name -> parameter (leaf tensors with requires_grad), in a fixed order.

@@ -5,7 +5,6 @@
 #include <c10/core/InferenceMode.h>
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
-#include <sys/stat.h>
 
 #include <cmath>
 #include <condition_variable>
@@ -85,11 +84,17 @@ class LocalCollective {
  public:
   explicit LocalCollective(int replicas) : replicas_(replicas), scalars_(replicas), tensors_(replicas) {}
 
-  double sum(int replica, double value) {
-    scalars_[replica] = value;
+  double sum(int replica, double value) { return sum(replica, std::vector<double>{value})[0]; }
+
+  // Element-wise sums of equally long vectors, one per replica.
+  std::vector<double> sum(int replica, std::vector<double> values) {
+    if (replicas_ == 1) return values;
+    scalars_[replica] = std::move(values);
     if (!barrier()) throw std::runtime_error("run aborted while waiting for the other drafter replicas");
-    double total = 0;
-    for (double v : scalars_) total += v;
+    std::vector<double> total(scalars_[0].size(), 0.0);
+    for (const auto& v : scalars_) {
+      for (size_t i = 0; i < total.size(); ++i) total[i] += v[i];
+    }
     if (!barrier()) throw std::runtime_error("run aborted while waiting for the other drafter replicas");
     return total;
   }
@@ -129,7 +134,7 @@ class LocalCollective {
     return !aborted_;
   }
   const int replicas_;
-  std::vector<double> scalars_;
+  std::vector<std::vector<double>> scalars_;
   std::vector<std::vector<at::Tensor>*> tensors_;
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -410,17 +415,22 @@ struct Trainer::Impl {
         }
         size_t g = 0;
         for (const auto& [name, p] : model.parameters()) p.mutable_grad() = grads[g++];
-        // Metrics across replicas: loss sum, per-position correct/count.
-        stats.loss_sum = collective->sum(replica, stats.loss_sum);
-        stats.weight_sum = global_weight;
+        // Metrics across replicas in one exchange: loss sum, tokens, FLOPs, per-position
+        // correct and count.
         stats.correct.resize(block, 0);
         stats.count.resize(block, 0);
+        std::vector<double> local{stats.loss_sum, static_cast<double>(tokens), flops};
+        local.insert(local.end(), stats.correct.begin(), stats.correct.end());
+        local.insert(local.end(), stats.count.begin(), stats.count.end());
+        const std::vector<double> global = collective->sum(replica, std::move(local));
+        stats.loss_sum = global[0];
+        stats.weight_sum = global_weight;
+        tokens = static_cast<int64_t>(global[1]);
+        flops = global[2];
         for (int64_t k = 0; k < block; ++k) {
-          stats.correct[k] = static_cast<int64_t>(collective->sum(replica, static_cast<double>(stats.correct[k])));
-          stats.count[k] = static_cast<int64_t>(collective->sum(replica, static_cast<double>(stats.count[k])));
+          stats.correct[k] = static_cast<int64_t>(global[3 + k]);
+          stats.count[k] = static_cast<int64_t>(global[3 + block + k]);
         }
-        tokens = static_cast<int64_t>(collective->sum(replica, static_cast<double>(tokens)));
-        flops = collective->sum(replica, flops);
         result = optimizer.step();
       });
       w.busy.store(false);
@@ -515,12 +525,7 @@ struct Trainer::Impl {
     }
   }
 
-  void export_to(const std::string& dir) {
-    ::mkdir(config.run.output_dir.c_str(), 0755);
-    ::mkdir((config.run.output_dir + "/export").c_str(), 0755);
-    ::mkdir(dir.c_str(), 0755);
-    drafters[0]->save_export(dir);
-  }
+  void export_to(const std::string& dir) { drafters[0]->save_export(dir); }
 };
 
 Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, std::shared_ptr<Health> health)

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "common/log.h"
+#include "common/tensor_math.h"
 #include "target/gated_delta_net.h"
 
 namespace dflash::target {
@@ -57,20 +58,6 @@ struct TargetModel::Impl {
 };
 
 namespace {
-
-// RMSNorm in fp32. Zero-centred (Qwen3.5/Next): (x_hat * (1 + w)) cast back. Plain (Qwen3,
-// Llama): w * x_hat cast back first, as HF does it (the order matters in bf16).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centred) {
-  const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
-  if (zero_centred) return (normed * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
-  return weight * normed.to(x.scalar_type());
-}
-
-at::Tensor rotate_half(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
 
 // x [tokens, heads, head_dim]; cos/sin [tokens, rotary_dim]; rotates the first rotary_dim dims.
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

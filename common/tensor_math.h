@@ -1,0 +1,24 @@
+// tensor_math.h: the small tensor helpers the target and the drafter share (header-only, for
+// translation units that already use ATen; the dflash_common library itself stays torch-free).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace dflash {
+
+// RMSNorm in fp32. Zero-centred (Qwen3.5/Next): (x_hat * (1 + w)) cast back. Plain (Qwen3,
+// Llama, the DFlash drafter): w * x_hat cast back first, as HF does it (the order matters in bf16).
+inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centred = false) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+  if (zero_centred) return (normed * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type());
+  return weight * normed.to(x.scalar_type());
+}
+
+// Rotary embedding's rotate-half: [x1, x2] -> [-x2, x1] over the last dimension.
+inline at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+}  // namespace dflash
