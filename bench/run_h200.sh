@@ -3,7 +3,7 @@
 # doctor, the GPU tests, the drafter step against SpecForge's (flex_attention), and the whole
 # pipeline at Qwen3.5-27B shapes. Expects the offline bundle (deploy/bundle.sh build
 # --with-tests) in dist/ and the specforge wheel in .whl/. Prints a table at the end; full logs
-# go to $OUT when set.
+# go to $OUT when set. Phases: step (default), gdn, pipeline.
 set -uo pipefail
 out="${OUT:-/tmp/dflashd-bench}"; mkdir -p "$out"
 B=$(ls -d dist/dflashd-*/ | head -1)
@@ -20,6 +20,11 @@ if [ "$phase" = step ]; then
   echo "==== summary"
   grep -E "forward\+|AdamW|peak" "$out/drafter_step.txt"
   tail -1 "$out/specforge_step.txt"
+elif [ "$phase" = gdn ]; then
+  # GatedDeltaNet kernels: GPU correctness tests, then ours and the Python peers on the same GPU.
+  "$B/tests/target_test" --gtest_filter='GatedDeltaNetKernels.*:TargetRandom.*' 2>&1 | grep -E "OK|FAILED|Failure|error|Expected|Which|rel" | tee "$out/gpu_tests.txt"
+  timeout 300 env DFLASHD_EXEC=gdn_bench "$B/bin/dflashd" bench/configs/qwen3_5-27b 2>&1 | tee "$out/gdn_bench.txt"
+  timeout 240 python3 bench/python/gdn_peers.py 2>&1 | grep -v -i warn | tee "$out/gdn_peers.txt"
 else
   (timeout 400 "$B/bin/dflashd" run -c bench/pipeline_27b.yaml > "$out/pipeline.log" 2>&1; echo "exit $?" >> "$out/pipeline.log") &
   for i in $(seq 60); do sleep 5; grep -qE "step [1-9][0-9]*/" "$out/pipeline.log" 2>/dev/null && break; done

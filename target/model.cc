@@ -8,6 +8,7 @@
 #include "common/log.h"
 #include "common/tensor_math.h"
 #include "target/gated_delta_net.h"
+#include "target/gdn_cuda.h"
 
 namespace dflash::target {
 namespace {
@@ -125,8 +126,9 @@ at::Tensor attention_forward(const ModelConfig& c, const Attention& p, const at:
   return p.o(out);
 }
 
+// plan: the chunk table when the layer runs the CUDA kernels, null for the reference path.
 at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, const at::Tensor& positions,
-                       const std::vector<int64_t>& cu_seqlens) {
+                       const std::vector<int64_t>& cu_seqlens, const GdnChunkPlan* plan) {
   const int64_t tokens = x.size(0);
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, group = hv / hk;
@@ -147,6 +149,13 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
     z = p.z(x).view({tokens, hv, dv});
     b = p.b(x);
     a = p.a(x);
+  }
+  if (plan != nullptr) {
+    mixed = conv1d_silu_l2norm_cuda(mixed, p.conv, positions, 2 * hk * dk);
+    const at::Tensor beta = at::sigmoid(b.to(at::kFloat));
+    const at::Tensor g = -at::exp(p.a_log.to(at::kFloat)) * at::softplus(a.to(at::kFloat) + p.dt_bias.to(at::kFloat));
+    const at::Tensor gated = gated_delta_rule_cuda(mixed, hk, hv, g, beta, *plan, z.contiguous(), p.norm, c.rms_norm_eps);
+    return p.out(gated);
   }
   mixed = causal_conv1d_silu_reference(mixed, p.conv, positions);
   const at::Tensor q = mixed.narrow(-1, 0, hk * dk).view({tokens, hk, dk});
@@ -291,14 +300,27 @@ TargetModel::TargetModel(ModelConfig config, WeightSource& w, int64_t last_layer
     impl_->layers.push_back(std::move(layer));
   }
 
-  // No silent slow path: on a GPU the GatedDeltaNet reference path is refused unless allowed.
-  if (!options.device.is_cpu()) {
-    for (int64_t i = 0; i <= last_layer; ++i) {
-      if (c.layer_types[i] != LayerKind::linear_attention || options.allow_slow_path) continue;
-      throw SlowPathRefused(
-          "target layer " + std::to_string(i) + " (linear_attention, GatedDeltaNet) on " + options.device.str() +
-          " would run the reference path (libtorch ops, about 10x slower than a fused kernel): this build has no "
-          "GatedDeltaNet CUDA kernel. Set target.allow_slow_path: true to accept the slow path knowingly.");
+  // No silent slow path: the GatedDeltaNet layers run the CUDA kernels where they can; the
+  // reference path on a GPU (or wherever the kernels were demanded) is refused unless allowed.
+  int64_t first_gdn = -1;
+  for (int64_t i = 0; i <= last_layer && first_gdn < 0; ++i) {
+    if (c.layer_types[i] == LayerKind::linear_attention) first_gdn = i;
+  }
+  if (first_gdn >= 0) {
+    using Path = TargetOptions::GdnPath;
+    std::optional<std::string> why = options.gdn_path == Path::reference
+                                         ? std::optional<std::string>("the reference path was asked for")
+                                         : gdn_kernels_unavailable(c, options.device, options.dtype);
+    gdn_kernels_ = !why.has_value();
+    const bool refuse = options.gdn_path == Path::kernels || (!options.device.is_cpu() && !options.allow_slow_path);
+    if (why && refuse) {
+      throw SlowPathRefused("target layer " + std::to_string(first_gdn) + " (linear_attention, GatedDeltaNet) on " +
+                            options.device.str() +
+                            " would run the reference path (libtorch ops, about 10x slower than the CUDA kernels): " +
+                            *why + ". " +
+                            (options.gdn_path == Path::kernels
+                                 ? std::string("The kernels were required.")
+                                 : std::string("Set target.allow_slow_path: true to accept the slow path knowingly.")));
     }
   }
   for (const auto& [kind, path] : kernel_paths()) log::info("target {}: {} layers run {}", family_name(c.family), kind, path);
@@ -315,7 +337,7 @@ std::map<std::string, std::string> TargetModel::kernel_paths() const {
   std::map<std::string, std::string> paths;
   for (const Layer& l : impl_->layers) {
     if (l.kind == LayerKind::full_attention) paths["full_attention"] = "sdpa";
-    else paths["linear_attention"] = "reference (libtorch ops, chunked)";
+    else paths["linear_attention"] = gdn_kernels_ ? kGdnKernelPath : "reference (libtorch ops, chunked)";
   }
   return paths;
 }
@@ -347,6 +369,9 @@ std::vector<at::Tensor> TargetModel::forward(const at::Tensor& input_ids, const 
   const at::Tensor emb = at::cat({freqs, freqs}, -1);
   const at::Tensor cos = emb.cos().to(options_.dtype), sin = emb.sin().to(options_.dtype);
 
+  std::optional<GdnChunkPlan> plan;
+  if (gdn_kernels_) plan = make_gdn_chunk_plan(cu_seqlens, device);
+
   at::Tensor x = at::embedding(impl_->embed, ids);
   std::vector<at::Tensor> tapped;
   size_t next = 0;
@@ -355,7 +380,7 @@ std::vector<at::Tensor> TargetModel::forward(const at::Tensor& input_ids, const 
     const at::Tensor normed = rms_norm(x, layer.input_norm, c.rms_norm_eps, c.zero_centred_norm);
     x = x + (layer.kind == LayerKind::full_attention
                  ? attention_forward(c, layer.attention, normed, cos, sin, cu_seqlens)
-                 : gdn_forward(c, layer.gdn, normed, positions, cu_seqlens));
+                 : gdn_forward(c, layer.gdn, normed, positions, cu_seqlens, plan ? &*plan : nullptr));
     x = x + mlp_forward(c, layer.mlp, rms_norm(x, layer.post_attention_norm, c.rms_norm_eps, c.zero_centred_norm));
     if (next < layers.size() && layers[next] == i) {
       tapped.push_back(x);

@@ -29,6 +29,11 @@ struct TargetOptions {
   at::ScalarType dtype = at::kFloat;
   // The GatedDeltaNet reference path on a GPU is refused unless allowed (it is ~10x slower).
   bool allow_slow_path = false;
+  // Which GatedDeltaNet implementation: the kernels where they can run (automatic), the kernels
+  // or a refusal (kernels), or the reference path (reference; tests and benchmarks). The
+  // reference path on a GPU still needs allow_slow_path.
+  enum class GdnPath { automatic, kernels, reference };
+  GdnPath gdn_path = GdnPath::automatic;
 };
 
 // Raised when a layer would run a path the options do not allow; names the layer and the fix.
@@ -63,6 +68,7 @@ class TargetModel {
   struct Impl;
   ModelConfig config_;
   TargetOptions options_;
+  bool gdn_kernels_ = false;  // the GatedDeltaNet layers run the CUDA kernels
   std::unique_ptr<Impl> impl_;
 };
 

@@ -9,6 +9,7 @@
 
 #include "common/safetensors.h"
 #include "target/gated_delta_net.h"
+#include "target/gdn_cuda.h"
 #include "target/model.h"
 #include "tests/test_util.h"
 
@@ -185,6 +186,137 @@ TEST(TargetRandom, SlowPathOnAGpuIsRefusedUnlessAllowed) {
   }
   options.allow_slow_path = true;
   EXPECT_NO_THROW(random_target(config, 3, options, 1));
+}
+
+TEST(TargetRandom, DemandedKernelsAreRefusedWhereTheyCannotRun) {
+  // Asking for the GatedDeltaNet kernels on the CPU: refused, naming the layer and the reason.
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny");
+  TargetOptions options;
+  options.gdn_path = TargetOptions::GdnPath::kernels;
+  options.allow_slow_path = true;  // does not override a demand for the kernels
+  try {
+    random_target(config, 3, options, 1);
+    FAIL() << "expected SlowPathRefused";
+  } catch (const SlowPathRefused& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("target layer 0 (linear_attention, GatedDeltaNet) on cpu"), std::string::npos) << what;
+    EXPECT_TRUE(what.find("is not a GPU") != std::string::npos || what.find("no CUDA kernels") != std::string::npos)
+        << what;
+    EXPECT_NE(what.find("The kernels were required"), std::string::npos) << what;
+  }
+  // The reasons name what does not fit.
+  EXPECT_NE(gdn_kernels_unavailable(config, at::kCPU, at::kBFloat16).value_or("").size(), 0u);
+  if (at::hasCUDA()) {
+    const std::string why = gdn_kernels_unavailable(config, at::Device(at::kCUDA, 0), at::kBFloat16).value_or("");
+    EXPECT_NE(why.find("linear_key_head_dim 16"), std::string::npos) << why;
+  }
+}
+
+// ---- GatedDeltaNet CUDA kernels against the reference path (GPU only) ---------------------------
+
+// A tiny Qwen3.5 whose GatedDeltaNet layers have the real head size (128).
+ModelConfig kernel_sized_qwen3_5() {
+  std::string json = preset_config_json("tiny-qwen3_5");
+  for (const std::string key : {"\"linear_key_head_dim\": 16", "\"linear_value_head_dim\": 16"}) {
+    json.replace(json.find(key), key.size(), key.substr(0, key.size() - 2) + "128");
+  }
+  return parse_model_config(json, "tiny-128");
+}
+
+double relative_l2_error(const at::Tensor& ours, const at::Tensor& reference) {
+  EXPECT_EQ(ours.sizes(), reference.sizes());
+  EXPECT_TRUE(at::isfinite(ours).all().item<bool>()) << "NaN or inf in the kernel output";
+  const at::Tensor a = ours.to(at::kDouble), b = reference.to(at::kDouble);
+  return ((a - b).norm() / b.norm()).item<double>();
+}
+
+struct KernelCase {
+  int64_t key_heads, value_heads;
+  std::vector<int64_t> lengths;
+  double decay;  // g = -decay * U(0.05, 1)
+};
+
+TEST(GatedDeltaNetKernels, MatchTheReferenceAtSeveralShapes) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<KernelCase> cases = {
+      {16, 48, {4096}, 0.5},                      // Qwen3.5-27B, one sequence
+      {16, 48, {1000, 64, 1, 2031}, 0.5},         // packed, odd lengths
+      {2, 6, {1, 63, 64, 65, 200, 777}, 1.0},     // boundaries around the chunk size
+      {4, 4, {130}, 8.0},                         // strong decay (e^gamma underflows within a chunk)
+      {2, 4, {300}, 0.01},                        // almost no decay (the state keeps growing)
+  };
+  at::manual_seed(7);
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  for (const KernelCase& kc : cases) {
+    std::vector<int64_t> cu{0};
+    for (int64_t l : kc.lengths) cu.push_back(cu.back() + l);
+    const int64_t n = cu.back(), hk = kc.key_heads, hv = kc.value_heads;
+    auto l2 = [](const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); };
+    const at::Tensor q = l2(at::randn({n, hk, 128}, cuda)).to(at::kBFloat16);
+    const at::Tensor k = l2(at::randn({n, hk, 128}, cuda)).to(at::kBFloat16);
+    const at::Tensor v = at::randn({n, hv, 128}, cuda).to(at::kBFloat16);
+    const at::Tensor g = -kc.decay * (0.05 + 0.95 * at::rand({n, hv}, cuda));
+    const at::Tensor beta = at::sigmoid(at::randn({n, hv}, cuda));
+    const at::Tensor mixed = at::cat({q.reshape({n, -1}), k.reshape({n, -1}), v.reshape({n, -1})}, 1);
+    const at::Tensor ours = gated_delta_rule_cuda(mixed, hk, hv, g, beta, make_gdn_chunk_plan(cu, at::kCUDA));
+    const at::Tensor reference = chunk_gated_delta_rule_packed_reference(q.to(at::kFloat), k.to(at::kFloat),
+                                                                         v.to(at::kFloat), g, beta, cu);
+    const double error = relative_l2_error(ours, reference);
+    EXPECT_LE(error, 1e-2) << "Hk " << hk << " Hv " << hv << " tokens " << n << " decay " << kc.decay;
+    // Every sequence on its own (no leakage across boundaries in the packed run).
+    for (size_t s = 0; s + 1 < cu.size(); ++s) {
+      const at::Tensor part = ours.narrow(0, cu[s], cu[s + 1] - cu[s]);
+      const at::Tensor alone = gated_delta_rule_cuda(mixed.narrow(0, cu[s], cu[s + 1] - cu[s]), hk, hv,
+                                                     g.narrow(0, cu[s], cu[s + 1] - cu[s]),
+                                                     beta.narrow(0, cu[s], cu[s + 1] - cu[s]),
+                                                     make_gdn_chunk_plan({0, cu[s + 1] - cu[s]}, at::kCUDA));
+      EXPECT_TRUE(at::equal(part, alone)) << "sequence " << s << " differs when packed";
+    }
+  }
+}
+
+TEST(GatedDeltaNetKernels, ConvSiluAndL2NormMatchTheReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(3);
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const int64_t hk = 2, hv = 4, channels = (2 * hk + hv) * 128;
+  const std::vector<int64_t> lengths = {5, 1, 70, 3};
+  std::vector<int64_t> positions;
+  for (int64_t l : lengths)
+    for (int64_t t = 0; t < l; ++t) positions.push_back(t);
+  const int64_t n = static_cast<int64_t>(positions.size());
+  const at::Tensor pos = at::tensor(positions, at::TensorOptions().dtype(at::kLong)).to(at::kCUDA);
+  for (int64_t width : {4, 3, 2}) {
+    const at::Tensor x = at::randn({n, channels}, cuda).to(at::kBFloat16);
+    const at::Tensor weight = (0.5 * at::randn({channels, width}, cuda)).to(at::kBFloat16);
+    const at::Tensor ours = conv1d_silu_l2norm_cuda(x, weight, pos, 2 * hk * 128);
+    at::Tensor reference = causal_conv1d_silu_reference(x.to(at::kFloat), weight, pos);
+    const at::Tensor qk = reference.narrow(1, 0, 2 * hk * 128).view({n, 2 * hk, 128});
+    reference = at::cat({(qk * at::rsqrt((qk * qk).sum(-1, true) + 1e-6)).view({n, -1}),
+                         reference.narrow(1, 2 * hk * 128, hv * 128)}, 1);
+    EXPECT_LE(relative_l2_error(ours.to(at::kFloat), reference), 1e-2) << "kernel width " << width;
+    EXPECT_LE(max_relative_error(ours.to(at::kFloat), reference), 2e-2) << "kernel width " << width;
+  }
+}
+
+TEST(GatedDeltaNetKernels, WholeTargetMatchesTheReferencePath) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig config = kernel_sized_qwen3_5();
+  TargetOptions fast{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+  TargetOptions slow = fast;
+  slow.allow_slow_path = true;
+  slow.gdn_path = TargetOptions::GdnPath::reference;
+  auto fast_model = random_target(config, 6, fast, 11);
+  auto slow_model = random_target(config, 6, slow, 11);
+  EXPECT_EQ(fast_model->kernel_paths().at("linear_attention"), kGdnKernelPath);
+  EXPECT_EQ(slow_model->kernel_paths().at("linear_attention"), "reference (libtorch ops, chunked)");
+  const std::vector<int64_t> cu = {0, 100, 101, 400};
+  const at::Tensor ids = at::randint(0, config.vocab_size, {400}, at::TensorOptions().dtype(at::kLong));
+  const auto a = fast_model->forward(ids, cu, {1, 6});
+  const auto b = slow_model->forward(ids, cu, {1, 6});
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_LE(relative_l2_error(a[i].to(at::kFloat), b[i].to(at::kFloat)), 2e-2) << "tapped state " << i;
+  }
 }
 
 TEST(TargetConfig, DefaultTappedLayersFollowTheRecipe) {

@@ -1,0 +1,153 @@
+// gdn_bench: the GatedDeltaNet fast path on the GPU (issue: GatedDeltaNet kernels).
+//   1. One GatedDeltaNet core at the Qwen3.5-27B shape (Hk 16, Hv 48, head 128): our kernels
+//      (prepare + state + output, fp32 o out, and with the state pass at 16/32/64 value
+//      columns per CTA), the conv+SiLU+L2 kernel, and the reference path (libtorch ops), at
+//      2048..16384 tokens, batch 1 and packed. CUDA events, inputs rotated beyond L2.
+//   2. A whole 27B-shaped target forward (random weights, up to layer 61, 3072 and 4096
+//      tokens): time, tokens/s, and MFU against the bf16 matmul rate measured here.
+// The Python peers (FLA, transformers' fallback) run beside it from bench/run_h200.sh gdn.
+// Usage: gdn_bench <directory with the 27B config.json>   (bench/configs/qwen3_5-27b)
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "pipeline/flops.h"
+#include "target/gated_delta_net.h"
+#include "target/gdn_cuda.h"
+#include "target/model.h"
+
+using namespace dflash;
+
+namespace {
+
+// Mean milliseconds per call over `repeats` calls between two CUDA events, after a warm-up.
+double cuda_ms(int repeats, const std::function<void(int)>& f) {
+  f(0);
+  c10::cuda::device_synchronize();
+  at::cuda::CUDAEvent start(cudaEventDefault), end(cudaEventDefault);
+  start.record();
+  for (int i = 0; i < repeats; ++i) f(i);
+  end.record();
+  end.synchronize();
+  return start.elapsed_time(end) / repeats;
+}
+
+struct Inputs {
+  at::Tensor mixed, raw, conv_weight, positions, g, beta;
+  target::GdnChunkPlan plan;
+  at::Tensor q, k, v;  // fp32 views for the reference
+  std::vector<int64_t> cu;
+};
+
+Inputs make_inputs(const std::vector<int64_t>& lengths, int64_t hk, int64_t hv) {
+  Inputs in;
+  in.cu = {0};
+  std::vector<int64_t> positions;
+  for (int64_t l : lengths) {
+    in.cu.push_back(in.cu.back() + l);
+    for (int64_t t = 0; t < l; ++t) positions.push_back(t);
+  }
+  const int64_t n = in.cu.back();
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const int64_t channels = (2 * hk + hv) * 128;
+  in.raw = at::randn({n, channels}, cuda).to(at::kBFloat16);
+  in.conv_weight = (0.5 * at::randn({channels, 4}, cuda)).to(at::kBFloat16);
+  in.positions = at::tensor(positions, at::TensorOptions().dtype(at::kLong)).to(at::kCUDA);
+  in.mixed = target::conv1d_silu_l2norm_cuda(in.raw, in.conv_weight, in.positions, 2 * hk * 128);
+  in.g = -(0.05 + 0.95 * at::rand({n, hv}, cuda));
+  in.beta = at::sigmoid(at::randn({n, hv}, cuda));
+  in.plan = target::make_gdn_chunk_plan(in.cu, at::kCUDA);
+  const at::Tensor f = in.mixed.to(at::kFloat);
+  in.q = f.narrow(1, 0, hk * 128).view({n, hk, 128});
+  in.k = f.narrow(1, hk * 128, hk * 128).view({n, hk, 128});
+  in.v = f.narrow(1, 2 * hk * 128, hv * 128).view({n, hv, 128});
+  return in;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !at::hasCUDA()) {
+    std::fprintf(stderr, "usage: gdn_bench <directory with a Qwen3.5-27B config.json> (needs a GPU)\n");
+    return 2;
+  }
+  c10::InferenceMode inference;
+  const int64_t hk = 16, hv = 48;
+  std::printf("GatedDeltaNet core, Hk %lld / Hv %lld / head 128, bf16 in, fp32 state; ms per call (CUDA events)\n",
+              static_cast<long long>(hk), static_cast<long long>(hv));
+  std::printf("%-14s %8s %8s %8s %8s %10s %12s %10s\n", "batch", "tokens", "ours", "ours/16", "ours/64", "conv+l2",
+              "reference", "ref/ours");
+  const std::vector<std::vector<int64_t>> shapes = {{2048}, {4096}, {8192}, {16384}, {1024, 1024, 1024, 1024},
+                                                    {4096, 4096, 4096, 4096}};
+  for (const auto& lengths : shapes) {
+    // Rotate over enough input sets to exceed the 60 MB L2.
+    std::vector<Inputs> sets;
+    int64_t n = 0;
+    for (int64_t l : lengths) n += l;
+    const int copies = n >= 8192 ? 2 : 4;
+    for (int i = 0; i < copies; ++i) sets.push_back(make_inputs(lengths, hk, hv));
+    auto core = [&](int columns) {
+      return cuda_ms(20, [&](int i) {
+        const Inputs& in = sets[i % copies];
+        target::gated_delta_rule_cuda(in.mixed, hk, hv, in.g, in.beta, in.plan, {}, {}, 1e-6, columns);
+      });
+    };
+    const double ours = core(32), ours16 = core(16), ours64 = core(64);
+    const double conv = cuda_ms(20, [&](int i) {
+      const Inputs& in = sets[i % copies];
+      target::conv1d_silu_l2norm_cuda(in.raw, in.conv_weight, in.positions, 2 * hk * 128);
+    });
+    const double reference = cuda_ms(3, [&](int i) {
+      const Inputs& in = sets[i % copies];
+      target::chunk_gated_delta_rule_packed_reference(in.q, in.k, in.v, in.g, in.beta, in.cu);
+    });
+    // Agreement with the reference on this input (relative L2), so a fast wrong kernel shows.
+    const Inputs& in = sets[0];
+    const at::Tensor o = target::gated_delta_rule_cuda(in.mixed, hk, hv, in.g, in.beta, in.plan);
+    const at::Tensor r = target::chunk_gated_delta_rule_packed_reference(in.q, in.k, in.v, in.g, in.beta, in.cu);
+    const double error = ((o - r).norm() / r.norm()).item<double>();
+    std::string batch = std::to_string(lengths.size()) + "x" + std::to_string(lengths[0]);
+    std::printf("%-14s %8lld %8.3f %8.3f %8.3f %10.3f %12.3f %10.1f   rel.err %.1e\n", batch.c_str(),
+                static_cast<long long>(n), ours, ours16, ours64, conv, reference, reference / ours, error);
+  }
+
+  // bf16 matmul rate of this GPU (the MFU denominator).
+  const at::Tensor a = at::randn({8192, 8192}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
+  const at::Tensor b = at::randn({8192, 8192}, a.options());
+  const double mm = cuda_ms(20, [&](int) { at::mm(a, b); });
+  const double matmul_rate = 2.0 * 8192.0 * 8192.0 * 8192.0 / (mm * 1e-3);
+  std::printf("bf16 matmul 8192^3: %.3f ms = %.0f TFLOP/s\n", mm, matmul_rate / 1e12);
+
+  const target::ModelConfig config = target::load_model_config(argv[1]);
+  const int64_t last = std::min<int64_t>(61, config.num_layers - 1);
+  target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+  auto model = target::random_target(config, last, options, 1);
+  std::printf("target %s to layer %lld, random weights; linear_attention runs %s\n", argv[1],
+              static_cast<long long>(last), model->kernel_paths().at("linear_attention").c_str());
+  std::printf("%8s %10s %12s %8s %12s\n", "tokens", "seconds", "tokens/s", "MFU", "of 989 peak");
+  for (int64_t tokens : {3072, 4096}) {
+    const at::Tensor ids = at::randint(0, config.vocab_size, {tokens}, at::TensorOptions().dtype(at::kLong));
+    std::vector<double> times;
+    for (int i = 0; i < 4; ++i) {
+      c10::cuda::device_synchronize();
+      const auto t0 = std::chrono::steady_clock::now();
+      model->forward(ids, {0, tokens}, {last});
+      c10::cuda::device_synchronize();
+      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(times.begin() + 1, times.end());  // the first is the warm-up
+    const double s = times[2];
+    const double flops = pipeline::target_flops(config, last, tokens);
+    std::printf("%8lld %10.4f %12.0f %7.1f%% %11.1f%%\n", static_cast<long long>(tokens), s, tokens / s,
+                100.0 * flops / s / matmul_rate, 100.0 * flops / s / 989e12);
+  }
+  return 0;
+}

@@ -1,0 +1,155 @@
+#include "target/gdn_cuda.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <stdexcept>
+
+#ifdef DFLASHD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "target/kernels/gated_delta_net.h"
+#endif
+
+namespace dflash::target {
+
+std::optional<std::string> gdn_kernels_unavailable(const ModelConfig& c, at::Device device, at::ScalarType dtype) {
+#ifndef DFLASHD_WITH_CUDA
+  (void)c, (void)device, (void)dtype;
+  return std::string("this build has no CUDA kernels (configured with DFLASHD_CUDA=OFF or without a CUDA toolkit)");
+#else
+  if (!device.is_cuda()) return "device " + device.str() + " is not a GPU (the kernels are CUDA)";
+  if (c.linear_key_head_dim != kernels::kGdnHeadDim || c.linear_value_head_dim != kernels::kGdnHeadDim) {
+    return "linear_key_head_dim " + std::to_string(c.linear_key_head_dim) + " / linear_value_head_dim " +
+           std::to_string(c.linear_value_head_dim) + ": the kernels take head size 128 (every released Qwen3.5 / Qwen3-Next)";
+  }
+  if (c.linear_conv_kernel_dim < 1 || c.linear_conv_kernel_dim > 4) {
+    return "linear_conv_kernel_dim " + std::to_string(c.linear_conv_kernel_dim) + ": the conv kernel takes widths 1-4";
+  }
+  if (dtype != at::kBFloat16) return std::string("target dtype ") + c10::toString(dtype) + ": the kernels take bfloat16";
+  if (!at::hasCUDA() || device.index() >= static_cast<int>(at::cuda::device_count())) {
+    return "GPU " + device.str() + " is not visible to this process";
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  const std::string error = kernels::kernels_unavailable_on_current_device();
+  if (!error.empty()) {
+    const auto* p = at::cuda::getDeviceProperties(device.index());
+    return "GPU " + device.str() + " (" + p->name + ", sm_" + std::to_string(p->major) + std::to_string(p->minor) +
+           ") has no image of the kernels in this build (" + error + "): add it to CMAKE_CUDA_ARCHITECTURES";
+  }
+  return std::nullopt;
+#endif
+}
+
+GdnChunkPlan make_gdn_chunk_plan(const std::vector<int64_t>& cu_seqlens, at::Device device) {
+  std::vector<int32_t> start, length, seq_chunks{0};
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; t += 64) {
+      start.push_back(static_cast<int32_t>(t));
+      length.push_back(static_cast<int32_t>(std::min<int64_t>(64, cu_seqlens[s + 1] - t)));
+    }
+    seq_chunks.push_back(static_cast<int32_t>(start.size()));
+  }
+  GdnChunkPlan plan;
+  plan.num_chunks = static_cast<int>(start.size());
+  plan.num_seqs = static_cast<int>(seq_chunks.size()) - 1;
+  std::vector<int32_t> table(start);
+  table.insert(table.end(), length.begin(), length.end());
+  table.insert(table.end(), seq_chunks.begin(), seq_chunks.end());
+  plan.table = at::tensor(table, at::TensorOptions().dtype(at::kInt)).to(device);
+  return plan;
+}
+
+#ifdef DFLASHD_WITH_CUDA
+namespace {
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("GatedDeltaNet kernels: " + what);
+}
+
+}  // namespace
+
+at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& positions_in,
+                                   int64_t qk_channels) {
+  expect(x_in.is_cuda() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "conv input must be bf16 [tokens, channels] on a GPU");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor weight = weight_in.to(at::kBFloat16).contiguous();
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  expect(weight.dim() == 2 && weight.size(0) == x.size(1), "conv weight must be [channels, kernel]");
+  at::Tensor y = at::empty_like(x);
+  kernels::conv1d_silu_l2norm(x.data_ptr(), weight.data_ptr(), static_cast<int>(weight.size(1)),
+                              positions.data_ptr<int64_t>(), y.data_ptr(), static_cast<int>(x.size(0)),
+                              static_cast<int>(x.size(1)), static_cast<int>(qk_channels),
+                              at::cuda::getCurrentCUDAStream().stream());
+  return y;
+}
+
+at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, int64_t value_heads, const at::Tensor& g_in,
+                                 const at::Tensor& beta_in, const GdnChunkPlan& plan, const at::Tensor& z,
+                                 const at::Tensor& norm_weight_in, double eps, int state_columns) {
+  constexpr int64_t D = kernels::kGdnHeadDim, C = kernels::kGdnChunk;
+  expect(mixed_in.is_cuda() && mixed_in.scalar_type() == at::kBFloat16 && mixed_in.dim() == 2 &&
+             mixed_in.size(1) == (2 * key_heads + value_heads) * D,
+         "mixed must be bf16 [tokens, (2 key_heads + value_heads) * 128] on a GPU");
+  const c10::cuda::CUDAGuard guard(mixed_in.device());
+  const at::Tensor mixed = mixed_in.stride(1) == 1 ? mixed_in : mixed_in.contiguous();
+  const int64_t tokens = mixed.size(0);
+  const at::Tensor g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
+  expect(g.numel() == tokens * value_heads && beta.numel() == tokens * value_heads, "g and beta must be [tokens, value_heads]");
+  expect(plan.table.defined() && plan.table.device() == mixed.device(), "the chunk plan must be on the input's device");
+  const int64_t chunks = plan.num_chunks;
+  const auto bf = mixed.options();
+  const at::Tensor w = at::empty({chunks, value_heads, C, D}, bf), u = at::empty_like(w), v_new = at::empty_like(w);
+  const at::Tensor states = at::empty({chunks, value_heads, D, D}, bf);
+  const at::Tensor gamma = at::empty({chunks, value_heads, C}, bf.dtype(at::kFloat));
+
+  kernels::GdnForward a;
+  a.qkv = mixed.data_ptr();
+  a.qkv_stride = mixed.stride(0);
+  a.tokens = static_cast<int>(tokens);
+  a.key_heads = static_cast<int>(key_heads);
+  a.value_heads = static_cast<int>(value_heads);
+  a.g = g.data_ptr<float>();
+  a.beta = beta.data_ptr<float>();
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const int32_t* table = plan.table.data_ptr<int32_t>();
+  a.chunks = {table, table + chunks, table + 2 * chunks, plan.num_chunks, plan.num_seqs};
+  a.w = w.data_ptr();
+  a.u = u.data_ptr();
+  a.v_new = v_new.data_ptr();
+  a.states = states.data_ptr();
+  a.gamma = gamma.data_ptr<float>();
+  a.eps = static_cast<float>(eps);
+  a.state_columns = state_columns;
+  at::Tensor out;
+  at::Tensor norm_weight;
+  if (norm_weight_in.defined()) {
+    expect(z.defined() && z.scalar_type() == at::kBFloat16 && z.dim() == 3 && z.size(0) == tokens &&
+               z.size(1) == value_heads && z.size(2) == D && z.stride(2) == 1 && z.stride(1) == D,
+           "z must be bf16 [tokens, value_heads, 128] with contiguous heads");
+    norm_weight = norm_weight_in.to(at::kBFloat16).contiguous();
+    out = at::empty({tokens, value_heads * D}, bf);
+    a.out = out.data_ptr();
+    a.z = z.data_ptr();
+    a.z_stride = z.stride(0);
+    a.norm_weight = norm_weight.data_ptr();
+  } else {
+    out = at::empty({tokens, value_heads, D}, bf.dtype(at::kFloat));
+    a.out_raw = out.data_ptr<float>();
+  }
+  kernels::gated_delta_rule_forward(a, at::cuda::getCurrentCUDAStream().stream());
+  return out;
+}
+#else
+at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  throw std::logic_error("conv1d_silu_l2norm_cuda: this build has no CUDA kernels");
+}
+at::Tensor gated_delta_rule_cuda(const at::Tensor&, int64_t, int64_t, const at::Tensor&, const at::Tensor&,
+                                 const GdnChunkPlan&, const at::Tensor&, const at::Tensor&, double, int) {
+  throw std::logic_error("gated_delta_rule_cuda: this build has no CUDA kernels");
+}
+#endif
+
+}  // namespace dflash::target

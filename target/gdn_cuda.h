@@ -1,0 +1,44 @@
+// gdn_cuda.h: the GatedDeltaNet fast path on the GPU (target/kernels/) behind libtorch tensors,
+// and the rule for when it can run. The reference path (gated_delta_net.h) is what it is
+// tested against; model.cc picks one per model and reports the choice.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "target/model_config.h"
+
+namespace dflash::target {
+
+// The name kernel_paths() reports for layers that run the kernels.
+inline constexpr const char* kGdnKernelPath = "cuda kernels (dflashd chunked GatedDeltaNet)";
+
+// Why the kernels cannot run this model's GatedDeltaNet layers on `device` in `dtype` (names the
+// device, the dimension or the dtype), or nullopt when they can.
+std::optional<std::string> gdn_kernels_unavailable(const ModelConfig& config, at::Device device, at::ScalarType dtype);
+
+// The chunk table of a packed batch (no chunk crosses a sequence boundary), on the device.
+struct GdnChunkPlan {
+  at::Tensor table;  // int32 [chunks (start) | chunks (length) | sequences + 1 (first chunk)]
+  int num_chunks = 0;
+  int num_seqs = 0;
+};
+GdnChunkPlan make_gdn_chunk_plan(const std::vector<int64_t>& cu_seqlens, at::Device device);
+
+// Causal depthwise conv1d + SiLU over x bf16 [tokens, channels] (weight [channels, kernel]), with
+// every 128-channel head in [0, qk_channels) L2-normalised. positions: int64 [tokens].
+at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions,
+                                   int64_t qk_channels);
+
+// mixed: bf16 [tokens, (2 key_heads + value_heads) * 128] as the conv returns it (q, k
+// normalised); g, beta: fp32 [tokens, value_heads]. With norm_weight defined, returns the
+// layer's gated RMSNorm w * rmsnorm(o) * silu(z) as bf16 [tokens, value_heads * 128] (z: bf16
+// [tokens, value_heads, 128], any row stride); without, o itself as fp32 [tokens, value_heads, 128].
+at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed, int64_t key_heads, int64_t value_heads, const at::Tensor& g,
+                                 const at::Tensor& beta, const GdnChunkPlan& plan, const at::Tensor& z = {},
+                                 const at::Tensor& norm_weight = {}, double eps = 1e-6, int state_columns = 32);
+
+}  // namespace dflash::target

@@ -1,0 +1,83 @@
+// gated_delta_net.h: the GatedDeltaNet CUDA kernels (no torch in this interface; the torch-facing
+// wrapper is target/gdn_cuda.h).
+//
+// Head size 128 (keys and values), chunk 64, bf16 operands, fp32 state and accumulation,
+// tensor cores through WMMA (sm_80 and newer). The math is the chunked WY form of
+// targets.md, as in target/gated_delta_net.h (the reference these kernels are tested against):
+//   1. conv1d_silu_l2norm: causal depthwise conv + SiLU over all channels of the packed
+//      [tokens, q|k|v] projection, with the L2 normalisation of every q and k head fused in.
+//   2. prepare (grid chunks x value heads): gamma = in-chunk cumsum of g; A = strict_lower(
+//      diag(beta) K K^T o exp(gamma_i - gamma_j)); T = (I + A)^-1 by blocked substitution in
+//      fp32; W = T diag(beta e^gamma) K, U = T diag(beta) V (bf16).
+//   3. state (grid sequences x value heads x value-column blocks): the one sequential pass. The
+//      fp32 state S stays in registers for the whole sequence; per chunk it stores S (bf16,
+//      for the output kernel), V' = U - W S, and S = e^gamma_last S + K^T (V' e^(gamma_last -
+//      gamma)). Loads of chunk c+1 overlap the math of chunk c (cp.async double buffering).
+//   4. output (grid chunks x value heads): O = (scale e^gamma Q) S + (scale QK^T o decay,
+//      causal) V', with the gated RMSNorm of the layer fused in (w * rmsnorm(O) * silu(z)).
+// Variable-length batches: the chunk table never lets a chunk cross a sequence boundary.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace dflash::target::kernels {
+
+constexpr int kGdnHeadDim = 128;
+constexpr int kGdnChunk = 64;
+
+// Chunks of a packed batch, device int32 arrays: chunk c covers tokens [start[c], start[c] +
+// length[c]) of one sequence; sequence s owns chunks [seq_chunks[s], seq_chunks[s + 1]).
+struct GdnChunks {
+  const int32_t* start = nullptr;
+  const int32_t* length = nullptr;
+  const int32_t* seq_chunks = nullptr;
+  int num_chunks = 0;
+  int num_seqs = 0;
+};
+
+// x, y: bf16 [tokens, channels] (row stride `channels`); weight: bf16 [channels, kernel];
+// positions: int64 [tokens], each token's index in its own sequence. Channels [0, qk_channels)
+// are L2-normalised per 128-channel head after the SiLU. kernel <= 4.
+void conv1d_silu_l2norm(const void* x, const void* weight, int kernel, const int64_t* positions, void* y, int tokens,
+                        int channels, int qk_channels, cudaStream_t stream);
+
+struct GdnForward {
+  // qkv: bf16 [tokens, row stride qkv_stride]; q heads at column 0, k heads at key_heads*128,
+  // v heads at 2*key_heads*128; q and k already L2-normalised.
+  const void* qkv = nullptr;
+  int64_t qkv_stride = 0;
+  int tokens = 0, key_heads = 0, value_heads = 0;
+  const float* g = nullptr;     // [tokens, value_heads], log decay (<= 0)
+  const float* beta = nullptr;  // [tokens, value_heads]
+  float scale = 0;              // q scale (head_dim^-0.5)
+  GdnChunks chunks;
+  // Scratch, bf16 unless noted: w, u, v_new [num_chunks, value_heads, 64, 128];
+  // states [num_chunks, value_heads, 128, 128]; gamma fp32 [num_chunks, value_heads, 64].
+  void* w = nullptr;
+  void* u = nullptr;
+  void* v_new = nullptr;
+  void* states = nullptr;
+  float* gamma = nullptr;
+  // Output, one of:
+  float* out_raw = nullptr;  // fp32 [tokens, value_heads, 128]: o itself (tests)
+  // or the gated RMSNorm: out bf16 [tokens, value_heads * 128] = w * rmsnorm(o) * silu(z),
+  // z bf16 with row stride z_stride, norm_weight bf16 [128].
+  void* out = nullptr;
+  const void* z = nullptr;
+  int64_t z_stride = 0;
+  const void* norm_weight = nullptr;
+  float eps = 1e-6f;
+  // Value columns per CTA of the state pass (16, 32 or 64): smaller gives more CTAs.
+  int state_columns = 32;
+};
+
+// Launches prepare, state and output on `stream`. Throws std::runtime_error (naming the kernel
+// and the CUDA error) when a launch fails.
+void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream);
+
+// Empty when the kernels have an image for the current device; otherwise the CUDA error.
+const char* kernels_unavailable_on_current_device();
+
+}  // namespace dflash::target::kernels
