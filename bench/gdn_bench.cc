@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -114,9 +115,14 @@ int main(int argc, char** argv) {
     const at::Tensor o = target::gated_delta_rule_cuda(in.mixed, hk, hv, in.g, in.beta, in.plan);
     const at::Tensor r = target::chunk_gated_delta_rule_packed_reference(in.q, in.k, in.v, in.g, in.beta, in.cu);
     const double error = ((o - r).norm() / r.norm()).item<double>();
+    // Where our time goes: the three kernels of one call (median of 5).
+    std::vector<std::array<float, 3>> stages(5);
+    for (auto& st : stages) target::gated_delta_rule_cuda(in.mixed, hk, hv, in.g, in.beta, in.plan, {}, {}, 1e-6, 32, st.data());
+    std::sort(stages.begin(), stages.end(), [](const auto& x, const auto& y) { return x[0] + x[1] + x[2] < y[0] + y[1] + y[2]; });
     std::string batch = std::to_string(lengths.size()) + "x" + std::to_string(lengths[0]);
-    std::printf("%-14s %8lld %8.3f %8.3f %8.3f %10.3f %12.3f %10.1f   rel.err %.1e\n", batch.c_str(),
-                static_cast<long long>(n), ours, ours16, ours64, conv, reference, reference / ours, error);
+    std::printf("%-14s %8lld %8.3f %8.3f %8.3f %10.3f %12.3f %10.1f   rel.err %.1e  prepare/state/output %.3f/%.3f/%.3f\n",
+                batch.c_str(), static_cast<long long>(n), ours, ours16, ours64, conv, reference, reference / ours, error,
+                stages[2][0], stages[2][1], stages[2][2]);
   }
 
   // bf16 matmul rate of this GPU (the MFU denominator).

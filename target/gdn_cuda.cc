@@ -88,7 +88,7 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x_in, const at::Tensor& wei
 
 at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, int64_t value_heads, const at::Tensor& g_in,
                                  const at::Tensor& beta_in, const GdnChunkPlan& plan, const at::Tensor& z,
-                                 const at::Tensor& norm_weight_in, double eps, int state_columns) {
+                                 const at::Tensor& norm_weight_in, double eps, int state_columns, float* stage_ms) {
   constexpr int64_t D = kernels::kGdnHeadDim, C = kernels::kGdnChunk;
   expect(mixed_in.is_cuda() && mixed_in.scalar_type() == at::kBFloat16 && mixed_in.dim() == 2 &&
              mixed_in.size(1) == (2 * key_heads + value_heads) * D,
@@ -104,6 +104,7 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
   const at::Tensor w = at::empty({chunks, value_heads, C, D}, bf), u = at::empty_like(w), v_new = at::empty_like(w);
   const at::Tensor states = at::empty({chunks, value_heads, D, D}, bf);
   const at::Tensor gamma = at::empty({chunks, value_heads, C}, bf.dtype(at::kFloat));
+  const at::Tensor qk = at::empty({chunks, value_heads, C, C}, bf);
 
   kernels::GdnForward a;
   a.qkv = mixed.data_ptr();
@@ -121,6 +122,7 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
   a.v_new = v_new.data_ptr();
   a.states = states.data_ptr();
   a.gamma = gamma.data_ptr<float>();
+  a.qk = qk.data_ptr();
   a.eps = static_cast<float>(eps);
   a.state_columns = state_columns;
   at::Tensor out;
@@ -139,7 +141,18 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
     out = at::empty({tokens, value_heads, D}, bf.dtype(at::kFloat));
     a.out_raw = out.data_ptr<float>();
   }
-  kernels::gated_delta_rule_forward(a, at::cuda::getCurrentCUDAStream().stream());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  if (stage_ms == nullptr) {
+    kernels::gated_delta_rule_forward(a, stream);
+    return out;
+  }
+  cudaEvent_t events[4];
+  for (cudaEvent_t& e : events) cudaEventCreate(&e);
+  a.stage_events = events;
+  kernels::gated_delta_rule_forward(a, stream);
+  cudaEventSynchronize(events[3]);
+  for (int i = 0; i < 3; ++i) cudaEventElapsedTime(&stage_ms[i], events[i], events[i + 1]);
+  for (cudaEvent_t& e : events) cudaEventDestroy(e);
   return out;
 }
 #else
@@ -147,7 +160,7 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor&, const at::Tensor&, const a
   throw std::logic_error("conv1d_silu_l2norm_cuda: this build has no CUDA kernels");
 }
 at::Tensor gated_delta_rule_cuda(const at::Tensor&, int64_t, int64_t, const at::Tensor&, const at::Tensor&,
-                                 const GdnChunkPlan&, const at::Tensor&, const at::Tensor&, double, int) {
+                                 const GdnChunkPlan&, const at::Tensor&, const at::Tensor&, double, int, float*) {
   throw std::logic_error("gated_delta_rule_cuda: this build has no CUDA kernels");
 }
 #endif

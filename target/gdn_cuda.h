@@ -39,6 +39,9 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x, const at::Tensor& weight
 // [tokens, value_heads, 128], any row stride); without, o itself as fp32 [tokens, value_heads, 128].
 at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed, int64_t key_heads, int64_t value_heads, const at::Tensor& g,
                                  const at::Tensor& beta, const GdnChunkPlan& plan, const at::Tensor& z = {},
-                                 const at::Tensor& norm_weight = {}, double eps = 1e-6, int state_columns = 32);
+                                 const at::Tensor& norm_weight = {}, double eps = 1e-6, int state_columns = 32,
+                                 float* stage_ms = nullptr);
+// stage_ms (profiling; synchronises): when given, receives the milliseconds of the three
+// kernels (prepare, state, output) of this call.
 
 }  // namespace dflash::target

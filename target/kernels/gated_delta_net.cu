@@ -99,25 +99,27 @@ __global__ void __launch_bounds__(128) conv1d_silu_l2norm_kernel(const bf16* __r
 
 // ---- 2. prepare: gamma, T = (I + A)^-1, W, U per (chunk, value head) -------------------------
 struct PrepareShared {
+  bf16 q[C * LD];
   bf16 k[C * LD];
   bf16 v[C * LD];
   float a[C * LDA];  // A, then (with t) the fp32 staging of W and U
   float t[C * LDA];
   bf16 tb[C * LDT];
-  float scratch[4][16 * 17];
+  float scratch[4][16 * 17];  // one 16x16 block per off-diagonal pair
   float gamma[C];
   float beta[C];
+  float k_scale[C];  // beta e^gamma per row
 };
 static_assert(2 * C * LDA >= C * LDS, "staging must fit in a and t");
 
 // T = (I + A)^-1 for strictly lower A (64x64, fp32, in s.a) into s.t: the four 16x16 diagonal
-// blocks by substitution (a warp each), then the off-diagonal blocks by block diagonals:
-// T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj.
+// blocks by substitution (warps 0-3, one block each), then the off-diagonal blocks by block
+// diagonals, T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj, each block by two warps of 8 rows.
 __device__ void solve_unit_lower(PrepareShared& s) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = threadIdx.x; i < C * LDA; i += blockDim.x) s.t[i] = 0;
   __syncthreads();
-  {
+  if (warp < 4) {
     const int base = warp * 16, j = lane & 15, half = lane >> 4;
     for (int i = 0; i < 16; ++i) {
       float sum = 0;
@@ -130,57 +132,49 @@ __device__ void solve_unit_lower(PrepareShared& s) {
     }
   }
   __syncthreads();
-  const int row = lane >> 1, col0 = (lane & 1) * 8;
-  float* x = s.scratch[warp];
+  const int pair = warp & 3, row = (warp >> 2) * 8 + (lane >> 2), col0 = (lane & 3) * 4;
+  float* x = s.scratch[pair];
   for (int d = 1; d < 4; ++d) {
-    if (warp < 4 - d) {
-      const int bj = warp, bi = warp + d;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const bool active = pair < 4 - d;
+    const int bj = pair, bi = pair + d;
+    if (active) {
+      float acc[4] = {0, 0, 0, 0};
       for (int bm = bj; bm < bi; ++bm) {
         for (int kk = 0; kk < 16; ++kk) {
           const float a = s.a[(bi * 16 + row) * LDA + bm * 16 + kk];
           const float* trow = &s.t[(bm * 16 + kk) * LDA + bj * 16 + col0];
 #pragma unroll
-          for (int c = 0; c < 8; ++c) acc[c] += a * trow[c];
+          for (int c = 0; c < 4; ++c) acc[c] += a * trow[c];
         }
       }
 #pragma unroll
-      for (int c = 0; c < 8; ++c) x[row * 17 + col0 + c] = acc[c];
-      __syncwarp();
-      float out[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int c = 0; c < 4; ++c) x[row * 17 + col0 + c] = acc[c];
+    }
+    __syncthreads();
+    if (active) {
+      float out[4] = {0, 0, 0, 0};
       for (int kk = 0; kk < 16; ++kk) {
         const float tii = s.t[(bi * 16 + row) * LDA + bi * 16 + kk];
 #pragma unroll
-        for (int c = 0; c < 8; ++c) out[c] += tii * x[kk * 17 + col0 + c];
+        for (int c = 0; c < 4; ++c) out[c] += tii * x[kk * 17 + col0 + c];
       }
 #pragma unroll
-      for (int c = 0; c < 8; ++c) s.t[(bi * 16 + row) * LDA + bj * 16 + col0 + c] = -out[c];
-      __syncwarp();
+      for (int c = 0; c < 4; ++c) s.t[(bi * 16 + row) * LDA + bj * 16 + col0 + c] = -out[c];
     }
     __syncthreads();
   }
 }
 
-// acc (64x128, four warps of 16 rows) -> bf16 global [64][128] through fp32 staging.
-__device__ void store_tile_bf16(FragC (&acc)[8], float* stage, bf16* out) {
-  const int warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) wmma::store_matrix_sync(stage + warp * 16 * LDS + j * 16, acc[j], LDS, wmma::mem_row_major);
-  __syncthreads();
-  for (int i = threadIdx.x; i < C * D / 2; i += blockDim.x) {
-    const int r = (2 * i) / D, c = (2 * i) % D;
-    reinterpret_cast<__nv_bfloat162*>(out)[i] = __floats2bfloat162_rn(stage[r * LDS + c], stage[r * LDS + c + 1]);
-  }
-  __syncthreads();
-}
+constexpr int kPrepareThreads = 256;
 
-__global__ void __launch_bounds__(128) prepare_kernel(GdnForward a) {
+__global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(GdnForward a) {
   extern __shared__ __align__(128) unsigned char smem[];
   PrepareShared& s = *reinterpret_cast<PrepareShared*>(smem);
   const int chunk = blockIdx.x, head = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int start = a.chunks.start[chunk], length = a.chunks.length[chunk];
   const int key_head = head / (a.value_heads / a.key_heads);
   const bf16* qkv = static_cast<const bf16*>(a.qkv) + static_cast<int64_t>(start) * a.qkv_stride;
+  load_rows_async(s.q, LD, qkv + key_head * D, a.qkv_stride, C, length, D);
   load_rows_async(s.k, LD, qkv + (a.key_heads + key_head) * D, a.qkv_stride, C, length, D);
   load_rows_async(s.v, LD, qkv + (2 * a.key_heads + head) * D, a.qkv_stride, C, length, D);
   __pipeline_commit();
@@ -201,17 +195,23 @@ __global__ void __launch_bounds__(128) prepare_kernel(GdnForward a) {
   if (threadIdx.x >= 32 && threadIdx.x < C) s.gamma[threadIdx.x] += s.gamma[31];
   __pipeline_wait_prior(0);
   __syncthreads();
-  if (threadIdx.x < C) a.gamma[(static_cast<int64_t>(chunk) * a.value_heads + head) * C + threadIdx.x] = s.gamma[threadIdx.x];
+  if (threadIdx.x < C) {
+    a.gamma[(static_cast<int64_t>(chunk) * a.value_heads + head) * C + threadIdx.x] = s.gamma[threadIdx.x];
+    s.k_scale[threadIdx.x] = s.beta[threadIdx.x] * __expf(s.gamma[threadIdx.x]);
+  }
 
-  // K K^T (warp: 16 rows x 64 columns).
+  // Warps 0-3: K K^T into a; warps 4-7: Q K^T into t (16 rows x 64 columns each).
   {
+    const int rows = (warp & 3) * 16;
+    const bf16* lhs = warp < 4 ? s.k : s.q;
+    float* out = warp < 4 ? s.a : s.t;
     FragC acc[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[j], 0.0f);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       FragA x;
-      wmma::load_matrix_sync(x, s.k + warp * 16 * LD + kk * 16, LD);
+      wmma::load_matrix_sync(x, lhs + rows * LD + kk * 16, LD);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         FragBT y;
@@ -220,45 +220,67 @@ __global__ void __launch_bounds__(128) prepare_kernel(GdnForward a) {
       }
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) wmma::store_matrix_sync(s.a + warp * 16 * LDA + j * 16, acc[j], LDA, wmma::mem_row_major);
+    for (int j = 0; j < 4; ++j) wmma::store_matrix_sync(out + rows * LDA + j * 16, acc[j], LDA, wmma::mem_row_major);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < C * C; i += blockDim.x) {
-    const int r = i / C, c = i % C;
-    s.a[r * LDA + c] = r > c ? s.beta[r] * s.a[r * LDA + c] * __expf(s.gamma[r] - s.gamma[c]) : 0.0f;
+  // A = strict_lower(diag(beta) K K^T o decay) in place; P = causal(scale Q K^T o decay) to global.
+  __nv_bfloat162* qk =
+      reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(a.qk) + (static_cast<int64_t>(chunk) * a.value_heads + head) * C * C);
+  for (int i = threadIdx.x; i < C * C / 2; i += blockDim.x) {
+    const int r = (2 * i) / C, c = (2 * i) % C;
+    float out[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float decay = c + e <= r ? __expf(s.gamma[r] - s.gamma[c + e]) : 0.0f;
+      s.a[r * LDA + c + e] = r > c + e ? s.beta[r] * s.a[r * LDA + c + e] * decay : 0.0f;
+      out[e] = s.t[r * LDA + c + e] * a.scale * decay;
+    }
+    qk[i] = __floats2bfloat162_rn(out[0], out[1]);
   }
   __syncthreads();
   solve_unit_lower(s);
 
   // T to bf16; K rows scaled by beta e^gamma, V rows by beta (in place).
   for (int i = threadIdx.x; i < C * C; i += blockDim.x) s.tb[(i / C) * LDT + i % C] = __float2bfloat16(s.t[(i / C) * LDA + i % C]);
-  for (int i = threadIdx.x; i < C * D; i += blockDim.x) {
-    const int r = i / D, c = i % D;
-    const float kb = s.beta[r] * __expf(s.gamma[r]);
-    s.k[r * LD + c] = __float2bfloat16(__bfloat162float(s.k[r * LD + c]) * kb);
-    s.v[r * LD + c] = __float2bfloat16(__bfloat162float(s.v[r * LD + c]) * s.beta[r]);
+  for (int i = threadIdx.x; i < C * D / 2; i += blockDim.x) {
+    const int r = (2 * i) / D, c = (2 * i) % D;
+    __nv_bfloat162& k2 = *reinterpret_cast<__nv_bfloat162*>(&s.k[r * LD + c]);
+    __nv_bfloat162& v2 = *reinterpret_cast<__nv_bfloat162*>(&s.v[r * LD + c]);
+    const float2 kf = __bfloat1622float2(k2), vf = __bfloat1622float2(v2);
+    k2 = __floats2bfloat162_rn(kf.x * s.k_scale[r], kf.y * s.k_scale[r]);
+    v2 = __floats2bfloat162_rn(vf.x * s.beta[r], vf.y * s.beta[r]);
   }
   __syncthreads();
 
+  // W = T (beta e^gamma K), then U = T (beta V): warp w computes rows 16(w%4), columns 64(w/4) + [0, 64).
   const int64_t tile = (static_cast<int64_t>(chunk) * a.value_heads + head) * C * D;
   float* stage = s.a;  // a and t are free now
+  const int rows = (warp & 3) * 16, cols = (warp >> 2) * 64;
   for (int which = 0; which < 2; ++which) {
     const bf16* rhs = which == 0 ? s.k : s.v;
-    FragC acc[8];
+    FragC acc[4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) wmma::fill_fragment(acc[j], 0.0f);
+    for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[j], 0.0f);
 #pragma unroll
     for (int kk = 0; kk < C / 16; ++kk) {
       FragA x;
-      wmma::load_matrix_sync(x, s.tb + warp * 16 * LDT + kk * 16, LDT);
+      wmma::load_matrix_sync(x, s.tb + rows * LDT + kk * 16, LDT);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < 4; ++j) {
         FragB y;
-        wmma::load_matrix_sync(y, rhs + kk * 16 * LD + j * 16, LD);
+        wmma::load_matrix_sync(y, rhs + kk * 16 * LD + cols + j * 16, LD);
         wmma::mma_sync(acc[j], x, y, acc[j]);
       }
     }
-    store_tile_bf16(acc, stage, static_cast<bf16*>(which == 0 ? a.w : a.u) + tile);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wmma::store_matrix_sync(stage + rows * LDS + cols + j * 16, acc[j], LDS, wmma::mem_row_major);
+    __syncthreads();
+    __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(which == 0 ? a.w : a.u) + tile);
+    for (int i = threadIdx.x; i < C * D / 2; i += blockDim.x) {
+      const int r = (2 * i) / D, c = (2 * i) % D;
+      out[i] = __floats2bfloat162_rn(stage[r * LDS + c], stage[r * LDS + c + 1]);
+    }
+    __syncthreads();
   }
 }
 
@@ -275,8 +297,10 @@ struct StateShared {
   bf16 sb[D * LDV];  // S in bf16, then V' e^(gamma_last - gamma) in bf16
 };
 
+constexpr int kStateThreads = 256;
+
 template <int BV>
-__global__ void __launch_bounds__(128) state_kernel(GdnForward a) {
+__global__ void __launch_bounds__(kStateThreads) state_kernel(GdnForward a) {
   using Shared = StateShared<BV>;
   constexpr int LDV = Shared::LDV, LDF = Shared::LDF, NJ = BV / 16;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -300,12 +324,10 @@ __global__ void __launch_bounds__(128) state_kernel(GdnForward a) {
     __pipeline_commit();
   };
 
-  // The state S (128 x BV, fp32) in registers: warp w holds rows [32w, 32w + 32).
-  FragC state[2][NJ];
+  // The state S (128 x BV, fp32) in registers: warp w holds rows [16w, 16w + 16).
+  FragC state[NJ];
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) wmma::fill_fragment(state[r][j], 0.0f);
+  for (int j = 0; j < NJ; ++j) wmma::fill_fragment(state[j], 0.0f);
 
   if (first < last) load(first, 0);
   for (int chunk = first; chunk < last; ++chunk) {
@@ -318,10 +340,7 @@ __global__ void __launch_bounds__(128) state_kernel(GdnForward a) {
     }
     // S -> fp32 staging -> bf16 (operand of W S and the stored state of this chunk).
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-        wmma::store_matrix_sync(s.f + (warp * 32 + r * 16) * LDF + j * 16, state[r][j], LDF, wmma::mem_row_major);
+    for (int j = 0; j < NJ; ++j) wmma::store_matrix_sync(s.f + warp * 16 * LDF + j * 16, state[j], LDF, wmma::mem_row_major);
     __syncthreads();
     bf16* states = static_cast<bf16*>(a.states) + (static_cast<int64_t>(chunk) * a.value_heads + head) * D * D + v0;
     for (int i = threadIdx.x; i < D * BV / 2; i += blockDim.x) {
@@ -331,24 +350,20 @@ __global__ void __launch_bounds__(128) state_kernel(GdnForward a) {
       *reinterpret_cast<__nv_bfloat162*>(&states[r * D + c]) = pair;
     }
     __syncthreads();
-    // W S (64 x BV): warp w computes rows [16w, 16w + 16).
-    {
-      FragC acc[NJ];
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) wmma::fill_fragment(acc[j], 0.0f);
+    // W S (64 x BV): 4 x NJ tiles over the 8 warps.
+    for (int t = warp; t < 4 * NJ; t += 8) {
+      const int rows = (t & 3) * 16, cols = (t >> 2) * 16;
+      FragC acc;
+      wmma::fill_fragment(acc, 0.0f);
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         FragA x;
-        wmma::load_matrix_sync(x, s.w[buffer] + warp * 16 * LD + kk * 16, LD);
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          FragB y;
-          wmma::load_matrix_sync(y, s.sb + kk * 16 * LDV + j * 16, LDV);
-          wmma::mma_sync(acc[j], x, y, acc[j]);
-        }
+        FragB y;
+        wmma::load_matrix_sync(x, s.w[buffer] + rows * LD + kk * 16, LD);
+        wmma::load_matrix_sync(y, s.sb + kk * 16 * LDV + cols, LDV);
+        wmma::mma_sync(acc, x, y, acc);
       }
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) wmma::store_matrix_sync(s.f + warp * 16 * LDF + j * 16, acc[j], LDF, wmma::mem_row_major);
+      wmma::store_matrix_sync(s.f + rows * LDF + cols, acc, LDF, wmma::mem_row_major);
     }
     __syncthreads();
     // V' = U - W S (stored bf16 for the output kernel); its decayed copy feeds the update.
@@ -364,40 +379,33 @@ __global__ void __launch_bounds__(128) state_kernel(GdnForward a) {
     // S = e^gamma_last S + K^T (V' e^(gamma_last - gamma)).
     const float decay = __expf(gamma_last);
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+    for (int j = 0; j < NJ; ++j)
 #pragma unroll
-      for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int e = 0; e < state[r][j].num_elements; ++e) state[r][j].x[e] *= decay;
+      for (int e = 0; e < state[j].num_elements; ++e) state[j].x[e] *= decay;
 #pragma unroll
     for (int kk = 0; kk < C / 16; ++kk) {
+      FragAT x;  // K^T rows [16w, +16), tokens [16kk, +16)
+      wmma::load_matrix_sync(x, s.k[buffer] + kk * 16 * LD + warp * 16, LD);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        FragAT x;  // K^T rows [32w + 16r, +16), tokens [16kk, +16)
-        wmma::load_matrix_sync(x, s.k[buffer] + kk * 16 * LD + warp * 32 + r * 16, LD);
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          FragB y;
-          wmma::load_matrix_sync(y, s.sb + kk * 16 * LDV + j * 16, LDV);
-          wmma::mma_sync(state[r][j], x, y, state[r][j]);
-        }
+      for (int j = 0; j < NJ; ++j) {
+        FragB y;
+        wmma::load_matrix_sync(y, s.sb + kk * 16 * LDV + j * 16, LDV);
+        wmma::mma_sync(state[j], x, y, state[j]);
       }
     }
     __syncthreads();  // the buffers of this chunk are reloaded next iteration
   }
 }
 
-// ---- 4. output: O = (scale e^gamma Q) S + causal(scale QK^T o decay) V', then the gated norm --
+// ---- 4. output: O = (scale e^gamma Q) S + P V', then the gated norm ---------------------------
 struct OutputShared {
-  bf16 q[C * LD];  // q, k, then (both) the fp32 staging of O
-  bf16 k[C * LD];
-  bf16 state[D * LD];
+  bf16 q[C * LD];
+  bf16 state[D * LD];  // S, then the fp32 staging of O
   bf16 v[C * LD];
-  float p[C * LDA];
-  bf16 pb[C * LDT];
-  float gamma[C];
+  bf16 p[C * LDT];
+  float q_scale[C];  // scale e^gamma per row
 };
-static_assert(2 * C * LD * sizeof(bf16) >= C * LDS * sizeof(float), "O staging must fit in q and k");
+static_assert(D * LD * sizeof(bf16) >= C * LDS * sizeof(float), "O staging must fit in the state");
 
 __global__ void __launch_bounds__(256) output_kernel(GdnForward a) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -408,43 +416,18 @@ __global__ void __launch_bounds__(256) output_kernel(GdnForward a) {
   const int64_t tile = static_cast<int64_t>(chunk) * a.value_heads + head;
   const bf16* qkv = static_cast<const bf16*>(a.qkv) + static_cast<int64_t>(start) * a.qkv_stride;
   load_rows_async(s.q, LD, qkv + key_head * D, a.qkv_stride, C, length, D);
-  load_rows_async(s.k, LD, qkv + (a.key_heads + key_head) * D, a.qkv_stride, C, length, D);
   load_rows_async(s.state, LD, static_cast<const bf16*>(a.states) + tile * D * D, D, D, D, D);
   load_rows_async(s.v, LD, static_cast<const bf16*>(a.v_new) + tile * C * D, D, C, C, D);
-  if (threadIdx.x < C) s.gamma[threadIdx.x] = a.gamma[tile * C + threadIdx.x];
+  load_rows_async(s.p, LDT, static_cast<const bf16*>(a.qk) + tile * C * C, C, C, C, C);
+  if (threadIdx.x < C) s.q_scale[threadIdx.x] = a.scale * __expf(a.gamma[tile * C + threadIdx.x]);
   __pipeline_commit();
   __pipeline_wait_prior(0);
   __syncthreads();
-
-  // Q K^T (64 x 64): warp w owns row tile w/2, column tiles 2(w%2) and 2(w%2)+1.
-  {
-    FragC acc[2];
-    wmma::fill_fragment(acc[0], 0.0f);
-    wmma::fill_fragment(acc[1], 0.0f);
-    const int row = (warp >> 1) * 16, col = (warp & 1) * 32;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      FragA x;
-      wmma::load_matrix_sync(x, s.q + row * LD + kk * 16, LD);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        FragBT y;
-        wmma::load_matrix_sync(y, s.k + (col + j * 16) * LD + kk * 16, LD);
-        wmma::mma_sync(acc[j], x, y, acc[j]);
-      }
-    }
-    wmma::store_matrix_sync(s.p + row * LDA + col, acc[0], LDA, wmma::mem_row_major);
-    wmma::store_matrix_sync(s.p + row * LDA + col + 16, acc[1], LDA, wmma::mem_row_major);
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < C * C; i += blockDim.x) {
-    const int r = i / C, c = i % C;
-    s.pb[r * LDT + c] =
-        __float2bfloat16(c <= r ? s.p[r * LDA + c] * a.scale * __expf(s.gamma[r] - s.gamma[c]) : 0.0f);
-  }
-  for (int i = threadIdx.x; i < C * D; i += blockDim.x) {
-    const int r = i / D, c = i % D;
-    s.q[r * LD + c] = __float2bfloat16(__bfloat162float(s.q[r * LD + c]) * a.scale * __expf(s.gamma[r]));
+  for (int i = threadIdx.x; i < C * D / 2; i += blockDim.x) {
+    const int r = (2 * i) / D, c = (2 * i) % D;
+    __nv_bfloat162& pair = *reinterpret_cast<__nv_bfloat162*>(&s.q[r * LD + c]);
+    const float2 x = __bfloat1622float2(pair);
+    pair = __floats2bfloat162_rn(x.x * s.q_scale[r], x.y * s.q_scale[r]);
   }
   __syncthreads();
   // O (64 x 128): warp w owns row tile w/2, column tiles 4(w%2) .. 4(w%2)+3.
@@ -466,7 +449,7 @@ __global__ void __launch_bounds__(256) output_kernel(GdnForward a) {
 #pragma unroll
   for (int kk = 0; kk < C / 16; ++kk) {
     FragA x;
-    wmma::load_matrix_sync(x, s.pb + row * LDT + kk * 16, LDT);
+    wmma::load_matrix_sync(x, s.p + row * LDT + kk * 16, LDT);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       FragB y;
@@ -474,8 +457,8 @@ __global__ void __launch_bounds__(256) output_kernel(GdnForward a) {
       wmma::mma_sync(acc[j], x, y, acc[j]);
     }
   }
-  __syncthreads();  // q and k are read: their space becomes the staging of O
-  float* stage = reinterpret_cast<float*>(s.q);
+  __syncthreads();  // the state is read: its space becomes the staging of O
+  float* stage = reinterpret_cast<float*>(s.state);
 #pragma unroll
   for (int j = 0; j < 4; ++j) wmma::store_matrix_sync(stage + row * LDS + col + j * 16, acc[j], LDS, wmma::mem_row_major);
   __syncthreads();
@@ -526,7 +509,7 @@ template <int BV>
 void launch_state(const GdnForward& args, cudaStream_t stream) {
   const size_t bytes = sizeof(StateShared<BV>);
   allow_shared_memory(state_kernel<BV>, bytes, "state");
-  state_kernel<BV><<<dim3(args.chunks.num_seqs, args.value_heads, D / BV), 128, bytes, stream>>>(args);
+  state_kernel<BV><<<dim3(args.chunks.num_seqs, args.value_heads, D / BV), kStateThreads, bytes, stream>>>(args);
   check_launch("state");
 }
 
@@ -539,18 +522,25 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
     throw std::invalid_argument("gated_delta_rule_forward: exactly one of out_raw and out");
   }
   const dim3 per_chunk(args.chunks.num_chunks, args.value_heads);
+  auto mark = [&](int i) {
+    if (args.stage_events != nullptr) cudaEventRecord(args.stage_events[i], stream);
+  };
+  mark(0);
   allow_shared_memory(prepare_kernel, sizeof(PrepareShared), "prepare");
-  prepare_kernel<<<per_chunk, 128, sizeof(PrepareShared), stream>>>(args);
+  prepare_kernel<<<per_chunk, kPrepareThreads, sizeof(PrepareShared), stream>>>(args);
   check_launch("prepare");
+  mark(1);
   switch (args.state_columns) {
     case 16: launch_state<16>(args, stream); break;
     case 32: launch_state<32>(args, stream); break;
     case 64: launch_state<64>(args, stream); break;
     default: throw std::invalid_argument("gated_delta_rule_forward: state_columns must be 16, 32 or 64");
   }
+  mark(2);
   allow_shared_memory(output_kernel, sizeof(OutputShared), "output");
   output_kernel<<<per_chunk, 256, sizeof(OutputShared), stream>>>(args);
   check_launch("output");
+  mark(3);
 }
 
 const char* kernels_unavailable_on_current_device() {

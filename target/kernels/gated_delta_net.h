@@ -8,13 +8,14 @@
 //      [tokens, q|k|v] projection, with the L2 normalisation of every q and k head fused in.
 //   2. prepare (grid chunks x value heads): gamma = in-chunk cumsum of g; A = strict_lower(
 //      diag(beta) K K^T o exp(gamma_i - gamma_j)); T = (I + A)^-1 by blocked substitution in
-//      fp32; W = T diag(beta e^gamma) K, U = T diag(beta) V (bf16).
+//      fp32; W = T diag(beta e^gamma) K, U = T diag(beta) V; P = causal(scale Q K^T o
+//      exp(gamma_i - gamma_j)) (all bf16).
 //   3. state (grid sequences x value heads x value-column blocks): the one sequential pass. The
 //      fp32 state S stays in registers for the whole sequence; per chunk it stores S (bf16,
 //      for the output kernel), V' = U - W S, and S = e^gamma_last S + K^T (V' e^(gamma_last -
 //      gamma)). Loads of chunk c+1 overlap the math of chunk c (cp.async double buffering).
-//   4. output (grid chunks x value heads): O = (scale e^gamma Q) S + (scale QK^T o decay,
-//      causal) V', with the gated RMSNorm of the layer fused in (w * rmsnorm(O) * silu(z)).
+//   4. output (grid chunks x value heads): O = (scale e^gamma Q) S + P V', with the gated
+//      RMSNorm of the layer fused in (w * rmsnorm(O) * silu(z)).
 // Variable-length batches: the chunk table never lets a chunk cross a sequence boundary.
 #pragma once
 
@@ -60,6 +61,7 @@ struct GdnForward {
   void* v_new = nullptr;
   void* states = nullptr;
   float* gamma = nullptr;
+  void* qk = nullptr;  // bf16 [num_chunks, value_heads, 64, 64]: causal(scale Q K^T o exp(gamma_i - gamma_j))
   // Output, one of:
   float* out_raw = nullptr;  // fp32 [tokens, value_heads, 128]: o itself (tests)
   // or the gated RMSNorm: out bf16 [tokens, value_heads * 128] = w * rmsnorm(o) * silu(z),
@@ -71,6 +73,8 @@ struct GdnForward {
   float eps = 1e-6f;
   // Value columns per CTA of the state pass (16, 32 or 64): smaller gives more CTAs.
   int state_columns = 32;
+  // Optional: four events recorded before prepare, state, output and after output (profiling).
+  cudaEvent_t* stage_events = nullptr;
 };
 
 // Launches prepare, state and output on `stream`. Throws std::runtime_error (naming the kernel
