@@ -3,7 +3,7 @@
 # doctor, the GPU tests, the drafter step against SpecForge's (flex_attention), and the whole
 # pipeline at Qwen3.5-27B shapes. Expects the offline bundle (deploy/bundle.sh build
 # --with-tests) in dist/ and the specforge wheel in .whl/. Prints a table at the end; full logs
-# go to $OUT when set. Phases: step (default), gdn, pipeline.
+# go to $OUT when set. Phases: step (default), gdn, e2e 27b|8b, pipeline.
 set -uo pipefail
 out="${OUT:-/tmp/dflashd-bench}"; mkdir -p "$out"
 B=$(ls -d dist/dflashd-*/ | head -1)
@@ -25,6 +25,30 @@ elif [ "$phase" = gdn ]; then
   "$B/tests/target_test" --gtest_filter='GatedDeltaNetKernels.*:TargetRandom.*' 2>&1 | grep -E "OK|FAILED|Failure|error|Expected|Which|rel" | tee "$out/gpu_tests.txt"
   timeout 300 env DFLASHD_EXEC=gdn_bench "$B/bin/dflashd" bench/configs/qwen3_5-27b 2>&1 | tee "$out/gdn_bench.txt"
   timeout 240 python3 bench/python/gdn_peers.py 2>&1 | grep -v -i warn | tee "$out/gdn_peers.txt"
+elif [ "$phase" = e2e ]; then
+  # End to end (issue 8): dflashd's pipeline, then the Python reference pipeline (transformers
+  # target + SpecForge DFlash step) with FLA's kernels and, for GatedDeltaNet targets, without
+  # them; same GPU, one after the other. Usage: run_h200.sh e2e 27b|8b
+  model="${2:-27b}"
+  cfg="bench/pipeline_$model.yaml"
+  config_dir="$(grep -o 'path: [^,}]*' "$cfg" | head -1 | cut -d' ' -f2)"
+  log="$out/pipeline_$model.log"
+  "$B/bin/dflashd" run -c "$cfg" > "$log" 2>&1 &
+  for i in $(seq 90); do sleep 2; grep -qE "step [1-9][0-9]*/" "$log" 2>/dev/null && break; done
+  sleep "${MEASURE_SECONDS:-100}"
+  curl -s localhost:9400/metrics | grep -E '^dflashd_(tokens_per_second|mfu_ratio|optimizer_steps_total|gpu_memory_bytes|queue_depth|bottleneck|stage_seconds_total)' > "$out/metrics_$model.txt"
+  grep -E "ms per sequence" "$log" | tail -1 > "$out/stages_$model.txt"
+  pkill -KILL -f "libexec/dflashd run" ; wait
+  grep -E "error|refus|plan:" "$log" | head -5
+  mkdir -p /tmp/site_nofla
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_nofla .whl/specforge-*.whl
+  PYTHONPATH=/tmp/site timeout 240 python3 bench/python/reference_pipeline.py "$config_dir" with-fla 5 2>&1 | grep -E "^python|Error|error" | tee "$out/python_$model.txt"
+  if [ "$model" = 27b ]; then
+    PYTHONPATH=/tmp/site_nofla timeout 240 python3 bench/python/reference_pipeline.py "$config_dir" without-fla 5 2>&1 | grep -E "^python|Error|error" | tee -a "$out/python_$model.txt"
+  fi
+  echo "==== $model summary"
+  grep -E "tokens_per_second|mfu_ratio|optimizer_steps|gpu_memory_bytes.*allocated" "$out/metrics_$model.txt"
+  cat "$out/stages_$model.txt" "$out/python_$model.txt"
 else
   (timeout 400 "$B/bin/dflashd" run -c bench/pipeline_27b.yaml > "$out/pipeline.log" 2>&1; echo "exit $?" >> "$out/pipeline.log") &
   for i in $(seq 60); do sleep 5; grep -qE "step [1-9][0-9]*/" "$out/pipeline.log" 2>/dev/null && break; done

@@ -14,7 +14,9 @@
 #include <nlohmann/json.hpp>
 #include <cstdlib>
 #include <random>
+#include <set>
 #include <thread>
+#include <tuple>
 
 #include "common/log.h"
 #include "drafter/checkpoint.h"
@@ -26,6 +28,7 @@
 #include "pipeline/flops.h"
 #include "pipeline/gpu_memory.h"
 #include "pipeline/nccl_gradients.h"
+#include "pipeline/streams.h"
 #include "target/model.h"
 
 namespace dflash::pipeline {
@@ -63,6 +66,7 @@ struct FeatureItem {
   at::Tensor features;   // [tokens, K*H] on the drafter replica's device
   at::Tensor input_ids;  // [tokens] int64, same device
   std::vector<uint8_t> loss_mask;
+  std::shared_ptr<ReadyEvent> ready;  // the target's work on them is done (GPU)
 };
 
 struct Worker {
@@ -168,6 +172,7 @@ struct Trainer::Impl {
   std::unique_ptr<NcclGradients> nccl;          // gradients across GPU replicas
   std::vector<std::unique_ptr<Worker>> workers;
   std::vector<std::thread> threads;
+  std::vector<std::unique_ptr<StageClock>> target_clocks, drafter_clocks;  // per replica
 
   int64_t start_step = 0;
   std::atomic<int64_t> completed_step{0};
@@ -181,7 +186,12 @@ struct Trainer::Impl {
 
   // Metrics state (replica 0 writes, supervise() reads; guarded by metrics_mutex).
   std::mutex metrics_mutex;
-  std::deque<std::pair<double, int64_t>> token_window;  // (time, tokens consumed so far)
+  struct Progress {
+    double time;
+    int64_t tokens;  // consumed so far
+    double flops;    // model FLOPs done so far
+  };
+  std::deque<Progress> token_window;
   int64_t tokens_consumed = 0, samples_consumed = 0;
   double last_loss = 0, last_tau = 1, best_tau = 0, last_lr = 0, last_grad_norm = 0;
   std::vector<double> last_accuracy;
@@ -213,6 +223,20 @@ struct Trainer::Impl {
   prometheus::Family<prometheus::Gauge>* worker_heartbeat_family;
   prometheus::Family<prometheus::Gauge>* worker_stalled_family;
   prometheus::Family<prometheus::Counter>* worker_restarts_family;
+  prometheus::Family<prometheus::Counter>* stage_seconds_family;
+  std::map<std::string, double> counted_stage_seconds;
+
+  // Seconds per stage summed over the replicas of a role.
+  static std::map<std::string, double> stage_totals(const std::vector<std::unique_ptr<StageClock>>& clocks,
+                                                    int64_t* iterations) {
+    std::map<std::string, double> sum;
+    *iterations = 0;
+    for (const auto& c : clocks) {
+      for (const auto& [stage, seconds] : c->totals()) sum[stage] += seconds;
+      *iterations += c->iterations();
+    }
+    return sum;
+  }
 
   void fail(const std::string& reason) {
     {
@@ -295,10 +319,13 @@ struct Trainer::Impl {
   void target_loop(Worker& w, size_t replica) {
     c10::InferenceMode inference;
     const target::TargetModel& model = *targets[replica];
+    const WorkerStream stream(model.options().device);
+    StageClock& clock = *target_clocks[replica];
     const std::vector<int64_t> layers(shape.target_layer_ids.begin(), shape.target_layer_ids.end());
     while (auto item = sample_queue->pop([&] { w.beat(); })) {
       w.beat();
       w.busy.store(true);
+      clock.start();
       const int64_t drafter_replica = plan.replica_of(item->q);
       FeatureItem out;
       out.q = item->q;
@@ -310,11 +337,14 @@ struct Trainer::Impl {
         const at::Tensor ids = at::tensor(item->sample.input_ids, at::TensorOptions().dtype(at::kLong));
         const int64_t tokens = ids.size(0);
         auto tapped = model.forward(ids, {0, tokens}, layers);
+        clock.lap("target_forward");
         // fc input: the tapped layers concatenated in ascending id order (dflash.md 4.5).
         const at::Device to = drafter_devices[drafter_replica];
         out.features = at::cat(tapped, -1).to(to, /*non_blocking=*/false, /*copy=*/false);
         out.input_ids = ids.to(to);
         out.loss_mask = item->sample.loss_mask;
+        out.ready = mark_ready(to);
+        clock.lap("feature_handoff");
       });
       w.busy.store(false);
       if (!ok) return;
@@ -331,6 +361,8 @@ struct Trainer::Impl {
     drafter::Drafter& model = *drafters[replica];
     drafter::AdamW& optimizer = *optimizers[replica];
     BoundedQueue<FeatureItem>& queue = *feature_queues[replica];
+    const WorkerStream stream(drafter_devices[replica]);
+    StageClock& clock = *drafter_clocks[replica];
     std::map<int64_t, FeatureItem> waiting;  // reorder buffer: items arrive in any order
     const int64_t block = shape.block_size;
     const double gamma = config.loss_gamma();
@@ -343,10 +375,12 @@ struct Trainer::Impl {
         while (!waiting.count(q)) {
           auto item = queue.pop([&] { w.beat(); });
           if (!item) return;  // closed: the run is stopping or failed
+          wait_ready(item->ready, {item->features, item->input_ids});
           waiting.emplace(item->q, std::move(*item));
         }
       }
       w.busy.store(true);
+      clock.start();
       const auto started = Clock::now();
       drafter::LossStats stats;
       drafter::StepResult result;
@@ -394,12 +428,16 @@ struct Trainer::Impl {
         }
         // The global denominator: all replicas, all micro-steps (known before any forward).
         const double global_weight = collective->sum(replica, local_weight);
+        clock.lap("batch");
         for (size_t i = 0; i < micro.size(); ++i) {
           drafter::LossStats micro_stats;
           const at::Tensor hidden = model.forward(micro[i], embeds[replica]);
+          clock.lap("drafter_forward");
           const at::Tensor loss = drafter::dflash_loss(hidden, heads[replica], micro_targets[i], global_weight,
                                                        config.train.lm_head_chunk_blocks * block, block, &micro_stats);
+          clock.lap("lm_head_loss");
           loss.backward();
+          clock.lap("backward");
           stats.add(micro_stats);
         }
         // Gradients summed across replicas (each replica's loss is already divided by the
@@ -415,6 +453,7 @@ struct Trainer::Impl {
         }
         size_t g = 0;
         for (const auto& [name, p] : model.parameters()) p.mutable_grad() = grads[g++];
+        clock.lap("gradient_allreduce");
         // Metrics across replicas in one exchange: loss sum, tokens, FLOPs, per-position
         // correct and count.
         stats.correct.resize(block, 0);
@@ -431,7 +470,9 @@ struct Trainer::Impl {
           stats.correct[k] = static_cast<int64_t>(global[3 + k]);
           stats.count[k] = static_cast<int64_t>(global[3 + block + k]);
         }
+        clock.lap("metrics_exchange");
         result = optimizer.step();
+        clock.lap("optimizer");
       });
       w.busy.store(false);
       if (!ok) return;
@@ -476,7 +517,7 @@ struct Trainer::Impl {
     for (size_t k = 1; k < last_accuracy.size(); ++k) {
       accuracy_family->Add({{"position", std::to_string(k)}}).Set(last_accuracy[k]);
     }
-    token_window.emplace_back(now_seconds(), tokens_consumed);
+    token_window.push_back({now_seconds(), tokens_consumed, flops_done});
     progress->Set(static_cast<double>(step + 1) / static_cast<double>(plan.total_steps));
   }
 
@@ -575,6 +616,7 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   s.worker_heartbeat_family = &prometheus::BuildGauge().Name("dflashd_worker_last_heartbeat_timestamp_seconds").Help("Unix time of a worker's last heartbeat").Register(registry);
   s.worker_stalled_family = &prometheus::BuildGauge().Name("dflashd_worker_stalled").Help("1 while a worker's heartbeat is older than workers.stall_seconds").Register(registry);
   s.worker_restarts_family = &prometheus::BuildCounter().Name("dflashd_worker_restarts_total").Help("Restarts of a worker after a failure").Register(registry);
+  s.stage_seconds_family = &prometheus::BuildCounter().Name("dflashd_stage_seconds_total").Help("Device seconds per stage of the workers' loops (CUDA events on a GPU, wall clock on the CPU), summed over a role's replicas").Register(registry);
 
   if (const char* fault = std::getenv("DFLASHD_TEST_FAULT")) {
     const std::string f = fault;
@@ -605,12 +647,14 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     } else {
       s.targets.push_back(target::load_target(config.target.path, last_layer, options));
     }
+    s.target_clocks.push_back(std::make_unique<StageClock>(options.device));
   }
   for (const auto& [kind, path] : s.targets[0]->kernel_paths()) s.kernel_path_family->Add({{"layer_type", kind}, {"path", path}}).Set(1);
   for (size_t r = 0; r < config.gpus.drafter.size(); ++r) {
     const at::Device device = device_for(config.gpus, config.gpus.drafter[r]);
     s.drafter_devices.push_back(device);
     s.drafters.push_back(std::make_unique<drafter::Drafter>(s.shape, at::TensorOptions().device(device).dtype(dtype)));
+    s.drafter_clocks.push_back(std::make_unique<StageClock>(device));
     s.drafters.back()->init_random(static_cast<uint64_t>(config.train.seed));
     s.embeds.push_back(s.targets[0]->embed_tokens().to(device));
     s.heads.push_back(s.targets[0]->lm_head().to(device));
@@ -791,13 +835,17 @@ void Trainer::supervise() {
     s.suggested_target_gpus->Set(std::max(1.0, std::round(total_gpus * target_share)));
   }
   // Throughput over the window, ETA, MFU.
-  while (s.token_window.size() > 1 && now - s.token_window.front().first > s.config.metrics.throughput_window_seconds) {
+  // Throughput and MFU over the window (the steps since startup would hide a recent change).
+  while (s.token_window.size() > 1 && now - s.token_window.front().time > s.config.metrics.throughput_window_seconds) {
     s.token_window.pop_front();
   }
-  double rate = 0;
+  double rate = 0, flops_rate = 0;
   if (s.token_window.size() > 1) {
-    const double span = s.token_window.back().first - s.token_window.front().first;
-    if (span > 0) rate = (s.token_window.back().second - s.token_window.front().second) / span;
+    const double span = s.token_window.back().time - s.token_window.front().time;
+    if (span > 0) {
+      rate = (s.token_window.back().tokens - s.token_window.front().tokens) / span;
+      flops_rate = (s.token_window.back().flops - s.token_window.front().flops) / span;
+    }
   }
   s.tokens_per_second->Set(rate);
   const int64_t steps_left = s.plan.total_steps - s.completed_step.load();
@@ -806,10 +854,32 @@ void Trainer::supervise() {
                                      : 0;
   s.eta_seconds->Set(rate > 0 ? steps_left * tokens_per_step / rate : 0);
   const double elapsed = now - s.start_time;
-  const double gpus = s.config.gpus.device == "cuda" ? static_cast<double>(s.config.gpus.target.size() + s.config.gpus.drafter.size()) : 1.0;
-  if (elapsed > 0) s.mfu->Set(s.flops_done / elapsed / (gpus * s.config.metrics.peak_flops_per_gpu));
+  // Distinct GPUs: a GPU that runs both roles counts once.
+  std::set<int> distinct(s.config.gpus.target.begin(), s.config.gpus.target.end());
+  distinct.insert(s.config.gpus.drafter.begin(), s.config.gpus.drafter.end());
+  const double gpus = s.config.gpus.device == "cuda" ? static_cast<double>(distinct.size()) : 1.0;
+  if (s.token_window.size() > 1) {
+    s.mfu->Set(flops_rate / (gpus * s.config.metrics.peak_flops_per_gpu));
+  } else if (elapsed > 0) {
+    s.mfu->Set(s.flops_done / elapsed / (gpus * s.config.metrics.peak_flops_per_gpu));
+  }
+  int64_t target_iterations = 0, drafter_iterations = 0;
+  const auto target_stages = Impl::stage_totals(s.target_clocks, &target_iterations);
+  const auto drafter_stages = Impl::stage_totals(s.drafter_clocks, &drafter_iterations);
+  std::string breakdown;
+  for (const auto& [role, stages, iterations] :
+       {std::tuple{"target", &target_stages, target_iterations}, std::tuple{"drafter", &drafter_stages, drafter_iterations}}) {
+    if (iterations > 0) breakdown += breakdown.empty() ? role : std::string(" | ") + role;
+    for (const auto& [stage, seconds] : *stages) {
+      double& counted = s.counted_stage_seconds[std::string(role) + "/" + stage];
+      if (seconds > counted) s.stage_seconds_family->Add({{"role", role}, {"stage", stage}}).Increment(seconds - counted);
+      counted = std::max(counted, seconds);
+      if (iterations > 0) breakdown += " " + stage + " " + fixed(1e3 * seconds / static_cast<double>(iterations), 1);
+    }
+  }
   if (std::chrono::duration<double>(Clock::now() - s.last_log_time).count() >= s.config.metrics.log_every_seconds) {
     s.last_log_time = Clock::now();
+    if (!breakdown.empty()) log::info("ms per sequence (target) and per step (drafter), by stage: {}", breakdown);
     log::info("step {}/{}  loss {}  tau {}  lr {}  tok/s {}  ETA {} s  queues samples {}/{} features {}/{}",
               s.completed_step.load(), s.plan.total_steps, fixed(s.last_loss, 4), fixed(s.last_tau, 3),
               fixed(s.last_lr, 6), fixed(rate, 1),

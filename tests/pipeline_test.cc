@@ -341,7 +341,10 @@ TEST(PipelineRun, ScrapeDuringTrainingHasEveryPipelineMetric) {
         "dflashd_worker_restarts_total{worker=\"target-0\"}", "dflashd_worker_stalled", "dflashd_checkpoint_last_success_timestamp_seconds",
         "dflashd_checkpoint_duration_seconds", "dflashd_target_kernel_path{layer_type=\"linear_attention\"",
         "dflashd_bottleneck{stage=\"target\"}", "dflashd_suggested_target_gpus", "dflashd_samples_skipped_total",
-        "dflashd_build_info", "process_resident_memory_bytes"}) {
+        "dflashd_build_info", "process_resident_memory_bytes",
+        "dflashd_stage_seconds_total{role=\"target\",stage=\"target_forward\"}",
+        "dflashd_stage_seconds_total{role=\"drafter\",stage=\"backward\"}",
+        "dflashd_stage_seconds_total{role=\"drafter\",stage=\"optimizer\"}"}) {
     EXPECT_NE(body.find(name), std::string::npos) << name << "\n" << body.substr(0, 3000);
   }
   p.signal(SIGTERM);

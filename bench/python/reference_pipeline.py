@@ -20,7 +20,8 @@ from transformers import AutoConfig, Qwen3Config
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "reference"))
 from specforge_reference import import_specforge  # noqa: E402
 
-S, ANCHORS, BLOCK, DRAFT_LAYERS = 3072, 512, 16, 5
+S, ANCHORS, BLOCK, DRAFT_LAYERS = int(os.environ.get("DFLASHD_BENCH_TOKENS", 3072)), 512, 16, 5
+DEVICE = os.environ.get("DFLASHD_BENCH_DEVICE", "cuda")  # "cpu": a smoke test of this script on tiny configs
 
 
 def taps(num_layers, count=5):
@@ -41,7 +42,7 @@ def build_target(config_dir):
     else:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3Model as Model
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         target = Model(text).eval().requires_grad_(False)
     torch.set_default_dtype(torch.float32)
     return text, target, layer_ids
@@ -59,15 +60,20 @@ def build_drafter(text, layer_ids):
     config.num_target_layers = layer_ids[-1] + 1
     config.dflash_config = {"mask_token_id": mask_id, "target_layer_ids": layer_ids}
     config._attn_implementation = "flex_attention"
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         draft = dflash.DFlashDraftModel(config).to(torch.bfloat16)
         embed = torch.nn.Embedding(V, H).to(torch.bfloat16).requires_grad_(False)
         head = torch.nn.Linear(H, V, bias=False).to(torch.bfloat16).requires_grad_(False)
     model = family.OnlineDFlashModel(draft, head, embed, mask_token_id=mask_id, block_size=BLOCK,
                                      attention_backend="flex_attention", num_anchors=ANCHORS, loss_decay_gamma=7.0,
                                      objective_chunk_blocks=128)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-4, fused=True)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-4, fused=DEVICE == "cuda")
     return draft, model, optimizer
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def main():
@@ -79,22 +85,22 @@ def main():
     fla = importlib.util.find_spec("fla") is not None
     target_times, drafter_times = [], []
     for i in range(steps + 3):  # the first three compile and warm up
-        ids = torch.randint(0, text.vocab_size - 1000, (1, S), device="cuda")
-        mask = torch.ones(1, S, device="cuda")
+        ids = torch.randint(0, text.vocab_size - 1000, (1, S), device=DEVICE)
+        mask = torch.ones(1, S, device=DEVICE)
         mask[:, :64] = 0
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         with torch.no_grad():
             states = target(input_ids=ids, output_hidden_states=True).hidden_states
             features = torch.cat([states[j + 1] for j in layer_ids], dim=-1)
         del states
-        torch.cuda.synchronize()
+        sync()
         t1 = time.perf_counter()
         loss, _, _ = model(input_ids=ids, hidden_states=features, loss_mask=mask)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         t2 = time.perf_counter()
         if i >= 3:
             target_times.append(t1 - t0)
@@ -103,7 +109,7 @@ def main():
     drafter_times.sort()
     t, d = target_times[len(target_times) // 2], drafter_times[len(drafter_times) // 2]
     print(f"python {label}: fla={'yes' if fla else 'no'} target {t:.3f} s + drafter step {d:.3f} s = "
-          f"{S / (t + d):.0f} tokens/s; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+          f"{S / (t + d):.0f} tokens/s; peak {torch.cuda.max_memory_allocated() / 2**30 if DEVICE == 'cuda' else 0:.1f} GiB", flush=True)
 
 
 if __name__ == "__main__":
