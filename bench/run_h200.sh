@@ -40,6 +40,7 @@ elif [ "$phase" = e2e ]; then
   grep -E "ms per sequence" "$log" | tail -1 > "$out/stages_$model.txt"
   pkill -KILL -f "libexec/dflashd run" ; wait
   grep -E "error|refus|plan:" "$log" | head -5
+  if [ -n "${SKIP_PYTHON:-}" ]; then grep -E "tokens_per_second|mfu_ratio|gpu_memory_bytes" "$out/metrics_$model.txt"; cat "$out/stages_$model.txt"; exit 0; fi
   mkdir -p /tmp/site_nofla
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_nofla .whl/specforge-*.whl
   PYTHONPATH=/tmp/site timeout 240 python3 bench/python/reference_pipeline.py "$config_dir" with-fla 5 2>&1 | grep -E "^python|Error|error" | tee "$out/python_$model.txt"

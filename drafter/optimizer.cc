@@ -28,6 +28,7 @@ AdamW::AdamW(std::vector<std::pair<std::string, at::Tensor>> parameters, Optimiz
     slot.master = p.scalar_type() == at::kFloat ? p.detach() : p.detach().to(at::kFloat).clone();
     slot.exp_avg = at::zeros_like(slot.master);
     slot.exp_avg_sq = at::zeros_like(slot.master);
+    slot.steps = at::zeros({}, slot.master.options());
     slots_.push_back(std::move(slot));
   }
 }
@@ -42,12 +43,20 @@ StepResult AdamW::step() {
   c10::NoGradGuard no_grad;
   StepResult result;
   result.learning_rate = scheduled_learning_rate(settings_, step_);
-  // Global norm in fp32 over all gradients; one host sync per step.
-  std::vector<at::Tensor> squares;
-  for (const Slot& s : slots_) {
-    if (s.param.grad().defined()) squares.push_back(s.param.grad().to(at::kFloat).pow(2).sum());
+  const bool fused = settings_.fused_on_gpu && !slots_.empty() && slots_.front().master.is_cuda();
+  // Gradients in fp32 (the masters' dtype); the global norm over all of them, one host sync.
+  std::vector<Slot*> live;
+  std::vector<at::Tensor> grads;
+  for (Slot& s : slots_) {
+    if (!s.param.grad().defined()) continue;
+    live.push_back(&s);
+    grads.push_back(s.param.grad().to(at::kFloat));
   }
-  const double norm = squares.empty() ? 0.0 : std::sqrt(at::stack(squares).sum().item<double>());
+  double norm = 0;
+  if (!grads.empty()) {
+    const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
+    norm = at::stack(norms).norm().item<double>();
+  }
   result.grad_norm = norm;
   if (!std::isfinite(norm)) {
     zero_grad();
@@ -56,20 +65,39 @@ StepResult AdamW::step() {
   const double clip = settings_.grad_clip_norm > 0 && norm > settings_.grad_clip_norm
                           ? settings_.grad_clip_norm / (norm + 1e-6)
                           : 1.0;
+  if (clip != 1.0) at::_foreach_mul_(grads, clip);
   ++step_;
   const double lr = result.learning_rate;
-  const double bias1 = 1 - std::pow(settings_.beta1, static_cast<double>(step_));
-  const double bias2 = 1 - std::pow(settings_.beta2, static_cast<double>(step_));
-  for (Slot& s : slots_) {
-    if (!s.param.grad().defined()) continue;
-    at::Tensor g = s.param.grad().to(at::kFloat);
-    if (clip != 1.0) g = g * clip;
-    s.master.mul_(1 - lr * settings_.weight_decay);  // decoupled weight decay
-    s.exp_avg.mul_(settings_.beta1).add_(g, 1 - settings_.beta1);
-    s.exp_avg_sq.mul_(settings_.beta2).addcmul_(g, g, 1 - settings_.beta2);
-    const at::Tensor denom = (s.exp_avg_sq.sqrt() / std::sqrt(bias2)).add_(settings_.epsilon);
-    s.master.addcdiv_(s.exp_avg, denom, -lr / bias1);
-    if (!s.master.is_same(s.param)) s.param.detach().copy_(s.master);  // round to the model dtype
+  if (fused) {
+    std::vector<at::Tensor> masters, avgs, avg_sqs, steps, params, rounded;
+    for (Slot* s : live) {
+      masters.push_back(s->master);
+      avgs.push_back(s->exp_avg);
+      avg_sqs.push_back(s->exp_avg_sq);
+      steps.push_back(s->steps);
+      if (!s->master.is_same(s->param)) {
+        params.push_back(s->param.detach());
+        rounded.push_back(s->master);
+      }
+    }
+    at::_foreach_add_(steps, 1.0);
+    at::_fused_adamw_(masters, grads, avgs, avg_sqs, {}, steps, lr, settings_.beta1, settings_.beta2,
+                      settings_.weight_decay, settings_.epsilon, /*amsgrad=*/false, /*maximize=*/false);
+    if (!params.empty()) at::_foreach_copy_(params, rounded);  // round to the model dtype
+  } else {
+    const double bias1 = 1 - std::pow(settings_.beta1, static_cast<double>(step_));
+    const double bias2 = 1 - std::pow(settings_.beta2, static_cast<double>(step_));
+    for (size_t i = 0; i < live.size(); ++i) {
+      Slot& s = *live[i];
+      const at::Tensor& g = grads[i];
+      s.master.mul_(1 - lr * settings_.weight_decay);  // decoupled weight decay
+      s.exp_avg.mul_(settings_.beta1).add_(g, 1 - settings_.beta1);
+      s.exp_avg_sq.mul_(settings_.beta2).addcmul_(g, g, 1 - settings_.beta2);
+      const at::Tensor denom = (s.exp_avg_sq.sqrt() / std::sqrt(bias2)).add_(settings_.epsilon);
+      s.master.addcdiv_(s.exp_avg, denom, -lr / bias1);
+      if (!s.master.is_same(s.param)) s.param.detach().copy_(s.master);  // round to the model dtype
+      s.steps.fill_(static_cast<double>(step_));
+    }
   }
   zero_grad();
   result.applied = true;
@@ -104,6 +132,7 @@ void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& te
     take("exp_avg." + s.name, s.exp_avg);
     take("exp_avg_sq." + s.name, s.exp_avg_sq);
     if (!s.master.is_same(s.param)) s.param.detach().copy_(s.master);
+    s.steps.fill_(static_cast<double>(steps_taken));
   }
   step_ = steps_taken;
 }

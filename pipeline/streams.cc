@@ -30,6 +30,19 @@ WorkerStream::WorkerStream(at::Device device) : impl_(std::make_unique<Impl>()) 
 
 WorkerStream::~WorkerStream() = default;
 
+GpuTurn::GpuTurn(std::mutex* turn, at::Device device) : device_(device) {
+  if (turn != nullptr) lock_ = std::unique_lock<std::mutex>(*turn);
+}
+
+GpuTurn::~GpuTurn() {
+#ifdef DFLASHD_WITH_CUDA
+  if (lock_.owns_lock() && device_.is_cuda()) {
+    // A CUDA error here surfaces at the worker's next call; a destructor must not throw.
+    cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(device_.index()).stream());
+  }
+#endif
+}
+
 class ReadyEvent {
  public:
 #ifdef DFLASHD_WITH_CUDA

@@ -30,6 +30,23 @@ class WorkerStream {
   std::unique_ptr<Impl> impl_;
 };
 
+// A GPU shared by a target and a drafter worker runs one role at a time, both on the device's
+// default stream: a worker takes the GPU's turn for one iteration and gives it back once the
+// stream has drained. (Measured on an H200 at the 27B shapes, bench/RESULTS.md: the roles on
+// two streams at once were no faster than one after the other, and two streams keep two pools
+// of cached blocks.) With a null mutex: nothing.
+class GpuTurn {
+ public:
+  GpuTurn(std::mutex* turn, at::Device device);
+  ~GpuTurn();
+  GpuTurn(const GpuTurn&) = delete;
+  GpuTurn& operator=(const GpuTurn&) = delete;
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+  at::Device device_;
+};
+
 // An event recorded after the producer's work on `device`'s current stream (null on the CPU).
 class ReadyEvent;
 std::shared_ptr<ReadyEvent> mark_ready(at::Device device);

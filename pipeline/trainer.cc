@@ -6,6 +6,7 @@
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
 
+#include <algorithm>
 #include <cmath>
 #include <condition_variable>
 #include <deque>
@@ -13,6 +14,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <cstdlib>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -173,6 +175,11 @@ struct Trainer::Impl {
   std::vector<std::unique_ptr<Worker>> workers;
   std::vector<std::thread> threads;
   std::vector<std::unique_ptr<StageClock>> target_clocks, drafter_clocks;  // per replica
+  std::map<int, std::unique_ptr<std::mutex>> gpu_turns;  // GPUs that run both roles
+  std::mutex* turn_of(at::Device device) {
+    const auto it = device.is_cuda() ? gpu_turns.find(device.index()) : gpu_turns.end();
+    return it == gpu_turns.end() ? nullptr : it->second.get();
+  }
 
   int64_t start_step = 0;
   std::atomic<int64_t> completed_step{0};
@@ -319,12 +326,16 @@ struct Trainer::Impl {
   void target_loop(Worker& w, size_t replica) {
     c10::InferenceMode inference;
     const target::TargetModel& model = *targets[replica];
-    const WorkerStream stream(model.options().device);
+    // Own stream unless the GPU is shared with a drafter: the roles take turns there anyway, and
+    // one stream keeps one pool of cached allocator blocks instead of two.
+    const WorkerStream stream(turn_of(model.options().device) ? at::Device(at::kCPU) : model.options().device);
     StageClock& clock = *target_clocks[replica];
     const std::vector<int64_t> layers(shape.target_layer_ids.begin(), shape.target_layer_ids.end());
     while (auto item = sample_queue->pop([&] { w.beat(); })) {
       w.beat();
       w.busy.store(true);
+      std::optional<GpuTurn> turn;  // released before the push: a full queue must not hold the GPU
+      turn.emplace(turn_of(model.options().device), model.options().device);
       clock.start();
       const int64_t drafter_replica = plan.replica_of(item->q);
       FeatureItem out;
@@ -348,6 +359,7 @@ struct Trainer::Impl {
       });
       w.busy.store(false);
       if (!ok) return;
+      turn.reset();
       {
         std::lock_guard lock(metrics_mutex);
         target_busy_seconds += std::chrono::duration<double>(Clock::now() - started).count();
@@ -361,7 +373,7 @@ struct Trainer::Impl {
     drafter::Drafter& model = *drafters[replica];
     drafter::AdamW& optimizer = *optimizers[replica];
     BoundedQueue<FeatureItem>& queue = *feature_queues[replica];
-    const WorkerStream stream(drafter_devices[replica]);
+    const WorkerStream stream(turn_of(drafter_devices[replica]) ? at::Device(at::kCPU) : drafter_devices[replica]);
     StageClock& clock = *drafter_clocks[replica];
     std::map<int64_t, FeatureItem> waiting;  // reorder buffer: items arrive in any order
     const int64_t block = shape.block_size;
@@ -380,8 +392,10 @@ struct Trainer::Impl {
         }
       }
       w.busy.store(true);
-      clock.start();
       const auto started = Clock::now();
+      // The GPU's turn when a target shares it: taken once every replica holds its samples (after
+      // the first collective below), so no replica waits with the GPU for a target that needs it.
+      std::optional<GpuTurn> turn;
       drafter::LossStats stats;
       drafter::StepResult result;
       int64_t tokens = 0;
@@ -428,7 +442,8 @@ struct Trainer::Impl {
         }
         // The global denominator: all replicas, all micro-steps (known before any forward).
         const double global_weight = collective->sum(replica, local_weight);
-        clock.lap("batch");
+        turn.emplace(turn_of(drafter_devices[replica]), drafter_devices[replica]);
+        clock.start();
         for (size_t i = 0; i < micro.size(); ++i) {
           drafter::LossStats micro_stats;
           const at::Tensor hidden = model.forward(micro[i], embeds[replica]);
@@ -474,6 +489,7 @@ struct Trainer::Impl {
         result = optimizer.step();
         clock.lap("optimizer");
       });
+      turn.reset();
       w.busy.store(false);
       if (!ok) return;
       for (int64_t q : wanted) waiting.erase(q);
@@ -655,6 +671,10 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     s.drafter_devices.push_back(device);
     s.drafters.push_back(std::make_unique<drafter::Drafter>(s.shape, at::TensorOptions().device(device).dtype(dtype)));
     s.drafter_clocks.push_back(std::make_unique<StageClock>(device));
+    const int id = config.gpus.drafter[r];
+    if (device.is_cuda() && std::count(config.gpus.target.begin(), config.gpus.target.end(), id) > 0) {
+      s.gpu_turns.emplace(id, std::make_unique<std::mutex>());
+    }
     s.drafters.back()->init_random(static_cast<uint64_t>(config.train.seed));
     s.embeds.push_back(s.targets[0]->embed_tokens().to(device));
     s.heads.push_back(s.targets[0]->lm_head().to(device));
