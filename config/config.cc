@@ -104,6 +104,16 @@ void read_gpus(MapReader m, GpuConfig* c) {
   m.done();
 }
 
+void read_distributed(MapReader m, DistributedConfig* c) {
+  m.field("from_env", &c->from_env);
+  m.field("nodes", &c->nodes, between(1, 4096));
+  m.field("node_rank", &c->node_rank, between(0, 4095));
+  m.field("master_addr", &c->master_addr);
+  m.field("master_port", &c->master_port, between(1, 65535));
+  m.field("timeout_seconds", &c->timeout_seconds, positive<double>());
+  m.done();
+}
+
 void read_queues(MapReader m, QueueConfig* c) {
   m.field("samples", &c->samples, between(1, 1 << 20));
   m.field("features", &c->features, between(1, 1024));
@@ -211,6 +221,11 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
     }
   }
 
+  if (c.distributed.node_rank >= c.distributed.nodes) {
+    d->add(at("distributed.node_rank"), "distributed.node_rank: " + std::to_string(c.distributed.node_rank) +
+                                            " is not below distributed.nodes (" + std::to_string(c.distributed.nodes) + ")");
+  }
+
   const auto& layer_ids = c.drafter.target_layer_ids;
   for (size_t i = 1; i < layer_ids.size(); ++i) {
     if (layer_ids[i] <= layer_ids[i - 1]) {
@@ -312,6 +327,7 @@ Config parse(std::string_view yaml_text, const std::string& file_name) {
   read_target(top.map("target"), &config.target);
   read_drafter(top.map("drafter"), &config.drafter);
   read_gpus(top.map("gpus"), &config.gpus);
+  read_distributed(top.map("distributed"), &config.distributed);
   read_queues(top.map("queues"), &config.queues);
   read_data(top.map("data"), &config.data);
   read_train(top.map("train"), &config.train);

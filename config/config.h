@@ -78,6 +78,19 @@ struct GpuConfig {
   std::vector<int> drafter{0};
 };
 
+// Several processes, one per node, train one drafter: every node runs its own target and
+// drafter groups; the drafter replicas of all nodes are data parallel (NCCL across nodes,
+// rendezvous through a TCP store on node 0). With from_env the torchrun variables WORLD_SIZE,
+// RANK, MASTER_ADDR and MASTER_PORT replace nodes, node_rank, master_addr and master_port.
+struct DistributedConfig {
+  bool from_env = false;
+  int nodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  double timeout_seconds = 600;  // a node silent this long fails the run
+};
+
 struct QueueConfig {
   int samples = 64;                          // tokenised samples waiting for a target worker
   int features = 2;                          // target features waiting for a drafter worker
@@ -155,6 +168,7 @@ struct Config {
   TargetConfig target;
   DrafterConfig drafter;
   GpuConfig gpus;
+  DistributedConfig distributed;
   QueueConfig queues;
   DataConfig data;
   TrainConfig train;

@@ -1,5 +1,9 @@
 #include "pipeline/nccl_gradients.h"
 
+#include <cstring>
+
+#include "pipeline/nodes.h"
+
 #include <ATen/ATen.h>
 
 #include <stdexcept>
@@ -28,13 +32,30 @@ void check(ncclResult_t result, const std::string& what) {
 
 bool NcclGradients::available() { return true; }
 
-NcclGradients::NcclGradients(const std::vector<int>& devices) : impl_(std::make_unique<Impl>()) {
+NcclGradients::NcclGradients(const std::vector<int>& devices, NodeGroup* nodes) : impl_(std::make_unique<Impl>()) {
   impl_->devices = devices;
   impl_->comms.resize(devices.size());
+  const int local = static_cast<int>(devices.size());
+  const int node = nodes ? nodes->rank() : 0, world = local * (nodes ? nodes->nodes() : 1);
+  ncclUniqueId id;
+  if (node == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  if (nodes) {
+    std::vector<uint8_t> bytes(sizeof(id));
+    std::memcpy(bytes.data(), &id, sizeof(id));
+    bytes = nodes->broadcast(bytes);
+    if (bytes.size() != sizeof(id)) throw std::runtime_error("distributed: the NCCL id from node 0 has the wrong size");
+    std::memcpy(&id, bytes.data(), sizeof(id));
+  }
   std::string list;
   for (int d : devices) list += (list.empty() ? "" : ",") + std::to_string(d);
-  check(ncclCommInitAll(impl_->comms.data(), static_cast<int>(devices.size()), devices.data()),
-        "ncclCommInitAll over GPUs " + list);
+  check(ncclGroupStart(), "ncclGroupStart");
+  for (int i = 0; i < local; ++i) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(devices[i]));
+    check(ncclCommInitRank(&impl_->comms[i], world, id, node * local + i),
+          "ncclCommInitRank (rank " + std::to_string(node * local + i) + " of " + std::to_string(world) + ", GPU " +
+              std::to_string(devices[i]) + ")");
+  }
+  check(ncclGroupEnd(), "ncclGroupEnd: communicators over GPUs " + list + " of node " + std::to_string(node));
 }
 
 NcclGradients::~NcclGradients() {
@@ -65,7 +86,7 @@ void NcclGradients::sum(int replica, std::vector<at::Tensor>& tensors) {
 #else
 struct NcclGradients::Impl {};
 bool NcclGradients::available() { return false; }
-NcclGradients::NcclGradients(const std::vector<int>&) {
+NcclGradients::NcclGradients(const std::vector<int>&, NodeGroup*) {
   throw std::runtime_error("this dflashd was built without NCCL: data-parallel GPU replicas need it");
 }
 NcclGradients::~NcclGradients() = default;

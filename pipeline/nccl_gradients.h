@@ -1,7 +1,8 @@
-// nccl_gradients.h: gradient all-reduce across the drafter replicas of this process, one per
-// GPU, through NCCL (communicators from ncclCommInitAll). Each replica's thread calls sum()
-// for its own rank, on its device's current stream; NCCL orders the ranks. Multi-node
-// rendezvous (torchrun-style variables, c10d TCPStore) is not built yet.
+// nccl_gradients.h: gradient all-reduce across the drafter replicas of all nodes, one per GPU,
+// through NCCL: one communicator per local GPU, ranks node_rank * local + i, made with
+// ncclCommInitRank from a unique id that node 0 draws and the node group hands round (one
+// node: no group needed). Each replica's thread calls sum() for its own local index, on its
+// device's current stream; NCCL orders the ranks.
 //
 // Built only with CUDA and NCCL (available() says); a CPU run or a single replica sums on the
 // host (trainer.cc's LocalCollective). Errors throw naming the GPU and NCCL's message.
@@ -14,11 +15,13 @@
 
 namespace dflash::pipeline {
 
+class NodeGroup;
+
 class NcclGradients {
  public:
   static bool available();
-  // One communicator per device; devices must be distinct.
-  explicit NcclGradients(const std::vector<int>& devices);
+  // One communicator per local device (distinct); `nodes` null for a single-node run.
+  NcclGradients(const std::vector<int>& devices, NodeGroup* nodes);
   ~NcclGradients();
   // In place: every replica's tensors become the sum over replicas (accumulated in fp32).
   void sum(int replica, std::vector<at::Tensor>& tensors);

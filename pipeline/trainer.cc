@@ -30,6 +30,7 @@
 #include "pipeline/flops.h"
 #include "pipeline/gpu_memory.h"
 #include "pipeline/nccl_gradients.h"
+#include "pipeline/nodes.h"
 #include "pipeline/streams.h"
 #include "target/model.h"
 
@@ -83,40 +84,59 @@ struct Worker {
   void beat() { heartbeat.store(now_seconds()); }
 };
 
-// Sums across drafter replicas living in threads of this process, in replica order (so the
-// result does not depend on thread timing). Every replica calls each operation once per step,
-// in the same sequence. A failed run releases waiters (abort()).
+// Sums across the drafter replicas: those living in threads of this process, in replica
+// order (so the result does not depend on thread timing), then, in a multi-node run, across
+// the nodes (replica 0's thread exchanges the node's sum; every node adds in node order).
+// Every replica calls each operation once per step, in the same sequence. A failed run
+// releases waiters (abort()).
 class LocalCollective {
  public:
-  explicit LocalCollective(int replicas) : replicas_(replicas), scalars_(replicas), tensors_(replicas) {}
+  LocalCollective(int replicas, NodeGroup* nodes)
+      : replicas_(replicas), nodes_(nodes), scalars_(replicas), tensors_(replicas) {}
 
   double sum(int replica, double value) { return sum(replica, std::vector<double>{value})[0]; }
 
   // Element-wise sums of equally long vectors, one per replica.
   std::vector<double> sum(int replica, std::vector<double> values) {
-    if (replicas_ == 1) return values;
+    if (replicas_ == 1) return nodes_ ? nodes_->sum(values) : values;
     scalars_[replica] = std::move(values);
-    if (!barrier()) throw std::runtime_error("run aborted while waiting for the other drafter replicas");
+    wait_for_all();
     std::vector<double> total(scalars_[0].size(), 0.0);
     for (const auto& v : scalars_) {
       for (size_t i = 0; i < total.size(); ++i) total[i] += v[i];
     }
-    if (!barrier()) throw std::runtime_error("run aborted while waiting for the other drafter replicas");
+    if (nodes_) {
+      if (replica == 0) node_scalars_ = nodes_->sum(total);
+      wait_for_all();
+      total = node_scalars_;
+    }
+    wait_for_all();
     return total;
   }
 
   // Replaces each tensor of `values` by the sum over replicas (on its own device).
   void sum(int replica, std::vector<at::Tensor>& values) {
-    if (replicas_ == 1) return;
+    if (replicas_ == 1) {
+      if (nodes_) nodes_->sum(values);
+      return;
+    }
     tensors_[replica] = &values;
-    if (!barrier()) throw std::runtime_error("run aborted while waiting for the other drafter replicas");
+    wait_for_all();
     std::vector<at::Tensor> totals;
     for (size_t i = 0; i < values.size(); ++i) {
       at::Tensor total = (*tensors_[0])[i].to(values[i].device(), /*non_blocking=*/false, /*copy=*/true);
       for (int r = 1; r < replicas_; ++r) total.add_((*tensors_[r])[i].to(values[i].device()));
       totals.push_back(total);
     }
-    if (!barrier()) throw std::runtime_error("run aborted while waiting for the other drafter replicas");
+    if (nodes_) {
+      if (replica == 0) {
+        nodes_->sum(totals);
+        node_tensors_ = totals;
+      }
+      wait_for_all();
+      for (size_t i = 0; i < totals.size(); ++i) totals[i] = node_tensors_[i].to(values[i].device(), false, true);
+    }
+    wait_for_all();
     values = std::move(totals);
   }
 
@@ -139,9 +159,15 @@ class LocalCollective {
     cv_.wait(lock, [&] { return generation_ != generation || aborted_; });
     return !aborted_;
   }
+  void wait_for_all() {
+    if (!barrier()) throw std::runtime_error("run aborted while waiting for the other drafter replicas");
+  }
   const int replicas_;
+  NodeGroup* nodes_;  // null: one node
   std::vector<std::vector<double>> scalars_;
   std::vector<std::vector<at::Tensor>*> tensors_;
+  std::vector<double> node_scalars_;     // written by replica 0 between barriers
+  std::vector<at::Tensor> node_tensors_;
   std::mutex mutex_;
   std::condition_variable cv_;
   int arrived_ = 0;
@@ -172,6 +198,9 @@ struct Trainer::Impl {
   std::vector<std::unique_ptr<BoundedQueue<FeatureItem>>> feature_queues;
   std::unique_ptr<LocalCollective> collective;  // scalars (and gradients on CPU) through host memory
   std::unique_ptr<NcclGradients> nccl;          // gradients across GPU replicas
+  std::unique_ptr<NodeGroup> nodes;             // multi-node runs: the other processes
+  int node_rank = 0;
+  int64_t local_replicas = 1;                   // drafter replicas of this node
   std::vector<std::unique_ptr<Worker>> workers;
   std::vector<std::thread> threads;
   std::vector<std::unique_ptr<StageClock>> target_clocks, drafter_clocks;  // per replica
@@ -311,6 +340,7 @@ struct Trainer::Impl {
     const int64_t end = plan.end_sample(plan.total_steps - 1);
     for (int64_t q = first; q < end && !stop_requested.load(); ++q) {
       w.beat();
+      if (plan.replica_of(q) / local_replicas != node_rank) continue;  // another node's sample
       SampleItem item;
       item.q = q;
       if (!guarded(w, "sample " + std::to_string(q), [&] {
@@ -337,7 +367,7 @@ struct Trainer::Impl {
       std::optional<GpuTurn> turn;  // released before the push: a full queue must not hold the GPU
       turn.emplace(turn_of(model.options().device), model.options().device);
       clock.start();
-      const int64_t drafter_replica = plan.replica_of(item->q);
+      const int64_t drafter_replica = plan.replica_of(item->q) - node_rank * local_replicas;  // local index
       FeatureItem out;
       out.q = item->q;
       const auto started = Clock::now();
@@ -382,7 +412,7 @@ struct Trainer::Impl {
       w.beat();
       // Every replica agrees to stop at the same step boundary.
       if (collective->sum(replica, stop_requested.load() ? 1.0 : 0.0) > 0) return;
-      const std::vector<int64_t> wanted = plan.samples_for(step, replica);
+      const std::vector<int64_t> wanted = plan.samples_for(step, node_rank * local_replicas + replica);
       for (int64_t q : wanted) {
         while (!waiting.count(q)) {
           auto item = queue.pop([&] { w.beat(); });
@@ -683,7 +713,11 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   s.skipped_short_total->Increment(static_cast<double>(s.data->skipped_short()));
   s.skipped_malformed_total->Increment(static_cast<double>(s.data->skipped_malformed()));
   const int64_t replicas = static_cast<int64_t>(config.gpus.drafter.size());
-  s.plan = StepPlan::make(s.data->size(), replicas, config.train.sequences_per_step,
+  const NodeInfo node_info = resolve_nodes(config.distributed);
+  s.node_rank = node_info.rank;
+  s.local_replicas = replicas;
+  if (node_info.nodes > 1) s.nodes = std::make_unique<NodeGroup>(node_info);
+  s.plan = StepPlan::make(s.data->size(), replicas * node_info.nodes, config.train.sequences_per_step,
                           config.train.grad_accumulation_steps, config.train.epochs, config.train.max_steps);
   drafter::OptimizerSettings settings;
   settings.learning_rate = config.train.learning_rate;
@@ -726,11 +760,23 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     s.samples_total->Increment(static_cast<double>(s.samples_consumed));
     log::info("resuming from {} at step {} of {}", resume_from, s.start_step, s.plan.total_steps);
   }
+  if (s.nodes) {
+    // Every node must resume from the same step (each reads its own output_dir).
+    const std::vector<double> agreed = s.nodes->sum({static_cast<double>(s.start_step),
+                                                     static_cast<double>(s.start_step) * static_cast<double>(s.start_step)});
+    const double n = node_info.nodes, mean = agreed[0] / n;
+    if (agreed[1] / n - mean * mean > 0.25) {
+      throw std::runtime_error("distributed: the nodes would resume from different steps (this node: " +
+                               std::to_string(s.start_step) + ", mean over nodes: " + std::to_string(mean) +
+                               "); give every node the same checkpoints or checkpoint.resume: never");
+    }
+  }
   s.completed_step.store(s.start_step);
-  s.collective = std::make_unique<LocalCollective>(static_cast<int>(replicas));
-  if (config.gpus.device == "cuda" && replicas > 1) {
-    s.nccl = std::make_unique<NcclGradients>(config.gpus.drafter);
-    log::info("data-parallel gradients: NCCL all-reduce over {} GPUs", replicas);
+  s.collective = std::make_unique<LocalCollective>(static_cast<int>(replicas), s.nodes.get());
+  if (config.gpus.device == "cuda" && replicas * node_info.nodes > 1) {
+    s.nccl = std::make_unique<NcclGradients>(config.gpus.drafter, s.nodes.get());
+    log::info("data-parallel gradients: NCCL all-reduce over {} GPUs on {} node(s)", replicas * node_info.nodes,
+              node_info.nodes);
   }
   s.sample_queue = std::make_unique<BoundedQueue<SampleItem>>(config.queues.samples);
   s.queue_capacity_family->Add({{"queue", "samples"}}).Set(static_cast<double>(config.queues.samples));

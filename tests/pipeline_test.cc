@@ -120,7 +120,7 @@ TEST(NcclGradients, SumsAcrossTheGpusOfThisProcess) {
   if (gpus == 0 || !NcclGradients::available()) GTEST_SKIP() << "needs a CUDA GPU and NCCL";
   std::vector<int> devices;
   for (int d = 0; d < gpus; ++d) devices.push_back(d);
-  NcclGradients nccl(devices);
+  NcclGradients nccl(devices, nullptr);
   std::vector<std::vector<at::Tensor>> grads(gpus);
   std::vector<std::thread> threads;
   for (int r = 0; r < gpus; ++r) {
@@ -267,6 +267,42 @@ TEST(PipelineRun, TwoReplicasMatchOneReplicaWithAccumulation) {
     scale = std::max(scale, static_cast<double>(std::fabs(y[i])));
   }
   EXPECT_LE(worst / scale, 1e-4) << "max abs diff " << worst;
+}
+
+// Multi-node: two processes (nodes) with one drafter replica each, meeting through the TCP
+// store (node 1 reads torchrun's variables), train bit-for-bit the drafter of one process
+// with two replicas: same samples per replica, same sums in the same order.
+TEST(PipelineRun, TwoNodesTrainTheSameDrafterAsOneNodeWithTwoReplicas) {
+  const std::string common = "checkpoint: {every_steps: 1000}\ntrain: {max_steps: 8, learning_rate: 0.003}\n";
+  const int port = test::free_port();
+  const RunDir node0 = make_run("node0", common + "distributed: {nodes: 2, node_rank: 0, master_port: " +
+                                             std::to_string(port) + ", timeout_seconds: 60}\n");
+  const RunDir node1 = make_run("node1", common + "distributed: {from_env: true, timeout_seconds: 60}\n");
+  const RunDir single = make_run("single", common);
+  std::string text = test::read_file(single.config);
+  text.replace(text.find("gpus: {device: cpu}"), std::string("gpus: {device: cpu}").size(),
+               "gpus: {device: cpu, target: [0, 1], drafter: [0, 1]}");
+  std::ofstream(single.config, std::ios::trunc) << text;
+  test::Process a({kBinary, "run", "-c", node0.config}, {}, node0.dir);
+  test::Process b({kBinary, "run", "-c", node1.config},
+                  {"WORLD_SIZE=2", "RANK=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port)}, node1.dir);
+  test::Process c({kBinary, "run", "-c", single.config}, {}, single.dir);
+  ASSERT_EQ(a.wait(180000), 0) << a.err();
+  ASSERT_EQ(b.wait(180000), 0) << b.err();
+  ASSERT_EQ(c.wait(180000), 0) << c.err();
+  EXPECT_NE(a.err().find("all 2 nodes joined"), std::string::npos) << a.err();
+  EXPECT_NE(b.err().find("node 1 of 2"), std::string::npos) << b.err();
+  const std::string w0 = final_weights(node0, "000000000008"), w1 = final_weights(node1, "000000000008");
+  ASSERT_GT(w0.size(), 4096u);
+  EXPECT_TRUE(w0 == w1) << "the nodes ended with different drafters";
+  EXPECT_TRUE(w0 == final_weights(single, "000000000008")) << "two nodes differ from one node with two replicas";
+}
+
+TEST(PipelineRun, TorchrunVariablesMissingAreNamed) {
+  const RunDir r = make_run("noenv", "distributed: {from_env: true}\ntrain: {max_steps: 2}\n");
+  test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
+  EXPECT_NE(p.wait(60000), 0);
+  EXPECT_NE(p.err().find("the environment variable WORLD_SIZE is not set"), std::string::npos) << p.err();
 }
 
 TEST(PipelineRun, SigtermFinishesTheStepCheckpointsAndExitsZero) {
