@@ -663,6 +663,10 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   s.worker_stalled_family = &prometheus::BuildGauge().Name("dflashd_worker_stalled").Help("1 while a worker's heartbeat is older than workers.stall_seconds").Register(registry);
   s.worker_restarts_family = &prometheus::BuildCounter().Name("dflashd_worker_restarts_total").Help("Restarts of a worker after a failure").Register(registry);
   s.stage_seconds_family = &prometheus::BuildCounter().Name("dflashd_stage_seconds_total").Help("Device seconds per stage of the workers' loops (CUDA events on a GPU, wall clock on the CPU), summed over a role's replicas").Register(registry);
+  for (const char* stage : {"target_forward", "feature_handoff"}) s.stage_seconds_family->Add({{"role", "target"}, {"stage", stage}});
+  for (const char* stage : {"drafter_forward", "lm_head_loss", "backward", "gradient_allreduce", "metrics_exchange", "optimizer"}) {
+    s.stage_seconds_family->Add({{"role", "drafter"}, {"stage", stage}});
+  }
 
   if (const char* fault = std::getenv("DFLASHD_TEST_FAULT")) {
     const std::string f = fault;

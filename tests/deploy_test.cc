@@ -62,7 +62,7 @@ TEST(Deploy, DashboardIsValidJsonWithAQueryPerPanel) {
 }
 
 TEST(Deploy, ExampleConfigsValidate) {
-  for (const char* name : {"qwen3-8b-8gpu.yaml", "qwen35-27b-8gpu.yaml", "single-gpu-debug.yaml"}) {
+  for (const char* name : {"qwen3-8b-8gpu.yaml", "qwen35-27b-8gpu.yaml", "single-gpu-debug.yaml", "qwen35-27b-multi-node.yaml"}) {
     std::string output;
     EXPECT_EQ(run_command(kBinary + " validate --offline -c " + kDeploy + "/examples/" + name, &output), 0)
         << name << "\n" << output;
