@@ -356,9 +356,7 @@ struct Trainer::Impl {
   void target_loop(Worker& w, size_t replica) {
     c10::InferenceMode inference;
     const target::TargetModel& model = *targets[replica];
-    // Own stream unless the GPU is shared with a drafter: the roles take turns there anyway, and
-    // one stream keeps one pool of cached allocator blocks instead of two.
-    const WorkerStream stream(turn_of(model.options().device) ? at::Device(at::kCPU) : model.options().device);
+    const WorkerStream stream(model.options().device);
     StageClock& clock = *target_clocks[replica];
     const std::vector<int64_t> layers(shape.target_layer_ids.begin(), shape.target_layer_ids.end());
     while (auto item = sample_queue->pop([&] { w.beat(); })) {
@@ -403,7 +401,7 @@ struct Trainer::Impl {
     drafter::Drafter& model = *drafters[replica];
     drafter::AdamW& optimizer = *optimizers[replica];
     BoundedQueue<FeatureItem>& queue = *feature_queues[replica];
-    const WorkerStream stream(turn_of(drafter_devices[replica]) ? at::Device(at::kCPU) : drafter_devices[replica]);
+    const WorkerStream stream(drafter_devices[replica]);
     StageClock& clock = *drafter_clocks[replica];
     std::map<int64_t, FeatureItem> waiting;  // reorder buffer: items arrive in any order
     const int64_t block = shape.block_size;

@@ -59,6 +59,22 @@ __device__ inline void load_rows_async(bf16* dst, int dst_ld, const bf16* src, i
   }
 }
 
+// acc[j] += A (16 x 16K, row-major, lda) . B (16K x 16NJ, row-major, ldb), column tile j of B.
+template <int NJ, int K>
+__device__ inline void mma_row_tile(FragC (&acc)[NJ], const bf16* a, int lda, const bf16* b, int ldb) {
+#pragma unroll
+  for (int kk = 0; kk < K; ++kk) {
+    FragA x;
+    wmma::load_matrix_sync(x, a + kk * 16, lda);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      FragB y;
+      wmma::load_matrix_sync(y, b + kk * 16 * ldb + j * 16, ldb);
+      wmma::mma_sync(acc[j], x, y, acc[j]);
+    }
+  }
+}
+
 __device__ inline float warp_sum(float x) {
   for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
@@ -261,17 +277,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(GdnForward a) 
     FragC acc[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[j], 0.0f);
-#pragma unroll
-    for (int kk = 0; kk < C / 16; ++kk) {
-      FragA x;
-      wmma::load_matrix_sync(x, s.tb + rows * LDT + kk * 16, LDT);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        FragB y;
-        wmma::load_matrix_sync(y, rhs + kk * 16 * LD + cols + j * 16, LD);
-        wmma::mma_sync(acc[j], x, y, acc[j]);
-      }
-    }
+    mma_row_tile<4, C / 16>(acc, s.tb + rows * LDT, LDT, rhs + cols, LD);
 #pragma unroll
     for (int j = 0; j < 4; ++j) wmma::store_matrix_sync(stage + rows * LDS + cols + j * 16, acc[j], LDS, wmma::mem_row_major);
     __syncthreads();
@@ -435,28 +441,8 @@ __global__ void __launch_bounds__(256) output_kernel(GdnForward a) {
   const int row = (warp >> 1) * 16, col = (warp & 1) * 64;
 #pragma unroll
   for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[j], 0.0f);
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    FragA x;
-    wmma::load_matrix_sync(x, s.q + row * LD + kk * 16, LD);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      FragB y;
-      wmma::load_matrix_sync(y, s.state + kk * 16 * LD + col + j * 16, LD);
-      wmma::mma_sync(acc[j], x, y, acc[j]);
-    }
-  }
-#pragma unroll
-  for (int kk = 0; kk < C / 16; ++kk) {
-    FragA x;
-    wmma::load_matrix_sync(x, s.p + row * LDT + kk * 16, LDT);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      FragB y;
-      wmma::load_matrix_sync(y, s.v + kk * 16 * LD + col + j * 16, LD);
-      wmma::mma_sync(acc[j], x, y, acc[j]);
-    }
-  }
+  mma_row_tile<4, D / 16>(acc, s.q + row * LD, LD, s.state + col, LD);
+  mma_row_tile<4, C / 16>(acc, s.p + row * LDT, LDT, s.v + col, LD);
   __syncthreads();  // the state is read: its space becomes the staging of O
   float* stage = reinterpret_cast<float*>(s.state);
 #pragma unroll
