@@ -12,6 +12,14 @@
 #include <cuda_runtime.h>
 
 #include "daemon/kernel_probe.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "target/gated_delta_net.h"
+#include "target/gdn_cuda.h"
 #endif
 #ifdef DFLASHD_WITH_NCCL
 #include <nccl.h>
@@ -97,6 +105,36 @@ MachineFacts probe_basic() {
   return f;
 }
 
+#ifdef DFLASHD_WITH_CUDA
+// The GatedDeltaNet kernels at the real head size on GPU `index`: whether they can run, and a
+// small packed run (3 sequences, 2 key / 4 value heads) against the reference path.
+std::string probe_gdn_kernels(int index) {
+  target::ModelConfig c;
+  c.linear_key_head_dim = c.linear_value_head_dim = 128;
+  c.linear_conv_kernel_dim = 4;
+  const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+  if (auto why = target::gdn_kernels_unavailable(c, device, at::kBFloat16)) return "reference path only: " + *why;
+  try {
+    const auto cuda = at::TensorOptions().device(device);
+    const std::vector<int64_t> cu = {0, 70, 71, 200};
+    auto l2 = [](const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); };
+    const at::Tensor q = l2(at::randn({200, 2, 128}, cuda)).to(at::kBFloat16), k = l2(at::randn({200, 2, 128}, cuda)).to(at::kBFloat16);
+    const at::Tensor v = at::randn({200, 4, 128}, cuda).to(at::kBFloat16);
+    const at::Tensor g = -at::rand({200, 4}, cuda), beta = at::sigmoid(at::randn({200, 4}, cuda));
+    const at::Tensor mixed = at::cat({q.reshape({200, -1}), k.reshape({200, -1}), v.reshape({200, -1})}, 1);
+    const at::Tensor ours = target::gated_delta_rule_cuda(mixed, 2, 4, g, beta, target::make_gdn_chunk_plan(cu, device));
+    const at::Tensor reference = target::chunk_gated_delta_rule_packed_reference(q.to(at::kFloat), k.to(at::kFloat),
+                                                                                 v.to(at::kFloat), g, beta, cu);
+    const double error = ((ours - reference).norm() / reference.norm()).item<double>();
+    char text[96];
+    std::snprintf(text, sizeof(text), "%s (self-test relative error %.1e)", std::isfinite(error) && error <= 1e-2 ? "ok" : "WRONG", error);
+    return text;
+  } catch (const std::exception& e) {
+    return std::string("failed: ") + e.what();
+  }
+}
+#endif
+
 MachineFacts probe_full() {
   MachineFacts f = probe_basic();
 #ifdef DFLASHD_WITH_CUDA
@@ -117,6 +155,7 @@ MachineFacts probe_full() {
       g.total_bytes = static_cast<int64_t>(total_bytes);
     }
     g.kernel_probe = probe_kernels(i);
+    g.gdn_kernels = probe_gdn_kernels(i);
     f.gpus.push_back(g);
   }
   f.peer_access.assign(f.cuda_devices, std::vector<int>(f.cuda_devices, 0));
@@ -149,7 +188,8 @@ std::string format_report(const MachineFacts& f) {
   for (const GpuFacts& g : f.gpus) {
     out << "  cuda:" << g.index << "  " << g.name << "  sm_" << g.compute_major << g.compute_minor << "  "
         << g.multiprocessors << " SMs  " << (g.free_bytes >> 20) << " / " << (g.total_bytes >> 20)
-        << " MiB free  kernels: " << g.kernel_probe << "\n";
+        << " MiB free  kernels: " << g.kernel_probe << "\n"
+        << "          GatedDeltaNet: " << g.gdn_kernels << "\n";
   }
   if (f.peer_access.size() > 1) {
     out << "peer access (row = from)\n";

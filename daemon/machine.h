@@ -19,6 +19,9 @@ struct GpuFacts {
   int multiprocessors = 0;
   int64_t total_bytes = 0, free_bytes = 0;
   std::string kernel_probe;  // "ok", or why dflashd's compiled kernels cannot run on it
+  // The GatedDeltaNet kernels on this GPU: "ok (self-test ...)" after a small run against the
+  // reference path, or why the target's linear-attention layers would run the reference path.
+  std::string gdn_kernels;
 };
 
 struct MachineFacts {
