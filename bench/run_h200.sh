@@ -10,6 +10,8 @@ B=$(ls -d dist/dflashd-*/ | head -1)
 T=$(python3 -c 'import os,torch;print(os.path.dirname(torch.__file__))')
 export LD_LIBRARY_PATH="$B/lib:$T/lib:$T/../nvidia/cu13/lib:$T/../nvidia/nccl/lib"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# As deploy/systemd/dflashd@.service runs the daemon (the allocator setting included).
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 phase="${1:-step}"
 if [ "$phase" = step ]; then

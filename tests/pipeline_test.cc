@@ -15,6 +15,7 @@
 
 #include "pipeline/bounded_queue.h"
 #include "pipeline/nccl_gradients.h"
+#include "pipeline/streams.h"
 #include "pipeline/dataset.h"
 #include "tests/test_util.h"
 
@@ -135,6 +136,23 @@ TEST(NcclGradients, SumsAcrossTheGpusOfThisProcess) {
     EXPECT_TRUE(at::allclose(grads[r][0].to(at::kFloat).cpu(), at::full({3, 5}, total)));
     EXPECT_TRUE(at::allclose(grads[r][1].cpu(), at::full({7}, 2 * total)));
   }
+}
+
+TEST(StageClock, AttributesTimeToStagesPerIterationOnTheCpu) {
+  StageClock clock(at::kCPU);
+  for (int i = 0; i < 3; ++i) {
+    clock.start();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    clock.lap("slow");
+    clock.lap("instant");
+  }
+  const auto totals = clock.totals();
+  EXPECT_EQ(clock.iterations(), 3);
+  EXPECT_GE(totals.at("slow"), 0.055);
+  EXPECT_LT(totals.at("instant"), totals.at("slow") / 10);
+  // A GPU turn without a shared GPU is a no-op, and a null ready event is waited for at once.
+  { const GpuTurn turn(nullptr, at::kCPU); }
+  wait_ready(mark_ready(at::kCPU), {at::zeros({2})});
 }
 
 // ---- The real binary --------------------------------------------------------------------------
