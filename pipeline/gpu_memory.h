@@ -1,5 +1,6 @@
 // gpu_memory.h: bytes held by torch's CUDA caching allocator per GPU (allocated = in tensors,
-// reserved = held from the driver), for dflashd_gpu_memory_bytes. Empty without CUDA.
+// reserved = held from the driver), for dflashd_gpu_memory_bytes, and its retry and OOM counts.
+// Empty without CUDA.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,10 @@ struct GpuMemory {
   int64_t allocated_bytes = 0;
   int64_t reserved_bytes = 0;
   int64_t peak_allocated_bytes = 0;
+  // Times the allocator found no cached block, emptied its cache and retried cudaMalloc (each
+  // one synchronises the GPU: memory is near the limit), and the out-of-memory errors it raised.
+  int64_t alloc_retries = 0;
+  int64_t ooms = 0;
 };
 
 std::vector<GpuMemory> gpu_memory(const std::vector<int>& devices);

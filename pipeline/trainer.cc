@@ -255,6 +255,8 @@ struct Trainer::Impl {
     counted = std::max(counted, total);
   }
   prometheus::Family<prometheus::Gauge>* memory_family;
+  prometheus::Family<prometheus::Counter>* allocator_retries_family;
+  std::map<int, int64_t> seen_allocator_retries;
   prometheus::Family<prometheus::Gauge>* kernel_path_family;
   prometheus::Family<prometheus::Gauge>* worker_heartbeat_family;
   prometheus::Family<prometheus::Gauge>* worker_stalled_family;
@@ -656,6 +658,7 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   s.queue_blocked_family = &prometheus::BuildCounter().Name("dflashd_queue_producer_blocked_seconds_total").Help("Seconds producers waited on a full queue").Register(registry);
   s.queue_starved_family = &prometheus::BuildCounter().Name("dflashd_queue_consumer_starved_seconds_total").Help("Seconds consumers waited on an empty queue").Register(registry);
   s.memory_family = &prometheus::BuildGauge().Name("dflashd_gpu_memory_bytes").Help("GPU memory of the caching allocator (kind: allocated, reserved)").Register(registry);
+  s.allocator_retries_family = &prometheus::BuildCounter().Name("dflashd_gpu_allocator_retries_total").Help("Times the CUDA caching allocator emptied its cache and retried an allocation (memory near the limit; each one stalls the GPU)").Register(registry);
   s.kernel_path_family = &prometheus::BuildGauge().Name("dflashd_target_kernel_path").Help("1 for the implementation each target layer kind runs").Register(registry);
   s.worker_heartbeat_family = &prometheus::BuildGauge().Name("dflashd_worker_last_heartbeat_timestamp_seconds").Help("Unix time of a worker's last heartbeat").Register(registry);
   s.worker_stalled_family = &prometheus::BuildGauge().Name("dflashd_worker_stalled").Help("1 while a worker's heartbeat is older than workers.stall_seconds").Register(registry);
@@ -890,6 +893,16 @@ void Trainer::supervise() {
     for (const GpuMemory& m : gpu_memory(devices)) {
       s.memory_family->Add({{"gpu", std::to_string(m.device)}, {"kind", "allocated"}}).Set(static_cast<double>(m.allocated_bytes));
       s.memory_family->Add({{"gpu", std::to_string(m.device)}, {"kind", "reserved"}}).Set(static_cast<double>(m.reserved_bytes));
+      int64_t& seen = s.seen_allocator_retries[m.device];
+      auto& retries = s.allocator_retries_family->Add({{"gpu", std::to_string(m.device)}});
+      if (m.alloc_retries > seen) {
+        retries.Increment(static_cast<double>(m.alloc_retries - seen));
+        log::warn("GPU {}: the CUDA caching allocator emptied its cache and retried {} time(s) since the last check "
+                  "({} GB reserved): memory is near the limit and every retry stalls the GPU; lower "
+                  "queues.features or data.max_length, or give the target and the drafter separate GPUs",
+                  m.device, m.alloc_retries - seen, m.reserved_bytes / 1000000000);
+        seen = m.alloc_retries;
+      }
     }
   }
   // The stage that waits less is the bottleneck; the split that balances the measured busy
