@@ -36,18 +36,24 @@ NcclGradients::NcclGradients(const std::vector<int>& devices, NodeGroup* nodes) 
   impl_->devices = devices;
   impl_->comms.resize(devices.size());
   const int local = static_cast<int>(devices.size());
-  const int node = nodes ? nodes->rank() : 0, world = local * (nodes ? nodes->nodes() : 1);
-  ncclUniqueId id;
-  if (node == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
-  if (nodes) {
-    std::vector<uint8_t> bytes(sizeof(id));
-    std::memcpy(bytes.data(), &id, sizeof(id));
-    bytes = nodes->broadcast(bytes);
-    if (bytes.size() != sizeof(id)) throw std::runtime_error("distributed: the NCCL id from node 0 has the wrong size");
-    std::memcpy(&id, bytes.data(), sizeof(id));
-  }
   std::string list;
   for (int d : devices) list += (list.empty() ? "" : ",") + std::to_string(d);
+  if (nodes == nullptr) {
+    check(ncclCommInitAll(impl_->comms.data(), local, devices.data()), "ncclCommInitAll over GPUs " + list);
+    return;
+  }
+  // Across nodes: node 0 draws the id, the node group hands it round, every node joins its GPUs
+  // as ranks node * local + i in one group call.
+  const int node = nodes->rank(), world = local * nodes->nodes();
+  ncclUniqueId id;
+  std::vector<uint8_t> bytes(sizeof(id));
+  if (node == 0) {
+    check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    std::memcpy(bytes.data(), &id, sizeof(id));
+  }
+  bytes = nodes->broadcast(bytes);
+  if (bytes.size() != sizeof(id)) throw std::runtime_error("distributed: the NCCL id from node 0 has the wrong size");
+  std::memcpy(&id, bytes.data(), sizeof(id));
   check(ncclGroupStart(), "ncclGroupStart");
   for (int i = 0; i < local; ++i) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(devices[i]));

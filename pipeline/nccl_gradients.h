@@ -1,7 +1,7 @@
 // nccl_gradients.h: gradient all-reduce across the drafter replicas of all nodes, one per GPU,
-// through NCCL: one communicator per local GPU, ranks node_rank * local + i, made with
-// ncclCommInitRank from a unique id that node 0 draws and the node group hands round (one
-// node: no group needed). Each replica's thread calls sum() for its own local index, on its
+// through NCCL: one communicator per local GPU (one node: ncclCommInitAll; several: ranks
+// node_rank * local + i by ncclCommInitRank from a unique id that node 0 draws and the node
+// group hands round). Each replica's thread calls sum() for its own local index, on its
 // device's current stream; NCCL orders the ranks.
 //
 // Built only with CUDA and NCCL (available() says); a CPU run or a single replica sums on the
