@@ -91,10 +91,15 @@ std::vector<std::vector<uint8_t>> NodeGroup::exchange(const std::vector<uint8_t>
                              e.what() + ")");
   }
   std::vector<std::vector<uint8_t>> all = store.multiGet(keys);
-  // The last node to have read deletes the call's keys (the store does not grow with the run).
-  if (store.add(prefix + "read", 1) == info_.nodes) {
+  // Node 0 hosts the store: it returns only once every node has read (so no node loses the
+  // store mid-exchange when node 0 stops right after, e.g. on an error every node raises), and
+  // then deletes the call's keys (the store does not grow with the run).
+  if (store.add(prefix + "read", 1) == info_.nodes) store.set(prefix + "done", std::vector<uint8_t>{1});
+  if (info_.rank == 0) {
+    store.wait({prefix + "done"});
     for (const std::string& k : keys) store.deleteKey(k);
     store.deleteKey(prefix + "read");
+    store.deleteKey(prefix + "done");
   }
   return all;
 }

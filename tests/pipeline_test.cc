@@ -316,6 +316,40 @@ TEST(PipelineRun, TwoNodesTrainTheSameDrafterAsOneNodeWithTwoReplicas) {
   EXPECT_TRUE(w0 == final_weights(single, "000000000008")) << "two nodes differ from one node with two replicas";
 }
 
+// A SIGTERM on one node stops every node at the same step; a restart where one node lost its
+// checkpoints is refused on every node with the reason.
+TEST(PipelineRun, OneNodeStoppedStopsAllAtOneStepAndResumeMustAgree) {
+  const int port = test::free_port();
+  auto node = [&](int rank) {
+    return make_run("stop" + std::to_string(rank), "checkpoint: {every_steps: 100000}\ntrain: {max_steps: 100000}\n"
+                                                    "distributed: {nodes: 2, node_rank: " + std::to_string(rank) +
+                                                    ", master_port: " + std::to_string(port) + ", timeout_seconds: 60}\n");
+  };
+  const RunDir n0 = node(0), n1 = node(1);
+  {
+    test::Process a({kBinary, "run", "-c", n0.config}, {}, n0.dir);
+    test::Process b({kBinary, "run", "-c", n1.config}, {}, n1.dir);
+    for (int i = 0; i < 600 && b.err().find("step ") == std::string::npos; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    b.signal(SIGTERM);
+    ASSERT_EQ(b.wait(60000), 0) << b.err();
+    ASSERT_EQ(a.wait(60000), 0) << a.err();
+    const auto c0 = drafter_checkpoints(n0), c1 = drafter_checkpoints(n1);
+    ASSERT_EQ(c0.size(), 1u);
+    EXPECT_EQ(c0, c1) << "the nodes stopped at different steps";
+    ASSERT_EQ(std::system(("rm -rf " + n1.dir + "/out/checkpoints").c_str()), 0);
+  }
+  test::Process a({kBinary, "run", "-c", n0.config}, {}, n0.dir);
+  test::Process b({kBinary, "run", "-c", n1.config}, {}, n1.dir);
+  EXPECT_NE(a.wait(60000), 0);
+  EXPECT_NE(b.wait(60000), 0);
+  for (const test::Process* p : {&a, &b}) {
+    EXPECT_NE(p->err().find("the nodes would resume from different steps"), std::string::npos) << p->err();
+  }
+}
+
 TEST(PipelineRun, TorchrunVariablesMissingAreNamed) {
   const RunDir r = make_run("noenv", "distributed: {from_env: true}\ntrain: {max_steps: 2}\n");
   test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
