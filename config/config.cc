@@ -101,6 +101,7 @@ void read_gpus(MapReader m, GpuConfig* c) {
   m.choice("device", &c->device, {"cuda", "cpu"});
   m.field("target", &c->target, non_negative_ids());
   m.field("drafter", &c->drafter, non_negative_ids());
+  m.choice("shared_gpu", &c->shared_gpu, {"turns", "concurrent"});
   m.done();
 }
 

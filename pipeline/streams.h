@@ -34,7 +34,8 @@ class WorkerStream {
 // GPU's turn for one iteration and gives it back once its stream has drained, so the stage
 // times are the roles' own and not their contention. (Measured on an H200 at the 27B shapes,
 // bench/RESULTS.md: the two roles' kernels at once gave 3.5% more tokens/s than in turns, at
-// the price of stage times that mean nothing.) With a null mutex: nothing.
+// the price of stage times that mean nothing; gpus.shared_gpu chooses.) With a null mutex:
+// nothing.
 class GpuTurn {
  public:
   GpuTurn(std::mutex* turn, at::Device device);

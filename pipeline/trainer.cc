@@ -707,7 +707,8 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     s.drafters.push_back(std::make_unique<drafter::Drafter>(s.shape, at::TensorOptions().device(device).dtype(dtype)));
     s.drafter_clocks.push_back(std::make_unique<StageClock>(device));
     const int id = config.gpus.drafter[r];
-    if (device.is_cuda() && std::count(config.gpus.target.begin(), config.gpus.target.end(), id) > 0) {
+    if (device.is_cuda() && config.gpus.shared_gpu == "turns" &&
+        std::count(config.gpus.target.begin(), config.gpus.target.end(), id) > 0) {
       s.gpu_turns.emplace(id, std::make_unique<std::mutex>());
     }
     s.drafters.back()->init_random(static_cast<uint64_t>(config.train.seed));

@@ -90,7 +90,7 @@ TEST(Config, UnknownKeyWithDidYouMean) {
 TEST(Config, UnknownKeyFarFromAnyListsKnownKeys) {
   const auto errors = errors_of(std::string(kMinimal) + "gpus:\n  banana: 1\n");
   ASSERT_EQ(errors.size(), 1u);
-  EXPECT_TRUE(has_error(errors, "run.yaml:6:3: unknown key 'gpus.banana' (known here: device, drafter, target)"));
+  EXPECT_TRUE(has_error(errors, "run.yaml:6:3: unknown key 'gpus.banana' (known here: device, drafter, shared_gpu, target)"));
 }
 
 TEST(Config, UnknownTopLevelSection) {
@@ -267,6 +267,15 @@ TEST(Config, CpuDeviceSkipsGpuChecksAndAllowsReplicaIds) {
 TEST(Config, OverlappingGroupsAreAllowed) {
   const Config c = parse(std::string(kMinimal) + "gpus:\n  target: [0, 1]\n  drafter: [1, 2]\n", "r");
   EXPECT_TRUE(check_machine(c, Machine{3}).empty());
+  EXPECT_EQ(c.gpus.shared_gpu, "turns");
+  EXPECT_EQ(parse(std::string(kMinimal) + "gpus: {target: [0], drafter: [0], shared_gpu: concurrent}\n", "r").gpus.shared_gpu,
+            "concurrent");
+  try {
+    parse(std::string(kMinimal) + "gpus: {shared_gpu: sometimes}\n", "r");
+    FAIL() << "expected a ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("shared_gpu"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Config, SplitHostPort) {
