@@ -246,23 +246,28 @@ struct Trainer::Impl {
   prometheus::Family<prometheus::Gauge>* queue_capacity_family;
   prometheus::Family<prometheus::Counter>* queue_blocked_family;
   prometheus::Family<prometheus::Counter>* queue_starved_family;
-  std::map<std::string, double> counted_seconds;  // what the queue counters already hold
+  std::map<std::string, double> counted;  // what each cumulative counter already holds
 
-  // Queues accumulate seconds themselves; the counters follow by increments.
-  void advance(prometheus::Family<prometheus::Counter>* family, const std::string& queue, double total) {
-    double& counted = counted_seconds[family->GetName() + queue];
-    if (total > counted) family->Add({{"queue", queue}}).Increment(total - counted);
-    counted = std::max(counted, total);
+  // Cumulative totals kept elsewhere (queue wait seconds, stage seconds, allocator retries) are
+  // followed by counter increments. Returns the increment (0 when the total did not grow).
+  double advance(prometheus::Family<prometheus::Counter>* family, const prometheus::Labels& labels, double total) {
+    std::string key = family->GetName();
+    for (const auto& [name, value] : labels) key += "/" + name + "=" + value;
+    double& held = counted[key];
+    const double increment = total > held ? total - held : 0.0;
+    auto& counter = family->Add(labels);
+    if (increment > 0) counter.Increment(increment);
+    held = std::max(held, total);
+    return increment;
   }
   prometheus::Family<prometheus::Gauge>* memory_family;
   prometheus::Family<prometheus::Counter>* allocator_retries_family;
-  std::map<int, int64_t> seen_allocator_retries;
   prometheus::Family<prometheus::Gauge>* kernel_path_family;
   prometheus::Family<prometheus::Gauge>* worker_heartbeat_family;
   prometheus::Family<prometheus::Gauge>* worker_stalled_family;
   prometheus::Family<prometheus::Counter>* worker_restarts_family;
   prometheus::Family<prometheus::Counter>* stage_seconds_family;
-  std::map<std::string, double> counted_stage_seconds;
+  std::vector<int> gpu_ids;  // the distinct GPUs of both groups (CUDA runs): a GPU running both roles once
 
   // Seconds per stage summed over the replicas of a role.
   static std::map<std::string, double> stage_totals(const std::vector<std::unique_ptr<StageClock>>& clocks,
@@ -715,6 +720,11 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     s.embeds.push_back(s.targets[0]->embed_tokens().to(device));
     s.heads.push_back(s.targets[0]->lm_head().to(device));
   }
+  if (config.gpus.device == "cuda") {
+    std::set<int> distinct(config.gpus.target.begin(), config.gpus.target.end());
+    distinct.insert(config.gpus.drafter.begin(), config.gpus.drafter.end());
+    s.gpu_ids.assign(distinct.begin(), distinct.end());
+  }
   s.data = Dataset::open(config.data, s.target_config.vocab_size);
   s.skipped_short_total->Increment(static_cast<double>(s.data->skipped_short()));
   s.skipped_malformed_total->Increment(static_cast<double>(s.data->skipped_malformed()));
@@ -874,35 +884,29 @@ void Trainer::supervise() {
     }
   }
   s.queue_depth_family->Add({{"queue", "samples"}}).Set(static_cast<double>(s.sample_queue->depth()));
-  s.advance(s.queue_blocked_family, "samples", s.sample_queue->producer_blocked_seconds());
-  s.advance(s.queue_starved_family, "samples", s.sample_queue->consumer_starved_seconds());
+  s.advance(s.queue_blocked_family, {{"queue", "samples"}}, s.sample_queue->producer_blocked_seconds());
+  s.advance(s.queue_starved_family, {{"queue", "samples"}}, s.sample_queue->consumer_starved_seconds());
   double drafter_starved = 0, target_blocked = 0;
   for (size_t r = 0; r < s.feature_queues.size(); ++r) {
     const auto& q = *s.feature_queues[r];
     const std::string name = "features-" + std::to_string(r);
     s.queue_depth_family->Add({{"queue", name}}).Set(static_cast<double>(q.depth()));
-    s.advance(s.queue_blocked_family, name, q.producer_blocked_seconds());
-    s.advance(s.queue_starved_family, name, q.consumer_starved_seconds());
+    s.advance(s.queue_blocked_family, {{"queue", name}}, q.producer_blocked_seconds());
+    s.advance(s.queue_starved_family, {{"queue", name}}, q.consumer_starved_seconds());
     drafter_starved += q.consumer_starved_seconds();
     target_blocked += q.producer_blocked_seconds();
   }
-  if (s.config.gpus.device == "cuda") {
-    std::vector<int> devices(s.config.gpus.target.begin(), s.config.gpus.target.end());
-    for (int d : s.config.gpus.drafter) {
-      if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
-    }
-    for (const GpuMemory& m : gpu_memory(devices)) {
+  if (!s.gpu_ids.empty()) {
+    for (const GpuMemory& m : gpu_memory(s.gpu_ids)) {
       s.memory_family->Add({{"gpu", std::to_string(m.device)}, {"kind", "allocated"}}).Set(static_cast<double>(m.allocated_bytes));
       s.memory_family->Add({{"gpu", std::to_string(m.device)}, {"kind", "reserved"}}).Set(static_cast<double>(m.reserved_bytes));
-      int64_t& seen = s.seen_allocator_retries[m.device];
-      auto& retries = s.allocator_retries_family->Add({{"gpu", std::to_string(m.device)}});
-      if (m.alloc_retries > seen) {
-        retries.Increment(static_cast<double>(m.alloc_retries - seen));
+      const double retries = s.advance(s.allocator_retries_family, {{"gpu", std::to_string(m.device)}},
+                                       static_cast<double>(m.alloc_retries));
+      if (retries > 0) {
         log::warn("GPU {}: the CUDA caching allocator emptied its cache and retried {} time(s) since the last check "
                   "({} GB reserved): memory is near the limit and every retry stalls the GPU; lower "
                   "queues.features or data.max_length, or give the target and the drafter separate GPUs",
-                  m.device, m.alloc_retries - seen, m.reserved_bytes / 1000000000);
-        seen = m.alloc_retries;
+                  m.device, static_cast<int64_t>(retries), m.reserved_bytes / 1000000000);
       }
     }
   }
@@ -916,8 +920,7 @@ void Trainer::supervise() {
     const double target_share = s.target_busy_seconds / (s.target_busy_seconds + s.drafter_busy_seconds);
     s.suggested_target_gpus->Set(std::max(1.0, std::round(total_gpus * target_share)));
   }
-  // Throughput over the window, ETA, MFU.
-  // Throughput and MFU over the window (the steps since startup would hide a recent change).
+  // Throughput, ETA and MFU over the window (the steps since startup would hide a recent change).
   while (s.token_window.size() > 1 && now - s.token_window.front().time > s.config.metrics.throughput_window_seconds) {
     s.token_window.pop_front();
   }
@@ -936,10 +939,7 @@ void Trainer::supervise() {
                                      : 0;
   s.eta_seconds->Set(rate > 0 ? steps_left * tokens_per_step / rate : 0);
   const double elapsed = now - s.start_time;
-  // Distinct GPUs: a GPU that runs both roles counts once.
-  std::set<int> distinct(s.config.gpus.target.begin(), s.config.gpus.target.end());
-  distinct.insert(s.config.gpus.drafter.begin(), s.config.gpus.drafter.end());
-  const double gpus = s.config.gpus.device == "cuda" ? static_cast<double>(distinct.size()) : 1.0;
+  const double gpus = s.gpu_ids.empty() ? 1.0 : static_cast<double>(s.gpu_ids.size());
   if (s.token_window.size() > 1) {
     s.mfu->Set(flops_rate / (gpus * s.config.metrics.peak_flops_per_gpu));
   } else if (elapsed > 0) {
@@ -953,9 +953,7 @@ void Trainer::supervise() {
        {std::tuple{"target", &target_stages, target_iterations}, std::tuple{"drafter", &drafter_stages, drafter_iterations}}) {
     if (iterations > 0) breakdown += breakdown.empty() ? role : std::string(" | ") + role;
     for (const auto& [stage, seconds] : *stages) {
-      double& counted = s.counted_stage_seconds[std::string(role) + "/" + stage];
-      if (seconds > counted) s.stage_seconds_family->Add({{"role", role}, {"stage", stage}}).Increment(seconds - counted);
-      counted = std::max(counted, seconds);
+      s.advance(s.stage_seconds_family, {{"role", role}, {"stage", stage}}, seconds);
       if (iterations > 0) breakdown += " " + stage + " " + fixed(1e3 * seconds / static_cast<double>(iterations), 1);
     }
   }
