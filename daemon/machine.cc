@@ -13,12 +13,9 @@
 
 #include "daemon/kernel_probe.h"
 
-#include <ATen/ATen.h>
-
 #include <cmath>
 #include <cstdio>
 
-#include "target/gated_delta_net.h"
 #include "target/gdn_cuda.h"
 #endif
 #ifdef DFLASHD_WITH_NCCL
@@ -115,17 +112,7 @@ std::string probe_gdn_kernels(int index) {
   const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
   if (auto why = target::gdn_kernels_unavailable(c, device, at::kBFloat16)) return "reference path only: " + *why;
   try {
-    const auto cuda = at::TensorOptions().device(device);
-    const std::vector<int64_t> cu = {0, 70, 71, 200};
-    auto l2 = [](const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); };
-    const at::Tensor q = l2(at::randn({200, 2, 128}, cuda)).to(at::kBFloat16), k = l2(at::randn({200, 2, 128}, cuda)).to(at::kBFloat16);
-    const at::Tensor v = at::randn({200, 4, 128}, cuda).to(at::kBFloat16);
-    const at::Tensor g = -at::rand({200, 4}, cuda), beta = at::sigmoid(at::randn({200, 4}, cuda));
-    const at::Tensor mixed = at::cat({q.reshape({200, -1}), k.reshape({200, -1}), v.reshape({200, -1})}, 1);
-    const at::Tensor ours = target::gated_delta_rule_cuda(mixed, 2, 4, g, beta, target::make_gdn_chunk_plan(cu, device));
-    const at::Tensor reference = target::chunk_gated_delta_rule_packed_reference(q.to(at::kFloat), k.to(at::kFloat),
-                                                                                 v.to(at::kFloat), g, beta, cu);
-    const double error = ((ours - reference).norm() / reference.norm()).item<double>();
+    const double error = target::gdn_kernel_error(target::random_gdn_inputs({70, 1, 129}, 2, 4, 1.0, device), 2, 4);
     char text[96];
     std::snprintf(text, sizeof(text), "%s (self-test relative error %.1e)", std::isfinite(error) && error <= 1e-2 ? "ok" : "WRONG", error);
     return text;

@@ -12,6 +12,8 @@
 #include "target/kernels/gated_delta_net.h"
 #endif
 
+#include "target/gated_delta_net.h"
+
 namespace dflash::target {
 
 std::optional<std::string> gdn_kernels_unavailable(const ModelConfig& c, at::Device device, at::ScalarType dtype) {
@@ -59,6 +61,33 @@ GdnChunkPlan make_gdn_chunk_plan(const std::vector<int64_t>& cu_seqlens, at::Dev
   table.insert(table.end(), seq_chunks.begin(), seq_chunks.end());
   plan.table = at::tensor(table, at::TensorOptions().dtype(at::kInt)).to(device);
   return plan;
+}
+
+GdnInputs random_gdn_inputs(const std::vector<int64_t>& lengths, int64_t key_heads, int64_t value_heads, double decay,
+                            at::Device device) {
+  GdnInputs in;
+  in.cu_seqlens = {0};
+  for (int64_t l : lengths) in.cu_seqlens.push_back(in.cu_seqlens.back() + l);
+  const int64_t n = in.cu_seqlens.back();
+  const auto options = at::TensorOptions().device(device);
+  auto l2 = [](const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); };
+  in.q = l2(at::randn({n, key_heads, 128}, options)).to(at::kBFloat16);
+  in.k = l2(at::randn({n, key_heads, 128}, options)).to(at::kBFloat16);
+  in.v = at::randn({n, value_heads, 128}, options).to(at::kBFloat16);
+  in.g = -decay * (0.05 + 0.95 * at::rand({n, value_heads}, options));
+  in.beta = at::sigmoid(at::randn({n, value_heads}, options));
+  in.mixed = at::cat({in.q.reshape({n, -1}), in.k.reshape({n, -1}), in.v.reshape({n, -1})}, 1);
+  return in;
+}
+
+double gdn_kernel_error(const GdnInputs& in, int64_t key_heads, int64_t value_heads, at::Tensor* kernel_output) {
+  const at::Tensor ours = gated_delta_rule_cuda(in.mixed, key_heads, value_heads, in.g, in.beta,
+                                                make_gdn_chunk_plan(in.cu_seqlens, in.mixed.device()));
+  const at::Tensor reference = chunk_gated_delta_rule_packed_reference(in.q.to(at::kFloat), in.k.to(at::kFloat),
+                                                                       in.v.to(at::kFloat), in.g, in.beta, in.cu_seqlens);
+  if (kernel_output != nullptr) *kernel_output = ours;
+  const at::Tensor a = ours.to(at::kDouble), b = reference.to(at::kDouble);
+  return ((a - b).norm() / b.norm()).item<double>();
 }
 
 #ifdef DFLASHD_WITH_CUDA

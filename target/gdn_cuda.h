@@ -44,4 +44,16 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed, int64_t key_heads, int
 // stage_ms (profiling; synchronises): when given, receives the milliseconds of the three
 // kernels (prepare, state, output) of this call.
 
+// Random inputs of one GatedDeltaNet core on `device` (the GPU tests and doctor's self-test):
+// q, k L2-normalised and v in bf16 [tokens, heads, 128], g = -decay * U(0.05, 1) and beta =
+// sigmoid(N(0, 1)) in fp32 [tokens, value_heads], `mixed` as the conv kernel returns it.
+struct GdnInputs {
+  std::vector<int64_t> cu_seqlens;
+  at::Tensor q, k, v, g, beta, mixed;
+};
+GdnInputs random_gdn_inputs(const std::vector<int64_t>& lengths, int64_t key_heads, int64_t value_heads, double decay,
+                            at::Device device);
+// The kernels' o against the fp32 reference path on the same inputs: relative L2 error.
+double gdn_kernel_error(const GdnInputs& in, int64_t key_heads, int64_t value_heads, at::Tensor* kernel_output = nullptr);
+
 }  // namespace dflash::target

@@ -150,10 +150,10 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
     b = p.b(x);
     a = p.a(x);
   }
+  const at::Tensor beta = at::sigmoid(b.to(at::kFloat));                                               // [N, Hv]
+  const at::Tensor g = -at::exp(p.a_log.to(at::kFloat)) * at::softplus(a.to(at::kFloat) + p.dt_bias.to(at::kFloat));  // <= 0
   if (plan != nullptr) {
     mixed = conv1d_silu_l2norm_cuda(mixed, p.conv, positions, 2 * hk * dk);
-    const at::Tensor beta = at::sigmoid(b.to(at::kFloat));
-    const at::Tensor g = -at::exp(p.a_log.to(at::kFloat)) * at::softplus(a.to(at::kFloat) + p.dt_bias.to(at::kFloat));
     const at::Tensor gated = gated_delta_rule_cuda(mixed, hk, hv, g, beta, *plan, z.contiguous(), p.norm, c.rms_norm_eps);
     return p.out(gated);
   }
@@ -161,8 +161,6 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
   const at::Tensor q = mixed.narrow(-1, 0, hk * dk).view({tokens, hk, dk});
   const at::Tensor k = mixed.narrow(-1, hk * dk, hk * dk).view({tokens, hk, dk});
   const at::Tensor v = mixed.narrow(-1, 2 * hk * dk, hv * dv).view({tokens, hv, dv});
-  const at::Tensor beta = at::sigmoid(b.to(at::kFloat));                                               // [N, Hv]
-  const at::Tensor g = -at::exp(p.a_log.to(at::kFloat)) * at::softplus(a.to(at::kFloat) + p.dt_bias.to(at::kFloat));  // <= 0
   const at::Tensor o = chunk_gated_delta_rule_packed_reference(q, k, v, g, beta, cu_seqlens);       // fp32 [N, Hv, dv]
   // Gated RMSNorm per value head: w * rmsnorm(o) (cast to the model dtype first, as HF) * silu(z).
   const at::Tensor normed = (o * at::rsqrt(o.pow(2).mean(-1, true) + c.rms_norm_eps)).to(x.scalar_type());

@@ -246,23 +246,15 @@ TEST(GatedDeltaNetKernels, MatchTheReferenceAtSeveralShapes) {
       {2, 4, {300}, 0.01},                        // almost no decay (the state keeps growing)
   };
   at::manual_seed(7);
-  const auto cuda = at::TensorOptions().device(at::kCUDA);
   for (const KernelCase& kc : cases) {
-    std::vector<int64_t> cu{0};
-    for (int64_t l : kc.lengths) cu.push_back(cu.back() + l);
-    const int64_t n = cu.back(), hk = kc.key_heads, hv = kc.value_heads;
-    auto l2 = [](const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); };
-    const at::Tensor q = l2(at::randn({n, hk, 128}, cuda)).to(at::kBFloat16);
-    const at::Tensor k = l2(at::randn({n, hk, 128}, cuda)).to(at::kBFloat16);
-    const at::Tensor v = at::randn({n, hv, 128}, cuda).to(at::kBFloat16);
-    const at::Tensor g = -kc.decay * (0.05 + 0.95 * at::rand({n, hv}, cuda));
-    const at::Tensor beta = at::sigmoid(at::randn({n, hv}, cuda));
-    const at::Tensor mixed = at::cat({q.reshape({n, -1}), k.reshape({n, -1}), v.reshape({n, -1})}, 1);
-    const at::Tensor ours = gated_delta_rule_cuda(mixed, hk, hv, g, beta, make_gdn_chunk_plan(cu, at::kCUDA));
-    const at::Tensor reference = chunk_gated_delta_rule_packed_reference(q.to(at::kFloat), k.to(at::kFloat),
-                                                                         v.to(at::kFloat), g, beta, cu);
-    const double error = relative_l2_error(ours, reference);
-    EXPECT_LE(error, 1e-2) << "Hk " << hk << " Hv " << hv << " tokens " << n << " decay " << kc.decay;
+    const int64_t hk = kc.key_heads, hv = kc.value_heads;
+    const GdnInputs in = random_gdn_inputs(kc.lengths, hk, hv, kc.decay, at::kCUDA);
+    const std::vector<int64_t>& cu = in.cu_seqlens;
+    const at::Tensor &mixed = in.mixed, &g = in.g, &beta = in.beta;
+    at::Tensor ours;
+    const double error = gdn_kernel_error(in, hk, hv, &ours);
+    EXPECT_TRUE(at::isfinite(ours).all().item<bool>()) << "NaN or inf in the kernel output";
+    EXPECT_LE(error, 1e-2) << "Hk " << hk << " Hv " << hv << " tokens " << cu.back() << " decay " << kc.decay;
     // Every sequence on its own (no leakage across boundaries in the packed run).
     for (size_t s = 0; s + 1 < cu.size(); ++s) {
       const at::Tensor part = ours.narrow(0, cu[s], cu[s + 1] - cu[s]);
