@@ -278,6 +278,12 @@ TEST(Config, OverlappingGroupsAreAllowed) {
   }
 }
 
+TEST(Config, DistributedRankMustBeBelowTheNodeCount) {
+  const auto errors = errors_of(std::string(kMinimal) + "distributed: {nodes: 2, node_rank: 2, master_port: 70000}\n");
+  EXPECT_TRUE(has_error(errors, "distributed.node_rank: 2 is not below distributed.nodes (2)"));
+  EXPECT_TRUE(has_error(errors, "distributed.master_port: must be in [1, 65535], got 70000"));
+}
+
 TEST(Config, SplitHostPort) {
   std::string host;
   int port = 0;

@@ -355,6 +355,10 @@ TEST(PipelineRun, TorchrunVariablesMissingAreNamed) {
   test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
   EXPECT_NE(p.wait(60000), 0);
   EXPECT_NE(p.err().find("the environment variable WORLD_SIZE is not set"), std::string::npos) << p.err();
+  test::Process q({kBinary, "run", "-c", r.config}, {"WORLD_SIZE=2", "RANK=two", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=1"},
+                  r.dir);
+  EXPECT_NE(q.wait(60000), 0);
+  EXPECT_NE(q.err().find("RANK='two' is not an integer in 0..1"), std::string::npos) << q.err();
 }
 
 TEST(PipelineRun, SigtermFinishesTheStepCheckpointsAndExitsZero) {
