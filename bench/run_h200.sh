@@ -38,7 +38,7 @@ elif [ "$phase" = e2e ]; then
   "$B/bin/dflashd" run -c "$cfg" > "$log" 2>&1 &
   for i in $(seq 90); do sleep 2; grep -qE "step [1-9][0-9]*/" "$log" 2>/dev/null && break; done
   sleep "${MEASURE_SECONDS:-100}"
-  curl -s localhost:9400/metrics | grep -E '^dflashd_(tokens_per_second|mfu_ratio|optimizer_steps_total|gpu_memory_bytes|queue_depth|bottleneck|stage_seconds_total)' > "$out/metrics_$model.txt"
+  curl -s localhost:9400/metrics | grep -E '^dflashd_(tokens_per_second|mfu_ratio|optimizer_steps_total|gpu_memory_bytes|gpu_allocator_retries_total|queue_depth|bottleneck|stage_seconds_total)' > "$out/metrics_$model.txt"
   grep -E "ms per sequence" "$log" | tail -1 > "$out/stages_$model.txt"
   pkill -KILL -f "libexec/dflashd run" ; wait
   grep -E "error|refus|plan:" "$log" | head -5
