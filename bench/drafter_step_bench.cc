@@ -113,20 +113,42 @@ int main(int argc, char** argv) {
   at::Tensor vc = at::randn({S, hkv, d}, bf16).requires_grad_(), kb = at::randn({rows, hkv, d}, bf16).requires_grad_();
   at::Tensor vb = at::randn({rows, hkv, d}, bf16).requires_grad_();
   const at::Tensor dout = at::randn({rows, hq, d}, bf16);
-  const double attention = timed([&] {
-    drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], {16, 64, 0}).backward(dout);
-  });
+  // Each GPU path, forward alone and forward + backward (same inputs, same run).
+  struct PathTime {
+    const char* name;
+    drafter::BlockAttentionPath path;
+    double forward = 0, both = 0;
+  };
+  std::vector<PathTime> paths{{"fused kernels", drafter::BlockAttentionPath::kernels},
+                              {"split path, memory-efficient kernels", drafter::BlockAttentionPath::efficient}};
+  for (PathTime& p : paths) {
+    drafter::BlockAttentionShape shape{16, 64, 0};
+    shape.path = p.path;
+    p.forward = timed([&] {
+      c10::NoGradGuard no_grad;
+      drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape);
+    });
+    p.both = timed([&] { drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape).backward(dout); });
+  }
+  // The attention's model FLOPs (performance.md): 4 d per visible (row, key) pair forward, 2.5x that backward.
+  double pairs = 0;
+  for (int64_t i = 0; i < batch.anchors[0].size(0); ++i) pairs += static_cast<double>(batch.anchors[0][i].item<int64_t>() + 16) * 16 * hq;
+  const double attention_flops = 4.0 * d * pairs;
   std::sort(fwd_bwd.begin(), fwd_bwd.end());
   std::sort(opt.begin(), opt.end());
   const double median = fwd_bwd[fwd_bwd.size() / 2], median_opt = opt[opt.size() / 2];
   const auto memory = pipeline::gpu_memory({0});
-  std::printf("dflashd drafter step (27B drafter shape, S %lld, %lld anchors x 16, split-path attention, bf16)\n",
+  std::printf("dflashd drafter step (27B drafter shape, S %lld, %lld anchors x 16, automatic attention path, bf16)\n",
               static_cast<long long>(S), static_cast<long long>(batch.anchors[0].size(0)));
   std::printf("  forward+loss+backward  %.3f s  (%.1f TFLOP model, %.0f TFLOP/s, MFU %.1f%% of 790)\n", median,
               flops / 1e12, flops / median / 1e12, 100 * flops / median / 790e12);
   std::printf("  AdamW step             %.3f s\n", median_opt);
-  std::printf("  parts: forward alone (no grad) %.3f s; LM head + loss fwd+bwd %.3f s; block attention fwd+bwd %.4f s per layer (x5 = %.3f s)\n",
-              forward_only, head_loss, attention, 5 * attention);
+  std::printf("  parts: forward alone (no grad) %.3f s; LM head + loss fwd+bwd %.3f s\n", forward_only, head_loss);
+  for (const PathTime& p : paths) {
+    std::printf("  block attention, %s: forward %.2f ms (%.0f TFLOP/s), forward+backward %.2f ms per layer (%.0f TFLOP/s; x5 = %.3f s)\n",
+                p.name, 1e3 * p.forward, attention_flops / p.forward / 1e12, 1e3 * p.both,
+                3.5 * attention_flops / p.both / 1e12, 5 * p.both);
+  }
   std::printf("  peak allocated         %.1f GiB\n", memory.empty() ? 0.0 : memory[0].peak_allocated_bytes / 1073741824.0);
   return 0;
 }

@@ -16,12 +16,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 phase="${1:-step}"
 if [ "$phase" = step ]; then
   "$B/bin/dflashd" doctor | tee "$out/doctor.txt"
-  "$B/tests/target_test" --gtest_filter='*SlowPath*' 2>&1 | tail -3 | tee "$out/gpu_tests.txt"
+  "$B/tests/drafter_test" --gtest_filter='BlockAttention.*' 2>&1 | grep -E "OK|FAILED|Failure|Expected|Which|rel|grad" | tee "$out/gpu_tests.txt"
   timeout 200 env DFLASHD_EXEC=drafter_step_bench "$B/bin/dflashd" 5 2>&1 | tee "$out/drafter_step.txt"
   timeout 240 python3 bench/python/specforge_step.py 5 2>&1 | grep -v Warning | tail -3 | tee "$out/specforge_step.txt"
+  timeout 240 python3 bench/python/flex_block_attention.py 2>&1 | grep -v Warning | tail -2 | tee "$out/flex_attention.txt"
   echo "==== summary"
-  grep -E "forward\+|AdamW|peak" "$out/drafter_step.txt"
+  grep -E "forward\+|AdamW|peak|block attention" "$out/drafter_step.txt"
   tail -1 "$out/specforge_step.txt"
+  tail -1 "$out/flex_attention.txt"
 elif [ "$phase" = gdn ]; then
   # GatedDeltaNet kernels: GPU correctness tests, then ours and the Python peers on the same GPU.
   "$B/tests/target_test" --gtest_filter='GatedDeltaNetKernels.*:TargetRandom.*' 2>&1 | grep -E "OK|FAILED|Failure|error|Expected|Which|rel" | tee "$out/gpu_tests.txt"

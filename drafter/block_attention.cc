@@ -10,6 +10,13 @@
 #include <string>
 #include <stdexcept>
 
+#ifdef DFLASHD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "drafter/kernels/block_attention.h"
+#endif
+
 namespace dflash::drafter {
 namespace {
 
@@ -308,12 +315,102 @@ struct FusedBlockAttentionFunction : public torch::autograd::Function<FusedBlock
   }
 };
 
-bool use_fused_kernels(const at::Tensor& q) {
-  static const bool forced_math = [] {
+#ifdef DFLASHD_WITH_CUDA
+// ---- GPU path on the fused DFlash kernels (drafter/kernels/block_attention.h) ----------------
+struct KernelBlockAttentionFunction : public torch::autograd::Function<KernelBlockAttentionFunction> {
+  static kernels::BlockAttentionProblem problem(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                                                const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& anchors,
+                                                int64_t block_size, double scale) {
+    kernels::BlockAttentionProblem p;
+    p.q = q.data_ptr();
+    p.k_context = kc.data_ptr();
+    p.v_context = vc.data_ptr();
+    p.k_block = kb.data_ptr();
+    p.v_block = vb.data_ptr();
+    p.anchors = anchors.data_ptr<int32_t>();
+    p.blocks = static_cast<int>(anchors.size(0));
+    p.block_size = static_cast<int>(block_size);
+    p.context = static_cast<int>(kc.size(0));
+    p.q_heads = static_cast<int>(q.size(1));
+    p.kv_heads = static_cast<int>(kc.size(1));
+    p.scale = static_cast<float>(scale);
+    return p;
+  }
+
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k_context,
+                            const at::Tensor& v_context, const at::Tensor& k_block, const at::Tensor& v_block,
+                            const at::Tensor& anchors, int64_t block_size, double scale) {
+    const c10::cuda::CUDAGuard guard(q.device());
+    const at::Tensor qc = q.contiguous(), kc = k_context.contiguous(), vc = v_context.contiguous();
+    const at::Tensor kb = k_block.contiguous(), vb = v_block.contiguous();
+    const at::Tensor anchors_gpu = anchors.to(at::kInt).to(q.device());
+    const kernels::BlockAttentionProblem p = problem(qc, kc, vc, kb, vb, anchors_gpu, block_size, scale);
+    at::Tensor out = at::empty_like(qc);
+    at::Tensor lse2 = at::empty({p.slots()}, qc.options().dtype(at::kFloat));
+    kernels::block_attention_forward(p, out.data_ptr(), lse2.data_ptr<float>(), at::cuda::getCurrentCUDAStream().stream());
+    ctx->save_for_backward({qc, kc, vc, kb, vb, anchors_gpu, out, lse2});
+    ctx->saved_data["block_size"] = block_size;
+    ctx->saved_data["scale"] = scale;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &kc = saved[1], &vc = saved[2], &kb = saved[3], &vb = saved[4];
+    const at::Tensor &anchors = saved[5], &out = saved[6], &lse2 = saved[7];
+    const c10::cuda::CUDAGuard guard(q.device());
+    const kernels::BlockAttentionProblem p =
+        problem(q, kc, vc, kb, vb, anchors, ctx->saved_data["block_size"].toInt(), ctx->saved_data["scale"].toDouble());
+    const at::Tensor d_out = grad_outputs[0].to(q.scalar_type()).contiguous();
+    const auto fp32 = q.options().dtype(at::kFloat);
+    kernels::BlockAttentionBackward g;
+    g.context_chunks = kernels::context_chunks_for(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+    at::Tensor delta = at::empty({p.slots()}, fp32), dq = at::empty_like(q);
+    at::Tensor dkb = at::empty({p.row_tiles(), kb.size(0), kb.size(1), kb.size(2)}, fp32), dvb = at::empty_like(dkb);
+    at::Tensor dkc = at::empty({g.context_chunks, kc.size(0), kc.size(1), kc.size(2)}, fp32), dvc = at::empty_like(dkc);
+    g.out = out.data_ptr();
+    g.d_out = d_out.data_ptr();
+    g.lse2 = lse2.data_ptr<float>();
+    g.delta = delta.data_ptr<float>();
+    g.dq = dq.data_ptr();
+    g.dk_block = dkb.data_ptr<float>();
+    g.dv_block = dvb.data_ptr<float>();
+    g.dk_context = dkc.data_ptr<float>();
+    g.dv_context = dvc.data_ptr<float>();
+    kernels::block_attention_backward(p, g, at::cuda::getCurrentCUDAStream().stream());
+    // Partial sums over row tiles and block chunks, added in a fixed order.
+    auto total = [&](const at::Tensor& parts) {
+      return (parts.size(0) == 1 ? parts[0] : parts.sum(0)).to(q.scalar_type());
+    };
+    return {dq, total(dkc), total(dvc), total(dkb), total(dvb), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+#endif
+
+BlockAttentionPath environment_path() {
+  static const BlockAttentionPath path = [] {
     const char* v = std::getenv("DFLASHD_BLOCK_ATTENTION");
-    return v && std::string(v) == "math";
+    const std::string s = v ? v : "";
+    if (s == "math") return BlockAttentionPath::math;
+    if (s == "efficient") return BlockAttentionPath::efficient;
+    if (s == "kernels") return BlockAttentionPath::kernels;
+    return BlockAttentionPath::automatic;
   }();
-  return !forced_math && q.is_cuda() && operand_type(q) != at::kFloat && q.size(2) % 8 == 0;
+  return path;
+}
+
+BlockAttentionPath choose_path(const at::Tensor& q, int64_t block_size, BlockAttentionPath asked) {
+  if (asked == BlockAttentionPath::automatic) asked = environment_path();
+  if (asked == BlockAttentionPath::kernels) {
+    if (auto why = block_attention_kernels_unavailable(q, block_size)) {
+      throw std::invalid_argument("block_attention: the fused kernels cannot run: " + *why);
+    }
+    return asked;
+  }
+  if (asked != BlockAttentionPath::automatic) return asked;
+  if (!block_attention_kernels_unavailable(q, block_size)) return BlockAttentionPath::kernels;
+  const bool efficient = q.is_cuda() && operand_type(q) != at::kFloat && q.size(2) % 8 == 0;
+  return efficient ? BlockAttentionPath::efficient : BlockAttentionPath::math;
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k_context, const at::Tensor& v_context,
@@ -334,6 +431,27 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_context, const at::Te
 
 }  // namespace
 
+std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size) {
+#ifndef DFLASHD_WITH_CUDA
+  (void)q, (void)block_size;
+  return std::string("this build has no CUDA kernels (configured with DFLASHD_CUDA=OFF or without a CUDA toolkit)");
+#else
+  if (!q.is_cuda()) return "device " + q.device().str() + " is not a GPU (the kernels are CUDA)";
+  if (q.scalar_type() != at::kBFloat16) return std::string("dtype ") + c10::toString(q.scalar_type()) + ": the kernels take bfloat16";
+  if (q.size(2) != kernels::kAttentionHeadDim) {
+    return "head_dim " + std::to_string(q.size(2)) + ": the kernels take head size " + std::to_string(kernels::kAttentionHeadDim);
+  }
+  if (block_size > kernels::kAttentionMaxBlock) {
+    return "block_size " + std::to_string(block_size) + ": the kernels take blocks of at most " +
+           std::to_string(kernels::kAttentionMaxBlock);
+  }
+  const c10::cuda::CUDAGuard guard(q.device());
+  const std::string error = kernels::attention_kernels_unavailable_on_current_device();
+  if (!error.empty()) return "GPU " + q.device().str() + ": " + error;
+  return std::nullopt;
+#endif
+}
+
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, const at::Tensor& v_context,
                            const at::Tensor& k_block, const at::Tensor& v_block, const at::Tensor& anchors,
                            const BlockAttentionShape& shape) {
@@ -341,9 +459,16 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, con
   check_inputs(q, k_context, v_context, k_block, v_block, a, shape.block_size);
   const double scale = shape.scale > 0 ? shape.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   if (a.size(0) == 0) return at::zeros_like(q);
-  if (use_fused_kernels(q)) {
-    return FusedBlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size,
-                                              shape.group_blocks, scale);
+  switch (choose_path(q, shape.block_size, shape.path)) {
+#ifdef DFLASHD_WITH_CUDA
+    case BlockAttentionPath::kernels:
+      return KernelBlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size, scale);
+#endif
+    case BlockAttentionPath::efficient:
+      return FusedBlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size,
+                                                shape.group_blocks, scale);
+    default:
+      break;
   }
   return BlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size,
                                        shape.group_blocks, scale);

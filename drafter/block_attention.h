@@ -21,22 +21,39 @@
 // path: fp32 inputs compute in fp32; bf16/fp16 inputs on a GPU keep their
 // precision as matmul operands (tensor cores) with fp32 accumulation, fp32 scores, softmax,
 // output and log-sum-exp, as flash attention does. This portable path is the reference for
-// fused kernels (see design.md).
+// the fused kernels (drafter/kernels/block_attention.h): one flash-attention style pass that
+// walks only the key tiles a block sees, forward and backward, no compilation, 5x faster than
+// the split path on the memory-efficient kernels at the 27B drafter shape (bench/RESULTS.md).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+#include <string>
+
 namespace dflash::drafter {
+
+// Which implementation runs. automatic: the fused kernels where they can run (a CUDA GPU with
+// their image, bf16, head size 128, block size <= 16), else PyTorch's memory-efficient kernels
+// on a GPU with bf16/fp16, else the math path; the environment variable
+// DFLASHD_BLOCK_ATTENTION=kernels|efficient|math overrides `automatic` (benchmarks). Asking for
+// the kernels where they cannot run is an error that says why.
+enum class BlockAttentionPath { automatic, kernels, efficient, math };
 
 struct BlockAttentionShape {
   int64_t block_size = 16;
-  int64_t group_blocks = 64;  // blocks per group: bounds the memory of one group's scores
+  int64_t group_blocks = 64;  // blocks per group of the split paths: bounds one group's memory
   double scale = 0;           // 0: head_dim^-0.5
+  BlockAttentionPath path = BlockAttentionPath::automatic;
 };
 
 // q [M=N*B, Hq, d]; k_context, v_context [S, Hkv, d]; k_block, v_block [M, Hkv, d];
 // anchors int64 [N] on the CPU, ascending, each in [0, S). Returns [M, Hq, d] (q's dtype).
 // Differentiable with respect to q, k_context, v_context, k_block and v_block.
+// Why the fused kernels cannot run for these inputs (names the device, dtype or dimension), or
+// nullopt when they can.
+std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size);
+
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, const at::Tensor& v_context,
                            const at::Tensor& k_block, const at::Tensor& v_block, const at::Tensor& anchors,
                            const BlockAttentionShape& shape);

@@ -152,30 +152,93 @@ TEST(BlockAttention, SplitPathEqualsDenseMaskForwardAndBackward) {
   }
 }
 
-TEST(BlockAttention, GpuBf16OperandsMatchTheFp32Reference) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  at::manual_seed(9);
-  std::vector<int64_t> anchors;
-  for (int64_t a = 0; a < 700; a += 7) anchors.push_back(a + (a % 3));
+// One path on the GPU in bf16 against the dense-mask reference in fp32 on the same rounded
+// inputs: output and the five gradients within 2e-2, never NaN. Returns the gradients.
+std::vector<at::Tensor> check_gpu_path(BlockAttentionPath path, const std::vector<int64_t>& anchors, int64_t context,
+                                       int64_t block, int64_t hq, int64_t hkv, int64_t d) {
   const auto cuda = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
-  const int64_t rows = static_cast<int64_t>(anchors.size()) * 16;
-  const at::Tensor q = at::randn({rows, 8, 64}, cuda), kc = at::randn({710, 2, 64}, cuda), vc = at::randn({710, 2, 64}, cuda);
-  const at::Tensor kb = at::randn({rows, 2, 64}, cuda), vb = at::randn({rows, 2, 64}, cuda), dout = at::randn({rows, 8, 64}, cuda);
+  const int64_t rows = static_cast<int64_t>(anchors.size()) * block;
+  const at::Tensor q = at::randn({rows, hq, d}, cuda), kc = at::randn({context, hkv, d}, cuda);
+  const at::Tensor vc = at::randn({context, hkv, d}, cuda), kb = at::randn({rows, hkv, d}, cuda);
+  const at::Tensor vb = at::randn({rows, hkv, d}, cuda), dout = at::randn({rows, hq, d}, cuda);
   const at::Tensor a = at::tensor(anchors, at::TensorOptions().dtype(at::kLong));
   std::vector<at::Tensor> low, full;
   for (const at::Tensor& t : {q, kc, vc, kb, vb}) {
     low.push_back(t.to(at::kBFloat16).requires_grad_());
     full.push_back(t.to(at::kBFloat16).to(at::kFloat).requires_grad_());  // the same rounded inputs
   }
-  const at::Tensor ours = block_attention(low[0], low[1], low[2], low[3], low[4], a, {16, 32, 0});
+  BlockAttentionShape shape{block, 32, 0};
+  shape.path = path;
+  const at::Tensor ours = block_attention(low[0], low[1], low[2], low[3], low[4], a, shape);
   EXPECT_EQ(ours.scalar_type(), at::kBFloat16);
   const auto ours_grads = torch::autograd::grad({ours}, low, {dout.to(at::kBFloat16)});
-  const at::Tensor ref = block_attention_dense_reference(full[0], full[1], full[2], full[3], full[4], a, 16);
+  const at::Tensor ref = block_attention_dense_reference(full[0], full[1], full[2], full[3], full[4], a, block);
   const auto ref_grads = torch::autograd::grad({ref}, full, {dout.to(at::kBFloat16).to(at::kFloat)});
-  EXPECT_LE(relative_error(ours.to(at::kFloat), ref), 2e-2);
+  const std::string what = "path " + std::to_string(static_cast<int>(path)) + ", " + std::to_string(anchors.size()) +
+                           " blocks of " + std::to_string(block) + ", heads " + std::to_string(hq) + "/" +
+                           std::to_string(hkv) + ", context " + std::to_string(context);
+  EXPECT_LE(relative_error(ours.to(at::kFloat), ref), 2e-2) << what;
+  EXPECT_FALSE(at::isnan(ours).any().item<bool>()) << what;
   for (size_t i = 0; i < ours_grads.size(); ++i) {
-    EXPECT_LE(relative_error(ours_grads[i].to(at::kFloat), ref_grads[i]), 2e-2) << "grad " << i;
-    EXPECT_FALSE(at::isnan(ours_grads[i]).any().item<bool>());
+    EXPECT_LE(relative_error(ours_grads[i].to(at::kFloat), ref_grads[i]), 2e-2) << "grad " << i << ", " << what;
+    EXPECT_FALSE(at::isnan(ours_grads[i]).any().item<bool>()) << "grad " << i << ", " << what;
+  }
+  return ours_grads;
+}
+
+TEST(BlockAttention, GpuBf16OperandsMatchTheFp32Reference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(9);
+  std::vector<int64_t> anchors;
+  for (int64_t a = 0; a < 700; a += 7) anchors.push_back(a + (a % 3));
+  for (BlockAttentionPath path : {BlockAttentionPath::math, BlockAttentionPath::efficient}) {
+    check_gpu_path(path, anchors, 710, 16, 8, 2, 64);
+  }
+}
+
+// The fused kernels: GQA 4 (one 64-row tile per block), GQA 6 (two row tiles, the second part
+// padding), no GQA with block 8 and 10; anchors at 0 (no context), repeated, at the last
+// position, context lengths that are not multiples of 64; enough blocks that the context
+// gradients are split into several chunks; bit-identical on a second run.
+TEST(BlockAttention, GpuFusedKernelsMatchTheFp32Reference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  if (auto why = block_attention_kernels_unavailable(at::empty({1, 1, 128}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16)), 16)) {
+    FAIL() << *why;
+  }
+  at::manual_seed(11);
+  std::vector<int64_t> many;
+  for (int64_t a = 0; a < 1000; a += 5) many.push_back(a + (a % 4));
+  many.push_back(1000);
+  check_gpu_path(BlockAttentionPath::kernels, many, 1001, 16, 32, 8, 128);
+  check_gpu_path(BlockAttentionPath::kernels, {0, 0, 1, 63, 64, 65, 190, 191}, 192, 16, 12, 2, 128);
+  check_gpu_path(BlockAttentionPath::kernels, {0, 5, 70, 71, 130}, 131, 10, 4, 4, 128);
+  check_gpu_path(BlockAttentionPath::kernels, {3, 3, 40, 99}, 100, 8, 2, 1, 128);
+  at::manual_seed(12);
+  const auto first = check_gpu_path(BlockAttentionPath::kernels, many, 1001, 16, 32, 8, 128);
+  at::manual_seed(12);
+  const auto second = check_gpu_path(BlockAttentionPath::kernels, many, 1001, 16, 32, 8, 128);
+  for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(at::equal(first[i], second[i])) << "grad " << i;
+}
+
+TEST(BlockAttention, AskingForTheFusedKernelsWhereTheyCannotRunSaysWhy) {
+  AttentionInputs in = random_attention(10, {2, 5}, 4, 2, 2, 8);
+  BlockAttentionShape shape{4, 64, 0};
+  shape.path = BlockAttentionPath::kernels;
+  try {
+    block_attention(in.q, in.kc, in.vc, in.kb, in.vb, in.anchors, shape);
+    FAIL() << "expected a refusal";
+  } catch (const std::invalid_argument& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("fused kernels cannot run"), std::string::npos) << message;
+    // Names what is wrong: no GPU / no CUDA build on a CPU tensor.
+    EXPECT_TRUE(message.find("not a GPU") != std::string::npos || message.find("no CUDA kernels") != std::string::npos) << message;
+  }
+  // On a GPU, a head size other than 128 is named.
+  if (at::hasCUDA()) {
+    const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+    auto why = block_attention_kernels_unavailable(at::empty({4, 2, 64}, bf16), 4);
+    ASSERT_TRUE(why.has_value());
+    EXPECT_NE(why->find("head_dim 64"), std::string::npos) << *why;
   }
 }
 

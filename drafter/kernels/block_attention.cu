@@ -1,0 +1,613 @@
+// The DFlash block attention kernels: see block_attention.h for the tiling and the mask.
+//
+// Notation: a tile is 64 rows x 128 bf16 in shared memory, 16-byte chunks XOR-swizzled by row
+// (chunk' = chunk ^ (row & 7)) so that ldmatrix reads are free of bank conflicts. Each warp
+// owns 16 rows of the 64 (queries in forward / dq, keys in dkv). Fragments follow the PTX
+// layout of mma.m16n8k16: lane = 4 g + t; an accumulator c[4] holds (row g, cols 2t, 2t+1) and
+// (row g + 8, same cols) of a 16 x 8 tile.
+#include "drafter/kernels/block_attention.h"
+
+#include <cuda_bf16.h>
+#include <cuda_pipeline.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace dflash::drafter::kernels {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int D = kAttentionHeadDim;   // 128
+constexpr int R = kAttentionTileRows;  // 64 rows (or keys) per tile
+constexpr int kThreads = 128;          // 4 warps x 16 rows
+constexpr int kSmallLd = 24;           // bf16 row stride of the [64 rows][16 keys] block-tile matrices
+constexpr float kLog2e = 1.4426950408889634f;
+
+void check_launch(const char* kernel) {
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) {
+    throw std::runtime_error(std::string("block attention kernel ") + kernel + ": " + cudaGetErrorName(error) + " (" +
+                             cudaGetErrorString(error) + ")");
+  }
+}
+
+template <typename Kernel>
+void allow_shared_memory(Kernel kernel, size_t bytes, const char* name) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) != cudaSuccess) {
+    check_launch(name);
+  }
+}
+
+struct __align__(16) Tile {
+  bf16 v[R * D];
+};
+
+__device__ __forceinline__ int swizzled(int row, int chunk) { return row * D + ((chunk ^ (row & 7)) << 3); }
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Loads a tile asynchronously: row r from row_of(r) (nullptr: zero-filled). Caller commits.
+template <typename RowOf>
+__device__ __forceinline__ void load_tile(Tile& tile, RowOf row_of) {
+  for (int i = threadIdx.x; i < R * (D / 8); i += kThreads) {
+    const int r = i >> 4, c = i & 15;
+    const bf16* src = row_of(r);
+    bf16* dst = tile.v + swizzled(r, c);
+    if (src != nullptr) {
+      __pipeline_memcpy_async(dst, src + c * 8, 16);
+    } else {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float2 unpack(uint32_t x) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
+}
+
+// A operand (16 x 16) of a row-major tile: rows [row0, row0 + 16), columns [col0, col0 + 16).
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const Tile& t, int row0, int col0) {
+  const int lane = threadIdx.x & 31;
+  ldsm_x4(a, shared_address(t.v + swizzled(row0 + (lane & 15), (col0 >> 3) + (lane >> 4))));
+}
+
+// B operands of two n8 tiles [n0, n0 + 8), [n0 + 8, n0 + 16) over k [k0, k0 + 16), from a tile
+// stored [n][k] (keys as rows for Q K^T): b = {b0(n0), b1(n0), b0(n0 + 8), b1(n0 + 8)}.
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const Tile& t, int n0, int k0) {
+  const int lane = threadIdx.x & 31, m = lane >> 3;
+  ldsm_x4(b, shared_address(t.v + swizzled(n0 + ((m >> 1) << 3) + (lane & 7), (k0 >> 3) + (m & 1))));
+}
+
+// The same from a tile stored [k][n] (values for P V): transposed by ldmatrix.
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const Tile& t, int k0, int n0) {
+  const int lane = threadIdx.x & 31, m = lane >> 3;
+  ldsm_x4_trans(b, shared_address(t.v + swizzled(k0 + ((m & 1) << 3) + (lane & 7), (n0 >> 3) + (m >> 1))));
+}
+
+// Accumulators of a 16 x 64 product (8 n8 tiles) as the A operands (4 k-steps of 16) of the next.
+__device__ __forceinline__ void to_a(uint32_t (&a)[4][4], const float (&c)[8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    a[kk][0] = pack(c[2 * kk][0], c[2 * kk][1]);
+    a[kk][1] = pack(c[2 * kk][2], c[2 * kk][3]);
+    a[kk][2] = pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[kk][3] = pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+  }
+}
+
+// s[8][4] = A(16 rows of `a` from row0) . B^T over the 128 columns, B = 64 rows of `b` ([n][k]).
+__device__ __forceinline__ void product_16x64(float (&s)[8][4], const Tile& a, int row0, const Tile& b) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    uint32_t x[4];
+    load_a(x, a, row0, ks * 16);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t y[4];
+      load_b_nk(y, b, np * 16, ks * 16);
+      mma(s[2 * np], x, y[0], y[1]);
+      mma(s[2 * np + 1], x, y[2], y[3]);
+    }
+  }
+}
+
+// acc[16][4] (16 x 128) += A (16 x 64, as 4 k-steps of fragments) . V (64 rows of `v`, [k][n]).
+__device__ __forceinline__ void accumulate_16x128(float (&acc)[16][4], const uint32_t (&a)[4][4], const Tile& v) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t y[4];
+      load_b_kn(y, v, kk * 16, dp * 16);
+      mma(acc[2 * dp], a[kk], y[0], y[1]);
+      mma(acc[2 * dp + 1], a[kk], y[2], y[3]);
+    }
+  }
+}
+
+// Rows of one (block, key-value head, row tile): row r is pair rt * 64 + r of the rep * B
+// (head, block row) pairs; past the last pair it is padding.
+struct RowTile {
+  int n, h, rt;
+  __device__ int64_t row_offset(const BlockAttentionProblem& p, int r) const {  // element offset of q[m, head]; -1: padding
+    const int rep = p.q_heads / p.kv_heads, pair = rt * R + r;
+    if (pair >= rep * p.block_size) return -1;
+    const int head = h * rep + pair / p.block_size, m = n * p.block_size + pair % p.block_size;
+    return (static_cast<int64_t>(m) * p.q_heads + head) * D;
+  }
+  __device__ int64_t slot(const BlockAttentionProblem& p) const {
+    return ((static_cast<int64_t>(h) * p.blocks + n) * p.row_tiles() + rt) * R;
+  }
+};
+
+// Heavy tiles first: blocks in descending anchor order, key-value heads fastest.
+__device__ RowTile row_tile_of_cta(const BlockAttentionProblem& p) {
+  const int id = blockIdx.x, rest = id / p.kv_heads, tiles = p.row_tiles();
+  return {p.blocks - 1 - rest / tiles, id % p.kv_heads, rest % tiles};
+}
+
+// Key tile t of block n: context tiles [0, ceil(a_n / 64)), then the block's own keys.
+struct KeyTiles {
+  int anchor, context_tiles;
+  __device__ int count() const { return context_tiles + 1; }
+  __device__ int visible(int t, int block_size) const { return t < context_tiles ? min(R, anchor - t * R) : block_size; }
+};
+
+__device__ __forceinline__ const bf16* key_row(const BlockAttentionProblem& p, const KeyTiles& kt, const void* context,
+                                              const void* block, int n, int h, int t, int r) {
+  if (r >= kt.visible(t, p.block_size)) return nullptr;
+  const int64_t row = t < kt.context_tiles ? static_cast<int64_t>(t) * R + r : static_cast<int64_t>(n) * p.block_size + r;
+  return static_cast<const bf16*>(t < kt.context_tiles ? context : block) + (row * p.kv_heads + h) * D;
+}
+
+// ---- forward ---------------------------------------------------------------------------------
+struct ForwardShared {
+  Tile q, k[2], v[2];
+};
+
+__global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem p, bf16* __restrict__ out,
+                                                           float* __restrict__ lse2) {
+  extern __shared__ __align__(16) unsigned char raw[];
+  ForwardShared& sh = *reinterpret_cast<ForwardShared*>(raw);
+  const RowTile tile = row_tile_of_cta(p);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const KeyTiles kt{p.anchors[tile.n], (p.anchors[tile.n] + R - 1) / R};
+  const bf16* q = reinterpret_cast<const bf16*>(p.q);
+  load_tile(sh.q, [&](int r) {
+    const int64_t o = tile.row_offset(p, r);
+    return o < 0 ? nullptr : q + o;
+  });
+  auto load_keys = [&](int t, int buffer) {
+    load_tile(sh.k[buffer], [&](int r) { return key_row(p, kt, p.k_context, p.k_block, tile.n, tile.h, t, r); });
+    load_tile(sh.v[buffer], [&](int r) { return key_row(p, kt, p.v_context, p.v_block, tile.n, tile.h, t, r); });
+  };
+  load_keys(0, 0);
+  __pipeline_commit();
+
+  const float c = p.scale * kLog2e;
+  float o[16][4];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 of this warp
+  for (int t = 0; t < kt.count(); ++t) {
+    if (t + 1 < kt.count()) {
+      load_keys(t + 1, (t + 1) & 1);
+      __pipeline_commit();
+      __pipeline_wait_prior(1);
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncthreads();
+    const Tile &k = sh.k[t & 1], &v = sh.v[t & 1];
+    float s[8][4];
+    product_16x64(s, sh.q, warp * 16, k);
+    const int visible = kt.visible(t, p.block_size);
+    float x0 = -INFINITY, x1 = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = nt * 8 + 2 * t4 + (i & 1);
+        s[nt][i] = col < visible ? s[nt][i] * c : -INFINITY;
+      }
+      x0 = fmaxf(x0, fmaxf(s[nt][0], s[nt][1]));
+      x1 = fmaxf(x1, fmaxf(s[nt][2], s[nt][3]));
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
+    }
+    // Every key tile has a visible key for every row, so the new maxima are finite.
+    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+    const float alpha0 = exp2f(m0 - n0), alpha1 = exp2f(m1 - n1);
+    m0 = n0;
+    m1 = n1;
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      s[nt][0] = exp2f(s[nt][0] - n0);
+      s[nt][1] = exp2f(s[nt][1] - n0);
+      s[nt][2] = exp2f(s[nt][2] - n1);
+      s[nt][3] = exp2f(s[nt][3] - n1);
+      sum0 += s[nt][0] + s[nt][1];
+      sum1 += s[nt][2] + s[nt][3];
+    }
+    l0 = l0 * alpha0 + sum0;  // per-thread partial sums; the quad's are added at the end
+    l1 = l1 * alpha1 + sum1;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      o[i][0] *= alpha0;
+      o[i][1] *= alpha0;
+      o[i][2] *= alpha1;
+      o[i][3] *= alpha1;
+    }
+    uint32_t pa[4][4];
+    to_a(pa, s);
+    accumulate_16x128(o, pa, v);
+    __syncthreads();  // the buffer is refilled by the next iteration's loads
+  }
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+  const int64_t slot = tile.slot(p);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = warp * 16 + g + half * 8;
+    const int64_t offset = tile.row_offset(p, r);
+    if (t4 == 0) lse2[slot + r] = offset < 0 ? INFINITY : (half ? m1 + log2f(l1) : m0 + log2f(l0));
+    if (offset < 0) continue;
+    const float inv = half ? inv1 : inv0;
+#pragma unroll
+    for (int dt = 0; dt < 16; ++dt) {
+      *reinterpret_cast<uint32_t*>(out + offset + dt * 8 + 2 * t4) = pack(o[dt][2 * half] * inv, o[dt][2 * half + 1] * inv);
+    }
+  }
+}
+
+// ---- backward: dQ, and the gradients of the block's own keys ---------------------------------
+struct DqShared {
+  Tile q, dout, k[2], v[2];
+  __align__(16) bf16 p[R * kSmallLd];   // P and dS of the block tile, [row][key < 16]
+  __align__(16) bf16 ds[R * kSmallLd];
+  float lse2[R], delta[R];
+};
+
+__global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, BlockAttentionBackward gr) {
+  extern __shared__ __align__(16) unsigned char raw[];
+  DqShared& sh = *reinterpret_cast<DqShared*>(raw);
+  const RowTile tile = row_tile_of_cta(p);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const KeyTiles kt{p.anchors[tile.n], (p.anchors[tile.n] + R - 1) / R};
+  const bf16* q = reinterpret_cast<const bf16*>(p.q);
+  const bf16* dout = reinterpret_cast<const bf16*>(gr.d_out);
+  const bf16* out = reinterpret_cast<const bf16*>(gr.out);
+  load_tile(sh.q, [&](int r) {
+    const int64_t o = tile.row_offset(p, r);
+    return o < 0 ? nullptr : q + o;
+  });
+  load_tile(sh.dout, [&](int r) {
+    const int64_t o = tile.row_offset(p, r);
+    return o < 0 ? nullptr : dout + o;
+  });
+  auto load_keys = [&](int t, int buffer) {
+    load_tile(sh.k[buffer], [&](int r) { return key_row(p, kt, p.k_context, p.k_block, tile.n, tile.h, t, r); });
+    load_tile(sh.v[buffer], [&](int r) { return key_row(p, kt, p.v_context, p.v_block, tile.n, tile.h, t, r); });
+  };
+  load_keys(0, 0);
+  __pipeline_commit();
+  // D = rowsum(dO o O) of each row (two threads per row), kept in shared memory and in the
+  // slots for the dkv kernel; the forward's log-sum-exp from its slots.
+  const int64_t slot = tile.slot(p);
+  {
+    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+    const int64_t offset = tile.row_offset(p, r);
+    float acc = 0.f;
+    if (offset >= 0) {
+      const uint4* a = reinterpret_cast<const uint4*>(dout + offset + half * 64);
+      const uint4* b = reinterpret_cast<const uint4*>(out + offset + half * 64);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint4 x = a[i], y = b[i];
+        const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 u = unpack(xs[j]), w = unpack(ys[j]);
+          acc += u.x * w.x + u.y * w.y;
+        }
+      }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (half == 0) {
+      sh.delta[r] = acc;
+      gr.delta[slot + r] = acc;
+      sh.lse2[r] = gr.lse2[slot + r];
+    }
+  }
+  const float c = p.scale * kLog2e;
+  float dq[16][4];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+  for (int t = 0; t < kt.count(); ++t) {
+    if (t + 1 < kt.count()) {
+      load_keys(t + 1, (t + 1) & 1);
+      __pipeline_commit();
+      __pipeline_wait_prior(1);
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncthreads();
+    const Tile &k = sh.k[t & 1], &v = sh.v[t & 1];
+    const int visible = kt.visible(t, p.block_size);
+    const float lse0 = sh.lse2[warp * 16 + g], lse1 = sh.lse2[warp * 16 + g + 8];
+    const float d0 = sh.delta[warp * 16 + g], d1 = sh.delta[warp * 16 + g + 8];
+    float s[8][4], dp[8][4];
+    product_16x64(s, sh.q, warp * 16, k);
+    product_16x64(dp, sh.dout, warp * 16, v);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = nt * 8 + 2 * t4 + (i & 1);
+        const float pr = col < visible ? exp2f(s[nt][i] * c - (i < 2 ? lse0 : lse1)) : 0.f;
+        s[nt][i] = pr;
+        dp[nt][i] = pr * (dp[nt][i] - (i < 2 ? d0 : d1));  // dS
+      }
+    }
+    uint32_t da[4][4];
+    to_a(da, dp);
+    // dQ += dS K: K as the [k][n] operand.
+    accumulate_16x128(dq, da, k);
+    if (t == kt.context_tiles) {  // the block's own keys: keep P and dS for their gradients
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + g + half * 8, col = nt * 8 + 2 * t4;
+          *reinterpret_cast<uint32_t*>(sh.p + r * kSmallLd + col) = pack(s[nt][2 * half], s[nt][2 * half + 1]);
+          *reinterpret_cast<uint32_t*>(sh.ds + r * kSmallLd + col) = pack(dp[nt][2 * half], dp[nt][2 * half + 1]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  bf16* dq_out = reinterpret_cast<bf16*>(gr.dq);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t offset = tile.row_offset(p, warp * 16 + g + half * 8);
+    if (offset < 0) continue;
+#pragma unroll
+    for (int dt = 0; dt < 16; ++dt) {
+      *reinterpret_cast<uint32_t*>(dq_out + offset + dt * 8 + 2 * t4) =
+          pack(dq[dt][2 * half] * p.scale, dq[dt][2 * half + 1] * p.scale);
+    }
+  }
+  // dV_block = P^T dO and dK_block = scale dS^T Q over this tile's 64 rows (keys as M, 16 of
+  // them; rows as K); warp w takes value columns [32 w, 32 w + 32).
+  float dv[4][4] = {}, dk[4][4] = {};
+#pragma unroll
+  for (int kr = 0; kr < 4; ++kr) {
+    const int m = lane >> 3;
+    const int row = kr * 16 + ((m >> 1) << 3) + (lane & 7), key = (m & 1) * 8;
+    uint32_t ap[4], ad[4];
+    ldsm_x4_trans(ap, shared_address(sh.p + row * kSmallLd + key));
+    ldsm_x4_trans(ad, shared_address(sh.ds + row * kSmallLd + key));
+#pragma unroll
+    for (int dp2 = 0; dp2 < 2; ++dp2) {
+      uint32_t y[4];
+      load_b_kn(y, sh.dout, kr * 16, warp * 32 + dp2 * 16);
+      mma(dv[2 * dp2], ap, y[0], y[1]);
+      mma(dv[2 * dp2 + 1], ap, y[2], y[3]);
+      load_b_kn(y, sh.q, kr * 16, warp * 32 + dp2 * 16);
+      mma(dk[2 * dp2], ad, y[0], y[1]);
+      mma(dk[2 * dp2 + 1], ad, y[2], y[3]);
+    }
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = g + half * 8;
+    if (key >= p.block_size) continue;
+    const int64_t row = (static_cast<int64_t>(tile.rt) * p.blocks * p.block_size + tile.n * p.block_size + key) * p.kv_heads + tile.h;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int col = warp * 32 + j * 8 + 2 * t4;
+      *reinterpret_cast<float2*>(gr.dv_block + row * D + col) = make_float2(dv[j][2 * half], dv[j][2 * half + 1]);
+      *reinterpret_cast<float2*>(gr.dk_block + row * D + col) =
+          make_float2(dk[j][2 * half] * p.scale, dk[j][2 * half + 1] * p.scale);
+    }
+  }
+}
+
+// ---- backward: dK, dV of the context ---------------------------------------------------------
+struct DkvShared {
+  Tile k, v, q[2], dout[2];
+  float lse2[2][R], delta[2][R];
+};
+
+__global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, BlockAttentionBackward gr) {
+  extern __shared__ __align__(16) unsigned char raw[];
+  DkvShared& sh = *reinterpret_cast<DkvShared*>(raw);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  // Heavy first: key tiles near the start are seen by the most blocks.
+  const int h = blockIdx.x % p.kv_heads, rest = blockIdx.x / p.kv_heads;
+  const int chunk = rest % gr.context_chunks, key_tile = rest / gr.context_chunks;
+  const int j0 = key_tile * R;
+  const int per_chunk = (p.blocks + gr.context_chunks - 1) / gr.context_chunks;
+  const int chunk_end = min(p.blocks, (chunk + 1) * per_chunk);
+  // First block that sees key j0 (anchors ascend): a_n > j0.
+  int lo = chunk * per_chunk, hi = chunk_end;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (p.anchors[mid] > j0) hi = mid; else lo = mid + 1;
+  }
+  const int tiles = p.row_tiles();
+  const int first = lo, count = (chunk_end - first) * tiles;  // (block, row tile) pairs
+  const bf16* q = reinterpret_cast<const bf16*>(p.q);
+  const bf16* dout = reinterpret_cast<const bf16*>(gr.d_out);
+  if (count > 0) {
+    load_tile(sh.k, [&](int r) {
+      const int j = j0 + r;
+      return j < p.context ? reinterpret_cast<const bf16*>(p.k_context) + (static_cast<int64_t>(j) * p.kv_heads + h) * D : nullptr;
+    });
+    load_tile(sh.v, [&](int r) {
+      const int j = j0 + r;
+      return j < p.context ? reinterpret_cast<const bf16*>(p.v_context) + (static_cast<int64_t>(j) * p.kv_heads + h) * D : nullptr;
+    });
+  }
+  auto load_rows = [&](int i, int buffer) {
+    const RowTile rt{first + i / tiles, h, i % tiles};
+    load_tile(sh.q[buffer], [&](int r) {
+      const int64_t o = rt.row_offset(p, r);
+      return o < 0 ? nullptr : q + o;
+    });
+    load_tile(sh.dout[buffer], [&](int r) {
+      const int64_t o = rt.row_offset(p, r);
+      return o < 0 ? nullptr : dout + o;
+    });
+    const int64_t slot = rt.slot(p);
+    if (threadIdx.x < 16) {
+      __pipeline_memcpy_async(&sh.lse2[buffer][threadIdx.x * 4], gr.lse2 + slot + threadIdx.x * 4, 16);
+    } else if (threadIdx.x < 32) {
+      __pipeline_memcpy_async(&sh.delta[buffer][(threadIdx.x - 16) * 4], gr.delta + slot + (threadIdx.x - 16) * 4, 16);
+    }
+  };
+  if (count > 0) load_rows(0, 0);
+  __pipeline_commit();
+
+  const float c = p.scale * kLog2e;
+  float dk[16][4], dv[16][4];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
+    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
+  }
+  const int key0 = j0 + warp * 16 + g, key1 = key0 + 8;  // this thread's accumulator rows
+  for (int i = 0; i < count; ++i) {
+    if (i + 1 < count) {
+      load_rows(i + 1, (i + 1) & 1);
+      __pipeline_commit();
+      __pipeline_wait_prior(1);
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncthreads();
+    const int b = i & 1;
+    const int anchor = p.anchors[first + i / tiles];
+    const bool see0 = key0 < anchor, see1 = key1 < anchor;
+    float s[8][4];
+    product_16x64(s, sh.k, warp * 16, sh.q[b]);  // S^T: keys x rows
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * t4 + (e & 1);
+        const bool see = e < 2 ? see0 : see1;
+        s[nt][e] = see ? exp2f(s[nt][e] * c - sh.lse2[b][col]) : 0.f;
+      }
+    }
+    uint32_t pa[4][4];
+    to_a(pa, s);
+    accumulate_16x128(dv, pa, sh.dout[b]);  // dV += P^T dO
+    float dp[8][4];
+    product_16x64(dp, sh.v, warp * 16, sh.dout[b]);  // dP^T = V dO^T
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * t4 + (e & 1);
+        dp[nt][e] = s[nt][e] * (dp[nt][e] - sh.delta[b][col]);
+      }
+    }
+    uint32_t da[4][4];
+    to_a(da, dp);
+    accumulate_16x128(dk, da, sh.q[b]);  // dK += dS^T Q
+    __syncthreads();
+  }
+  const int64_t base = static_cast<int64_t>(chunk) * p.context;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int j = half ? key1 : key0;
+    if (j >= p.context) continue;
+    const int64_t row = ((base + j) * p.kv_heads + h) * D;
+#pragma unroll
+    for (int dt = 0; dt < 16; ++dt) {
+      const int col = dt * 8 + 2 * t4;
+      *reinterpret_cast<float2*>(gr.dk_context + row + col) =
+          make_float2(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
+      *reinterpret_cast<float2*>(gr.dv_context + row + col) = make_float2(dv[dt][2 * half], dv[dt][2 * half + 1]);
+    }
+  }
+}
+
+}  // namespace
+
+void block_attention_forward(const BlockAttentionProblem& p, void* out, float* lse2, cudaStream_t stream) {
+  if (p.blocks == 0) return;
+  const int ctas = p.blocks * p.kv_heads * p.row_tiles();
+  allow_shared_memory(forward_kernel, sizeof(ForwardShared), "forward");
+  forward_kernel<<<ctas, kThreads, sizeof(ForwardShared), stream>>>(p, static_cast<bf16*>(out), lse2);
+  check_launch("forward");
+}
+
+void block_attention_backward(const BlockAttentionProblem& p, const BlockAttentionBackward& g, cudaStream_t stream) {
+  if (p.blocks == 0) return;
+  const int ctas = p.blocks * p.kv_heads * p.row_tiles();
+  allow_shared_memory(dq_kernel, sizeof(DqShared), "dq");
+  dq_kernel<<<ctas, kThreads, sizeof(DqShared), stream>>>(p, g);  // writes delta for dkv
+  check_launch("dq");
+  const int key_tiles = (p.context + R - 1) / R;
+  allow_shared_memory(dkv_kernel, sizeof(DkvShared), "dkv");
+  dkv_kernel<<<key_tiles * p.kv_heads * g.context_chunks, kThreads, sizeof(DkvShared), stream>>>(p, g);
+  check_launch("dkv");
+}
+
+int context_chunks_for(const BlockAttentionProblem& p, int sms) {
+  const int key_tiles = (p.context + R - 1) / R;
+  const int wanted = (8 * sms + key_tiles * p.kv_heads - 1) / std::max(1, key_tiles * p.kv_heads);
+  return std::clamp(std::min(wanted, p.blocks / 32), 1, 8);
+}
+
+const char* attention_kernels_unavailable_on_current_device() {
+  cudaFuncAttributes attributes;
+  const cudaError_t error = cudaFuncGetAttributes(&attributes, dkv_kernel);
+  if (error == cudaSuccess) return "";
+  cudaGetLastError();  // clear it
+  return cudaGetErrorString(error);
+}
+
+}  // namespace dflash::drafter::kernels
