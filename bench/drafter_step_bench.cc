@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 
+#include "bench/kernel_profile.h"
 #include "drafter/block_attention.h"
 #include "drafter/loss.h"
 #include "drafter/model.h"
@@ -134,6 +136,14 @@ int main(int argc, char** argv) {
   double pairs = 0;
   for (int64_t i = 0; i < batch.anchors[0].size(0); ++i) pairs += static_cast<double>(batch.anchors[0][i].item<int64_t>() + 16) * 16 * hq;
   const double attention_flops = 4.0 * d * pairs;
+  if (std::getenv("DFLASHD_PROFILE")) {
+    bench::print_kernel_profile("drafter step (forward, LM head + loss, backward)", [&] {
+      drafter::LossStats stats;
+      const at::Tensor hidden = model.forward(batch, embed);
+      drafter::dflash_loss(hidden, head, targets, targets.weight_sum, 128 * 16, 16, &stats).backward();
+      torch::cuda::synchronize();
+    }, 30);
+  }
   std::sort(fwd_bwd.begin(), fwd_bwd.end());
   std::sort(opt.begin(), opt.end());
   const double median = fwd_bwd[fwd_bwd.size() / 2], median_opt = opt[opt.size() / 2];

@@ -16,10 +16,12 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "bench/kernel_profile.h"
 #include "pipeline/flops.h"
 #include "target/gated_delta_net.h"
 #include "target/gdn_cuda.h"
@@ -86,8 +88,11 @@ int main(int argc, char** argv) {
               static_cast<long long>(hk), static_cast<long long>(hv));
   std::printf("%-14s %8s %8s %8s %8s %10s %12s %10s\n", "batch", "tokens", "ours", "ours/16", "ours/64", "conv+l2",
               "reference", "ref/ours");
-  const std::vector<std::vector<int64_t>> shapes = {{2048}, {4096}, {8192}, {16384}, {1024, 1024, 1024, 1024},
-                                                    {4096, 4096, 4096, 4096}};
+  // DFLASHD_PROFILE=1: only the whole forward, then its kernels by GPU time.
+  const bool profile = std::getenv("DFLASHD_PROFILE") != nullptr;
+  std::vector<std::vector<int64_t>> shapes = {{2048}, {4096}, {8192}, {16384}, {1024, 1024, 1024, 1024},
+                                              {4096, 4096, 4096, 4096}};
+  if (profile) shapes.clear();
   for (const auto& lengths : shapes) {
     // Rotate over enough input sets to exceed the 60 MB L2.
     std::vector<Inputs> sets;
@@ -154,6 +159,12 @@ int main(int argc, char** argv) {
     const double flops = pipeline::target_flops(config, last, tokens);
     std::printf("%8lld %10.4f %12.0f %7.1f%% %11.1f%%\n", static_cast<long long>(tokens), s, tokens / s,
                 100.0 * flops / s / matmul_rate, 100.0 * flops / s / 989e12);
+    if (profile && tokens == 3072) {
+      bench::print_kernel_profile("target forward, 3072 tokens", [&] {
+        model->forward(ids, {0, tokens}, {last});
+        c10::cuda::device_synchronize();
+      });
+    }
   }
   return 0;
 }

@@ -7,42 +7,83 @@
 #include <algorithm>
 #include <cmath>
 
+#ifdef DFLASHD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+
+#include "drafter/kernels/cross_entropy.h"
+#endif
+
 namespace dflash::drafter {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The fused kernels take bf16 on a GPU with a vocabulary that is a multiple of 8 (every
+// released target's); anything else runs the composite ATen version.
+bool lm_head_kernels_apply(const at::Tensor& hidden, const at::Tensor& lm_head) {
+#ifdef DFLASHD_WITH_CUDA
+  return hidden.is_cuda() && hidden.scalar_type() == at::kBFloat16 && lm_head.scalar_type() == at::kBFloat16 &&
+         lm_head.size(0) % 8 == 0;
+#else
+  (void)hidden, (void)lm_head;
+  return false;
+#endif
+}
+
 struct ChunkedHeadLoss : public torch::autograd::Function<ChunkedHeadLoss> {
   // Returns the loss; the hidden-state gradient is computed here, chunk by chunk.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& lm_head,
                             const at::Tensor& labels, const at::Tensor& weights, const at::Tensor& offsets,
-                            double global_weight_sum, int64_t chunk_rows, int64_t block_size, LossStats* stats) {
+                            const at::Tensor& valid, double global_weight_sum, int64_t chunk_rows, int64_t block_size, LossStats* stats) {
     c10::NoGradGuard no_grad;
-    const int64_t rows = hidden.size(0);
-    at::Tensor grad_hidden = at::empty_like(hidden);
+    // Only rows that carry loss go through the head; the others' gradient stays zero.
+    at::Tensor grad_hidden = at::zeros_like(hidden);
+    const at::Tensor h_valid = hidden.index_select(0, valid), y_valid = labels.index_select(0, valid);
+    const at::Tensor w_valid = weights.index_select(0, valid), k_valid = offsets.index_select(0, valid);
+    at::Tensor grad_valid = at::empty_like(h_valid);
+    const int64_t rows = h_valid.size(0);
+    const bool use_kernels = lm_head_kernels_apply(hidden, lm_head);
     at::Tensor loss_sum = at::zeros({}, hidden.options().dtype(at::kFloat));
     at::Tensor correct = at::zeros({block_size}, labels.options());
     at::Tensor count = at::zeros({block_size}, labels.options());
     for (int64_t begin = 0; begin < rows; begin += chunk_rows) {
       const int64_t n = std::min(chunk_rows, rows - begin);
-      const at::Tensor h = hidden.narrow(0, begin, n);
-      const at::Tensor y = labels.narrow(0, begin, n), w = weights.narrow(0, begin, n);
-      const at::Tensor logits = at::matmul(h, lm_head.t()).to(at::kFloat);  // [n, vocab]: one chunk only
-      const at::Tensor lse = at::logsumexp(logits, 1);
-      const at::Tensor picked = logits.gather(1, y.unsqueeze(1)).squeeze(1);
-      loss_sum += ((lse - picked) * w).sum();
-      // d(sum w CE)/d logits = w (softmax - onehot); scaled by 1 / global denominator.
-      at::Tensor d_logits = at::exp(logits - lse.unsqueeze(1));
-      d_logits.scatter_add_(1, y.unsqueeze(1), -at::ones({n, 1}, d_logits.options()));
-      d_logits.mul_((w / global_weight_sum).unsqueeze(1));
-      grad_hidden.narrow(0, begin, n).copy_(at::matmul(d_logits.to(lm_head.scalar_type()), lm_head));
-      const at::Tensor valid = (w > 0).to(at::kLong);
-      const at::Tensor hit = (logits.argmax(1) == y).to(at::kLong) * valid;
-      const at::Tensor k = offsets.narrow(0, begin, n);
+      const at::Tensor h = h_valid.narrow(0, begin, n);
+      const at::Tensor y = y_valid.narrow(0, begin, n), w = w_valid.narrow(0, begin, n);
+      at::Tensor hit;
+      if (use_kernels) {
+        // bf16 logits, their statistics in one pass, then overwritten by their own gradient.
+        at::Tensor logits = at::matmul(h, lm_head.t());  // [n, vocab]: one chunk only
+        const auto fp32 = h.options().dtype(at::kFloat);
+        at::Tensor lse = at::empty({n}, fp32), picked = at::empty({n}, fp32), best = at::empty({n}, y.options());
+        const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+        const int vocab = static_cast<int>(logits.size(1));
+        kernels::logit_row_stats(logits.data_ptr(), static_cast<int>(n), vocab, logits.stride(0), y.data_ptr<int64_t>(),
+                                 lse.data_ptr<float>(), picked.data_ptr<float>(), best.data_ptr<int64_t>(), stream);
+        loss_sum += ((lse - picked) * w).sum();
+        const at::Tensor scale = (w / global_weight_sum).contiguous();
+        kernels::logit_gradient(logits.data_ptr(), static_cast<int>(n), vocab, logits.stride(0), y.data_ptr<int64_t>(),
+                                lse.data_ptr<float>(), scale.data_ptr<float>(), stream);
+        grad_valid.narrow(0, begin, n).copy_(at::matmul(logits, lm_head));
+        hit = (best == y).to(at::kLong);
+      } else {
+        const at::Tensor logits = at::matmul(h, lm_head.t()).to(at::kFloat);  // [n, vocab]: one chunk only
+        const at::Tensor lse = at::logsumexp(logits, 1);
+        const at::Tensor picked = logits.gather(1, y.unsqueeze(1)).squeeze(1);
+        loss_sum += ((lse - picked) * w).sum();
+        // d(sum w CE)/d logits = w (softmax - onehot); scaled by 1 / global denominator.
+        at::Tensor d_logits = at::exp(logits - lse.unsqueeze(1));
+        d_logits.scatter_add_(1, y.unsqueeze(1), -at::ones({n, 1}, d_logits.options()));
+        d_logits.mul_((w / global_weight_sum).unsqueeze(1));
+        grad_valid.narrow(0, begin, n).copy_(at::matmul(d_logits.to(lm_head.scalar_type()), lm_head));
+        hit = (logits.argmax(1) == y).to(at::kLong);
+      }
+      const at::Tensor k = k_valid.narrow(0, begin, n);
       correct.index_add_(0, k, hit);
-      count.index_add_(0, k, valid);
+      count.index_add_(0, k, at::ones_like(hit));
     }
+    grad_hidden.index_copy_(0, valid, grad_valid);
     stats->loss_sum = loss_sum.item<double>();
     const at::Tensor c = correct.cpu(), t = count.cpu();
     stats->correct.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + block_size);
@@ -53,8 +94,8 @@ struct ChunkedHeadLoss : public torch::autograd::Function<ChunkedHeadLoss> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const at::Tensor grad_hidden = ctx->get_saved_variables()[0];
-    return {grad_hidden * grad_outputs[0].to(grad_hidden.scalar_type()),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_hidden * grad_outputs[0].to(grad_hidden.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -65,7 +106,7 @@ BlockTargets make_block_targets(const DrafterBatch& batch, int64_t block_size, d
   const at::Tensor mask = batch.loss_mask.cpu().to(at::kByte).contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
   const uint8_t* m = mask.data_ptr<uint8_t>();
-  std::vector<int64_t> labels, offsets;
+  std::vector<int64_t> labels, offsets, valid_rows;
   std::vector<float> weights;
   double weight_sum = 0;
   for (size_t s = 0; s + 1 < batch.cu_seqlens.size(); ++s) {
@@ -77,6 +118,7 @@ BlockTargets make_block_targets(const DrafterBatch& batch, int64_t block_size, d
         const int64_t position = begin + a[n] + k;  // same-position label: offset k -> token anchor + k
         const bool valid = k >= 1 && position < end && m[position] != 0;
         const float w = valid ? static_cast<float>(std::exp(-(k - 1) / gamma)) : 0.0f;
+        if (valid) valid_rows.push_back(static_cast<int64_t>(labels.size()));
         labels.push_back(valid ? id[position] : 0);
         weights.push_back(w);
         offsets.push_back(k);
@@ -89,6 +131,7 @@ BlockTargets make_block_targets(const DrafterBatch& batch, int64_t block_size, d
   t.labels = at::tensor(labels, long_options).to(device);
   t.offsets = at::tensor(offsets, long_options).to(device);
   t.weights = at::tensor(weights, at::TensorOptions().dtype(at::kFloat)).to(device);
+  t.valid = at::tensor(valid_rows, long_options).to(device);
   t.weight_sum = weight_sum;
   return t;
 }
@@ -130,7 +173,7 @@ at::Tensor dflash_loss(const at::Tensor& hidden, const at::Tensor& lm_head, cons
     return (hidden.sum() * 0.0).to(at::kFloat);  // keeps the graph connected; contributes nothing
   }
   at::Tensor loss = ChunkedHeadLoss::apply(hidden, lm_head.detach(), targets.labels, targets.weights, targets.offsets,
-                                          global_weight_sum, chunk_rows, block_size, stats);
+                                          targets.valid, global_weight_sum, chunk_rows, block_size, stats);
   stats->weight_sum = targets.weight_sum;  // the local sum, computed with the targets
   return loss;
 }

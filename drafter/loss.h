@@ -9,7 +9,8 @@
 // The LM head over the target vocabulary is never materialised for all rows: rows go through
 // it in chunks, and each chunk's gradient with respect to the hidden state is computed right
 // away (softmax - onehot, weighted) and kept; the backward only scales it. Memory: one chunk
-// of logits plus a [rows, H] gradient.
+// of logits plus a [rows, H] gradient. Rows without loss (offset 0 of every block, labels past
+// the end or outside the loss mask: at least 1 in B) skip the LM head; their gradient is zero.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,6 +27,7 @@ struct BlockTargets {
   at::Tensor labels;   // [rows] int64 (0 where not valid)
   at::Tensor weights;  // [rows] fp32: w_k where valid, else 0
   at::Tensor offsets;  // [rows] int64: position k within the block
+  at::Tensor valid;    // [rows with weight > 0] int64 row indices: the only rows the LM head sees
   double weight_sum = 0;
 };
 

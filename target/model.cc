@@ -7,6 +7,7 @@
 
 #include "common/log.h"
 #include "common/tensor_math.h"
+#include "target/fused_ops.h"
 #include "target/gated_delta_net.h"
 #include "target/gdn_cuda.h"
 
@@ -169,7 +170,7 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
 }
 
 at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x) {
-  if (!p.moe) return p.down(at::silu(p.gate(x)) * p.up(x));
+  if (!p.moe) return p.down(silu_mul(p.gate(x), p.up(x)));
   const int64_t experts = c.num_experts, top_k = c.num_experts_per_tok, inner = c.moe_intermediate_size;
   const at::Tensor probabilities = at::softmax(at::linear(x, p.router).to(at::kFloat), -1);  // router in fp32
   auto [weights, indices] = at::topk(probabilities, top_k, -1);
@@ -195,7 +196,7 @@ at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x) 
     offset += count[e];
   }
   if (p.shared_down.weight.defined()) {
-    const at::Tensor shared = p.shared_down(at::silu(p.shared_gate(x)) * p.shared_up(x));
+    const at::Tensor shared = p.shared_down(silu_mul(p.shared_gate(x), p.shared_up(x)));
     out = out + at::sigmoid(p.shared_expert_gate(x)) * shared;
   }
   return out;
@@ -370,17 +371,28 @@ std::vector<at::Tensor> TargetModel::forward(const at::Tensor& input_ids, const 
   std::optional<GdnChunkPlan> plan;
   if (gdn_kernels_) plan = make_gdn_chunk_plan(cu_seqlens, device);
 
-  at::Tensor x = at::embedding(impl_->embed, ids);
+  // The residual stream: x plus `pending`, the last sub-layer's output not yet added; each add
+  // is fused with the RMSNorm that reads its result (fused_ops.h).
+  at::Tensor x = at::embedding(impl_->embed, ids), pending;
+  auto add_and_norm = [&](const at::Tensor& weight) {
+    if (!pending.defined()) return rms_norm_rows(x, weight, c.rms_norm_eps, c.zero_centred_norm);
+    auto [sum, normed] = add_rms_norm(x, pending, weight, c.rms_norm_eps, c.zero_centred_norm);
+    x = std::move(sum);
+    pending = at::Tensor();
+    return normed;
+  };
   std::vector<at::Tensor> tapped;
   size_t next = 0;
   for (int64_t i = 0; i <= layers.back(); ++i) {
     const Layer& layer = impl_->layers[i];
-    const at::Tensor normed = rms_norm(x, layer.input_norm, c.rms_norm_eps, c.zero_centred_norm);
-    x = x + (layer.kind == LayerKind::full_attention
-                 ? attention_forward(c, layer.attention, normed, cos, sin, cu_seqlens)
-                 : gdn_forward(c, layer.gdn, normed, positions, cu_seqlens, plan ? &*plan : nullptr));
-    x = x + mlp_forward(c, layer.mlp, rms_norm(x, layer.post_attention_norm, c.rms_norm_eps, c.zero_centred_norm));
+    const at::Tensor normed = add_and_norm(layer.input_norm);
+    pending = layer.kind == LayerKind::full_attention
+                  ? attention_forward(c, layer.attention, normed, cos, sin, cu_seqlens)
+                  : gdn_forward(c, layer.gdn, normed, positions, cu_seqlens, plan ? &*plan : nullptr);
+    pending = mlp_forward(c, layer.mlp, add_and_norm(layer.post_attention_norm));
     if (next < layers.size() && layers[next] == i) {
+      x = x + pending;
+      pending = at::Tensor();
       tapped.push_back(x);
       ++next;
     }

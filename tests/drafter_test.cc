@@ -336,6 +336,56 @@ TEST(Anchors, SampledOnlyWhereAnchorAndNextAreSupervisedUniqueSortedReproducible
   EXPECT_TRUE(at::equal(sample_anchors(few, 512, c), at::tensor(std::vector<int64_t>{1, 4, 5})));
 }
 
+// The LM-head loss on a GPU in bf16 (fused kernels) against the same loss computed here from
+// the same bf16 logits with ATen ops: loss, hidden-state gradient, per-offset hits and counts.
+// Rows without weight skip the head and get a zero gradient; several chunks; a vocabulary
+// that is a multiple of 8 but not of the kernels' stride.
+TEST(LmHeadLoss, GpuKernelsMatchTheCompositeComputation) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(21);
+  const int64_t rows = 300, hidden_size = 64, vocab = 4104, block = 4;
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const at::Tensor hidden = at::randn({rows, hidden_size}, cuda.dtype(at::kBFloat16)).requires_grad_();
+  const at::Tensor head = (at::randn({vocab, hidden_size}, cuda.dtype(at::kFloat)) * 0.5).to(at::kBFloat16);
+  BlockTargets t;
+  t.labels = at::randint(0, vocab, {rows}, cuda.dtype(at::kLong));
+  t.offsets = at::arange(rows, cuda.dtype(at::kLong)).remainder(block);
+  t.weights = at::rand({rows}, cuda.dtype(at::kFloat)) * (t.offsets != 0).to(at::kFloat);
+  t.valid = at::nonzero(t.weights > 0).squeeze(1);
+  t.weight_sum = t.weights.sum().item<double>();
+  const double global = 2.0 * t.weight_sum;  // as if another replica held the other half
+  const int64_t chunk = 64;
+  LossStats stats;
+  const at::Tensor loss = dflash_loss(hidden, head, t, global, chunk, block, &stats);
+  const at::Tensor grad = torch::autograd::grad({loss}, {hidden})[0];
+
+  // The reference, chunk by chunk over the valid rows (the same GEMM shapes give the same logits).
+  const at::Tensor h = hidden.detach().index_select(0, t.valid), y = t.labels.index_select(0, t.valid);
+  const at::Tensor w = t.weights.index_select(0, t.valid), k = t.offsets.index_select(0, t.valid);
+  at::Tensor grad_ref = at::zeros_like(hidden), loss_ref = at::zeros({}, cuda.dtype(at::kDouble));
+  std::vector<int64_t> hits(block, 0), counts(block, 0);
+  for (int64_t b = 0; b < h.size(0); b += chunk) {
+    const int64_t n = std::min(chunk, h.size(0) - b);
+    const at::Tensor logits = at::matmul(h.narrow(0, b, n), head.t()).to(at::kFloat);
+    const at::Tensor lse = at::logsumexp(logits, 1);
+    const at::Tensor yy = y.narrow(0, b, n), ww = w.narrow(0, b, n);
+    loss_ref += ((lse - logits.gather(1, yy.unsqueeze(1)).squeeze(1)) * ww).sum().to(at::kDouble);
+    const at::Tensor d = (at::softmax(logits, 1) - at::one_hot(yy, vocab).to(at::kFloat)) * (ww / global).unsqueeze(1);
+    grad_ref.index_copy_(0, t.valid.narrow(0, b, n), at::matmul(d.to(at::kBFloat16), head));
+    const at::Tensor hit = (logits.argmax(1) == yy).cpu(), kk = k.narrow(0, b, n).cpu();
+    for (int64_t i = 0; i < n; ++i) {
+      hits[kk[i].item<int64_t>()] += hit[i].item<bool>() ? 1 : 0;
+      counts[kk[i].item<int64_t>()] += 1;
+    }
+  }
+  EXPECT_NEAR(loss.item<double>(), loss_ref.item<double>() / global, 1e-4 * std::abs(loss_ref.item<double>() / global));
+  EXPECT_LE(relative_error(grad.to(at::kFloat), grad_ref.to(at::kFloat)), 1e-2);
+  EXPECT_TRUE(at::all(grad.index_select(0, at::nonzero(t.weights == 0).squeeze(1)) == 0).item<bool>())
+      << "rows without weight get no gradient";
+  EXPECT_EQ(stats.correct, hits);
+  EXPECT_EQ(stats.count, counts);
+}
+
 TEST(LossStats, TauFromPerPositionAccuracy) {
   LossStats s;
   s.correct = {0, 8, 4, 1};

@@ -8,6 +8,8 @@
 #include <fstream>
 
 #include "common/safetensors.h"
+#include "common/tensor_math.h"
+#include "target/fused_ops.h"
 #include "target/gated_delta_net.h"
 #include "target/gdn_cuda.h"
 #include "target/model.h"
@@ -265,6 +267,32 @@ TEST(GatedDeltaNetKernels, MatchTheReferenceAtSeveralShapes) {
       EXPECT_TRUE(at::equal(part, alone)) << "sequence " << s << " differs when packed";
     }
   }
+}
+
+// The fused residual add + RMSNorm and SiLU-mul kernels against the composite expressions they
+// replace, on the same bf16 inputs: the residual sum bit-identical, the outputs equal but for
+// the last bit of elements where the order of the fp32 sum of squares differs.
+TEST(FusedOps, GpuKernelsMatchTheCompositeExpressions) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(17);
+  const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  auto nearly_equal = [](const at::Tensor& ours, const at::Tensor& reference, const std::string& what) {
+    const double same = (ours == reference).to(at::kFloat).mean().item<double>();
+    EXPECT_GE(same, 0.99) << what;
+    EXPECT_LE(max_relative_error(ours.to(at::kFloat), reference.to(at::kFloat)), 1e-2) << what;
+  };
+  for (const int64_t n : {5120, 1032}) {
+    const at::Tensor x = at::randn({37, n}, bf16), delta = at::randn({37, n}, bf16), w = at::randn({n}, bf16) * 0.1;
+    for (const bool zero_centred : {true, false}) {
+      const std::string what = "n " + std::to_string(n) + (zero_centred ? ", zero-centred" : "");
+      auto [sum, normed] = add_rms_norm(x, delta, w, 1e-6, zero_centred);
+      EXPECT_TRUE(at::equal(sum, x + delta)) << what;
+      nearly_equal(normed, rms_norm(x + delta, w, 1e-6, zero_centred), what);
+      nearly_equal(rms_norm_rows(x, w, 1e-6, zero_centred), rms_norm(x, w, 1e-6, zero_centred), what + ", no residual");
+    }
+  }
+  const at::Tensor gate = at::randn({300, 1736}, bf16) * 3, up = at::randn({300, 1736}, bf16);
+  nearly_equal(silu_mul(gate, up), at::silu(gate) * up, "silu_mul");
 }
 
 TEST(GatedDeltaNetKernels, ConvSiluAndL2NormMatchTheReference) {

@@ -1,0 +1,23 @@
+// elementwise.h: the target forward's element-wise work fused into single passes (no torch in
+// this interface; target/fused_ops.h wraps them). Each reproduces the roundings of the
+// composite ATen expression it replaces (HF's module code), so outputs differ from it only by
+// the order of one fp32 sum.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace dflash::target::kernels {
+
+// Rows of n bf16 (n a multiple of 8, rows contiguous). With delta: sum = bf16(x + delta) is
+// written to sum_out and normalised; without, x is. normed = rmsnorm(sum) in fp32, then
+//   zero_centred: bf16(normed * (w + 1))          (Qwen3.5 / Qwen3-Next)
+//   otherwise:    bf16(w * bf16(normed))          (Qwen3 / Llama)
+void add_rms_norm(const void* x, const void* delta, const void* weight, void* sum_out, void* normed_out, int rows, int n,
+                  float eps, bool zero_centred, cudaStream_t stream);
+
+// out = bf16(bf16(silu(gate)) * up), elements count a multiple of 8, all contiguous bf16.
+void silu_mul(const void* gate, const void* up, void* out, int64_t elements, cudaStream_t stream);
+
+}  // namespace dflash::target::kernels
