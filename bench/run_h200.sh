@@ -32,7 +32,8 @@ elif [ "$phase" = gdn ]; then
 elif [ "$phase" = e2e ]; then
   # End to end (issue 8): dflashd's pipeline, then the Python reference pipeline (transformers
   # target + SpecForge DFlash step) with FLA's kernels and, for GatedDeltaNet targets, without
-  # them; same GPU, one after the other. Usage: run_h200.sh e2e 27b|8b
+  # them; same GPU, one after the other. Usage: run_h200.sh e2e 27b|27b-concurrent|8b; SKIP_PYTHON=1
+  # measures dflashd alone, SKIP_NOFLA=1 skips the run without FLA.
   model="${2:-27b}"
   cfg="bench/pipeline_$model.yaml"
   config_dir="$(grep -o 'path: [^,}]*' "$cfg" | head -1 | cut -d' ' -f2)"
@@ -48,7 +49,7 @@ elif [ "$phase" = e2e ]; then
   mkdir -p /tmp/site_nofla
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_nofla .whl/specforge-*.whl
   PYTHONPATH=/tmp/site timeout 240 python3 bench/python/reference_pipeline.py "$config_dir" with-fla 5 2>&1 | grep -E "^python|Error|error" | tee "$out/python_$model.txt"
-  if [ "$model" = 27b ]; then
+  if [ "$model" = 27b ] && [ -z "${SKIP_NOFLA:-}" ]; then
     PYTHONPATH=/tmp/site_nofla timeout 240 python3 bench/python/reference_pipeline.py "$config_dir" without-fla 5 2>&1 | grep -E "^python|Error|error" | tee -a "$out/python_$model.txt"
   fi
   echo "==== $model summary"

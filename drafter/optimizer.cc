@@ -7,6 +7,12 @@
 #include <map>
 #include <stdexcept>
 
+#ifdef DFLASHD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+
+#include "drafter/kernels/adamw.h"
+#endif
+
 namespace dflash::drafter {
 
 double scheduled_learning_rate(const OptimizerSettings& s, int64_t step) {
@@ -39,22 +45,70 @@ void AdamW::zero_grad() {
   }
 }
 
+bool AdamW::one_pass_applies(const std::vector<Slot*>& live) {
+#ifdef DFLASHD_WITH_CUDA
+  for (const Slot* s : live) {
+    if (s->param.scalar_type() != at::kBFloat16 || s->param.grad().scalar_type() != at::kBFloat16 ||
+        s->master.scalar_type() != at::kFloat || !s->param.is_contiguous() || !s->master.is_contiguous()) {
+      return false;
+    }
+  }
+  return !live.empty();
+#else
+  (void)live;
+  return false;
+#endif
+}
+
+// The update of the fused path in one kernel (drafter/kernels/adamw.h): the bf16 gradients, the
+// clipping factor, the fp32 state and the rounded bf16 parameters in one pass.
+void AdamW::one_pass_update(const std::vector<Slot*>& live, const std::vector<at::Tensor>& grads, double lr,
+                            double clip) {
+#ifdef DFLASHD_WITH_CUDA
+  std::vector<kernels::AdamWTensor> tensors;
+  std::vector<at::Tensor> steps;
+  for (size_t i = 0; i < live.size(); ++i) {
+    Slot& s = *live[i];
+    tensors.push_back({s.master.data_ptr<float>(), s.exp_avg.data_ptr<float>(), s.exp_avg_sq.data_ptr<float>(),
+                       grads[i].data_ptr(), s.param.data_ptr(), s.param.numel()});
+    steps.push_back(s.steps);
+  }
+  at::_foreach_add_(steps, 1.0);  // the step count of the checkpointed state, as the fused path keeps it
+  kernels::AdamWStep k;
+  k.lr = static_cast<float>(lr);
+  k.beta1 = static_cast<float>(settings_.beta1);
+  k.beta2 = static_cast<float>(settings_.beta2);
+  k.weight_decay = static_cast<float>(settings_.weight_decay);
+  k.epsilon = static_cast<float>(settings_.epsilon);
+  k.grad_scale = static_cast<float>(clip);
+  k.bias_correction1 = static_cast<float>(1 - std::pow(settings_.beta1, static_cast<double>(step_)));
+  k.bias_correction2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(settings_.beta2, static_cast<double>(step_))));
+  const at::Tensor scratch = at::empty({static_cast<int64_t>(kernels::adamw_scratch_bytes(tensors))},
+                                       live.front()->master.options().dtype(at::kByte));
+  kernels::adamw_update(tensors, k, scratch.data_ptr(), at::cuda::getCurrentCUDAStream().stream());
+#else
+  (void)live, (void)grads, (void)lr, (void)clip;
+#endif
+}
+
 StepResult AdamW::step() {
   c10::NoGradGuard no_grad;
   StepResult result;
   result.learning_rate = scheduled_learning_rate(settings_, step_);
   const bool fused = settings_.fused_on_gpu && !slots_.empty() && slots_.front().master.is_cuda();
-  // Gradients in fp32 (the masters' dtype); the global norm over all of them, one host sync.
   std::vector<Slot*> live;
-  std::vector<at::Tensor> grads;
   for (Slot& s : slots_) {
-    if (!s.param.grad().defined()) continue;
-    live.push_back(&s);
-    grads.push_back(s.param.grad().to(at::kFloat));
+    if (s.param.grad().defined()) live.push_back(&s);
   }
+  // bf16 parameters on a GPU: one kernel reads the bf16 gradients as they are (one_pass_update);
+  // otherwise the gradients are cast to fp32 (the masters' dtype) first.
+  const bool one_pass = fused && one_pass_applies(live);
+  std::vector<at::Tensor> grads;
+  for (Slot* s : live) grads.push_back(one_pass ? s->param.grad().contiguous() : s->param.grad().to(at::kFloat));
+  // The global norm over all gradients, in fp32, one host sync.
   double norm = 0;
   if (!grads.empty()) {
-    const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
+    const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2, at::kFloat);
     norm = at::stack(norms).norm().item<double>();
   }
   result.grad_norm = norm;
@@ -65,9 +119,15 @@ StepResult AdamW::step() {
   const double clip = settings_.grad_clip_norm > 0 && norm > settings_.grad_clip_norm
                           ? settings_.grad_clip_norm / (norm + 1e-6)
                           : 1.0;
-  if (clip != 1.0) at::_foreach_mul_(grads, clip);
   ++step_;
   const double lr = result.learning_rate;
+  if (one_pass) {
+    one_pass_update(live, grads, lr, clip);
+    zero_grad();
+    result.applied = true;
+    return result;
+  }
+  if (clip != 1.0) at::_foreach_mul_(grads, clip);
   if (fused) {
     std::vector<at::Tensor> masters, avgs, avg_sqs, steps, params, rounded;
     for (Slot* s : live) {

@@ -61,6 +61,8 @@ class AdamW {
     at::Tensor param, master, exp_avg, exp_avg_sq;
     at::Tensor steps;  // fp32 scalar on the device: the fused kernel's step count
   };
+  static bool one_pass_applies(const std::vector<Slot*>& live);
+  void one_pass_update(const std::vector<Slot*>& live, const std::vector<at::Tensor>& grads, double lr, double clip);
   std::vector<Slot> slots_;
   OptimizerSettings settings_;
   int64_t step_ = 0;
