@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.h"
+
 namespace dflash::drafter::kernels {
 namespace {
 
@@ -42,13 +44,6 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const AdamWTensor* __re
   }
 }
 
-void check(cudaError_t error, const char* what) {
-  if (error != cudaSuccess) {
-    throw std::runtime_error(std::string("AdamW kernel ") + what + ": " + cudaGetErrorName(error) + " (" +
-                             cudaGetErrorString(error) + ")");
-  }
-}
-
 std::vector<Chunk> chunks_of(const std::vector<AdamWTensor>& tensors) {
   std::vector<Chunk> chunks;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -71,12 +66,12 @@ void adamw_update(const std::vector<AdamWTensor>& tensors, const AdamWStep& step
   std::vector<unsigned char> host(table + chunks.size() * sizeof(Chunk));
   std::memcpy(host.data(), tensors.data(), tensors.size() * sizeof(AdamWTensor));
   std::memcpy(host.data() + table, chunks.data(), chunks.size() * sizeof(Chunk));
-  check(cudaMemcpyAsync(scratch, host.data(), host.size(), cudaMemcpyHostToDevice, stream), "table copy");
+  check_cuda(cudaMemcpyAsync(scratch, host.data(), host.size(), cudaMemcpyHostToDevice, stream), "AdamW kernel table copy");
   // The pageable copy above is staged before cudaMemcpyAsync returns, so `host` may go.
   const auto* d_tensors = static_cast<const AdamWTensor*>(scratch);
   const auto* d_chunks = reinterpret_cast<const Chunk*>(static_cast<unsigned char*>(scratch) + table);
   adamw_kernel<<<static_cast<unsigned>(chunks.size()), kThreads, 0, stream>>>(d_tensors, d_chunks, step);
-  check(cudaGetLastError(), "launch");
+  check_cuda_launch("AdamW kernel");
 }
 
 }  // namespace dflash::drafter::kernels

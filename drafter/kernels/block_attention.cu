@@ -16,6 +16,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.h"
+
 namespace dflash::drafter::kernels {
 namespace {
 
@@ -25,21 +27,6 @@ constexpr int R = kAttentionTileRows;  // 64 rows (or keys) per tile
 constexpr int kThreads = 128;          // 4 warps x 16 rows
 constexpr int kSmallLd = 24;           // bf16 row stride of the [64 rows][16 keys] block-tile matrices
 constexpr float kLog2e = 1.4426950408889634f;
-
-void check_launch(const char* kernel) {
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    throw std::runtime_error(std::string("block attention kernel ") + kernel + ": " + cudaGetErrorName(error) + " (" +
-                             cudaGetErrorString(error) + ")");
-  }
-}
-
-template <typename Kernel>
-void allow_shared_memory(Kernel kernel, size_t bytes, const char* name) {
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) != cudaSuccess) {
-    check_launch(name);
-  }
-}
 
 struct __align__(16) Tile {
   bf16 v[R * D];
@@ -579,21 +566,21 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
 void block_attention_forward(const BlockAttentionProblem& p, void* out, float* lse2, cudaStream_t stream) {
   if (p.blocks == 0) return;
   const int ctas = p.blocks * p.kv_heads * p.row_tiles();
-  allow_shared_memory(forward_kernel, sizeof(ForwardShared), "forward");
+  allow_shared_memory(forward_kernel, sizeof(ForwardShared), "block attention kernel forward");
   forward_kernel<<<ctas, kThreads, sizeof(ForwardShared), stream>>>(p, static_cast<bf16*>(out), lse2);
-  check_launch("forward");
+  check_cuda_launch("block attention kernel forward");
 }
 
 void block_attention_backward(const BlockAttentionProblem& p, const BlockAttentionBackward& g, cudaStream_t stream) {
   if (p.blocks == 0) return;
   const int ctas = p.blocks * p.kv_heads * p.row_tiles();
-  allow_shared_memory(dq_kernel, sizeof(DqShared), "dq");
+  allow_shared_memory(dq_kernel, sizeof(DqShared), "block attention kernel dq");
   dq_kernel<<<ctas, kThreads, sizeof(DqShared), stream>>>(p, g);  // writes delta for dkv
-  check_launch("dq");
+  check_cuda_launch("block attention kernel dq");
   const int key_tiles = (p.context + R - 1) / R;
-  allow_shared_memory(dkv_kernel, sizeof(DkvShared), "dkv");
+  allow_shared_memory(dkv_kernel, sizeof(DkvShared), "block attention kernel dkv");
   dkv_kernel<<<key_tiles * p.kv_heads * g.context_chunks, kThreads, sizeof(DkvShared), stream>>>(p, g);
-  check_launch("dkv");
+  check_cuda_launch("block attention kernel dkv");
 }
 
 int context_chunks_for(const BlockAttentionProblem& p, int sms) {

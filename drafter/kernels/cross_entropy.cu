@@ -8,20 +8,14 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.h"
+
 namespace dflash::drafter::kernels {
 namespace {
 
 using bf16 = __nv_bfloat16;
 constexpr int kStatsThreads = 512;
 constexpr int kGradThreads = 256;
-
-void check_launch(const char* kernel) {
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    throw std::runtime_error(std::string("LM-head loss kernel ") + kernel + ": " + cudaGetErrorName(error) + " (" +
-                             cudaGetErrorString(error) + ")");
-  }
-}
 
 // Running (max, sum of exp(x - max), first index of the max).
 struct Stats {
@@ -111,7 +105,7 @@ void logit_row_stats(const void* logits, int rows, int vocab, int64_t ld, const 
   if (rows == 0) return;
   row_stats_kernel<<<rows, kStatsThreads, 0, stream>>>(static_cast<const bf16*>(logits), vocab, ld, labels, lse, picked,
                                                        argmax);
-  check_launch("row stats");
+  check_cuda_launch("LM-head loss kernel row stats");
 }
 
 void logit_gradient(void* logits, int rows, int vocab, int64_t ld, const int64_t* labels, const float* lse,
@@ -121,7 +115,7 @@ void logit_gradient(void* logits, int rows, int vocab, int64_t ld, const int64_t
     const dim3 grid((vocab / 8 + kGradThreads - 1) / kGradThreads, n);
     gradient_kernel<<<grid, kGradThreads, 0, stream>>>(static_cast<bf16*>(logits) + first * ld, vocab, ld, labels + first,
                                                        lse + first, scale + first);
-    check_launch("gradient");
+    check_cuda_launch("LM-head loss kernel gradient");
   }
 }
 

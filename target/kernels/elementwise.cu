@@ -8,19 +8,13 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.h"
+
 namespace dflash::target::kernels {
 namespace {
 
 using bf16 = __nv_bfloat16;
 constexpr int kNormThreads = 256;
-
-void check_launch(const char* kernel) {
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    throw std::runtime_error(std::string("target kernel ") + kernel + ": " + cudaGetErrorName(error) + " (" +
-                             cudaGetErrorString(error) + ")");
-  }
-}
 
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
@@ -107,7 +101,7 @@ void add_rms_norm(const void* x, const void* delta, const void* weight, void* su
   add_rms_norm_kernel<<<rows, kNormThreads, 0, stream>>>(
       static_cast<const bf16*>(x), static_cast<const bf16*>(delta), static_cast<const bf16*>(weight),
       static_cast<bf16*>(sum_out), static_cast<bf16*>(normed_out), n, eps, zero_centred);
-  check_launch("add_rms_norm");
+  check_cuda_launch("target kernel add_rms_norm");
 }
 
 void silu_mul(const void* gate, const void* up, void* out, int64_t elements, cudaStream_t stream) {
@@ -118,7 +112,7 @@ void silu_mul(const void* gate, const void* up, void* out, int64_t elements, cud
   silu_mul_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<const bf16*>(gate),
                                                                         static_cast<const bf16*>(up),
                                                                         static_cast<bf16*>(out), chunks);
-  check_launch("silu_mul");
+  check_cuda_launch("target kernel silu_mul");
 }
 
 }  // namespace dflash::target::kernels

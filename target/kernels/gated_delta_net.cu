@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cuda_check.h"
+
 namespace dflash::target::kernels {
 namespace {
 
@@ -27,21 +29,6 @@ using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major>
 using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
 using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major>;
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-
-void check_launch(const char* kernel) {
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    throw std::runtime_error(std::string("GatedDeltaNet kernel ") + kernel + ": " + cudaGetErrorName(error) + " (" +
-                             cudaGetErrorString(error) + ")");
-  }
-}
-
-template <typename Kernel>
-void allow_shared_memory(Kernel kernel, size_t bytes, const char* name) {
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) != cudaSuccess) {
-    check_launch(name);
-  }
-}
 
 // Copies `rows` rows of `cols` bf16 (a multiple of 8) from global memory into shared memory
 // asynchronously; rows at or past `valid` are zero-filled. The caller commits and waits.
@@ -488,15 +475,15 @@ void conv1d_silu_l2norm(const void* x, const void* weight, int kernel, const int
   conv1d_silu_l2norm_kernel<<<grid, 128, 0, stream>>>(static_cast<const bf16*>(x), static_cast<const bf16*>(weight),
                                                       kernel, positions, static_cast<bf16*>(y), tokens, channels,
                                                       qk_channels);
-  check_launch("conv1d_silu_l2norm");
+  check_cuda_launch("GatedDeltaNet kernel conv1d_silu_l2norm");
 }
 
 template <int BV>
 void launch_state(const GdnForward& args, cudaStream_t stream) {
   const size_t bytes = sizeof(StateShared<BV>);
-  allow_shared_memory(state_kernel<BV>, bytes, "state");
+  allow_shared_memory(state_kernel<BV>, bytes, "GatedDeltaNet kernel state");
   state_kernel<BV><<<dim3(args.chunks.num_seqs, args.value_heads, D / BV), kStateThreads, bytes, stream>>>(args);
-  check_launch("state");
+  check_cuda_launch("GatedDeltaNet kernel state");
 }
 
 void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
@@ -512,9 +499,9 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
     if (args.stage_events != nullptr) cudaEventRecord(args.stage_events[i], stream);
   };
   mark(0);
-  allow_shared_memory(prepare_kernel, sizeof(PrepareShared), "prepare");
+  allow_shared_memory(prepare_kernel, sizeof(PrepareShared), "GatedDeltaNet kernel prepare");
   prepare_kernel<<<per_chunk, kPrepareThreads, sizeof(PrepareShared), stream>>>(args);
-  check_launch("prepare");
+  check_cuda_launch("GatedDeltaNet kernel prepare");
   mark(1);
   switch (args.state_columns) {
     case 16: launch_state<16>(args, stream); break;
@@ -523,9 +510,9 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
     default: throw std::invalid_argument("gated_delta_rule_forward: state_columns must be 16, 32 or 64");
   }
   mark(2);
-  allow_shared_memory(output_kernel, sizeof(OutputShared), "output");
+  allow_shared_memory(output_kernel, sizeof(OutputShared), "GatedDeltaNet kernel output");
   output_kernel<<<per_chunk, 256, sizeof(OutputShared), stream>>>(args);
-  check_launch("output");
+  check_cuda_launch("GatedDeltaNet kernel output");
   mark(3);
 }
 

@@ -1,0 +1,31 @@
+// cuda_check.h: the error checks of the CUDA kernel launchers (header-only, CUDA runtime only).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+namespace dflash {
+
+// Throws std::runtime_error("<what>: <error name> (<error text>)") unless error is cudaSuccess.
+inline void check_cuda(cudaError_t error, const std::string& what) {
+  if (error != cudaSuccess) {
+    cudaGetLastError();  // clear it
+    throw std::runtime_error(what + ": " + cudaGetErrorName(error) + " (" + cudaGetErrorString(error) + ")");
+  }
+}
+
+// The same for the last kernel launch.
+inline void check_cuda_launch(const std::string& what) { check_cuda(cudaGetLastError(), what); }
+
+// Lets `kernel` use `bytes` of dynamic shared memory (above the 48 KB default).
+template <typename Kernel>
+void allow_shared_memory(Kernel kernel, std::size_t bytes, const std::string& what) {
+  check_cuda(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(bytes)),
+             what + " (shared memory)");
+}
+
+}  // namespace dflash
