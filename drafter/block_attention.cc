@@ -452,6 +452,21 @@ std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor&
 #endif
 }
 
+BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int64_t block_size) {
+  const BlockAttentionPath path = choose_path(like, block_size, BlockAttentionPath::automatic);
+  BlockAttentionPathInfo info;
+  if (path == BlockAttentionPath::kernels) return {"kernels", "fused CUDA kernels (dflashd DFlash block attention)"};
+  info.name = path == BlockAttentionPath::efficient ? "efficient" : "math";
+  info.description = path == BlockAttentionPath::efficient ? "split path on PyTorch's memory-efficient attention kernels"
+                                                           : "split path, portable math";
+  if (environment_path() != BlockAttentionPath::automatic) {
+    info.description += " (forced by DFLASHD_BLOCK_ATTENTION)";
+  } else if (auto why = block_attention_kernels_unavailable(like, block_size)) {
+    info.description += "; the fused kernels do not run: " + *why;
+  }
+  return info;
+}
+
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, const at::Tensor& v_context,
                            const at::Tensor& k_block, const at::Tensor& v_block, const at::Tensor& anchors,
                            const BlockAttentionShape& shape) {

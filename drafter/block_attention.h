@@ -54,6 +54,14 @@ struct BlockAttentionShape {
 // nullopt when they can.
 std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size);
 
+// The path `automatic` takes for queries like `like` (its device, dtype and head size) with
+// blocks of block_size: name "kernels" | "efficient" | "math" (metrics) and a description for
+// the startup log that says why the fused kernels do not run where they do not.
+struct BlockAttentionPathInfo {
+  std::string name, description;
+};
+BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int64_t block_size);
+
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, const at::Tensor& v_context,
                            const at::Tensor& k_block, const at::Tensor& v_block, const at::Tensor& anchors,
                            const BlockAttentionShape& shape);

@@ -21,6 +21,7 @@
 #include <tuple>
 
 #include "common/log.h"
+#include "drafter/block_attention.h"
 #include "drafter/checkpoint.h"
 #include "drafter/loss.h"
 #include "drafter/model.h"
@@ -234,6 +235,13 @@ struct Trainer::Impl {
   double target_busy_seconds = 0, drafter_busy_seconds = 0, flops_done = 0;
   Clock::time_point last_checkpoint_time = Clock::now();
   Clock::time_point last_log_time = Clock::now();
+  // Stage totals at the last log line: the line reports the interval since, not the run's
+  // average (which the first steps' warm-up would skew).
+  struct StageMark {
+    std::map<std::string, double> seconds;
+    int64_t iterations = 0;
+  };
+  StageMark logged_target, logged_drafter;
   double start_time = now_seconds();
 
   // Prometheus.
@@ -263,6 +271,7 @@ struct Trainer::Impl {
   prometheus::Family<prometheus::Gauge>* memory_family;
   prometheus::Family<prometheus::Counter>* allocator_retries_family;
   prometheus::Family<prometheus::Gauge>* kernel_path_family;
+  prometheus::Family<prometheus::Gauge>* attention_path_family;
   prometheus::Family<prometheus::Gauge>* worker_heartbeat_family;
   prometheus::Family<prometheus::Gauge>* worker_stalled_family;
   prometheus::Family<prometheus::Counter>* worker_restarts_family;
@@ -665,6 +674,7 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   s.memory_family = &prometheus::BuildGauge().Name("dflashd_gpu_memory_bytes").Help("GPU memory of the caching allocator (kind: allocated, reserved)").Register(registry);
   s.allocator_retries_family = &prometheus::BuildCounter().Name("dflashd_gpu_allocator_retries_total").Help("Times the CUDA caching allocator emptied its cache and retried an allocation (memory near the limit; each one stalls the GPU)").Register(registry);
   s.kernel_path_family = &prometheus::BuildGauge().Name("dflashd_target_kernel_path").Help("1 for the implementation each target layer kind runs").Register(registry);
+  s.attention_path_family = &prometheus::BuildGauge().Name("dflashd_drafter_attention_path").Help("1 for the implementation of the drafter's block attention (kernels, efficient or math)").Register(registry);
   s.worker_heartbeat_family = &prometheus::BuildGauge().Name("dflashd_worker_last_heartbeat_timestamp_seconds").Help("Unix time of a worker's last heartbeat").Register(registry);
   s.worker_stalled_family = &prometheus::BuildGauge().Name("dflashd_worker_stalled").Help("1 while a worker's heartbeat is older than workers.stall_seconds").Register(registry);
   s.worker_restarts_family = &prometheus::BuildCounter().Name("dflashd_worker_restarts_total").Help("Restarts of a worker after a failure").Register(registry);
@@ -717,6 +727,13 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
       s.gpu_turns.emplace(id, std::make_unique<std::mutex>());
     }
     s.drafters.back()->init_random(static_cast<uint64_t>(config.train.seed));
+    if (r == 0) {
+      const auto path = drafter::describe_block_attention_path(
+          at::empty({1, s.shape.num_attention_heads, s.shape.head_dim}, at::TensorOptions().device(device).dtype(dtype)),
+          s.shape.block_size);
+      log::info("drafter attention: {}", path.description);
+      s.attention_path_family->Add({{"path", path.name}}).Set(1);
+    }
     s.embeds.push_back(s.targets[0]->embed_tokens().to(device));
     s.heads.push_back(s.targets[0]->lm_head().to(device));
   }
@@ -948,17 +965,32 @@ void Trainer::supervise() {
   int64_t target_iterations = 0, drafter_iterations = 0;
   const auto target_stages = Impl::stage_totals(s.target_clocks, &target_iterations);
   const auto drafter_stages = Impl::stage_totals(s.drafter_clocks, &drafter_iterations);
-  std::string breakdown;
-  for (const auto& [role, stages, iterations] :
-       {std::tuple{"target", &target_stages, target_iterations}, std::tuple{"drafter", &drafter_stages, drafter_iterations}}) {
-    if (iterations > 0) breakdown += breakdown.empty() ? role : std::string(" | ") + role;
-    for (const auto& [stage, seconds] : *stages) {
-      s.advance(s.stage_seconds_family, {{"role", role}, {"stage", stage}}, seconds);
-      if (iterations > 0) breakdown += " " + stage + " " + fixed(1e3 * seconds / static_cast<double>(iterations), 1);
-    }
+  for (const auto& [role, stages] : {std::pair{"target", &target_stages}, std::pair{"drafter", &drafter_stages}}) {
+    for (const auto& [stage, seconds] : *stages) s.advance(s.stage_seconds_family, {{"role", role}, {"stage", stage}}, seconds);
   }
-  if (std::chrono::duration<double>(Clock::now() - s.last_log_time).count() >= s.config.metrics.log_every_seconds) {
+  const double since_log = std::chrono::duration<double>(Clock::now() - s.last_log_time).count();
+  if (since_log >= s.config.metrics.log_every_seconds) {
     s.last_log_time = Clock::now();
+    // Per role over the interval: device ms per iteration by stage, and the share of the
+    // interval its GPUs spent on them (the rest: waiting for the other role, a queue, the GPU).
+    std::string breakdown;
+    for (const auto& [role, stages, iterations, mark, replicas] :
+         {std::tuple{"target", &target_stages, target_iterations, &s.logged_target, s.target_clocks.size()},
+          std::tuple{"drafter", &drafter_stages, drafter_iterations, &s.logged_drafter, s.drafter_clocks.size()}}) {
+      const int64_t n = iterations - mark->iterations;
+      if (n <= 0) continue;
+      std::string part;
+      double busy = 0;
+      for (const auto& [stage, seconds] : *stages) {
+        const double delta = seconds - mark->seconds[stage];
+        busy += delta;
+        part += " " + stage + " " + fixed(1e3 * delta / static_cast<double>(n), 1);
+      }
+      breakdown += (breakdown.empty() ? "" : " | ") + std::string(role) + " (busy " +
+                   fixed(100.0 * busy / (since_log * static_cast<double>(std::max<size_t>(1, replicas))), 0) + " %)" + part;
+      mark->seconds = *stages;
+      mark->iterations = iterations;
+    }
     if (!breakdown.empty()) log::info("ms per sequence (target) and per step (drafter), by stage: {}", breakdown);
     log::info("step {}/{}  loss {}  tau {}  lr {}  tok/s {}  ETA {} s  queues samples {}/{} features {}/{}",
               s.completed_step.load(), s.plan.total_steps, fixed(s.last_loss, 4), fixed(s.last_tau, 3),

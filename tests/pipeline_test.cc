@@ -432,13 +432,24 @@ TEST(PipelineRun, ScrapeDuringTrainingHasEveryPipelineMetric) {
         "dflashd_queue_consumer_starved_seconds_total", "dflashd_worker_last_heartbeat_timestamp_seconds{worker=\"drafter-0\"}",
         "dflashd_worker_restarts_total{worker=\"target-0\"}", "dflashd_worker_stalled", "dflashd_checkpoint_last_success_timestamp_seconds",
         "dflashd_checkpoint_duration_seconds", "dflashd_target_kernel_path{layer_type=\"linear_attention\"",
-        "dflashd_bottleneck{stage=\"target\"}", "dflashd_suggested_target_gpus", "dflashd_samples_skipped_total",
+        "dflashd_bottleneck{stage=\"target\"}", "dflashd_drafter_attention_path{path=\"math\"} 1", "dflashd_suggested_target_gpus", "dflashd_samples_skipped_total",
         "dflashd_build_info", "process_resident_memory_bytes",
         "dflashd_stage_seconds_total{role=\"target\",stage=\"target_forward\"}",
         "dflashd_stage_seconds_total{role=\"drafter\",stage=\"backward\"}",
         "dflashd_stage_seconds_total{role=\"drafter\",stage=\"optimizer\"}"}) {
     EXPECT_NE(body.find(name), std::string::npos) << name << "\n" << body.substr(0, 3000);
   }
+  // The log's stage line covers the interval since the previous one: each role's busy share and
+  // its stages per iteration.
+  std::string log;
+  for (int i = 0; i < 100 && log.find("| drafter (busy ") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    log = p.err();
+  }
+  EXPECT_NE(log.find("by stage: target (busy "), std::string::npos) << log;
+  EXPECT_NE(log.find(" target_forward "), std::string::npos) << log;
+  EXPECT_NE(log.find("| drafter (busy "), std::string::npos) << log;
+  EXPECT_NE(log.find("drafter attention: split path, portable math; the fused kernels do not run: "), std::string::npos) << log;
   p.signal(SIGTERM);
   EXPECT_EQ(p.wait(60000), 0) << p.err();
 }
