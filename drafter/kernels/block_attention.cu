@@ -179,6 +179,37 @@ __device__ __forceinline__ const bf16* key_row(const BlockAttentionProblem& p, c
   return static_cast<const bf16*>(t < kt.context_tiles ? context : block) + (row * p.kv_heads + h) * D;
 }
 
+// The 64 rows of a row tile from a [rows, q_heads, 128] tensor (q, dO); padding rows zero.
+__device__ __forceinline__ void load_row_tile(Tile& tile, const BlockAttentionProblem& p, const RowTile& rows,
+                                              const void* base) {
+  const bf16* b = static_cast<const bf16*>(base);
+  load_tile(tile, [&](int r) {
+    const int64_t o = rows.row_offset(p, r);
+    return o < 0 ? nullptr : b + o;
+  });
+}
+
+// Key tile t of block n (keys and values) for key-value head h; invisible rows zero.
+__device__ __forceinline__ void load_key_tile(Tile& k, Tile& v, const BlockAttentionProblem& p, const KeyTiles& kt,
+                                              int n, int h, int t) {
+  load_tile(k, [&](int r) { return key_row(p, kt, p.k_context, p.k_block, n, h, t, r); });
+  load_tile(v, [&](int r) { return key_row(p, kt, p.v_context, p.v_block, n, h, t, r); });
+}
+
+// Double buffering: before iteration i of `count` uses its buffer, issue the loads of i + 1
+// (load_next) and wait for those of i; then the whole CTA sees them.
+template <typename LoadNext>
+__device__ __forceinline__ void next_stage(int i, int count, LoadNext load_next) {
+  if (i + 1 < count) {
+    load_next(i + 1, (i + 1) & 1);
+    __pipeline_commit();
+    __pipeline_wait_prior(1);
+  } else {
+    __pipeline_wait_prior(0);
+  }
+  __syncthreads();
+}
+
 // ---- forward ---------------------------------------------------------------------------------
 struct ForwardShared {
   Tile q, k[2], v[2];
@@ -191,15 +222,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem
   const RowTile tile = row_tile_of_cta(p);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const KeyTiles kt{p.anchors[tile.n], (p.anchors[tile.n] + R - 1) / R};
-  const bf16* q = reinterpret_cast<const bf16*>(p.q);
-  load_tile(sh.q, [&](int r) {
-    const int64_t o = tile.row_offset(p, r);
-    return o < 0 ? nullptr : q + o;
-  });
-  auto load_keys = [&](int t, int buffer) {
-    load_tile(sh.k[buffer], [&](int r) { return key_row(p, kt, p.k_context, p.k_block, tile.n, tile.h, t, r); });
-    load_tile(sh.v[buffer], [&](int r) { return key_row(p, kt, p.v_context, p.v_block, tile.n, tile.h, t, r); });
-  };
+  load_row_tile(sh.q, p, tile, p.q);
+  auto load_keys = [&](int t, int buffer) { load_key_tile(sh.k[buffer], sh.v[buffer], p, kt, tile.n, tile.h, t); };
   load_keys(0, 0);
   __pipeline_commit();
 
@@ -209,14 +233,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem
   for (int i = 0; i < 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 of this warp
   for (int t = 0; t < kt.count(); ++t) {
-    if (t + 1 < kt.count()) {
-      load_keys(t + 1, (t + 1) & 1);
-      __pipeline_commit();
-      __pipeline_wait_prior(1);
-    } else {
-      __pipeline_wait_prior(0);
-    }
-    __syncthreads();
+    next_stage(t, kt.count(), load_keys);
     const Tile &k = sh.k[t & 1], &v = sh.v[t & 1];
     float s[8][4];
     product_16x64(s, sh.q, warp * 16, k);
@@ -301,21 +318,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
   const RowTile tile = row_tile_of_cta(p);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const KeyTiles kt{p.anchors[tile.n], (p.anchors[tile.n] + R - 1) / R};
-  const bf16* q = reinterpret_cast<const bf16*>(p.q);
   const bf16* dout = reinterpret_cast<const bf16*>(gr.d_out);
   const bf16* out = reinterpret_cast<const bf16*>(gr.out);
-  load_tile(sh.q, [&](int r) {
-    const int64_t o = tile.row_offset(p, r);
-    return o < 0 ? nullptr : q + o;
-  });
-  load_tile(sh.dout, [&](int r) {
-    const int64_t o = tile.row_offset(p, r);
-    return o < 0 ? nullptr : dout + o;
-  });
-  auto load_keys = [&](int t, int buffer) {
-    load_tile(sh.k[buffer], [&](int r) { return key_row(p, kt, p.k_context, p.k_block, tile.n, tile.h, t, r); });
-    load_tile(sh.v[buffer], [&](int r) { return key_row(p, kt, p.v_context, p.v_block, tile.n, tile.h, t, r); });
-  };
+  load_row_tile(sh.q, p, tile, p.q);
+  load_row_tile(sh.dout, p, tile, gr.d_out);
+  auto load_keys = [&](int t, int buffer) { load_key_tile(sh.k[buffer], sh.v[buffer], p, kt, tile.n, tile.h, t); };
   load_keys(0, 0);
   __pipeline_commit();
   // D = rowsum(dO o O) of each row (two threads per row), kept in shared memory and in the
@@ -351,14 +358,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
 #pragma unroll
   for (int i = 0; i < 16; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
   for (int t = 0; t < kt.count(); ++t) {
-    if (t + 1 < kt.count()) {
-      load_keys(t + 1, (t + 1) & 1);
-      __pipeline_commit();
-      __pipeline_wait_prior(1);
-    } else {
-      __pipeline_wait_prior(0);
-    }
-    __syncthreads();
+    next_stage(t, kt.count(), load_keys);
     const Tile &k = sh.k[t & 1], &v = sh.v[t & 1];
     const int visible = kt.visible(t, p.block_size);
     const float lse0 = sh.lse2[warp * 16 + g], lse1 = sh.lse2[warp * 16 + g + 8];
@@ -464,8 +464,6 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
   }
   const int tiles = p.row_tiles();
   const int first = lo, count = (chunk_end - first) * tiles;  // (block, row tile) pairs
-  const bf16* q = reinterpret_cast<const bf16*>(p.q);
-  const bf16* dout = reinterpret_cast<const bf16*>(gr.d_out);
   if (count > 0) {
     load_tile(sh.k, [&](int r) {
       const int j = j0 + r;
@@ -478,14 +476,8 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
   }
   auto load_rows = [&](int i, int buffer) {
     const RowTile rt{first + i / tiles, h, i % tiles};
-    load_tile(sh.q[buffer], [&](int r) {
-      const int64_t o = rt.row_offset(p, r);
-      return o < 0 ? nullptr : q + o;
-    });
-    load_tile(sh.dout[buffer], [&](int r) {
-      const int64_t o = rt.row_offset(p, r);
-      return o < 0 ? nullptr : dout + o;
-    });
+    load_row_tile(sh.q[buffer], p, rt, p.q);
+    load_row_tile(sh.dout[buffer], p, rt, gr.d_out);
     const int64_t slot = rt.slot(p);
     if (threadIdx.x < 16) {
       __pipeline_memcpy_async(&sh.lse2[buffer][threadIdx.x * 4], gr.lse2 + slot + threadIdx.x * 4, 16);
@@ -505,14 +497,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
   }
   const int key0 = j0 + warp * 16 + g, key1 = key0 + 8;  // this thread's accumulator rows
   for (int i = 0; i < count; ++i) {
-    if (i + 1 < count) {
-      load_rows(i + 1, (i + 1) & 1);
-      __pipeline_commit();
-      __pipeline_wait_prior(1);
-    } else {
-      __pipeline_wait_prior(0);
-    }
-    __syncthreads();
+    next_stage(i, count, load_rows);
     const int b = i & 1;
     const int anchor = p.anchors[first + i / tiles];
     const bool see0 = key0 < anchor, see1 = key1 < anchor;
