@@ -28,4 +28,14 @@ void allow_shared_memory(Kernel kernel, std::size_t bytes, const std::string& wh
              what + " (shared memory)");
 }
 
+// Empty when `kernel` has an image for the current device; otherwise the CUDA error text.
+template <typename Kernel>
+const char* kernel_image_missing(Kernel kernel) {
+  cudaFuncAttributes attributes;
+  const cudaError_t error = cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel));
+  if (error == cudaSuccess) return "";
+  cudaGetLastError();  // clear it
+  return cudaGetErrorString(error);
+}
+
 }  // namespace dflash

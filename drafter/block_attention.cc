@@ -229,8 +229,7 @@ struct FusedBlockAttentionFunction : public torch::autograd::Function<FusedBlock
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k_context,
                             const at::Tensor& v_context, const at::Tensor& k_block, const at::Tensor& v_block,
                             const at::Tensor& anchors, int64_t block_size, int64_t group_blocks, double scale) {
-    const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2), rep = hq / k_context.size(1);
-    const int64_t blocks = rows / block_size;
+    const int64_t rows = q.size(0), hq = q.size(1), rep = hq / k_context.size(1);
     const at::Tensor qc = q.contiguous();
     const at::Tensor kc = expand_heads(k_context, rep), vc = expand_heads(v_context, rep);
     const at::Tensor kb = expand_heads(k_block, rep), vb = expand_heads(v_block, rep);
@@ -267,8 +266,6 @@ struct FusedBlockAttentionFunction : public torch::autograd::Function<FusedBlock
     ctx->saved_data["group_blocks"] = group_blocks;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["rep"] = rep;
-    (void)blocks;
-    (void)d;
     return result;
   }
 

@@ -22,7 +22,7 @@
 // precision as matmul operands (tensor cores) with fp32 accumulation, fp32 scores, softmax,
 // output and log-sum-exp, as flash attention does. This portable path is the reference for
 // the fused kernels (drafter/kernels/block_attention.h): one flash-attention style pass that
-// walks only the key tiles a block sees, forward and backward, no compilation, 5x faster than
+// walks only the key tiles a block sees, forward and backward, no compilation, 2.6x faster than
 // the split path on the memory-efficient kernels at the 27B drafter shape (bench/RESULTS.md).
 #pragma once
 
@@ -47,9 +47,6 @@ struct BlockAttentionShape {
   BlockAttentionPath path = BlockAttentionPath::automatic;
 };
 
-// q [M=N*B, Hq, d]; k_context, v_context [S, Hkv, d]; k_block, v_block [M, Hkv, d];
-// anchors int64 [N] on the CPU, ascending, each in [0, S). Returns [M, Hq, d] (q's dtype).
-// Differentiable with respect to q, k_context, v_context, k_block and v_block.
 // Why the fused kernels cannot run for these inputs (names the device, dtype or dimension), or
 // nullopt when they can.
 std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size);
@@ -62,6 +59,9 @@ struct BlockAttentionPathInfo {
 };
 BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int64_t block_size);
 
+// q [M=N*B, Hq, d]; k_context, v_context [S, Hkv, d]; k_block, v_block [M, Hkv, d];
+// anchors int64 [N] on the CPU, ascending, each in [0, S). Returns [M, Hq, d] (q's dtype).
+// Differentiable with respect to q, k_context, v_context, k_block and v_block.
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, const at::Tensor& v_context,
                            const at::Tensor& k_block, const at::Tensor& v_block, const at::Tensor& anchors,
                            const BlockAttentionShape& shape);

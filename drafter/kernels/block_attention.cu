@@ -575,11 +575,7 @@ int context_chunks_for(const BlockAttentionProblem& p, int sms) {
 }
 
 const char* attention_kernels_unavailable_on_current_device() {
-  cudaFuncAttributes attributes;
-  const cudaError_t error = cudaFuncGetAttributes(&attributes, dkv_kernel);
-  if (error == cudaSuccess) return "";
-  cudaGetLastError();  // clear it
-  return cudaGetErrorString(error);
+  return kernel_image_missing(dkv_kernel);
 }
 
 }  // namespace dflash::drafter::kernels

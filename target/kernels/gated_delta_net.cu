@@ -517,11 +517,7 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
 }
 
 const char* kernels_unavailable_on_current_device() {
-  cudaFuncAttributes attributes;
-  const cudaError_t error = cudaFuncGetAttributes(&attributes, output_kernel);
-  if (error == cudaSuccess) return "";
-  cudaGetLastError();  // clear it
-  return cudaGetErrorString(error);
+  return kernel_image_missing(output_kernel);
 }
 
 }  // namespace dflash::target::kernels
