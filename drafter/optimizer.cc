@@ -66,14 +66,11 @@ void AdamW::one_pass_update(const std::vector<Slot*>& live, const std::vector<at
                             double clip) {
 #ifdef DFLASHD_WITH_CUDA
   std::vector<kernels::AdamWTensor> tensors;
-  std::vector<at::Tensor> steps;
   for (size_t i = 0; i < live.size(); ++i) {
     Slot& s = *live[i];
     tensors.push_back({s.master.data_ptr<float>(), s.exp_avg.data_ptr<float>(), s.exp_avg_sq.data_ptr<float>(),
                        grads[i].data_ptr(), s.param.data_ptr(), s.param.numel()});
-    steps.push_back(s.steps);
   }
-  at::_foreach_add_(steps, 1.0);  // the step count of the checkpointed state, as the fused path keeps it
   kernels::AdamWStep k;
   k.lr = static_cast<float>(lr);
   k.beta1 = static_cast<float>(settings_.beta1);
@@ -140,7 +137,9 @@ StepResult AdamW::step() {
         rounded.push_back(s->master);
       }
     }
-    at::_foreach_add_(steps, 1.0);
+    // ATen's kernel reads the step count from device tensors: this step's, from step_.
+    at::_foreach_zero_(steps);
+    at::_foreach_add_(steps, static_cast<double>(step_));
     at::_fused_adamw_(masters, grads, avgs, avg_sqs, {}, steps, lr, settings_.beta1, settings_.beta2,
                       settings_.weight_decay, settings_.epsilon, /*amsgrad=*/false, /*maximize=*/false);
     if (!params.empty()) at::_foreach_copy_(params, rounded);  // round to the model dtype
@@ -156,7 +155,6 @@ StepResult AdamW::step() {
       const at::Tensor denom = (s.exp_avg_sq.sqrt() / std::sqrt(bias2)).add_(settings_.epsilon);
       s.master.addcdiv_(s.exp_avg, denom, -lr / bias1);
       if (!s.master.is_same(s.param)) s.param.detach().copy_(s.master);  // round to the model dtype
-      s.steps.fill_(static_cast<double>(step_));
     }
   }
   zero_grad();
@@ -192,7 +190,6 @@ void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& te
     take("exp_avg." + s.name, s.exp_avg);
     take("exp_avg_sq." + s.name, s.exp_avg_sq);
     if (!s.master.is_same(s.param)) s.param.detach().copy_(s.master);
-    s.steps.fill_(static_cast<double>(steps_taken));
   }
   step_ = steps_taken;
 }

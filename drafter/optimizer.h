@@ -4,8 +4,9 @@
 // Parameters may be bf16 (the model); the optimizer keeps an fp32 master copy of each, applies
 // the update to the master and writes it back rounded. For fp32 parameters the master is the
 // parameter itself. The update follows torch.optim.AdamW exactly (decoupled weight decay,
-// bias-corrected moments). On a GPU the update runs as ATen's fused multi-tensor AdamW over the
-// masters (see OptimizerSettings::fused_on_gpu). Owned by the drafter worker's thread.
+// bias-corrected moments). On a GPU (OptimizerSettings::fused_on_gpu) bf16 parameters are
+// updated by one kernel pass (drafter/kernels/adamw.h), others by ATen's fused multi-tensor
+// AdamW over the masters. Owned by the drafter worker's thread.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,8 +25,8 @@ struct OptimizerSettings {
   double beta1 = 0.9, beta2 = 0.999, epsilon = 1e-8;
   double weight_decay = 0;
   double grad_clip_norm = 1.0;  // 0: no clipping
-  // On a GPU, one multi-tensor launch for the update (ATen's fused AdamW kernel on the fp32
-  // masters) instead of a handful of element-wise kernels per tensor. Same formula.
+  // On a GPU, the update in one pass (bf16 parameters: dflashd's kernel; others: ATen's fused
+  // AdamW on the fp32 masters) instead of a handful of element-wise kernels per tensor. Same formula.
   bool fused_on_gpu = true;
 };
 
@@ -59,7 +60,7 @@ class AdamW {
   struct Slot {
     std::string name;
     at::Tensor param, master, exp_avg, exp_avg_sq;
-    at::Tensor steps;  // fp32 scalar on the device: the fused kernel's step count
+    at::Tensor steps;  // fp32 scalar on the device: ATen's fused kernel reads the step count here
   };
   static bool one_pass_applies(const std::vector<Slot*>& live);
   void one_pass_update(const std::vector<Slot*>& live, const std::vector<at::Tensor>& grads, double lr, double clip);

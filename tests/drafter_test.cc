@@ -470,44 +470,49 @@ TEST(Optimizer, ClipsToTheGlobalNormAndSkipsNonFiniteSteps) {
 
 TEST(Optimizer, FusedGpuUpdateMatchesThePerTensorUpdate) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  // bf16 parameters with fp32 masters, clipping, weight decay, warmup: several steps of the
-  // one-pass AdamW kernel against the per-tensor path on the same gradients.
-  at::manual_seed(5);
-  const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-  std::vector<at::Tensor> fused_params, plain_params;
-  for (int64_t n : {1000, 37, 70000}) {  // the last spans two of the one-pass kernel's chunks
-    const at::Tensor init = at::randn({n}, bf16);
-    fused_params.push_back(init.clone().requires_grad_());
-    plain_params.push_back(init.clone().requires_grad_());
-  }
-  OptimizerSettings s;
-  s.learning_rate = 1e-2;
-  s.weight_decay = 0.1;
-  s.grad_clip_norm = 0.5;
-  s.warmup_steps = 2;
-  s.total_steps = 10;
-  OptimizerSettings plain_settings = s;
-  plain_settings.fused_on_gpu = false;
-  AdamW fused({{"a", fused_params[0]}, {"b", fused_params[1]}, {"c", fused_params[2]}}, s);
-  AdamW plain({{"a", plain_params[0]}, {"b", plain_params[1]}, {"c", plain_params[2]}}, plain_settings);
-  for (int step = 0; step < 5; ++step) {
-    for (size_t i = 0; i < fused_params.size(); ++i) {
-      const at::Tensor g = at::randn(fused_params[i].sizes(), bf16);
-      fused_params[i].mutable_grad() = g.clone();
-      plain_params[i].mutable_grad() = g.clone();
+  // Clipping, weight decay, warmup: several steps of the fused GPU paths against the per-tensor
+  // path on the same gradients. bf16 parameters (fp32 masters) take the one-pass AdamW kernel,
+  // fp32 parameters ATen's fused AdamW.
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    const std::string what = c10::toString(dtype);
+    at::manual_seed(5);
+    const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+    std::vector<at::Tensor> fused_params, plain_params;
+    for (int64_t n : {1000, 37, 70000}) {  // the last spans two of the one-pass kernel's chunks
+      const at::Tensor init = at::randn({n}, options);
+      fused_params.push_back(init.clone().requires_grad_());
+      plain_params.push_back(init.clone().requires_grad_());
     }
-    const StepResult a = fused.step(), b = plain.step();
-    EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-6 * b.grad_norm);
-  }
-  const auto fs = fused.state_tensors(), ps = plain.state_tensors();
-  ASSERT_EQ(fs.size(), ps.size());
-  for (size_t i = 0; i < fs.size(); ++i) {
-    const double scale = ps[i].second.abs().max().item<double>();
-    EXPECT_LE((fs[i].second - ps[i].second).abs().max().item<double>(), 1e-4 * scale + 1e-12) << fs[i].first;  // fp32 rounding order
-  }
-  for (size_t i = 0; i < fused_params.size(); ++i) {
-    const at::Tensor a = fused_params[i].detach().to(at::kFloat), b = plain_params[i].detach().to(at::kFloat);
-    EXPECT_LE((a - b).abs().max().item<double>(), 8e-3 * b.abs().max().item<double>()) << i;  // one bf16 ulp
+    OptimizerSettings s;
+    s.learning_rate = 1e-2;
+    s.weight_decay = 0.1;
+    s.grad_clip_norm = 0.5;
+    s.warmup_steps = 2;
+    s.total_steps = 10;
+    OptimizerSettings plain_settings = s;
+    plain_settings.fused_on_gpu = false;
+    AdamW fused({{"a", fused_params[0]}, {"b", fused_params[1]}, {"c", fused_params[2]}}, s);
+    AdamW plain({{"a", plain_params[0]}, {"b", plain_params[1]}, {"c", plain_params[2]}}, plain_settings);
+    for (int step = 0; step < 5; ++step) {
+      for (size_t i = 0; i < fused_params.size(); ++i) {
+        const at::Tensor g = at::randn(fused_params[i].sizes(), options);
+        fused_params[i].mutable_grad() = g.clone();
+        plain_params[i].mutable_grad() = g.clone();
+      }
+      const StepResult a = fused.step(), b = plain.step();
+      EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-6 * b.grad_norm) << what;
+    }
+    const auto fs = fused.state_tensors(), ps = plain.state_tensors();
+    ASSERT_EQ(fs.size(), ps.size());
+    for (size_t i = 0; i < fs.size(); ++i) {
+      const double scale = ps[i].second.abs().max().item<double>();
+      EXPECT_LE((fs[i].second - ps[i].second).abs().max().item<double>(), 1e-4 * scale + 1e-12)
+          << fs[i].first << " " << what;  // fp32 rounding order
+    }
+    for (size_t i = 0; i < fused_params.size(); ++i) {
+      const at::Tensor a = fused_params[i].detach().to(at::kFloat), b = plain_params[i].detach().to(at::kFloat);
+      EXPECT_LE((a - b).abs().max().item<double>(), 8e-3 * b.abs().max().item<double>()) << i << " " << what;  // one bf16 ulp
+    }
   }
 }
 
