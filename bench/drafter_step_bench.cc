@@ -68,7 +68,8 @@ int main(int argc, char** argv) {
   drafter::AdamW optimizer(model.parameters(), settings);
   const drafter::BlockTargets targets = drafter::make_block_targets(batch, 16, 7.0, device);
   const int64_t rows = batch.anchors[0].size(0) * 16;
-  const double flops = pipeline::drafter_flops(s, S, rows, batch.anchors[0].sum().item<int64_t>());
+  const int64_t anchor_sum = batch.anchors[0].sum().item<int64_t>();
+  const double flops = pipeline::drafter_flops(s, S, rows, anchor_sum);
 
   std::vector<double> fwd_bwd, opt;
   for (int i = 0; i < repeats + 2; ++i) {
@@ -133,8 +134,8 @@ int main(int argc, char** argv) {
     p.both = timed([&] { drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape).backward(dout); });
   }
   // The attention's model FLOPs (performance.md): 4 d per visible (row, key) pair forward, 2.5x that backward.
-  double pairs = 0;
-  for (int64_t i = 0; i < batch.anchors[0].size(0); ++i) pairs += static_cast<double>(batch.anchors[0][i].item<int64_t>() + 16) * 16 * hq;
+  // Each of a block's 16 rows per query head sees anchor + 16 keys.
+  const double pairs = 16.0 * static_cast<double>(hq) * static_cast<double>(anchor_sum + 16 * batch.anchors[0].size(0));
   const double attention_flops = 4.0 * d * pairs;
   if (std::getenv("DFLASHD_PROFILE")) {
     bench::print_kernel_profile("drafter step (forward, LM head + loss, backward)", [&] {
