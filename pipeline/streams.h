@@ -33,7 +33,7 @@ class WorkerStream {
 // A GPU shared by a target and a drafter worker runs one role at a time: a worker takes the
 // GPU's turn for one iteration and gives it back once its stream has drained, so the stage
 // times are the roles' own and not their contention. (Measured on an H200 at the 27B shapes,
-// bench/RESULTS.md: the two roles' kernels at once gave 3.5% more tokens/s than in turns, at
+// bench/RESULTS.md: the two roles' kernels at once gave 2.5-3.5% more tokens/s than in turns, at
 // the price of stage times that mean nothing; gpus.shared_gpu chooses.) With a null mutex:
 // nothing.
 class GpuTurn {
