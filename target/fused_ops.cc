@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
+
 #include "common/tensor_math.h"
 
 #ifdef DFLASHD_WITH_CUDA
@@ -44,6 +46,21 @@ std::pair<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const at::Tenso
 #endif
 }
 
+// Strided rows the row kernels can read: bf16 on the GPU, contiguous last dim, 16-byte aligned.
+bool rows_apply(const at::Tensor& x) {
+#ifdef DFLASHD_WITH_CUDA
+  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || x.stride(-1) != 1) return false;
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return false;
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) {
+    if (x.stride(i) % 8 != 0) return false;
+  }
+  return true;
+#else
+  (void)x;
+  return false;
+#endif
+}
+
 }  // namespace
 
 at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centred) {
@@ -60,6 +77,46 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
 #ifdef DFLASHD_WITH_CUDA
   at::Tensor out = at::empty_like(gate);
   kernels::silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), at::cuda::getCurrentCUDAStream().stream());
+  return out;
+#else
+  return {};
+#endif
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rotary = cos.size(-1);
+  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+  const at::Tensor rot = x.narrow(-1, 0, rotary);
+  const at::Tensor rotated = rot * c + rotate_half(rot) * s;
+  if (rotary == x.size(-1)) return rotated;
+  return at::cat({rotated, x.narrow(-1, rotary, x.size(-1) - rotary)}, -1);
+}
+
+at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos, const at::Tensor& sin,
+                        double eps, bool zero_centred) {
+  const int64_t d = x.size(-1), rotary = cos.size(-1);
+  const bool fused = x.dim() == 3 && rows_apply(x) && kernels_apply({&weight, &cos, &sin}) && d <= 256 &&
+                     rotary % 16 == 0 && rotary <= d && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0);
+  if (!fused) return apply_rope(rms_norm(x, weight, eps, zero_centred), cos, sin);
+#ifdef DFLASHD_WITH_CUDA
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  kernels::qk_norm_rope(x.data_ptr(), x.stride(0), x.stride(1), static_cast<int>(x.size(0)), static_cast<int>(x.size(1)),
+                        static_cast<int>(d), weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), static_cast<int>(rotary),
+                        out.data_ptr(), static_cast<float>(eps), zero_centred, at::cuda::getCurrentCUDAStream().stream());
+  return out;
+#else
+  return {};
+#endif
+}
+
+at::Tensor sigmoid_gate(const at::Tensor& out, const at::Tensor& gate) {
+  const bool fused = gate.dim() == 3 && rows_apply(gate) && kernels_apply({&out}) && out.dim() == 2 &&
+                     out.size(0) == gate.size(0) && out.size(1) == gate.size(1) * gate.size(2);
+  if (!fused) return out * at::sigmoid(gate.reshape({gate.size(0), -1}));
+#ifdef DFLASHD_WITH_CUDA
+  kernels::sigmoid_gate(out.data_ptr(), gate.data_ptr(), gate.stride(0), gate.stride(1), static_cast<int>(gate.size(0)),
+                        static_cast<int>(gate.size(1)), static_cast<int>(gate.size(2)),
+                        at::cuda::getCurrentCUDAStream().stream());
   return out;
 #else
   return {};

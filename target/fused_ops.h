@@ -1,7 +1,7 @@
-// fused_ops.h: the target forward's residual add + RMSNorm and SiLU-mul, as one CUDA kernel
-// each where they can run (bf16 on a GPU, contiguous rows, sizes multiple of 8), as the
-// composite ATen expression otherwise (CPU, other dtypes). Same roundings either way
-// (target/kernels/elementwise.h).
+// fused_ops.h: the target forward's element-wise work (residual add + RMSNorm, SiLU-mul, the
+// attention's q/k norm + RoPE and output gate), as one CUDA kernel each where they can run
+// (bf16 on a GPU, 16-byte aligned rows, sizes multiple of 8), as the composite ATen expression
+// otherwise (CPU, other dtypes). Same roundings either way (target/kernels/elementwise.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -19,5 +19,18 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Te
 
 // silu(gate) * up, as HF's MLP rounds it.
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+
+// x [tokens, heads, d] rotated over its first cos.size(-1) dims; cos/sin [tokens, rotary] in
+// x's dtype (the composite expression, HF's apply_rotary_pos_emb with partial rotary).
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// apply_rope(rms_norm(x)): an attention layer's q or k after its q_norm / k_norm. x [tokens,
+// heads, d] may be a strided view (last dim contiguous); the result is contiguous.
+at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos, const at::Tensor& sin,
+                        double eps, bool zero_centred);
+
+// out * sigmoid(gate) (gated attention): out [tokens, heads * d] contiguous, gate [tokens, heads,
+// d] a view with contiguous last dim. May write into out.
+at::Tensor sigmoid_gate(const at::Tensor& out, const at::Tensor& gate);
 
 }  // namespace dflash::target

@@ -5,6 +5,12 @@
 #include <cmath>
 
 namespace dflash::target {
+
+GdnGateValues gdn_gates_reference(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+                                  const at::Tensor& dt_bias) {
+  return {-at::exp(a_log.to(at::kFloat)) * at::softplus(a.to(at::kFloat) + dt_bias.to(at::kFloat)),
+          at::sigmoid(b.to(at::kFloat))};
+}
 namespace {
 
 at::Tensor l2_normalize(const at::Tensor& x) {

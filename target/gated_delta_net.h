@@ -22,6 +22,14 @@ namespace dflash::target {
 // SiLU. Computed in fp32, returned in x's dtype.
 at::Tensor causal_conv1d_silu_reference(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions);
 
+// The gates from a layer's projections: g = -exp(A_log) softplus(a + dt_bias) (<= 0) and beta =
+// sigmoid(b), fp32 [T, Hv], from a, b [T, Hv] (any dtype) and A_log, dt_bias [Hv].
+struct GdnGateValues {
+  at::Tensor g, beta;
+};
+GdnGateValues gdn_gates_reference(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+                                  const at::Tensor& dt_bias);
+
 // One sequence: q, k [T, Hk, dk] (raw: L2 normalisation and the dk^-0.5 scale happen here),
 // v [T, Hv, dv], g and beta [T, Hv] (fp32; g <= 0). Value head h reads key head h / (Hv/Hk).
 // Returns o [T, Hv, dv] in fp32.

@@ -81,7 +81,7 @@ GdnInputs random_gdn_inputs(const std::vector<int64_t>& lengths, int64_t key_hea
 }
 
 double gdn_kernel_error(const GdnInputs& in, int64_t key_heads, int64_t value_heads, at::Tensor* kernel_output) {
-  const at::Tensor ours = gated_delta_rule_cuda(in.mixed, key_heads, value_heads, in.g, in.beta,
+  const at::Tensor ours = gated_delta_rule_cuda(in.mixed, key_heads, value_heads, GdnGates::precomputed(in.g, in.beta),
                                                 make_gdn_chunk_plan(in.cu_seqlens, in.mixed.device()));
   const at::Tensor reference = chunk_gated_delta_rule_packed_reference(in.q.to(at::kFloat), in.k.to(at::kFloat),
                                                                        in.v.to(at::kFloat), in.g, in.beta, in.cu_seqlens);
@@ -115,9 +115,9 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x_in, const at::Tensor& wei
   return y;
 }
 
-at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, int64_t value_heads, const at::Tensor& g_in,
-                                 const at::Tensor& beta_in, const GdnChunkPlan& plan, const at::Tensor& z,
-                                 const at::Tensor& norm_weight_in, double eps, int state_columns, float* stage_ms) {
+at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, int64_t value_heads, const GdnGates& gates,
+                                 const GdnChunkPlan& plan, const at::Tensor& z, const at::Tensor& norm_weight_in,
+                                 double eps, int state_columns, float* stage_ms) {
   constexpr int64_t D = kernels::kGdnHeadDim, C = kernels::kGdnChunk;
   expect(mixed_in.is_cuda() && mixed_in.scalar_type() == at::kBFloat16 && mixed_in.dim() == 2 &&
              mixed_in.size(1) == (2 * key_heads + value_heads) * D,
@@ -125,8 +125,20 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
   const c10::cuda::CUDAGuard guard(mixed_in.device());
   const at::Tensor mixed = mixed_in.stride(1) == 1 ? mixed_in : mixed_in.contiguous();
   const int64_t tokens = mixed.size(0);
-  const at::Tensor g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
-  expect(g.numel() == tokens * value_heads && beta.numel() == tokens * value_heads, "g and beta must be [tokens, value_heads]");
+  at::Tensor g, beta, gate_a, gate_b, a_log, dt_bias;
+  if (gates.a.defined()) {
+    auto rows = [&](const at::Tensor& t) {
+      return t.dim() == 2 && t.size(0) == tokens && t.size(1) == value_heads && t.stride(1) == 1 ? t : t.contiguous();
+    };
+    gate_a = rows(gates.a.to(at::kBFloat16)), gate_b = rows(gates.b.to(at::kBFloat16));
+    a_log = gates.a_log.to(at::kFloat).contiguous(), dt_bias = gates.dt_bias.to(at::kFloat).contiguous();
+    expect(gate_a.numel() == tokens * value_heads && gate_b.numel() == tokens * value_heads &&
+               a_log.numel() == value_heads && dt_bias.numel() == value_heads,
+           "gate projections a, b must be [tokens, value_heads], A_log and dt_bias [value_heads]");
+  } else {
+    g = gates.g.to(at::kFloat).contiguous(), beta = gates.beta.to(at::kFloat).contiguous();
+    expect(g.numel() == tokens * value_heads && beta.numel() == tokens * value_heads, "g and beta must be [tokens, value_heads]");
+  }
   expect(plan.table.defined() && plan.table.device() == mixed.device(), "the chunk plan must be on the input's device");
   const int64_t chunks = plan.num_chunks;
   const auto bf = mixed.options();
@@ -141,8 +153,17 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
   a.tokens = static_cast<int>(tokens);
   a.key_heads = static_cast<int>(key_heads);
   a.value_heads = static_cast<int>(value_heads);
-  a.g = g.data_ptr<float>();
-  a.beta = beta.data_ptr<float>();
+  if (gate_a.defined()) {
+    a.gate_a = gate_a.data_ptr();
+    a.gate_b = gate_b.data_ptr();
+    a.a_stride = gate_a.dim() == 2 ? gate_a.stride(0) : value_heads;
+    a.b_stride = gate_b.dim() == 2 ? gate_b.stride(0) : value_heads;
+    a.a_log = a_log.data_ptr<float>();
+    a.dt_bias = dt_bias.data_ptr<float>();
+  } else {
+    a.g = g.data_ptr<float>();
+    a.beta = beta.data_ptr<float>();
+  }
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const int32_t* table = plan.table.data_ptr<int32_t>();
   a.chunks = {table, table + chunks, table + 2 * chunks, plan.num_chunks, plan.num_seqs};
@@ -188,7 +209,7 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
 at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   throw std::logic_error("conv1d_silu_l2norm_cuda: this build has no CUDA kernels");
 }
-at::Tensor gated_delta_rule_cuda(const at::Tensor&, int64_t, int64_t, const at::Tensor&, const at::Tensor&,
+at::Tensor gated_delta_rule_cuda(const at::Tensor&, int64_t, int64_t, const GdnGates&,
                                  const GdnChunkPlan&, const at::Tensor&, const at::Tensor&, double, int, float*) {
   throw std::logic_error("gated_delta_rule_cuda: this build has no CUDA kernels");
 }

@@ -33,14 +33,31 @@ GdnChunkPlan make_gdn_chunk_plan(const std::vector<int64_t>& cu_seqlens, at::Dev
 at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions,
                                    int64_t qk_channels);
 
+// The gates of one call: g and beta (fp32 [tokens, value_heads]), or the layer's projections a
+// and b (bf16 [tokens, value_heads], contiguous rows) with A_log and dt_bias ([value_heads]), which
+// the prepare kernel turns into g and beta as gdn_gates_reference does (no separate kernels).
+struct GdnGates {
+  at::Tensor g, beta;
+  at::Tensor a, b, a_log, dt_bias;
+  static GdnGates precomputed(const at::Tensor& g, const at::Tensor& beta) {
+    GdnGates gates;
+    gates.g = g, gates.beta = beta;
+    return gates;
+  }
+  static GdnGates projections(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log, const at::Tensor& dt_bias) {
+    GdnGates gates;
+    gates.a = a, gates.b = b, gates.a_log = a_log, gates.dt_bias = dt_bias;
+    return gates;
+  }
+};
+
 // mixed: bf16 [tokens, (2 key_heads + value_heads) * 128] as the conv returns it (q, k
-// normalised); g, beta: fp32 [tokens, value_heads]. With norm_weight defined, returns the
-// layer's gated RMSNorm w * rmsnorm(o) * silu(z) as bf16 [tokens, value_heads * 128] (z: bf16
-// [tokens, value_heads, 128], any row stride); without, o itself as fp32 [tokens, value_heads, 128].
-at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed, int64_t key_heads, int64_t value_heads, const at::Tensor& g,
-                                 const at::Tensor& beta, const GdnChunkPlan& plan, const at::Tensor& z = {},
-                                 const at::Tensor& norm_weight = {}, double eps = 1e-6, int state_columns = 32,
-                                 float* stage_ms = nullptr);
+// normalised). With norm_weight defined, returns the layer's gated RMSNorm w * rmsnorm(o) *
+// silu(z) as bf16 [tokens, value_heads * 128] (z: bf16 [tokens, value_heads, 128], any row
+// stride); without, o itself as fp32 [tokens, value_heads, 128].
+at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed, int64_t key_heads, int64_t value_heads, const GdnGates& gates,
+                                 const GdnChunkPlan& plan, const at::Tensor& z = {}, const at::Tensor& norm_weight = {},
+                                 double eps = 1e-6, int state_columns = 64, float* stage_ms = nullptr);
 // stage_ms (profiling; synchronises): when given, receives the milliseconds of the three
 // kernels (prepare, state, output) of this call.
 

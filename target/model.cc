@@ -61,16 +61,6 @@ struct TargetModel::Impl {
 
 namespace {
 
-// x [tokens, heads, head_dim]; cos/sin [tokens, rotary_dim]; rotates the first rotary_dim dims.
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t rotary = cos.size(-1);
-  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
-  const at::Tensor rot = x.narrow(-1, 0, rotary);
-  const at::Tensor rotated = rot * c + rotate_half(rot) * s;
-  if (rotary == x.size(-1)) return rotated;
-  return at::cat({rotated, x.narrow(-1, rotary, x.size(-1) - rotary)}, -1);
-}
-
 at::Tensor compute_inv_freq(const ModelConfig& c) {
   const int64_t rotary_dim = static_cast<int64_t>(c.head_dim * c.rope.partial_rotary_factor);
   at::Tensor inv_freq =
@@ -99,18 +89,19 @@ at::Tensor attention_forward(const ModelConfig& c, const Attention& p, const at:
     // q_proj yields per head [query | gate].
     const at::Tensor both = p.q(x).view({tokens, hq, 2 * d});
     q = both.narrow(-1, 0, d);
-    gate = both.narrow(-1, d, d).reshape({tokens, hq * d});
+    gate = both.narrow(-1, d, d);
   } else {
     q = p.q(x).view({tokens, hq, d});
   }
   at::Tensor k = p.k(x).view({tokens, hkv, d});
   const at::Tensor v = p.v(x).view({tokens, hkv, d});
   if (c.qk_norm) {
-    q = rms_norm(q, p.q_norm, c.rms_norm_eps, c.zero_centred_norm);
-    k = rms_norm(k, p.k_norm, c.rms_norm_eps, c.zero_centred_norm);
+    q = qk_norm_rope(q, p.q_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
+    k = qk_norm_rope(k, p.k_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
+  } else {
+    q = apply_rope(q, cos, sin);
+    k = apply_rope(k, cos, sin);
   }
-  q = apply_rope(q, cos, sin);
-  k = apply_rope(k, cos, sin);
   // Causal attention within each sequence. (GPU path: one varlen call; issue: pipeline.)
   std::vector<at::Tensor> outputs;
   for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
@@ -122,8 +113,8 @@ at::Tensor attention_forward(const ModelConfig& c, const Attention& p, const at:
                                                           /*enable_gqa=*/true);
     outputs.push_back(o.squeeze(0).transpose(0, 1).reshape({length, hq * d}));
   }
-  at::Tensor out = at::cat(outputs, 0);
-  if (c.gated_attention) out = out * at::sigmoid(gate);
+  at::Tensor out = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
+  if (c.gated_attention) out = sigmoid_gate(out, gate);
   return p.o(out);
 }
 
@@ -151,13 +142,13 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
     b = p.b(x);
     a = p.a(x);
   }
-  const at::Tensor beta = at::sigmoid(b.to(at::kFloat));                                               // [N, Hv]
-  const at::Tensor g = -at::exp(p.a_log.to(at::kFloat)) * at::softplus(a.to(at::kFloat) + p.dt_bias.to(at::kFloat));  // <= 0
-  if (plan != nullptr) {
+  if (plan != nullptr) {  // the gates are formed inside the kernels
     mixed = conv1d_silu_l2norm_cuda(mixed, p.conv, positions, 2 * hk * dk);
-    const at::Tensor gated = gated_delta_rule_cuda(mixed, hk, hv, g, beta, *plan, z.contiguous(), p.norm, c.rms_norm_eps);
+    const GdnGates gates = GdnGates::projections(a, b, p.a_log, p.dt_bias);
+    const at::Tensor gated = gated_delta_rule_cuda(mixed, hk, hv, gates, *plan, z.contiguous(), p.norm, c.rms_norm_eps);
     return p.out(gated);
   }
+  const auto [g, beta] = gdn_gates_reference(a, b, p.a_log, p.dt_bias);  // fp32 [N, Hv]
   mixed = causal_conv1d_silu_reference(mixed, p.conv, positions);
   const at::Tensor q = mixed.narrow(-1, 0, hk * dk).view({tokens, hk, dk});
   const at::Tensor k = mixed.narrow(-1, hk * dk, hk * dk).view({tokens, hk, dk});

@@ -260,13 +260,36 @@ TEST(GatedDeltaNetKernels, MatchTheReferenceAtSeveralShapes) {
     // Every sequence on its own (no leakage across boundaries in the packed run).
     for (size_t s = 0; s + 1 < cu.size(); ++s) {
       const at::Tensor part = ours.narrow(0, cu[s], cu[s + 1] - cu[s]);
-      const at::Tensor alone = gated_delta_rule_cuda(mixed.narrow(0, cu[s], cu[s + 1] - cu[s]), hk, hv,
-                                                     g.narrow(0, cu[s], cu[s + 1] - cu[s]),
-                                                     beta.narrow(0, cu[s], cu[s + 1] - cu[s]),
-                                                     make_gdn_chunk_plan({0, cu[s + 1] - cu[s]}, at::kCUDA));
+      const at::Tensor alone = gated_delta_rule_cuda(
+          mixed.narrow(0, cu[s], cu[s + 1] - cu[s]), hk, hv,
+          GdnGates::precomputed(g.narrow(0, cu[s], cu[s + 1] - cu[s]), beta.narrow(0, cu[s], cu[s + 1] - cu[s])),
+          make_gdn_chunk_plan({0, cu[s + 1] - cu[s]}, at::kCUDA));
       EXPECT_TRUE(at::equal(part, alone)) << "sequence " << s << " differs when packed";
     }
   }
+}
+
+// The gates formed in the prepare kernel from the raw projections (strided rows, as a fused
+// [b | a] projection gives them) against the same gates computed by the reference ops.
+TEST(GatedDeltaNetKernels, GatesFromProjectionsMatchPrecomputedGates) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(11);
+  const int64_t hk = 4, hv = 12;
+  const GdnInputs in = random_gdn_inputs({300, 77}, hk, hv, 1.0, at::kCUDA);
+  const int64_t tokens = in.cu_seqlens.back();
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const at::Tensor ba = (at::randn({tokens, 2 * hv}, cuda) * 3).to(at::kBFloat16);
+  const at::Tensor b = ba.narrow(1, 0, hv), a = ba.narrow(1, hv, hv);
+  const at::Tensor a_log = at::log(at::rand({hv}, cuda) * 15 + 1), dt_bias = at::randn({hv}, cuda) * 5;
+  const auto [g, beta] = gdn_gates_reference(a, b, a_log, dt_bias);
+  const GdnChunkPlan plan = make_gdn_chunk_plan(in.cu_seqlens, at::kCUDA);
+  const at::Tensor from_raw = gated_delta_rule_cuda(in.mixed, hk, hv, GdnGates::projections(a, b, a_log, dt_bias), plan);
+  const at::Tensor precomputed = gated_delta_rule_cuda(in.mixed, hk, hv, GdnGates::precomputed(g, beta), plan);
+  EXPECT_LE(relative_l2_error(from_raw, precomputed), 2e-3);  // bf16 roundings may flip; a wrong formula is O(1)
+  // And both against the fp32 reference path with those gates.
+  const at::Tensor reference = chunk_gated_delta_rule_packed_reference(in.q.to(at::kFloat), in.k.to(at::kFloat),
+                                                                       in.v.to(at::kFloat), g, beta, in.cu_seqlens);
+  EXPECT_LE(relative_l2_error(from_raw, reference), 1e-2);
 }
 
 // The fused residual add + RMSNorm and SiLU-mul kernels against the composite expressions they
@@ -293,6 +316,28 @@ TEST(FusedOps, GpuKernelsMatchTheCompositeExpressions) {
   }
   const at::Tensor gate = at::randn({300, 1736}, bf16) * 3, up = at::randn({300, 1736}, bf16);
   nearly_equal(silu_mul(gate, up), at::silu(gate) * up, "silu_mul");
+  // Attention q/k: the gated layout's q is a strided view ([query | gate] per head), k contiguous;
+  // Qwen3.5's partial rotary (64 of 256) and Qwen3's full rotary (128 of 128).
+  for (const auto& [d, rotary] : {std::pair<int64_t, int64_t>{256, 64}, {128, 128}}) {
+    const int64_t tokens = 45, heads = 6;
+    const at::Tensor both = at::randn({tokens, heads, 2 * d}, bf16) * 2;
+    const at::Tensor q = both.narrow(-1, 0, d), k = at::randn({tokens, 2, d}, bf16);
+    const at::Tensor angles = at::rand({tokens, rotary / 2}, bf16.dtype(at::kFloat)) * 6;
+    const at::Tensor cos = at::cat({angles, angles}, -1).cos().to(at::kBFloat16);
+    const at::Tensor sin = at::cat({angles, angles}, -1).sin().to(at::kBFloat16);
+    const at::Tensor w = at::randn({d}, bf16) * 0.1;
+    for (const bool zero_centred : {true, false}) {
+      const std::string what = "qk_norm_rope d " + std::to_string(d) + (zero_centred ? ", zero-centred" : "");
+      for (const at::Tensor& x : {q, k}) {
+        const at::Tensor ours = qk_norm_rope(x, w, cos, sin, 1e-6, zero_centred);
+        EXPECT_TRUE(ours.is_contiguous()) << what;
+        nearly_equal(ours, apply_rope(rms_norm(x, w, 1e-6, zero_centred), cos, sin), what);
+      }
+    }
+    const at::Tensor out = at::randn({tokens, heads * d}, bf16);
+    const at::Tensor expected = out * at::sigmoid(both.narrow(-1, d, d).reshape({tokens, heads * d}));
+    nearly_equal(sigmoid_gate(out.clone(), both.narrow(-1, d, d)), expected, "sigmoid_gate d " + std::to_string(d));
+  }
 }
 
 TEST(GatedDeltaNetKernels, ConvSiluAndL2NormMatchTheReference) {

@@ -1,10 +1,7 @@
 // The DFlash block attention kernels: see block_attention.h for the tiling and the mask.
 //
-// Notation: a tile is 64 rows x 128 bf16 in shared memory, 16-byte chunks XOR-swizzled by row
-// (chunk' = chunk ^ (row & 7)) so that ldmatrix reads are free of bank conflicts. Each warp
-// owns 16 rows of the 64 (queries in forward / dq, keys in dkv). Fragments follow the PTX
-// layout of mma.m16n8k16: lane = 4 g + t; an accumulator c[4] holds (row g, cols 2t, 2t+1) and
-// (row g + 8, same cols) of a 16 x 8 tile.
+// Notation: tiles (64 rows x 128, swizzled) and fragments as in common/mma_tile.cuh. Each warp
+// owns 16 rows of the 64 (queries in forward / dq, keys in dkv).
 #include "drafter/kernels/block_attention.h"
 
 #include <cuda_bf16.h>
@@ -17,132 +14,17 @@
 #include <string>
 
 #include "common/cuda_check.h"
+#include "common/mma_tile.cuh"
 
 namespace dflash::drafter::kernels {
 namespace {
 
-using bf16 = __nv_bfloat16;
-constexpr int D = kAttentionHeadDim;   // 128
-constexpr int R = kAttentionTileRows;  // 64 rows (or keys) per tile
+using namespace dflash::mma_tile;
+
+static_assert(D == kAttentionHeadDim && R == kAttentionTileRows, "tiles of 64 rows (or keys) x 128");
 constexpr int kThreads = 128;          // 4 warps x 16 rows
 constexpr int kSmallLd = 24;           // bf16 row stride of the [64 rows][16 keys] block-tile matrices
 constexpr float kLog2e = 1.4426950408889634f;
-
-struct __align__(16) Tile {
-  bf16 v[R * D];
-};
-
-__device__ __forceinline__ int swizzled(int row, int chunk) { return row * D + ((chunk ^ (row & 7)) << 3); }
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Loads a tile asynchronously: row r from row_of(r) (nullptr: zero-filled). Caller commits.
-template <typename RowOf>
-__device__ __forceinline__ void load_tile(Tile& tile, RowOf row_of) {
-  for (int i = threadIdx.x; i < R * (D / 8); i += kThreads) {
-    const int r = i >> 4, c = i & 15;
-    const bf16* src = row_of(r);
-    bf16* dst = tile.v + swizzled(r, c);
-    if (src != nullptr) {
-      __pipeline_memcpy_async(dst, src + c * 8, 16);
-    } else {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-    }
-  }
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-__device__ __forceinline__ float2 unpack(uint32_t x) {
-  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
-}
-
-// A operand (16 x 16) of a row-major tile: rows [row0, row0 + 16), columns [col0, col0 + 16).
-__device__ __forceinline__ void load_a(uint32_t (&a)[4], const Tile& t, int row0, int col0) {
-  const int lane = threadIdx.x & 31;
-  ldsm_x4(a, shared_address(t.v + swizzled(row0 + (lane & 15), (col0 >> 3) + (lane >> 4))));
-}
-
-// B operands of two n8 tiles [n0, n0 + 8), [n0 + 8, n0 + 16) over k [k0, k0 + 16), from a tile
-// stored [n][k] (keys as rows for Q K^T): b = {b0(n0), b1(n0), b0(n0 + 8), b1(n0 + 8)}.
-__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const Tile& t, int n0, int k0) {
-  const int lane = threadIdx.x & 31, m = lane >> 3;
-  ldsm_x4(b, shared_address(t.v + swizzled(n0 + ((m >> 1) << 3) + (lane & 7), (k0 >> 3) + (m & 1))));
-}
-
-// The same from a tile stored [k][n] (values for P V): transposed by ldmatrix.
-__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const Tile& t, int k0, int n0) {
-  const int lane = threadIdx.x & 31, m = lane >> 3;
-  ldsm_x4_trans(b, shared_address(t.v + swizzled(k0 + ((m & 1) << 3) + (lane & 7), (n0 >> 3) + (m >> 1))));
-}
-
-// Accumulators of a 16 x 64 product (8 n8 tiles) as the A operands (4 k-steps of 16) of the next.
-__device__ __forceinline__ void to_a(uint32_t (&a)[4][4], const float (&c)[8][4]) {
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    a[kk][0] = pack(c[2 * kk][0], c[2 * kk][1]);
-    a[kk][1] = pack(c[2 * kk][2], c[2 * kk][3]);
-    a[kk][2] = pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-    a[kk][3] = pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
-  }
-}
-
-// s[8][4] = A(16 rows of `a` from row0) . B^T over the 128 columns, B = 64 rows of `b` ([n][k]).
-__device__ __forceinline__ void product_16x64(float (&s)[8][4], const Tile& a, int row0, const Tile& b) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
-    uint32_t x[4];
-    load_a(x, a, row0, ks * 16);
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      uint32_t y[4];
-      load_b_nk(y, b, np * 16, ks * 16);
-      mma(s[2 * np], x, y[0], y[1]);
-      mma(s[2 * np + 1], x, y[2], y[3]);
-    }
-  }
-}
-
-// acc[16][4] (16 x 128) += A (16 x 64, as 4 k-steps of fragments) . V (64 rows of `v`, [k][n]).
-__device__ __forceinline__ void accumulate_16x128(float (&acc)[16][4], const uint32_t (&a)[4][4], const Tile& v) {
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
-      uint32_t y[4];
-      load_b_kn(y, v, kk * 16, dp * 16);
-      mma(acc[2 * dp], a[kk], y[0], y[1]);
-      mma(acc[2 * dp + 1], a[kk], y[2], y[3]);
-    }
-  }
-}
 
 // Rows of one (block, key-value head, row tile): row r is pair rt * 64 + r of the rep * B
 // (head, block row) pairs; past the last pair it is padding.
@@ -183,7 +65,7 @@ __device__ __forceinline__ const bf16* key_row(const BlockAttentionProblem& p, c
 __device__ __forceinline__ void load_row_tile(Tile& tile, const BlockAttentionProblem& p, const RowTile& rows,
                                               const void* base) {
   const bf16* b = static_cast<const bf16*>(base);
-  load_tile(tile, [&](int r) {
+  load_tile<kThreads>(tile, [&](int r) {
     const int64_t o = rows.row_offset(p, r);
     return o < 0 ? nullptr : b + o;
   });
@@ -192,22 +74,8 @@ __device__ __forceinline__ void load_row_tile(Tile& tile, const BlockAttentionPr
 // Key tile t of block n (keys and values) for key-value head h; invisible rows zero.
 __device__ __forceinline__ void load_key_tile(Tile& k, Tile& v, const BlockAttentionProblem& p, const KeyTiles& kt,
                                               int n, int h, int t) {
-  load_tile(k, [&](int r) { return key_row(p, kt, p.k_context, p.k_block, n, h, t, r); });
-  load_tile(v, [&](int r) { return key_row(p, kt, p.v_context, p.v_block, n, h, t, r); });
-}
-
-// Double buffering: before iteration i of `count` uses its buffer, issue the loads of i + 1
-// (load_next) and wait for those of i; then the whole CTA sees them.
-template <typename LoadNext>
-__device__ __forceinline__ void next_stage(int i, int count, LoadNext load_next) {
-  if (i + 1 < count) {
-    load_next(i + 1, (i + 1) & 1);
-    __pipeline_commit();
-    __pipeline_wait_prior(1);
-  } else {
-    __pipeline_wait_prior(0);
-  }
-  __syncthreads();
+  load_tile<kThreads>(k, [&](int r) { return key_row(p, kt, p.k_context, p.k_block, n, h, t, r); });
+  load_tile<kThreads>(v, [&](int r) { return key_row(p, kt, p.v_context, p.v_block, n, h, t, r); });
 }
 
 // ---- forward ---------------------------------------------------------------------------------
@@ -233,7 +101,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem
   for (int i = 0; i < 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 of this warp
   for (int t = 0; t < kt.count(); ++t) {
-    next_stage(t, kt.count(), load_keys);
+    pipeline_stage<2>(t, kt.count(), load_keys);
     const Tile &k = sh.k[t & 1], &v = sh.v[t & 1];
     float s[8][4];
     product_16x64(s, sh.q, warp * 16, k);
@@ -358,7 +226,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
 #pragma unroll
   for (int i = 0; i < 16; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
   for (int t = 0; t < kt.count(); ++t) {
-    next_stage(t, kt.count(), load_keys);
+    pipeline_stage<2>(t, kt.count(), load_keys);
     const Tile &k = sh.k[t & 1], &v = sh.v[t & 1];
     const int visible = kt.visible(t, p.block_size);
     const float lse0 = sh.lse2[warp * 16 + g], lse1 = sh.lse2[warp * 16 + g + 8];
@@ -465,11 +333,11 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
   const int tiles = p.row_tiles();
   const int first = lo, count = (chunk_end - first) * tiles;  // (block, row tile) pairs
   if (count > 0) {
-    load_tile(sh.k, [&](int r) {
+    load_tile<kThreads>(sh.k, [&](int r) {
       const int j = j0 + r;
       return j < p.context ? reinterpret_cast<const bf16*>(p.k_context) + (static_cast<int64_t>(j) * p.kv_heads + h) * D : nullptr;
     });
-    load_tile(sh.v, [&](int r) {
+    load_tile<kThreads>(sh.v, [&](int r) {
       const int j = j0 + r;
       return j < p.context ? reinterpret_cast<const bf16*>(p.v_context) + (static_cast<int64_t>(j) * p.kv_heads + h) * D : nullptr;
     });
@@ -497,7 +365,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
   }
   const int key0 = j0 + warp * 16 + g, key1 = key0 + 8;  // this thread's accumulator rows
   for (int i = 0; i < count; ++i) {
-    next_stage(i, count, load_rows);
+    pipeline_stage<2>(i, count, load_rows);
     const int b = i & 1;
     const int anchor = p.anchors[first + i / tiles];
     const bool see0 = key0 < anchor, see1 = key1 < anchor;

@@ -93,6 +93,86 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gate, const bf16* __res
   }
 }
 
+
+__device__ __forceinline__ void load8(float (&dst)[8], const bf16* src) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const bf16* v = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) dst[j] = __bfloat162float(v[j]);
+}
+
+__device__ __forceinline__ void store8(bf16* dst, const float (&src)[8]) {
+  uint4 raw;
+  bf16* v = reinterpret_cast<bf16*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = __float2bfloat16(src[j]);
+  *reinterpret_cast<uint4*>(dst) = raw;
+}
+
+constexpr int kRowThreads = 256;  // one warp per row of qk_norm_rope
+
+// One warp per (token, head) row; lane l holds elements [8l, 8l + 8). RoPE's partner of element
+// i < rotary is i + rotary/2 (first half) or i - rotary/2, i.e. lane l +- rotary/16.
+__global__ void __launch_bounds__(kRowThreads) qk_norm_rope_kernel(const bf16* __restrict__ x, int64_t token_stride,
+                                                                   int64_t head_stride, int rows, int heads, int d,
+                                                                   const bf16* __restrict__ weight,
+                                                                   const bf16* __restrict__ cos,
+                                                                   const bf16* __restrict__ sin, int rotary,
+                                                                   bf16* __restrict__ out, float eps, bool zero_centred) {
+  const int row = blockIdx.x * (kRowThreads / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (row >= rows) return;  // whole warps
+  const int token = row / heads, head = row % heads, c = lane * 8;
+  const bool active = c < d;
+  float v[8] = {};
+  if (active) load8(v, x + token * token_stride + head * head_stride + c);
+  float squares = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) squares += v[j] * v[j];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, off);
+  const float r = rsqrtf(squares / static_cast<float>(d) + eps);
+  float w[8] = {};
+  if (active) load8(w, weight + c);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float normed = v[j] * r;
+    v[j] = round_bf16(zero_centred ? normed * (w[j] + 1.f) : w[j] * round_bf16(normed));
+  }
+  const int shift = rotary / 16;
+  const bool rotated = c < rotary, first_half = lane < shift;
+  const int partner = rotated ? (first_half ? lane + shift : lane - shift) : lane;
+  float other[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) other[j] = __shfl_sync(0xffffffffu, v[j], partner);
+  if (rotated) {
+    float cs[8], sn[8];
+    load8(cs, cos + static_cast<int64_t>(token) * rotary + c);
+    load8(sn, sin + static_cast<int64_t>(token) * rotary + c);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float half = first_half ? -other[j] : other[j];
+      v[j] = round_bf16(round_bf16(v[j] * cs[j]) + round_bf16(half * sn[j]));
+    }
+  }
+  if (active) store8(out + static_cast<int64_t>(row) * d + c, v);
+}
+
+__global__ void sigmoid_gate_kernel(bf16* __restrict__ out, const bf16* __restrict__ gate, int64_t token_stride,
+                                    int64_t head_stride, int heads, int d, int64_t chunks) {
+  const int per_token = heads * d / 8;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t token = i / per_token;
+    const int within = static_cast<int>(i % per_token) * 8, head = within / d, col = within % d;
+    float o[8], g[8];
+    load8(o, out + i * 8);
+    load8(g, gate + token * token_stride + static_cast<int64_t>(head) * head_stride + col);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] = o[j] * round_bf16(1.f / (1.f + __expf(-g[j])));
+    store8(out + i * 8, o);
+  }
+}
+
 }  // namespace
 
 void add_rms_norm(const void* x, const void* delta, const void* weight, void* sum_out, void* normed_out, int rows, int n,
@@ -113,6 +193,33 @@ void silu_mul(const void* gate, const void* up, void* out, int64_t elements, cud
                                                                         static_cast<const bf16*>(up),
                                                                         static_cast<bf16*>(out), chunks);
   check_cuda_launch("target kernel silu_mul");
+}
+
+void qk_norm_rope(const void* x, int64_t token_stride, int64_t head_stride, int tokens, int heads, int d,
+                  const void* weight, const void* cos, const void* sin, int rotary, void* out, float eps,
+                  bool zero_centred, cudaStream_t stream) {
+  if (d > 256 || d % 8 != 0 || rotary % 16 != 0 || rotary > d) {
+    throw std::invalid_argument("qk_norm_rope: needs head size <= 256 and a multiple of 8, rotary dims a multiple of 16");
+  }
+  const int rows = tokens * heads;
+  if (rows == 0) return;
+  const int per_cta = kRowThreads / 32;
+  qk_norm_rope_kernel<<<(rows + per_cta - 1) / per_cta, kRowThreads, 0, stream>>>(
+      static_cast<const bf16*>(x), token_stride, head_stride, rows, heads, d, static_cast<const bf16*>(weight),
+      static_cast<const bf16*>(cos), static_cast<const bf16*>(sin), rotary, static_cast<bf16*>(out), eps, zero_centred);
+  check_cuda_launch("target kernel qk_norm_rope");
+}
+
+void sigmoid_gate(void* out, const void* gate, int64_t token_stride, int64_t head_stride, int tokens, int heads, int d,
+                  cudaStream_t stream) {
+  if (d % 8 != 0) throw std::invalid_argument("sigmoid_gate: needs a head size that is a multiple of 8");
+  const int64_t chunks = static_cast<int64_t>(tokens) * heads * d / 8;
+  if (chunks == 0) return;
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((chunks + threads - 1) / threads, 132 * 16);
+  sigmoid_gate_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      static_cast<bf16*>(out), static_cast<const bf16*>(gate), token_stride, head_stride, heads, d, chunks);
+  check_cuda_launch("target kernel sigmoid_gate");
 }
 
 }  // namespace dflash::target::kernels

@@ -20,4 +20,17 @@ void add_rms_norm(const void* x, const void* delta, const void* weight, void* su
 // out = bf16(bf16(silu(gate)) * up), elements count a multiple of 8, all contiguous bf16.
 void silu_mul(const void* gate, const void* up, void* out, int64_t elements, cudaStream_t stream);
 
+// Attention q or k: out = rope(rms_norm(x)) for rows of d bf16 (d <= 256, a multiple of 8), row
+// (token t, head h) read at x + t * token_stride + h * head_stride, written contiguous [t, h, d].
+// The norm rounds as add_rms_norm; RoPE over the first `rotary` dims (a multiple of 16) with
+// cos/sin bf16 [tokens, rotary]: bf16(bf16(y cos) + bf16(rotate_half(y) sin)), as HF in bf16.
+void qk_norm_rope(const void* x, int64_t token_stride, int64_t head_stride, int tokens, int heads, int d,
+                  const void* weight, const void* cos, const void* sin, int rotary, void* out, float eps,
+                  bool zero_centred, cudaStream_t stream);
+
+// Gated attention's output gate, in place: out[t, h * d + i] = bf16(out * bf16(sigmoid(gate))) with
+// gate (t, h, i) at gate + t * token_stride + h * head_stride + i; d a multiple of 8.
+void sigmoid_gate(void* out, const void* gate, int64_t token_stride, int64_t head_stride, int tokens, int heads, int d,
+                  cudaStream_t stream);
+
 }  // namespace dflash::target::kernels

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/cuda_check.h"
+#include "common/mma_tile.cuh"
 
 namespace dflash::target::kernels {
 namespace {
@@ -46,8 +47,9 @@ __device__ inline void load_rows_async(bf16* dst, int dst_ld, const bf16* src, i
   }
 }
 
-// acc[j] += A (16 x 16K, row-major, lda) . B (16K x 16NJ, row-major, ldb), column tile j of B.
-template <int NJ, int K>
+// acc[j] += A (16 x 16K, row-major, lda) . B (16K x 16NJ), column tile j of B; B row-major
+// (b[k * ldb + n]) or, with kBTransposed, stored as its transpose (b[n * ldb + k]).
+template <int NJ, int K, bool kBTransposed = false>
 __device__ inline void mma_row_tile(FragC (&acc)[NJ], const bf16* a, int lda, const bf16* b, int ldb) {
 #pragma unroll
   for (int kk = 0; kk < K; ++kk) {
@@ -55,9 +57,15 @@ __device__ inline void mma_row_tile(FragC (&acc)[NJ], const bf16* a, int lda, co
     wmma::load_matrix_sync(x, a + kk * 16, lda);
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
-      FragB y;
-      wmma::load_matrix_sync(y, b + kk * 16 * ldb + j * 16, ldb);
-      wmma::mma_sync(acc[j], x, y, acc[j]);
+      if constexpr (kBTransposed) {
+        FragBT y;
+        wmma::load_matrix_sync(y, b + j * 16 * ldb + kk * 16, ldb);
+        wmma::mma_sync(acc[j], x, y, acc[j]);
+      } else {
+        FragB y;
+        wmma::load_matrix_sync(y, b + kk * 16 * ldb + j * 16, ldb);
+        wmma::mma_sync(acc[j], x, y, acc[j]);
+      }
     }
   }
 }
@@ -68,104 +76,151 @@ __device__ inline float warp_sum(float x) {
 }
 
 // ---- 1. causal conv1d + SiLU + L2 norm of the q/k heads ---------------------------------------
-constexpr int kConvTokens = 16;
+// A thread owns 8 adjacent channels (16-byte loads and stores) over kConvTokens tokens, keeping
+// the last three inputs in registers, so every input row is read once; a head's 128 channels are
+// 16 lanes of one warp, whose sum of squares is a 4-step shuffle.
+constexpr int kConvTokens = 32;
+constexpr int kConvThreads = 128;  // 1024 channels per CTA
 
-__global__ void __launch_bounds__(128) conv1d_silu_l2norm_kernel(const bf16* __restrict__ x,
-                                                                 const bf16* __restrict__ weight, int kernel,
-                                                                 const int64_t* __restrict__ positions,
-                                                                 bf16* __restrict__ y, int tokens, int channels,
-                                                                 int qk_channels) {
-  __shared__ float partial[2][4];
-  const int c = blockIdx.y * 128 + threadIdx.x;
-  const bool normalise = blockIdx.y * 128 < qk_channels;  // uniform per block
-  float w[4] = {0, 0, 0, 0};
-  for (int i = 0; i < kernel; ++i) w[i] = __bfloat162float(weight[static_cast<int64_t>(c) * kernel + i]);
+__device__ inline void load8(float (&dst)[8], const bf16* src) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(pairs[i]);
+    dst[2 * i] = f.x;
+    dst[2 * i + 1] = f.y;
+  }
+}
+
+__global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const bf16* __restrict__ x,
+                                                                          const bf16* __restrict__ weight, int kernel,
+                                                                          const int64_t* __restrict__ positions,
+                                                                          bf16* __restrict__ y, int tokens, int channels,
+                                                                          int qk_channels) {
+  const int c0 = (blockIdx.y * kConvThreads + threadIdx.x) * 8;
+  const bool active = c0 < channels;       // channels % 128 == 0: whole 16-lane heads agree
+  const bool normalise = c0 < qk_channels;  // likewise
+  // w[s][e]: the tap applied to x[t - s] of channel c0 + e (zero past the kernel width).
+  float w[4][8] = {};
+  if (active) {
+    for (int s = 0; s < kernel; ++s)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) w[s][e] = __bfloat162float(weight[static_cast<int64_t>(c0 + e) * kernel + kernel - 1 - s]);
+  }
   const int t0 = blockIdx.x * kConvTokens, t1 = min(t0 + kConvTokens, tokens);
+  float history[3][8] = {}, current[8] = {};  // x[t - 1 - i], x[t]
+  if (active) {
+    for (int i = 0; i < 3; ++i)
+      if (i + 1 < kernel && t0 - 1 - i >= 0) load8(history[i], x + static_cast<int64_t>(t0 - 1 - i) * channels + c0);
+    load8(current, x + static_cast<int64_t>(t0) * channels + c0);
+  }
   for (int t = t0; t < t1; ++t) {
-    const int64_t position = positions[t];
-    float acc = 0;
-    for (int s = 0; s < kernel; ++s) {
-      if (s <= position) acc += w[kernel - 1 - s] * __bfloat162float(x[static_cast<int64_t>(t - s) * channels + c]);
+    float next[8] = {};
+    if (active && t + 1 < t1) load8(next, x + static_cast<int64_t>(t + 1) * channels + c0);
+    const int64_t position = positions[t];  // taps before the sequence's first token are skipped
+    float out[8], squares = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float acc = w[0][e] * current[e];
+#pragma unroll
+      for (int s = 1; s < 4; ++s) {
+        if (s <= position) acc += w[s][e] * history[s - 1][e];
+      }
+      out[e] = acc / (1.0f + __expf(-acc));
+      squares += out[e] * out[e];
     }
-    float value = acc / (1.0f + __expf(-acc));
-    if (normalise) {
-      const float sum = warp_sum(value * value);
-      const int buffer = t & 1;
-      if ((threadIdx.x & 31) == 0) partial[buffer][threadIdx.x >> 5] = sum;
-      __syncthreads();
-      const float total = partial[buffer][0] + partial[buffer][1] + partial[buffer][2] + partial[buffer][3];
-      value *= rsqrtf(total + 1e-6f);
+#pragma unroll
+    for (int offset = 8; offset > 0; offset >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+    const float factor = normalise ? rsqrtf(squares + 1e-6f) : 1.0f;
+    if (active) {
+      uint4 raw;
+      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(out[2 * i] * factor, out[2 * i + 1] * factor);
+      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(t) * channels + c0) = raw;
     }
-    y[static_cast<int64_t>(t) * channels + c] = __float2bfloat16(value);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      history[2][e] = history[1][e];
+      history[1][e] = history[0][e];
+      history[0][e] = current[e];
+      current[e] = next[e];
+    }
   }
 }
 
 // ---- 2. prepare: gamma, T = (I + A)^-1, W, U per (chunk, value head) -------------------------
-struct PrepareShared {
+struct __align__(16) PrepareShared {
   bf16 q[C * LD];
   bf16 k[C * LD];
   bf16 v[C * LD];
   float a[C * LDA];  // A, then (with t) the fp32 staging of W and U
   float t[C * LDA];
   bf16 tb[C * LDT];
-  float scratch[4][16 * 17];  // one 16x16 block per off-diagonal pair
+  __align__(16) float scratch[32 * 36];  // the inner products of solve_unit_lower
   float gamma[C];
   float beta[C];
   float k_scale[C];  // beta e^gamma per row
 };
 static_assert(2 * C * LDA >= C * LDS, "staging must fit in a and t");
 
-// T = (I + A)^-1 for strictly lower A (64x64, fp32, in s.a) into s.t: the four 16x16 diagonal
-// blocks by substitution (warps 0-3, one block each), then the off-diagonal blocks by block
-// diagonals, T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj, each block by two warps of 8 rows.
+// Block products of solve_unit_lower, kCount of them at once, each n x n (fp32, row stride
+// LDA): t[d] = -t[l] . (a[x] . t[r]), where the brackets are element offsets of the blocks into
+// the matrices; the inner product goes through `scratch` (kCount x n x (n + 4)). Every thread of
+// the CTA takes part; a thread owns 4 adjacent columns of a row.
+template <int N, int kCount>
+__device__ inline void negated_triple_product(float* scratch, const float* a, float* t, const int (&l)[kCount],
+                                              const int (&x)[kCount], const int (&r)[kCount], const int (&d)[kCount]) {
+  constexpr int LDX = N + 4, kPer = N * N / 4;
+  for (int step = 0; step < 2; ++step) {
+    for (int o = threadIdx.x; o < kCount * kPer; o += blockDim.x) {
+      const int which = o / kPer, row = (o % kPer) / (N / 4), col = (o % (N / 4)) * 4;
+      float* product = scratch + which * N * LDX;
+      const float* lhs = step == 0 ? a + x[which] + row * LDA : t + l[which] + row * LDA;
+      float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll 8
+      for (int k = 0; k < N; ++k) {
+        const float v = lhs[k];
+        const float4 y = *reinterpret_cast<const float4*>(step == 0 ? t + r[which] + k * LDA + col : product + k * LDX + col);
+        acc.x += v * y.x, acc.y += v * y.y, acc.z += v * y.z, acc.w += v * y.w;
+      }
+      if (step == 0) {
+        *reinterpret_cast<float4*>(product + row * LDX + col) = acc;
+      } else {
+        *reinterpret_cast<float4*>(t + d[which] + row * LDA + col) = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// T = (I + A)^-1 for strictly lower A (64x64, fp32, in s.a) into s.t. The four 16x16 diagonal
+// blocks by forward substitution (threads 0-63: one column each, kept in registers; rows of A
+// read as broadcasts); then the off-diagonal blocks by merging: T_10 = -T_11 A_10 T_00 and
+// T_32 = -T_33 A_32 T_22 together, then the lower-left 32x32 block, -T_hi A_hi,lo T_lo, from
+// the two 32x32 diagonal blocks.
 __device__ void solve_unit_lower(PrepareShared& s) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = threadIdx.x; i < C * LDA; i += blockDim.x) s.t[i] = 0;
   __syncthreads();
-  if (warp < 4) {
-    const int base = warp * 16, j = lane & 15, half = lane >> 4;
+  if (threadIdx.x < C) {
+    const int base = (threadIdx.x >> 4) * 16, j = threadIdx.x & 15;
+    float column[16];
+#pragma unroll
     for (int i = 0; i < 16; ++i) {
       float sum = 0;
-      if (j < i) {
-        for (int m = j + half; m < i; m += 2) sum += s.a[(base + i) * LDA + base + m] * s.t[(base + m) * LDA + base + j];
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 16);
-      if (half == 0) s.t[(base + i) * LDA + base + j] = i == j ? 1.0f : (j < i ? -sum : 0.0f);
-      __syncwarp();
+#pragma unroll
+      for (int m = 0; m < i; ++m) sum += s.a[(base + i) * LDA + base + m] * column[m];
+      column[i] = i == j ? 1.0f : (i < j ? 0.0f : -sum);
     }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s.t[(base + i) * LDA + base + j] = column[i];
   }
   __syncthreads();
-  const int pair = warp & 3, row = (warp >> 2) * 8 + (lane >> 2), col0 = (lane & 3) * 4;
-  float* x = s.scratch[pair];
-  for (int d = 1; d < 4; ++d) {
-    const bool active = pair < 4 - d;
-    const int bj = pair, bi = pair + d;
-    if (active) {
-      float acc[4] = {0, 0, 0, 0};
-      for (int bm = bj; bm < bi; ++bm) {
-        for (int kk = 0; kk < 16; ++kk) {
-          const float a = s.a[(bi * 16 + row) * LDA + bm * 16 + kk];
-          const float* trow = &s.t[(bm * 16 + kk) * LDA + bj * 16 + col0];
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc[c] += a * trow[c];
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < 4; ++c) x[row * 17 + col0 + c] = acc[c];
-    }
-    __syncthreads();
-    if (active) {
-      float out[4] = {0, 0, 0, 0};
-      for (int kk = 0; kk < 16; ++kk) {
-        const float tii = s.t[(bi * 16 + row) * LDA + bi * 16 + kk];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) out[c] += tii * x[kk * 17 + col0 + c];
-      }
-#pragma unroll
-      for (int c = 0; c < 4; ++c) s.t[(bi * 16 + row) * LDA + bj * 16 + col0 + c] = -out[c];
-    }
-    __syncthreads();
-  }
+  auto at = [](int row, int col) { return row * LDA + col; };
+  negated_triple_product<16, 2>(s.scratch, s.a, s.t, {at(16, 16), at(48, 48)}, {at(16, 0), at(48, 32)},
+                                {at(0, 0), at(32, 32)}, {at(16, 0), at(48, 32)});
+  negated_triple_product<32, 1>(s.scratch, s.a, s.t, {at(32, 32)}, {at(32, 0)}, {at(0, 0)}, {at(32, 0)});
 }
 
 constexpr int kPrepareThreads = 256;
@@ -185,9 +240,17 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(GdnForward a) 
   // gamma: inclusive cumsum of g over the chunk (0 past the end, so gamma stays at its last value).
   if (threadIdx.x < C) {
     const int t = threadIdx.x;
-    const int64_t at = static_cast<int64_t>(start + t) * a.value_heads + head;
-    float g = t < length ? a.g[at] : 0.0f;
-    s.beta[t] = t < length ? a.beta[at] : 0.0f;
+    const int64_t token = start + t;
+    float g = 0.0f, beta = 0.0f;
+    if (t < length && a.gate_a != nullptr) {
+      const float x = __bfloat162float(static_cast<const bf16*>(a.gate_a)[token * a.a_stride + head]) + a.dt_bias[head];
+      g = -expf(a.a_log[head]) * (x > 20.0f ? x : log1pf(expf(x)));  // softplus with torch's threshold
+      beta = 1.0f / (1.0f + expf(-__bfloat162float(static_cast<const bf16*>(a.gate_b)[token * a.b_stride + head])));
+    } else if (t < length) {
+      g = a.g[token * a.value_heads + head];
+      beta = a.beta[token * a.value_heads + head];
+    }
+    s.beta[t] = beta;
     for (int offset = 1; offset < 32; offset <<= 1) {
       const float other = __shfl_up_sync(0xffffffffu, g, offset);
       if (lane >= offset) g += other;
@@ -278,123 +341,112 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(GdnForward a) 
 }
 
 // ---- 3. state: the sequential pass over the chunks of one sequence ---------------------------
-template <int BV>
+// The state is kept transposed, S^T (value columns x key dims), as mma accumulators in registers:
+// warp w owns value columns [v0 + 16w, +16) of S over all 128 key dims, so that S^T in bf16 is
+// directly the A operand of (W S)^T = S^T W^T and the decayed V'^T (an accumulator of that
+// product) the A operand of the update S^T += V'^T K. Warps only share the chunk's W, K, U
+// tiles: two CTA barriers per chunk (the double buffer), no shared-memory round trips of S.
+#ifndef DFLASHD_GDN_STAGES
+#define DFLASHD_GDN_STAGES 3
+#endif
+constexpr int kStateStages = DFLASHD_GDN_STAGES;  // chunks in flight: loads of c + 2 overlap chunk c
+
+template <int kWarps>
 struct StateShared {
-  static constexpr int LDV = BV + 8;
-  static constexpr int LDF = BV + 4;
-  bf16 w[2][C * LD];
-  bf16 k[2][C * LD];
-  bf16 u[2][C * LDV];
-  float gamma[2][C];
-  float f[D * LDF];  // S in fp32, then W S
-  bf16 sb[D * LDV];  // S in bf16, then V' e^(gamma_last - gamma) in bf16
+  static constexpr int BV = 16 * kWarps;  // value columns per CTA
+  static constexpr int LDU = BV + 8;
+  mma_tile::Tile w[kStateStages];
+  mma_tile::Tile k[kStateStages];
+  __align__(16) bf16 u[kStateStages][C * LDU];
+  float gamma[kStateStages][C];
 };
 
-constexpr int kStateThreads = 256;
-
-template <int BV>
-__global__ void __launch_bounds__(kStateThreads) state_kernel(GdnForward a) {
-  using Shared = StateShared<BV>;
-  constexpr int LDV = Shared::LDV, LDF = Shared::LDF, NJ = BV / 16;
+template <int kWarps>
+__global__ void __launch_bounds__(32 * kWarps) state_kernel(GdnForward a) {
+  using Shared = StateShared<kWarps>;
+  constexpr int BV = Shared::BV, LDU = Shared::LDU, kThreads = 32 * kWarps;
   extern __shared__ __align__(128) unsigned char smem[];
   Shared& s = *reinterpret_cast<Shared*>(smem);
-  const int seq = blockIdx.x, head = blockIdx.y, v0 = blockIdx.z * BV, warp = threadIdx.x >> 5;
-  const int first = a.chunks.seq_chunks[seq], last = a.chunks.seq_chunks[seq + 1];
+  const int seq = blockIdx.x, head = blockIdx.y, v0 = blockIdx.z * BV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, vw = warp * 16;
+  const int first = a.chunks.seq_chunks[seq], count = a.chunks.seq_chunks[seq + 1] - first;
   const int key_head = head / (a.value_heads / a.key_heads);
   const bf16* qkv = static_cast<const bf16*>(a.qkv);
 
-  auto load = [&](int chunk, int buffer) {
-    const int64_t tile = (static_cast<int64_t>(chunk) * a.value_heads + head) * C * D;
-    const int start = a.chunks.start[chunk], length = a.chunks.length[chunk];
-    load_rows_async(s.w[buffer], LD, static_cast<const bf16*>(a.w) + tile, D, C, C, D);
-    load_rows_async(s.u[buffer], LDV, static_cast<const bf16*>(a.u) + tile + v0, D, C, C, BV);
-    load_rows_async(s.k[buffer], LD, qkv + static_cast<int64_t>(start) * a.qkv_stride + (a.key_heads + key_head) * D,
-                    a.qkv_stride, C, length, D);
-    if (threadIdx.x < C) {
-      __pipeline_memcpy_async(&s.gamma[buffer][threadIdx.x],
-                              a.gamma + (static_cast<int64_t>(chunk) * a.value_heads + head) * C + threadIdx.x, 4);
+  auto load = [&](int index, int buffer) {
+    const int chunk = first + index, start = a.chunks.start[chunk], length = a.chunks.length[chunk];
+    const int64_t tile = static_cast<int64_t>(chunk) * a.value_heads + head;
+    const bf16* w = static_cast<const bf16*>(a.w) + tile * C * D;
+    const bf16* k = qkv + static_cast<int64_t>(start) * a.qkv_stride + (a.key_heads + key_head) * D;
+    mma_tile::load_tile<kThreads>(s.w[buffer], [&](int r) { return w + r * D; });
+    mma_tile::load_tile<kThreads>(s.k[buffer], [&](int r) { return r < length ? k + r * a.qkv_stride : nullptr; });
+    const bf16* u = static_cast<const bf16*>(a.u) + tile * C * D + v0;
+    for (int i = threadIdx.x; i < C * BV / 8; i += kThreads) {
+      const int r = i / (BV / 8), c = (i % (BV / 8)) * 8;
+      __pipeline_memcpy_async(&s.u[buffer][r * LDU + c], u + r * D + c, 16);
     }
-    __pipeline_commit();
+    for (int i = threadIdx.x; i < C; i += kThreads) __pipeline_memcpy_async(&s.gamma[buffer][i], a.gamma + tile * C + i, 4);
   };
 
-  // The state S (128 x BV, fp32) in registers: warp w holds rows [16w, 16w + 16).
-  FragC state[NJ];
+  float st[16][4];  // S^T: rows v0 + vw + g (c[0], c[1]) and + 8 (c[2], c[3]); key dims in n8 tiles
 #pragma unroll
-  for (int j = 0; j < NJ; ++j) wmma::fill_fragment(state[j], 0.0f);
-
-  if (first < last) load(first, 0);
-  for (int chunk = first; chunk < last; ++chunk) {
-    const int buffer = (chunk - first) & 1;
-    if (chunk + 1 < last) {
-      load(chunk + 1, buffer ^ 1);
-      __pipeline_wait_prior(1);
-    } else {
-      __pipeline_wait_prior(0);
+  for (int n = 0; n < 16; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
+  for (int i = 0; i + 1 < kStateStages; ++i) {
+    if (i < count) load(i, i);
+    __pipeline_commit();
+  }
+  for (int i = 0; i < count; ++i) {
+    mma_tile::pipeline_stage<kStateStages>(i, count, load);
+    const int buffer = i % kStateStages;
+    const int64_t tile = static_cast<int64_t>(first + i) * a.value_heads + head;
+    // S^T in bf16: the A operand below and the state this chunk's output reads ([v][key dim]).
+    uint32_t sa[8][4];
+    mma_tile::to_a(sa, st);
+    uint32_t* states = reinterpret_cast<uint32_t*>(static_cast<bf16*>(a.states) + (tile * D + v0 + vw) * D);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const int col = 16 * kk + 2 * t4;
+      states[(g * D + col) / 2] = sa[kk][0];
+      states[((g + 8) * D + col) / 2] = sa[kk][1];
+      states[(g * D + col + 8) / 2] = sa[kk][2];
+      states[((g + 8) * D + col + 8) / 2] = sa[kk][3];
     }
-    // S -> fp32 staging -> bf16 (operand of W S and the stored state of this chunk).
+    // (W S)^T, then V'^T = U^T - (W S)^T: stored ([v][token]) for the output kernel, and its
+    // decayed copy V'^T e^(gamma_last - gamma) as the A operand of the update.
+    float vt[8][4];
+    mma_tile::product_16x64(vt, sa, s.w[buffer]);
+    const float* gamma = s.gamma[buffer];
+    const bf16* u = s.u[buffer];
+    const float gamma_last = gamma[C - 1];
+    uint32_t* v_new = reinterpret_cast<uint32_t*>(static_cast<bf16*>(a.v_new) + (tile * D + v0 + vw) * C);
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) wmma::store_matrix_sync(s.f + warp * 16 * LDF + j * 16, state[j], LDF, wmma::mem_row_major);
-    __syncthreads();
-    bf16* states = static_cast<bf16*>(a.states) + (static_cast<int64_t>(chunk) * a.value_heads + head) * D * D + v0;
-    for (int i = threadIdx.x; i < D * BV / 2; i += blockDim.x) {
-      const int r = (2 * i) / BV, c = (2 * i) % BV;
-      const __nv_bfloat162 pair = __floats2bfloat162_rn(s.f[r * LDF + c], s.f[r * LDF + c + 1]);
-      *reinterpret_cast<__nv_bfloat162*>(&s.sb[r * LDV + c]) = pair;
-      *reinterpret_cast<__nv_bfloat162*>(&states[r * D + c]) = pair;
-    }
-    __syncthreads();
-    // W S (64 x BV): 4 x NJ tiles over the 8 warps.
-    for (int t = warp; t < 4 * NJ; t += 8) {
-      const int rows = (t & 3) * 16, cols = (t >> 2) * 16;
-      FragC acc;
-      wmma::fill_fragment(acc, 0.0f);
+    for (int j = 0; j < 8; ++j) {
+      const int token = 8 * j + 2 * t4;
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        FragA x;
-        FragB y;
-        wmma::load_matrix_sync(x, s.w[buffer] + rows * LD + kk * 16, LD);
-        wmma::load_matrix_sync(y, s.sb + kk * 16 * LDV + cols, LDV);
-        wmma::mma_sync(acc, x, y, acc);
+      for (int e = 0; e < 4; ++e) {
+        vt[j][e] = __bfloat162float(u[(token + (e & 1)) * LDU + vw + g + (e >> 1) * 8]) - vt[j][e];
       }
-      wmma::store_matrix_sync(s.f + rows * LDF + cols, acc, LDF, wmma::mem_row_major);
+      v_new[(g * C + token) / 2] = mma_tile::pack(vt[j][0], vt[j][1]);
+      v_new[((g + 8) * C + token) / 2] = mma_tile::pack(vt[j][2], vt[j][3]);
+      const float d0 = __expf(gamma_last - gamma[token]), d1 = __expf(gamma_last - gamma[token + 1]);
+      vt[j][0] *= d0, vt[j][1] *= d1, vt[j][2] *= d0, vt[j][3] *= d1;
     }
-    __syncthreads();
-    // V' = U - W S (stored bf16 for the output kernel); its decayed copy feeds the update.
-    const float gamma_last = s.gamma[buffer][C - 1];
-    bf16* v_new = static_cast<bf16*>(a.v_new) + (static_cast<int64_t>(chunk) * a.value_heads + head) * C * D + v0;
-    for (int i = threadIdx.x; i < C * BV; i += blockDim.x) {
-      const int r = i / BV, c = i % BV;
-      const float value = __bfloat162float(s.u[buffer][r * LDV + c]) - s.f[r * LDF + c];
-      v_new[r * D + c] = __float2bfloat16(value);
-      s.sb[r * LDV + c] = __float2bfloat16(value * __expf(gamma_last - s.gamma[buffer][r]));
-    }
-    __syncthreads();
-    // S = e^gamma_last S + K^T (V' e^(gamma_last - gamma)).
+    uint32_t va[4][4];
+    mma_tile::to_a(va, vt);
+    // S = e^gamma_last S + K^T (V' e^(gamma_last - gamma)), transposed.
     const float decay = __expf(gamma_last);
 #pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < state[j].num_elements; ++e) state[j].x[e] *= decay;
-#pragma unroll
-    for (int kk = 0; kk < C / 16; ++kk) {
-      FragAT x;  // K^T rows [16w, +16), tokens [16kk, +16)
-      wmma::load_matrix_sync(x, s.k[buffer] + kk * 16 * LD + warp * 16, LD);
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        FragB y;
-        wmma::load_matrix_sync(y, s.sb + kk * 16 * LDV + j * 16, LDV);
-        wmma::mma_sync(state[j], x, y, state[j]);
-      }
-    }
-    __syncthreads();  // the buffers of this chunk are reloaded next iteration
+    for (int n = 0; n < 16; ++n) st[n][0] *= decay, st[n][1] *= decay, st[n][2] *= decay, st[n][3] *= decay;
+    mma_tile::accumulate_16x128(st, va, s.k[buffer]);
+    __syncthreads();  // this buffer is reloaded by the next iteration
   }
 }
 
 // ---- 4. output: O = (scale e^gamma Q) S + P V', then the gated norm ---------------------------
 struct OutputShared {
   bf16 q[C * LD];
-  bf16 state[D * LD];  // S, then the fp32 staging of O
-  bf16 v[C * LD];
+  bf16 state[D * LD];  // S^T ([v][key dim]), then the fp32 staging of O
+  bf16 v[D * LDT];     // V'^T ([v][token])
   bf16 p[C * LDT];
   float q_scale[C];  // scale e^gamma per row
 };
@@ -410,7 +462,7 @@ __global__ void __launch_bounds__(256) output_kernel(GdnForward a) {
   const bf16* qkv = static_cast<const bf16*>(a.qkv) + static_cast<int64_t>(start) * a.qkv_stride;
   load_rows_async(s.q, LD, qkv + key_head * D, a.qkv_stride, C, length, D);
   load_rows_async(s.state, LD, static_cast<const bf16*>(a.states) + tile * D * D, D, D, D, D);
-  load_rows_async(s.v, LD, static_cast<const bf16*>(a.v_new) + tile * C * D, D, C, C, D);
+  load_rows_async(s.v, LDT, static_cast<const bf16*>(a.v_new) + tile * C * D, C, D, D, C);
   load_rows_async(s.p, LDT, static_cast<const bf16*>(a.qk) + tile * C * C, C, C, C, C);
   if (threadIdx.x < C) s.q_scale[threadIdx.x] = a.scale * __expf(a.gamma[tile * C + threadIdx.x]);
   __pipeline_commit();
@@ -428,8 +480,8 @@ __global__ void __launch_bounds__(256) output_kernel(GdnForward a) {
   const int row = (warp >> 1) * 16, col = (warp & 1) * 64;
 #pragma unroll
   for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[j], 0.0f);
-  mma_row_tile<4, D / 16>(acc, s.q + row * LD, LD, s.state + col, LD);
-  mma_row_tile<4, C / 16>(acc, s.p + row * LDT, LDT, s.v + col, LD);
+  mma_row_tile<4, D / 16, true>(acc, s.q + row * LD, LD, s.state + col * LD, LD);
+  mma_row_tile<4, C / 16, true>(acc, s.p + row * LDT, LDT, s.v + col * LDT, LDT);
   __syncthreads();  // the state is read: its space becomes the staging of O
   float* stage = reinterpret_cast<float*>(s.state);
 #pragma unroll
@@ -471,18 +523,18 @@ void conv1d_silu_l2norm(const void* x, const void* weight, int kernel, const int
   if (kernel < 1 || kernel > 4 || channels % 128 != 0 || qk_channels % 128 != 0) {
     throw std::invalid_argument("conv1d_silu_l2norm: needs kernel 1..4 and channel counts that are multiples of 128");
   }
-  const dim3 grid((tokens + kConvTokens - 1) / kConvTokens, channels / 128);
-  conv1d_silu_l2norm_kernel<<<grid, 128, 0, stream>>>(static_cast<const bf16*>(x), static_cast<const bf16*>(weight),
+  const dim3 grid((tokens + kConvTokens - 1) / kConvTokens, (channels / 8 + kConvThreads - 1) / kConvThreads);
+  conv1d_silu_l2norm_kernel<<<grid, kConvThreads, 0, stream>>>(static_cast<const bf16*>(x), static_cast<const bf16*>(weight),
                                                       kernel, positions, static_cast<bf16*>(y), tokens, channels,
                                                       qk_channels);
   check_cuda_launch("GatedDeltaNet kernel conv1d_silu_l2norm");
 }
 
-template <int BV>
+template <int kWarps>
 void launch_state(const GdnForward& args, cudaStream_t stream) {
-  const size_t bytes = sizeof(StateShared<BV>);
-  allow_shared_memory(state_kernel<BV>, bytes, "GatedDeltaNet kernel state");
-  state_kernel<BV><<<dim3(args.chunks.num_seqs, args.value_heads, D / BV), kStateThreads, bytes, stream>>>(args);
+  const size_t bytes = sizeof(StateShared<kWarps>);
+  allow_shared_memory(state_kernel<kWarps>, bytes, "GatedDeltaNet kernel state");
+  state_kernel<kWarps><<<dim3(args.chunks.num_seqs, args.value_heads, D / (16 * kWarps)), 32 * kWarps, bytes, stream>>>(args);
   check_cuda_launch("GatedDeltaNet kernel state");
 }
 
@@ -504,10 +556,10 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
   check_cuda_launch("GatedDeltaNet kernel prepare");
   mark(1);
   switch (args.state_columns) {
-    case 16: launch_state<16>(args, stream); break;
-    case 32: launch_state<32>(args, stream); break;
-    case 64: launch_state<64>(args, stream); break;
-    default: throw std::invalid_argument("gated_delta_rule_forward: state_columns must be 16, 32 or 64");
+    case 32: launch_state<2>(args, stream); break;
+    case 64: launch_state<4>(args, stream); break;
+    case 128: launch_state<8>(args, stream); break;
+    default: throw std::invalid_argument("gated_delta_rule_forward: state_columns must be 32, 64 or 128");
   }
   mark(2);
   allow_shared_memory(output_kernel, sizeof(OutputShared), "GatedDeltaNet kernel output");

@@ -6,14 +6,16 @@
 // targets.md, as in target/gated_delta_net.h (the reference these kernels are tested against):
 //   1. conv1d_silu_l2norm: causal depthwise conv + SiLU over all channels of the packed
 //      [tokens, q|k|v] projection, with the L2 normalisation of every q and k head fused in.
-//   2. prepare (grid chunks x value heads): gamma = in-chunk cumsum of g; A = strict_lower(
+//   2. prepare (grid chunks x value heads): the gates (or precomputed g, beta); gamma = in-chunk cumsum of g; A = strict_lower(
 //      diag(beta) K K^T o exp(gamma_i - gamma_j)); T = (I + A)^-1 by blocked substitution in
 //      fp32; W = T diag(beta e^gamma) K, U = T diag(beta) V; P = causal(scale Q K^T o
 //      exp(gamma_i - gamma_j)) (all bf16).
 //   3. state (grid sequences x value heads x value-column blocks): the one sequential pass. The
-//      fp32 state S stays in registers for the whole sequence; per chunk it stores S (bf16,
-//      for the output kernel), V' = U - W S, and S = e^gamma_last S + K^T (V' e^(gamma_last -
-//      gamma)). Loads of chunk c+1 overlap the math of chunk c (cp.async double buffering).
+//      fp32 state stays in registers for the whole sequence, transposed (S^T, value columns x
+//      key dims, 16 value columns per warp) so that no product needs it in shared memory; per
+//      chunk it stores S^T (bf16, for the output kernel), V'^T = (U - W S)^T, and updates S =
+//      e^gamma_last S + K^T (V' e^(gamma_last - gamma)). Loads of chunk c+1 overlap the math of
+//      chunk c (cp.async double buffering).
 //   4. output (grid chunks x value heads): O = (scale e^gamma Q) S + P V', with the gated
 //      RMSNorm of the layer fused in (w * rmsnorm(O) * silu(z)).
 // Variable-length batches: the chunk table never lets a chunk cross a sequence boundary.
@@ -50,12 +52,23 @@ struct GdnForward {
   const void* qkv = nullptr;
   int64_t qkv_stride = 0;
   int tokens = 0, key_heads = 0, value_heads = 0;
-  const float* g = nullptr;     // [tokens, value_heads], log decay (<= 0)
-  const float* beta = nullptr;  // [tokens, value_heads]
+  // The gates, either precomputed: g (log decay, <= 0) and beta, fp32 [tokens, value_heads];
+  const float* g = nullptr;
+  const float* beta = nullptr;
+  // or formed in the prepare kernel from the layer's projections a and b (bf16 [tokens,
+  // value_heads], row strides a_stride, b_stride) and A_log, dt_bias (fp32 [value_heads]):
+  // g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), in fp32.
+  const void* gate_a = nullptr;
+  const void* gate_b = nullptr;
+  int64_t a_stride = 0, b_stride = 0;
+  const float* a_log = nullptr;
+  const float* dt_bias = nullptr;
   float scale = 0;              // q scale (head_dim^-0.5)
   GdnChunks chunks;
-  // Scratch, bf16 unless noted: w, u, v_new [num_chunks, value_heads, 64, 128];
-  // states [num_chunks, value_heads, 128, 128]; gamma fp32 [num_chunks, value_heads, 64].
+  // Scratch, bf16 unless noted: w, u [num_chunks, value_heads, 64 tokens, 128]; v_new
+  // [num_chunks, value_heads, 128 value columns, 64 tokens] (V'^T); states [num_chunks,
+  // value_heads, 128 value columns, 128 key dims] (S^T at the chunk's start); gamma fp32
+  // [num_chunks, value_heads, 64].
   void* w = nullptr;
   void* u = nullptr;
   void* v_new = nullptr;
@@ -71,8 +84,9 @@ struct GdnForward {
   int64_t z_stride = 0;
   const void* norm_weight = nullptr;
   float eps = 1e-6f;
-  // Value columns per CTA of the state pass (16, 32 or 64): smaller gives more CTAs.
-  int state_columns = 32;
+  // Value columns per CTA of the state pass (32, 64 or 128; 16 per warp): smaller gives more
+  // CTAs, larger reads W and K fewer times.
+  int state_columns = 64;
   // Optional: four events recorded before prepare, state, output and after output (profiling).
   cudaEvent_t* stage_events = nullptr;
 };
