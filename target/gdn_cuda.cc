@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
 
 #ifdef DFLASHD_WITH_CUDA
@@ -103,12 +104,13 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x_in, const at::Tensor& wei
                                    int64_t qk_channels) {
   expect(x_in.is_cuda() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "conv input must be bf16 [tokens, channels] on a GPU");
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous();
+  const bool rows = x_in.stride(1) == 1 && x_in.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0;
+  const at::Tensor x = rows ? x_in : x_in.contiguous();  // strided rows: a column slice of a fused projection
   const at::Tensor weight = weight_in.to(at::kBFloat16).contiguous();
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   expect(weight.dim() == 2 && weight.size(0) == x.size(1), "conv weight must be [channels, kernel]");
-  at::Tensor y = at::empty_like(x);
-  kernels::conv1d_silu_l2norm(x.data_ptr(), weight.data_ptr(), static_cast<int>(weight.size(1)),
+  at::Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
+  kernels::conv1d_silu_l2norm(x.data_ptr(), x.stride(0), weight.data_ptr(), static_cast<int>(weight.size(1)),
                               positions.data_ptr<int64_t>(), y.data_ptr(), static_cast<int>(x.size(0)),
                               static_cast<int>(x.size(1)), static_cast<int>(qk_channels),
                               at::cuda::getCurrentCUDAStream().stream());

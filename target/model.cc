@@ -23,14 +23,15 @@ struct Linear {
 };
 
 struct Attention {
-  Linear q, k, v, o;
+  Linear qkv, o;  // q_proj, k_proj, v_proj concatenated at load (one GEMM)
   at::Tensor q_norm, k_norm;  // [head_dim], undefined without qk norm
 };
 
 struct GatedDeltaNet {
-  Linear qkv, z, b, a;  // qwen3_5 layout
-  Linear qkvz, ba;      // qwen3_next layout (grouped per key head)
-  at::Tensor conv;      // [channels, kernel]
+  // The input projections concatenated at load, one GEMM: [qkv | z | b | a] (qwen3_5 layout) or
+  // [qkvz | ba] (qwen3_next layout, grouped per key head); the forward takes column slices.
+  Linear in_proj;
+  at::Tensor conv;  // [channels, kernel]
   at::Tensor a_log, dt_bias, norm;
   Linear out;
 };
@@ -84,17 +85,19 @@ at::Tensor compute_inv_freq(const ModelConfig& c) {
 at::Tensor attention_forward(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
                              const at::Tensor& sin, const std::vector<int64_t>& cu_seqlens) {
   const int64_t tokens = x.size(0), d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
+  const int64_t q_out = hq * d * (c.gated_attention ? 2 : 1);
+  const at::Tensor projected = p.qkv(x);
   at::Tensor q, gate;
   if (c.gated_attention) {
     // q_proj yields per head [query | gate].
-    const at::Tensor both = p.q(x).view({tokens, hq, 2 * d});
+    const at::Tensor both = projected.narrow(1, 0, q_out).view({tokens, hq, 2 * d});
     q = both.narrow(-1, 0, d);
     gate = both.narrow(-1, d, d);
   } else {
-    q = p.q(x).view({tokens, hq, d});
+    q = projected.narrow(1, 0, q_out).view({tokens, hq, d});
   }
-  at::Tensor k = p.k(x).view({tokens, hkv, d});
-  const at::Tensor v = p.v(x).view({tokens, hkv, d});
+  at::Tensor k = projected.narrow(1, q_out, hkv * d).view({tokens, hkv, d});
+  const at::Tensor v = projected.narrow(1, q_out + hkv * d, hkv * d).view({tokens, hkv, d});
   if (c.qk_norm) {
     q = qk_norm_rope(q, p.q_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
     k = qk_norm_rope(k, p.k_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
@@ -124,11 +127,15 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
   const int64_t tokens = x.size(0);
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, group = hv / hk;
+  const int64_t key_channels = hk * dk, value_channels = hv * dv, conv_channels = 2 * key_channels + value_channels;
+  const at::Tensor projected = p.in_proj(x);
+  auto columns = [&](int64_t begin, int64_t count) { return projected.narrow(1, begin, count); };
   at::Tensor mixed, z, b, a;
   if (c.fused_gdn_projections) {
     // Qwen3-Next: per key head [q (dk) | k (dk) | v (group*dv) | z (group*dv)], and [b (group) | a (group)].
-    const at::Tensor qkvz = p.qkvz(x).view({tokens, hk, 2 * dk + 2 * group * dv});
-    const at::Tensor ba = p.ba(x).view({tokens, hk, 2 * group});
+    const int64_t qkvz_channels = 2 * key_channels + 2 * value_channels;
+    const at::Tensor qkvz = columns(0, qkvz_channels).view({tokens, hk, 2 * dk + 2 * group * dv});
+    const at::Tensor ba = columns(qkvz_channels, 2 * hv).view({tokens, hk, 2 * group});
     const at::Tensor q = qkvz.narrow(-1, 0, dk).reshape({tokens, hk * dk});
     const at::Tensor k = qkvz.narrow(-1, dk, dk).reshape({tokens, hk * dk});
     const at::Tensor v = qkvz.narrow(-1, 2 * dk, group * dv).reshape({tokens, hv * dv});
@@ -137,15 +144,15 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
     a = ba.narrow(-1, group, group).reshape({tokens, hv});
     mixed = at::cat({q, k, v}, -1);  // the conv runs over [all q | all k | all v] channels
   } else {
-    mixed = p.qkv(x);
-    z = p.z(x).view({tokens, hv, dv});
-    b = p.b(x);
-    a = p.a(x);
+    mixed = columns(0, conv_channels);  // strided views of one GEMM's output
+    z = columns(conv_channels, value_channels).view({tokens, hv, dv});
+    b = columns(conv_channels + value_channels, hv);
+    a = columns(conv_channels + value_channels + hv, hv);
   }
   if (plan != nullptr) {  // the gates are formed inside the kernels
     mixed = conv1d_silu_l2norm_cuda(mixed, p.conv, positions, 2 * hk * dk);
     const GdnGates gates = GdnGates::projections(a, b, p.a_log, p.dt_bias);
-    const at::Tensor gated = gated_delta_rule_cuda(mixed, hk, hv, gates, *plan, z.contiguous(), p.norm, c.rms_norm_eps);
+    const at::Tensor gated = gated_delta_rule_cuda(mixed, hk, hv, gates, *plan, z, p.norm, c.rms_norm_eps);
     return p.out(gated);
   }
   const auto [g, beta] = gdn_gates_reference(a, b, p.a_log, p.dt_bias);  // fp32 [N, Hv]
@@ -226,9 +233,11 @@ TargetModel::TargetModel(ModelConfig config, WeightSource& w, int64_t last_layer
       Attention& a = layer.attention;
       const std::string p = layer_name(i, "self_attn.");
       const int64_t q_out = c.num_attention_heads * d * (c.gated_attention ? 2 : 1);
-      a.q = linear(p + "q_proj", q_out, h, c.attention_bias);
-      a.k = linear(p + "k_proj", c.num_key_value_heads * d, h, c.attention_bias);
-      a.v = linear(p + "v_proj", c.num_key_value_heads * d, h, c.attention_bias);
+      const Linear q = linear(p + "q_proj", q_out, h, c.attention_bias);
+      const Linear k = linear(p + "k_proj", c.num_key_value_heads * d, h, c.attention_bias);
+      const Linear v = linear(p + "v_proj", c.num_key_value_heads * d, h, c.attention_bias);
+      a.qkv.weight = at::cat({q.weight, k.weight, v.weight}, 0);
+      if (c.attention_bias) a.qkv.bias = at::cat({q.bias, k.bias, v.bias}, 0);
       a.o = linear(p + "o_proj", h, c.num_attention_heads * d, c.attention_bias && c.family == Family::llama);
       if (c.qk_norm) {
         a.q_norm = w.get(p + "q_norm.weight", {d}, opts, norm_init);
@@ -240,15 +249,17 @@ TargetModel::TargetModel(ModelConfig config, WeightSource& w, int64_t last_layer
       const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
       const int64_t key_channels = hk * c.linear_key_head_dim, value_channels = hv * c.linear_value_head_dim;
       const int64_t conv_channels = 2 * key_channels + value_channels;
-      if (c.fused_gdn_projections) {
-        g.qkvz = linear(p + "in_proj_qkvz", 2 * key_channels + 2 * value_channels, h);
-        g.ba = linear(p + "in_proj_ba", 2 * hv, h);
-      } else {
-        g.qkv = linear(p + "in_proj_qkv", conv_channels, h);
-        g.z = linear(p + "in_proj_z", value_channels, h);
-        g.b = linear(p + "in_proj_b", hv, h);
-        g.a = linear(p + "in_proj_a", hv, h);
-      }
+      auto concatenated = [&](std::initializer_list<std::pair<const char*, int64_t>> parts) {
+        std::vector<at::Tensor> weights;
+        for (const auto& [name, out] : parts) weights.push_back(linear(p + name, out, h).weight);
+        return Linear{at::cat(weights, 0), {}};
+      };
+      g.in_proj = c.fused_gdn_projections
+                      ? concatenated({{"in_proj_qkvz", 2 * key_channels + 2 * value_channels}, {"in_proj_ba", 2 * hv}})
+                      : concatenated({{"in_proj_qkv", conv_channels},
+                                      {"in_proj_z", value_channels},
+                                      {"in_proj_b", hv},
+                                      {"in_proj_a", hv}});
       g.conv = w.get(p + "conv1d.weight", {conv_channels, 1, c.linear_conv_kernel_dim}, opts).squeeze(1);
       g.a_log = w.get(p + "A_log", {hv}, fp32, Init::a_log);
       g.dt_bias = w.get(p + "dt_bias", {hv}, fp32, Init::dt_bias);

@@ -93,7 +93,7 @@ __device__ inline void load8(float (&dst)[8], const bf16* src) {
   }
 }
 
-__global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const bf16* __restrict__ x,
+__global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const bf16* __restrict__ x, int64_t x_stride,
                                                                           const bf16* __restrict__ weight, int kernel,
                                                                           const int64_t* __restrict__ positions,
                                                                           bf16* __restrict__ y, int tokens, int channels,
@@ -112,12 +112,12 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const 
   float history[3][8] = {}, current[8] = {};  // x[t - 1 - i], x[t]
   if (active) {
     for (int i = 0; i < 3; ++i)
-      if (i + 1 < kernel && t0 - 1 - i >= 0) load8(history[i], x + static_cast<int64_t>(t0 - 1 - i) * channels + c0);
-    load8(current, x + static_cast<int64_t>(t0) * channels + c0);
+      if (i + 1 < kernel && t0 - 1 - i >= 0) load8(history[i], x + (t0 - 1 - i) * x_stride + c0);
+    load8(current, x + t0 * x_stride + c0);
   }
   for (int t = t0; t < t1; ++t) {
     float next[8] = {};
-    if (active && t + 1 < t1) load8(next, x + static_cast<int64_t>(t + 1) * channels + c0);
+    if (active && t + 1 < t1) load8(next, x + (t + 1) * x_stride + c0);
     const int64_t position = positions[t];  // taps before the sequence's first token are skipped
     float out[8], squares = 0;
 #pragma unroll
@@ -517,14 +517,15 @@ __global__ void __launch_bounds__(256) output_kernel(GdnForward a) {
 
 }  // namespace
 
-void conv1d_silu_l2norm(const void* x, const void* weight, int kernel, const int64_t* positions, void* y, int tokens,
-                        int channels, int qk_channels, cudaStream_t stream) {
+void conv1d_silu_l2norm(const void* x, int64_t x_stride, const void* weight, int kernel, const int64_t* positions,
+                        void* y, int tokens, int channels, int qk_channels, cudaStream_t stream) {
   if (tokens == 0) return;
-  if (kernel < 1 || kernel > 4 || channels % 128 != 0 || qk_channels % 128 != 0) {
-    throw std::invalid_argument("conv1d_silu_l2norm: needs kernel 1..4 and channel counts that are multiples of 128");
+  if (kernel < 1 || kernel > 4 || channels % 128 != 0 || qk_channels % 128 != 0 || x_stride % 8 != 0) {
+    throw std::invalid_argument(
+        "conv1d_silu_l2norm: needs kernel 1..4, channel counts that are multiples of 128, a row stride multiple of 8");
   }
   const dim3 grid((tokens + kConvTokens - 1) / kConvTokens, (channels / 8 + kConvThreads - 1) / kConvThreads);
-  conv1d_silu_l2norm_kernel<<<grid, kConvThreads, 0, stream>>>(static_cast<const bf16*>(x), static_cast<const bf16*>(weight),
+  conv1d_silu_l2norm_kernel<<<grid, kConvThreads, 0, stream>>>(static_cast<const bf16*>(x), x_stride, static_cast<const bf16*>(weight),
                                                       kernel, positions, static_cast<bf16*>(y), tokens, channels,
                                                       qk_channels);
   check_cuda_launch("GatedDeltaNet kernel conv1d_silu_l2norm");

@@ -40,11 +40,12 @@ struct GdnChunks {
   int num_seqs = 0;
 };
 
-// x, y: bf16 [tokens, channels] (row stride `channels`); weight: bf16 [channels, kernel];
-// positions: int64 [tokens], each token's index in its own sequence. Channels [0, qk_channels)
-// are L2-normalised per 128-channel head after the SiLU. kernel <= 4.
-void conv1d_silu_l2norm(const void* x, const void* weight, int kernel, const int64_t* positions, void* y, int tokens,
-                        int channels, int qk_channels, cudaStream_t stream);
+// x: bf16 [tokens, channels] with row stride x_stride (a multiple of 8, 16-byte aligned rows);
+// y: bf16 [tokens, channels] contiguous; weight: bf16 [channels, kernel]; positions: int64
+// [tokens], each token's index in its own sequence. Channels [0, qk_channels) are
+// L2-normalised per 128-channel head after the SiLU. kernel <= 4.
+void conv1d_silu_l2norm(const void* x, int64_t x_stride, const void* weight, int kernel, const int64_t* positions,
+                        void* y, int tokens, int channels, int qk_channels, cudaStream_t stream);
 
 struct GdnForward {
   // qkv: bf16 [tokens, row stride qkv_stride]; q heads at column 0, k heads at key_heads*128,
