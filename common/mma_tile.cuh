@@ -124,34 +124,48 @@ __device__ __forceinline__ void product_16x64(float (&s)[8][4], const Tile& a, i
   }
 }
 
-// s[8][4] = A . B^T over the 128 columns: A 16 rows as fragments (8 k-steps), B = 64 rows of `b` ([n][k]).
-__device__ __forceinline__ void product_16x64(float (&s)[8][4], const uint32_t (&a)[D / 16][4], const Tile& b) {
+// s[8][4] (16 x 64) += A . B^T over the columns [k0, k0 + 16K): A 16 rows as K k-step fragments,
+// B = the 64 rows of `b` ([n][k]).
+template <int K>
+__device__ __forceinline__ void product_16x64_add(float (&s)[8][4], const uint32_t (&a)[K][4], const Tile& b, int k0) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
+  for (int ks = 0; ks < K; ++ks) {
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t y[4];
-      load_b_nk(y, b, np * 16, ks * 16);
+      load_b_nk(y, b, np * 16, k0 + ks * 16);
       mma(s[2 * np], a[ks], y[0], y[1]);
       mma(s[2 * np + 1], a[ks], y[2], y[3]);
     }
   }
 }
 
-// acc[16][4] (16 x 128) += A (16 x 64, as 4 k-steps of fragments) . V (64 rows of `v`, [k][n]).
-__device__ __forceinline__ void accumulate_16x128(float (&acc)[16][4], const uint32_t (&a)[4][4], const Tile& v) {
+// s[8][4] = A . B^T over the 128 columns: A 16 rows as fragments (8 k-steps), B = 64 rows of `b` ([n][k]).
+__device__ __forceinline__ void product_16x64(float (&s)[8][4], const uint32_t (&a)[D / 16][4], const Tile& b) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+  product_16x64_add<D / 16>(s, a, b, 0);
+}
+
+// acc[2N][4] (16 x 16N) += A (16 x 64, as 4 k-steps of fragments) . V (64 rows of `v`, [k][n]),
+// columns [n0, n0 + 16N) of V.
+template <int N>
+__device__ __forceinline__ void accumulate_16xn(float (&acc)[2 * N][4], const uint32_t (&a)[4][4], const Tile& v, int n0) {
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
+    for (int dp = 0; dp < N; ++dp) {
       uint32_t y[4];
-      load_b_kn(y, v, kk * 16, dp * 16);
+      load_b_kn(y, v, kk * 16, n0 + dp * 16);
       mma(acc[2 * dp], a[kk], y[0], y[1]);
       mma(acc[2 * dp + 1], a[kk], y[2], y[3]);
     }
   }
+}
+
+// acc[16][4] (16 x 128) += A (16 x 64, as 4 k-steps of fragments) . V (64 rows of `v`, [k][n]).
+__device__ __forceinline__ void accumulate_16x128(float (&acc)[16][4], const uint32_t (&a)[4][4], const Tile& v) {
+  accumulate_16xn<D / 16>(acc, a, v, 0);
 }
 
 // Software pipelining over kStages shared-memory buffers: before iteration i of `count` uses

@@ -341,34 +341,43 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(GdnForward a) 
 }
 
 // ---- 3. state: the sequential pass over the chunks of one sequence ---------------------------
-// The state is kept transposed, S^T (value columns x key dims), as mma accumulators in registers:
-// warp w owns value columns [v0 + 16w, +16) of S over all 128 key dims, so that S^T in bf16 is
-// directly the A operand of (W S)^T = S^T W^T and the decayed V'^T (an accumulator of that
-// product) the A operand of the update S^T += V'^T K. Warps only share the chunk's W, K, U
-// tiles: two CTA barriers per chunk (the double buffer), no shared-memory round trips of S.
+// The state is kept transposed, S^T (value columns x key dims), as mma accumulators in registers,
+// so that S^T in bf16 is directly the A operand of (W S)^T = S^T W^T and the decayed V'^T (an
+// accumulator of that product) the A operand of the update S^T += V'^T K: no shared-memory round
+// trips of S. A pair of warps owns 16 value columns; each warp of the pair holds half of the key
+// dims, computes its half of (W S)^T's sum (the two halves are added through shared memory: a+b
+// in one warp, b+a in the other, the same bits) and its half of the update. The pass is
+// latency-bound (one chain per value-column block), so twice the warps per column block buys
+// parallelism. Loads run kStateStages - 1 chunks ahead.
 #ifndef DFLASHD_GDN_STAGES
 #define DFLASHD_GDN_STAGES 3
 #endif
-constexpr int kStateStages = DFLASHD_GDN_STAGES;  // chunks in flight: loads of c + 2 overlap chunk c
+constexpr int kStateStages = DFLASHD_GDN_STAGES;
 
-template <int kWarps>
+template <int kPairs>
 struct StateShared {
-  static constexpr int BV = 16 * kWarps;  // value columns per CTA
+  static constexpr int BV = 16 * kPairs;  // value columns per CTA
   static constexpr int LDU = BV + 8;
   mma_tile::Tile w[kStateStages];
   mma_tile::Tile k[kStateStages];
   __align__(16) bf16 u[kStateStages][C * LDU];
   float gamma[kStateStages][C];
+  float exchange[2 * kPairs][32 * 32];  // per warp: its half of (W S)^T, [fragment element][lane]
 };
 
-template <int kWarps>
-__global__ void __launch_bounds__(32 * kWarps) state_kernel(GdnForward a) {
-  using Shared = StateShared<kWarps>;
-  constexpr int BV = Shared::BV, LDU = Shared::LDU, kThreads = 32 * kWarps;
+__device__ __forceinline__ void pair_barrier(int pair) {
+  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + pair) : "memory");
+}
+
+template <int kPairs>
+__global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
+  using Shared = StateShared<kPairs>;
+  constexpr int BV = Shared::BV, LDU = Shared::LDU, kThreads = 64 * kPairs;
   extern __shared__ __align__(128) unsigned char smem[];
   Shared& s = *reinterpret_cast<Shared*>(smem);
   const int seq = blockIdx.x, head = blockIdx.y, v0 = blockIdx.z * BV;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, vw = warp * 16;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int pair = warp >> 1, half = warp & 1, vw = pair * 16, d0 = half * 64;
   const int first = a.chunks.seq_chunks[seq], count = a.chunks.seq_chunks[seq + 1] - first;
   const int key_head = head / (a.value_heads / a.key_heads);
   const bf16* qkv = static_cast<const bf16*>(a.qkv);
@@ -388,33 +397,48 @@ __global__ void __launch_bounds__(32 * kWarps) state_kernel(GdnForward a) {
     for (int i = threadIdx.x; i < C; i += kThreads) __pipeline_memcpy_async(&s.gamma[buffer][i], a.gamma + tile * C + i, 4);
   };
 
-  float st[16][4];  // S^T: rows v0 + vw + g (c[0], c[1]) and + 8 (c[2], c[3]); key dims in n8 tiles
+  // S^T: rows v0 + vw + g (c[0], c[1]) and + 8 (c[2], c[3]); key dims d0 + 8n + 2t4 (+1).
+  float st[8][4];
 #pragma unroll
-  for (int n = 0; n < 16; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
+  for (int n = 0; n < 8; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
   for (int i = 0; i + 1 < kStateStages; ++i) {
     if (i < count) load(i, i);
     __pipeline_commit();
   }
+  float* mine = s.exchange[warp];
+  const float* other = s.exchange[warp ^ 1];
   for (int i = 0; i < count; ++i) {
     mma_tile::pipeline_stage<kStateStages>(i, count, load);
     const int buffer = i % kStateStages;
     const int64_t tile = static_cast<int64_t>(first + i) * a.value_heads + head;
-    // S^T in bf16: the A operand below and the state this chunk's output reads ([v][key dim]).
-    uint32_t sa[8][4];
+    // This warp's half of S^T in bf16: the A operand below and the state the output reads ([v][key dim]).
+    uint32_t sa[4][4];
     mma_tile::to_a(sa, st);
-    uint32_t* states = reinterpret_cast<uint32_t*>(static_cast<bf16*>(a.states) + (tile * D + v0 + vw) * D);
+    uint32_t* states = reinterpret_cast<uint32_t*>(static_cast<bf16*>(a.states) + (tile * D + v0 + vw) * D + d0);
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < 4; ++kk) {
       const int col = 16 * kk + 2 * t4;
       states[(g * D + col) / 2] = sa[kk][0];
       states[((g + 8) * D + col) / 2] = sa[kk][1];
       states[(g * D + col + 8) / 2] = sa[kk][2];
       states[((g + 8) * D + col + 8) / 2] = sa[kk][3];
     }
-    // (W S)^T, then V'^T = U^T - (W S)^T: stored ([v][token]) for the output kernel, and its
-    // decayed copy V'^T e^(gamma_last - gamma) as the A operand of the update.
+    // (W S)^T over this warp's key dims, plus the partner's half.
     float vt[8][4];
-    mma_tile::product_16x64(vt, sa, s.w[buffer]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) vt[j][0] = vt[j][1] = vt[j][2] = vt[j][3] = 0.f;
+    mma_tile::product_16x64_add<4>(vt, sa, s.w[buffer], d0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * 32 + lane] = vt[j][e];
+    pair_barrier(pair);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) vt[j][e] += other[(j * 4 + e) * 32 + lane];
+    // V'^T = U^T - (W S)^T: stored ([v][token], each warp half of the tokens) for the output
+    // kernel; its decayed copy V'^T e^(gamma_last - gamma) is the A operand of the update.
     const float* gamma = s.gamma[buffer];
     const bf16* u = s.u[buffer];
     const float gamma_last = gamma[C - 1];
@@ -426,19 +450,21 @@ __global__ void __launch_bounds__(32 * kWarps) state_kernel(GdnForward a) {
       for (int e = 0; e < 4; ++e) {
         vt[j][e] = __bfloat162float(u[(token + (e & 1)) * LDU + vw + g + (e >> 1) * 8]) - vt[j][e];
       }
-      v_new[(g * C + token) / 2] = mma_tile::pack(vt[j][0], vt[j][1]);
-      v_new[((g + 8) * C + token) / 2] = mma_tile::pack(vt[j][2], vt[j][3]);
-      const float d0 = __expf(gamma_last - gamma[token]), d1 = __expf(gamma_last - gamma[token + 1]);
-      vt[j][0] *= d0, vt[j][1] *= d1, vt[j][2] *= d0, vt[j][3] *= d1;
+      if ((j >> 2) == half) {
+        v_new[(g * C + token) / 2] = mma_tile::pack(vt[j][0], vt[j][1]);
+        v_new[((g + 8) * C + token) / 2] = mma_tile::pack(vt[j][2], vt[j][3]);
+      }
+      const float e0 = __expf(gamma_last - gamma[token]), e1 = __expf(gamma_last - gamma[token + 1]);
+      vt[j][0] *= e0, vt[j][1] *= e1, vt[j][2] *= e0, vt[j][3] *= e1;
     }
     uint32_t va[4][4];
     mma_tile::to_a(va, vt);
-    // S = e^gamma_last S + K^T (V' e^(gamma_last - gamma)), transposed.
+    // S = e^gamma_last S + K^T (V' e^(gamma_last - gamma)), transposed, this warp's key dims.
     const float decay = __expf(gamma_last);
 #pragma unroll
-    for (int n = 0; n < 16; ++n) st[n][0] *= decay, st[n][1] *= decay, st[n][2] *= decay, st[n][3] *= decay;
-    mma_tile::accumulate_16x128(st, va, s.k[buffer]);
-    __syncthreads();  // this buffer is reloaded by the next iteration
+    for (int n = 0; n < 8; ++n) st[n][0] *= decay, st[n][1] *= decay, st[n][2] *= decay, st[n][3] *= decay;
+    mma_tile::accumulate_16xn<4>(st, va, s.k[buffer], d0);
+    __syncthreads();  // this chunk's buffers and exchange slots are refilled next
   }
 }
 
@@ -531,11 +557,11 @@ void conv1d_silu_l2norm(const void* x, int64_t x_stride, const void* weight, int
   check_cuda_launch("GatedDeltaNet kernel conv1d_silu_l2norm");
 }
 
-template <int kWarps>
+template <int kPairs>
 void launch_state(const GdnForward& args, cudaStream_t stream) {
-  const size_t bytes = sizeof(StateShared<kWarps>);
-  allow_shared_memory(state_kernel<kWarps>, bytes, "GatedDeltaNet kernel state");
-  state_kernel<kWarps><<<dim3(args.chunks.num_seqs, args.value_heads, D / (16 * kWarps)), 32 * kWarps, bytes, stream>>>(args);
+  const size_t bytes = sizeof(StateShared<kPairs>);
+  allow_shared_memory(state_kernel<kPairs>, bytes, "GatedDeltaNet kernel state");
+  state_kernel<kPairs><<<dim3(args.chunks.num_seqs, args.value_heads, D / (16 * kPairs)), 64 * kPairs, bytes, stream>>>(args);
   check_cuda_launch("GatedDeltaNet kernel state");
 }
 

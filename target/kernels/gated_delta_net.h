@@ -12,7 +12,7 @@
 //      exp(gamma_i - gamma_j)) (all bf16).
 //   3. state (grid sequences x value heads x value-column blocks): the one sequential pass. The
 //      fp32 state stays in registers for the whole sequence, transposed (S^T, value columns x
-//      key dims, 16 value columns per warp) so that no product needs it in shared memory; per
+//      key dims, 16 value columns per pair of warps) so that no product needs it in shared memory; per
 //      chunk it stores S^T (bf16, for the output kernel), V'^T = (U - W S)^T, and updates S =
 //      e^gamma_last S + K^T (V' e^(gamma_last - gamma)). Loads of chunk c+1 overlap the math of
 //      chunk c (cp.async double buffering).
@@ -85,8 +85,8 @@ struct GdnForward {
   int64_t z_stride = 0;
   const void* norm_weight = nullptr;
   float eps = 1e-6f;
-  // Value columns per CTA of the state pass (32, 64 or 128; 16 per warp): smaller gives more
-  // CTAs, larger reads W and K fewer times.
+  // Value columns per CTA of the state pass (32, 64 or 128; 16 per pair of warps): smaller gives
+  // more CTAs, larger reads W and K fewer times.
   int state_columns = 64;
   // Optional: four events recorded before prepare, state, output and after output (profiling).
   cudaEvent_t* stage_events = nullptr;
