@@ -155,7 +155,7 @@ struct __align__(16) PrepareShared {
   bf16 q[C * LD];
   bf16 k[C * LD];
   bf16 v[C * LD];
-  float a[C * LDA];  // A, then (with t) the fp32 staging of W and U
+  float a[C * LDA];  // A
   float t[C * LDA];
   bf16 tb[C * LDT];
   __align__(16) float scratch[32 * 36];  // the inner products of solve_unit_lower
@@ -163,32 +163,31 @@ struct __align__(16) PrepareShared {
   float beta[C];
   float k_scale[C];  // beta e^gamma per row
 };
-static_assert(2 * C * LDA >= C * LDS, "staging must fit in a and t");
 
 // Block products of solve_unit_lower, kCount of them at once, each n x n (fp32, row stride
-// LDA): t[d] = -t[l] . (a[x] . t[r]), where the brackets are element offsets of the blocks into
-// the matrices; the inner product goes through `scratch` (kCount x n x (n + 4)). Every thread of
-// the CTA takes part; a thread owns 4 adjacent columns of a row.
+// LDA): t[d] = -t[l] . (a[x] . t[r]), where l, x, r, d are element offsets of the first product's
+// blocks and product i adds i * step to each; the inner product goes through `scratch` (kCount x
+// n x (n + 4)). Every thread of the CTA takes part; a thread owns 4 adjacent columns of a row.
 template <int N, int kCount>
-__device__ inline void negated_triple_product(float* scratch, const float* a, float* t, const int (&l)[kCount],
-                                              const int (&x)[kCount], const int (&r)[kCount], const int (&d)[kCount]) {
+__device__ inline void negated_triple_product(float* scratch, const float* a, float* t, int l, int x, int r, int d,
+                                              int step) {
   constexpr int LDX = N + 4, kPer = N * N / 4;
-  for (int step = 0; step < 2; ++step) {
+  for (int pass = 0; pass < 2; ++pass) {
     for (int o = threadIdx.x; o < kCount * kPer; o += blockDim.x) {
-      const int which = o / kPer, row = (o % kPer) / (N / 4), col = (o % (N / 4)) * 4;
+      const int which = o / kPer, row = (o % kPer) / (N / 4), col = (o % (N / 4)) * 4, shift = which * step;
       float* product = scratch + which * N * LDX;
-      const float* lhs = step == 0 ? a + x[which] + row * LDA : t + l[which] + row * LDA;
+      const float* lhs = pass == 0 ? a + x + shift + row * LDA : t + l + shift + row * LDA;
       float4 acc = make_float4(0, 0, 0, 0);
 #pragma unroll 8
       for (int k = 0; k < N; ++k) {
         const float v = lhs[k];
-        const float4 y = *reinterpret_cast<const float4*>(step == 0 ? t + r[which] + k * LDA + col : product + k * LDX + col);
+        const float4 y = *reinterpret_cast<const float4*>(pass == 0 ? t + r + shift + k * LDA + col : product + k * LDX + col);
         acc.x += v * y.x, acc.y += v * y.y, acc.z += v * y.z, acc.w += v * y.w;
       }
-      if (step == 0) {
+      if (pass == 0) {
         *reinterpret_cast<float4*>(product + row * LDX + col) = acc;
       } else {
-        *reinterpret_cast<float4*>(t + d[which] + row * LDA + col) = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
+        *reinterpret_cast<float4*>(t + d + shift + row * LDA + col) = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
       }
     }
     __syncthreads();
@@ -218,9 +217,8 @@ __device__ void solve_unit_lower(PrepareShared& s) {
   }
   __syncthreads();
   auto at = [](int row, int col) { return row * LDA + col; };
-  negated_triple_product<16, 2>(s.scratch, s.a, s.t, {at(16, 16), at(48, 48)}, {at(16, 0), at(48, 32)},
-                                {at(0, 0), at(32, 32)}, {at(16, 0), at(48, 32)});
-  negated_triple_product<32, 1>(s.scratch, s.a, s.t, {at(32, 32)}, {at(32, 0)}, {at(0, 0)}, {at(32, 0)});
+  negated_triple_product<16, 2>(s.scratch, s.a, s.t, at(16, 16), at(16, 0), at(0, 0), at(16, 0), at(32, 32));
+  negated_triple_product<32, 1>(s.scratch, s.a, s.t, at(32, 32), at(32, 0), at(0, 0), at(32, 0), 0);
 }
 
 constexpr int kPrepareThreads = 256;
@@ -318,25 +316,37 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(GdnForward a) 
   }
   __syncthreads();
 
-  // W = T (beta e^gamma K), then U = T (beta V): warp w computes rows 16(w%4), columns 64(w/4) + [0, 64).
+  // W = T (beta e^gamma K), then U = T (beta V), with mma.sync straight from the padded shared
+  // matrices (ldmatrix rows are 16-byte aligned and fall in distinct banks) to bf16 in global
+  // memory: warp w computes rows 16(w%4), columns 64(w/4) + [0, 64).
   const int64_t tile = (static_cast<int64_t>(chunk) * a.value_heads + head) * C * D;
-  float* stage = s.a;  // a and t are free now
-  const int rows = (warp & 3) * 16, cols = (warp >> 2) * 64;
+  const int rows = (warp & 3) * 16, cols = (warp >> 2) * 64, g = lane >> 2, t4 = lane & 3, m = lane >> 3;
+  uint32_t ta[4][4];  // A operands: T rows [rows, +16), 4 k-steps of 16 tokens
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    mma_tile::ldsm_x4(ta[kk], mma_tile::shared_address(s.tb + (rows + (lane & 15)) * LDT + kk * 16 + (lane >> 4) * 8));
+  }
   for (int which = 0; which < 2; ++which) {
     const bf16* rhs = which == 0 ? s.k : s.v;
-    FragC acc[4];
+    float acc[8][4] = {};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[j], 0.0f);
-    mma_row_tile<4, C / 16>(acc, s.tb + rows * LDT, LDT, rhs + cols, LD);
+    for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) wmma::store_matrix_sync(stage + rows * LDS + cols + j * 16, acc[j], LDS, wmma::mem_row_major);
-    __syncthreads();
-    __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(which == 0 ? a.w : a.u) + tile);
-    for (int i = threadIdx.x; i < C * D / 2; i += blockDim.x) {
-      const int r = (2 * i) / D, c = (2 * i) % D;
-      out[i] = __floats2bfloat162_rn(stage[r * LDS + c], stage[r * LDS + c + 1]);
+      for (int np = 0; np < 4; ++np) {
+        uint32_t y[4];  // B [k = token][n = column] from the row-major matrix, transposed by ldmatrix
+        mma_tile::ldsm_x4_trans(
+            y, mma_tile::shared_address(rhs + (kk * 16 + ((m & 1) << 3) + (lane & 7)) * LD + cols + np * 16 + (m >> 1) * 8));
+        mma_tile::mma(acc[2 * np], ta[kk], y[0], y[1]);
+        mma_tile::mma(acc[2 * np + 1], ta[kk], y[2], y[3]);
+      }
     }
-    __syncthreads();
+    bf16* out = static_cast<bf16*>(which == 0 ? a.w : a.u) + tile;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int col = cols + 8 * j + 2 * t4;
+      *reinterpret_cast<uint32_t*>(out + (rows + g) * D + col) = mma_tile::pack(acc[j][0], acc[j][1]);
+      *reinterpret_cast<uint32_t*>(out + (rows + g + 8) * D + col) = mma_tile::pack(acc[j][2], acc[j][3]);
+    }
   }
 }
 
