@@ -23,11 +23,8 @@ constexpr int D = kGdnHeadDim;  // 128
 constexpr int LD = D + 8;       // bf16 row stride of 128-wide tiles in shared memory (no bank conflicts)
 constexpr int LDA = C + 4;      // fp32 row stride of 64x64 matrices
 constexpr int LDT = C + 8;      // bf16 row stride of 64x64 matrices
-constexpr int LDS = D + 4;      // fp32 row stride of 64x128 staging
 
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
-using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major>;
-using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
 using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major>;
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
@@ -43,29 +40,6 @@ __device__ inline void load_rows_async(bf16* dst, int dst_ld, const bf16* src, i
       __pipeline_memcpy_async(d, src + r * src_ld + c, 16);
     } else {
       *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
-    }
-  }
-}
-
-// acc[j] += A (16 x 16K, row-major, lda) . B (16K x 16NJ), column tile j of B; B row-major
-// (b[k * ldb + n]) or, with kBTransposed, stored as its transpose (b[n * ldb + k]).
-template <int NJ, int K, bool kBTransposed = false>
-__device__ inline void mma_row_tile(FragC (&acc)[NJ], const bf16* a, int lda, const bf16* b, int ldb) {
-#pragma unroll
-  for (int kk = 0; kk < K; ++kk) {
-    FragA x;
-    wmma::load_matrix_sync(x, a + kk * 16, lda);
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      if constexpr (kBTransposed) {
-        FragBT y;
-        wmma::load_matrix_sync(y, b + j * 16 * ldb + kk * 16, ldb);
-        wmma::mma_sync(acc[j], x, y, acc[j]);
-      } else {
-        FragB y;
-        wmma::load_matrix_sync(y, b + kk * 16 * ldb + j * 16, ldb);
-        wmma::mma_sync(acc[j], x, y, acc[j]);
-      }
     }
   }
 }
@@ -478,75 +452,113 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
   }
 }
 
-// ---- 4. output: O = (scale e^gamma Q) S + P V', then the gated norm ---------------------------
-struct OutputShared {
-  bf16 q[C * LD];
-  bf16 state[D * LD];  // S^T ([v][key dim]), then the fp32 staging of O
-  bf16 v[D * LDT];     // V'^T ([v][token])
-  bf16 p[C * LDT];
-  float q_scale[C];  // scale e^gamma per row
-};
-static_assert(D * LD * sizeof(bf16) >= C * LDS * sizeof(float), "O staging must fit in the state");
+// ---- 4. output: O = diag(scale e^gamma) Q S + P V', then the gated norm -----------------------
+// 4 warps, each 16 tokens x all 128 value columns (so the norm over a row stays in the warp's
+// quads): Q as a swizzled tile, S^T ([v][key dim]) as two, V'^T ([v][token]) and P as swizzled
+// 64-column matrices; products by mma.sync, the row scale applied to the accumulators.
+constexpr int kOutputThreads = 128;
 
-__global__ void __launch_bounds__(256) output_kernel(GdnForward a) {
+// Rows of 64 bf16 (eight 16-byte chunks), chunks XOR-swizzled by row as in mma_tile's tiles.
+__device__ __forceinline__ int swizzled64(int row, int chunk) { return row * C + ((chunk ^ (row & 7)) << 3); }
+
+__device__ inline void load_rows64_async(bf16* dst, const bf16* src, int rows) {
+  for (int i = threadIdx.x; i < rows * 8; i += blockDim.x) {
+    __pipeline_memcpy_async(dst + swizzled64(i >> 3, i & 7), src + i * 8, 16);
+  }
+}
+
+struct OutputShared {  // 74 KB: three CTAs per SM
+  mma_tile::Tile q;
+  mma_tile::Tile state[2];     // S^T rows (value columns) [0, 64) and [64, 128)
+  __align__(16) bf16 v[D * C];  // V'^T: [v][token], swizzled
+  __align__(16) bf16 p[C * C];  // P: [token][token], swizzled
+  float q_scale[C];             // scale e^gamma per row
+};
+
+__global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
   extern __shared__ __align__(128) unsigned char smem[];
   OutputShared& s = *reinterpret_cast<OutputShared*>(smem);
   const int chunk = blockIdx.x, head = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3, m = lane >> 3, row0 = warp * 16;
   const int start = a.chunks.start[chunk], length = a.chunks.length[chunk];
   const int key_head = head / (a.value_heads / a.key_heads);
   const int64_t tile = static_cast<int64_t>(chunk) * a.value_heads + head;
-  const bf16* qkv = static_cast<const bf16*>(a.qkv) + static_cast<int64_t>(start) * a.qkv_stride;
-  load_rows_async(s.q, LD, qkv + key_head * D, a.qkv_stride, C, length, D);
-  load_rows_async(s.state, LD, static_cast<const bf16*>(a.states) + tile * D * D, D, D, D, D);
-  load_rows_async(s.v, LDT, static_cast<const bf16*>(a.v_new) + tile * C * D, C, D, D, C);
-  load_rows_async(s.p, LDT, static_cast<const bf16*>(a.qk) + tile * C * C, C, C, C, C);
+  const bf16* q = static_cast<const bf16*>(a.qkv) + static_cast<int64_t>(start) * a.qkv_stride + key_head * D;
+  const bf16* state = static_cast<const bf16*>(a.states) + tile * D * D;
+  mma_tile::load_tile<kOutputThreads>(s.q, [&](int r) { return r < length ? q + r * a.qkv_stride : nullptr; });
+  mma_tile::load_tile<kOutputThreads>(s.state[0], [&](int r) { return state + r * D; });
+  mma_tile::load_tile<kOutputThreads>(s.state[1], [&](int r) { return state + (C + r) * D; });
+  load_rows64_async(s.v, static_cast<const bf16*>(a.v_new) + tile * C * D, D);
+  load_rows64_async(s.p, static_cast<const bf16*>(a.qk) + tile * C * C, C);
   if (threadIdx.x < C) s.q_scale[threadIdx.x] = a.scale * __expf(a.gamma[tile * C + threadIdx.x]);
   __pipeline_commit();
   __pipeline_wait_prior(0);
   __syncthreads();
-  for (int i = threadIdx.x; i < C * D / 2; i += blockDim.x) {
-    const int r = (2 * i) / D, c = (2 * i) % D;
-    __nv_bfloat162& pair = *reinterpret_cast<__nv_bfloat162*>(&s.q[r * LD + c]);
-    const float2 x = __bfloat1622float2(pair);
-    pair = __floats2bfloat162_rn(x.x * s.q_scale[r], x.y * s.q_scale[r]);
-  }
-  __syncthreads();
-  // O (64 x 128): warp w owns row tile w/2, column tiles 4(w%2) .. 4(w%2)+3.
-  FragC acc[4];
-  const int row = (warp >> 1) * 16, col = (warp & 1) * 64;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[j], 0.0f);
-  mma_row_tile<4, D / 16, true>(acc, s.q + row * LD, LD, s.state + col * LD, LD);
-  mma_row_tile<4, C / 16, true>(acc, s.p + row * LDT, LDT, s.v + col * LDT, LDT);
-  __syncthreads();  // the state is read: its space becomes the staging of O
-  float* stage = reinterpret_cast<float*>(s.state);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) wmma::store_matrix_sync(stage + row * LDS + col + j * 16, acc[j], LDS, wmma::mem_row_major);
-  __syncthreads();
 
-  // Epilogue: warp w writes rows w, w + 8, ...; lane l columns 4l .. 4l + 3.
-  for (int r = warp; r < length; r += 8) {
+  float acc[16][4] = {};  // O rows row0 + g (c[0], c[1]) and + 8 (c[2], c[3]); value columns 8n + 2t4
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {  // Q S over the key dims
+    uint32_t x[4];
+    mma_tile::load_a(x, s.q, row0, ks * 16);
+#pragma unroll
+    for (int np = 0; np < 8; ++np) {
+      uint32_t y[4];
+      mma_tile::load_b_nk(y, s.state[np >> 2], (np & 3) * 16, ks * 16);
+      mma_tile::mma(acc[2 * np], x, y[0], y[1]);
+      mma_tile::mma(acc[2 * np + 1], x, y[2], y[3]);
+    }
+  }
+  const float scale0 = s.q_scale[row0 + g], scale1 = s.q_scale[row0 + g + 8];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) acc[n][0] *= scale0, acc[n][1] *= scale0, acc[n][2] *= scale1, acc[n][3] *= scale1;
+#pragma unroll
+  for (int kk = 0; kk < C / 16; ++kk) {  // + P V' over the chunk's tokens
+    uint32_t x[4];
+    mma_tile::ldsm_x4(x, mma_tile::shared_address(s.p + swizzled64(row0 + (lane & 15), 2 * kk + (lane >> 4))));
+#pragma unroll
+    for (int np = 0; np < 8; ++np) {
+      uint32_t y[4];  // B [k = token][n = v] from V'^T stored [n][k]
+      mma_tile::ldsm_x4(y, mma_tile::shared_address(s.v + swizzled64(np * 16 + ((m >> 1) << 3) + (lane & 7), 2 * kk + (m & 1))));
+      mma_tile::mma(acc[2 * np], x, y[0], y[1]);
+      mma_tile::mma(acc[2 * np + 1], x, y[2], y[3]);
+    }
+  }
+
+  // Epilogue: rows row0 + g and row0 + g + 8; a row's 128 values are spread over one quad.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row0 + g + 8 * half;
     const int64_t token = start + r;
-    float o[4];
+    float squares = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o[e] = stage[r * LDS + lane * 4 + e];
+    for (int n = 0; n < 16; ++n) squares += acc[n][2 * half] * acc[n][2 * half] + acc[n][2 * half + 1] * acc[n][2 * half + 1];
+    squares += __shfl_xor_sync(0xffffffffu, squares, 1);
+    squares += __shfl_xor_sync(0xffffffffu, squares, 2);
+    if (r >= length) continue;
     if (a.out_raw != nullptr) {
-      float* out = a.out_raw + (token * a.value_heads + head) * D + lane * 4;
+      float* out = a.out_raw + (token * a.value_heads + head) * D;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) out[e] = o[e];
+      for (int n = 0; n < 16; ++n) {
+        *reinterpret_cast<float2*>(out + 8 * n + 2 * t4) = make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
+      }
       continue;
     }
-    const float rstd = rsqrtf(warp_sum(o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3]) / D + a.eps);
-    const bf16* z = static_cast<const bf16*>(a.z) + token * a.z_stride + head * D + lane * 4;
-    const bf16* w = static_cast<const bf16*>(a.norm_weight) + lane * 4;
-    bf16* out = static_cast<bf16*>(a.out) + (token * a.value_heads + head) * D + lane * 4;
+    const float rstd = rsqrtf(squares / D + a.eps);
+    const bf16* z = static_cast<const bf16*>(a.z) + token * a.z_stride + head * D;
+    const bf16* w = static_cast<const bf16*>(a.norm_weight);
+    bf16* out = static_cast<bf16*>(a.out) + (token * a.value_heads + head) * D;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int n = 0; n < 16; ++n) {
+      const int col = 8 * n + 2 * t4;
+      const float2 gate = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(z + col));
+      const float2 weight = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(w + col));
       // As the reference: rmsnorm(o) and w * it rounded to bf16, then times silu(z) in fp32.
-      const float normed = __bfloat162float(__float2bfloat16(o[e] * rstd));
-      const float weighted = __bfloat162float(__float2bfloat16(__bfloat162float(w[e]) * normed));
-      const float gate = __bfloat162float(z[e]);
-      out[e] = __float2bfloat16(weighted * gate / (1.0f + __expf(-gate)));
+      const float n0 = __bfloat162float(__float2bfloat16(acc[n][2 * half] * rstd));
+      const float n1 = __bfloat162float(__float2bfloat16(acc[n][2 * half + 1] * rstd));
+      const float w0 = __bfloat162float(__float2bfloat16(weight.x * n0));
+      const float w1 = __bfloat162float(__float2bfloat16(weight.y * n1));
+      *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(w0 * gate.x / (1.0f + __expf(-gate.x)),
+                                                                            w1 * gate.y / (1.0f + __expf(-gate.y)));
     }
   }
 }
@@ -600,7 +612,7 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
   }
   mark(2);
   allow_shared_memory(output_kernel, sizeof(OutputShared), "GatedDeltaNet kernel output");
-  output_kernel<<<per_chunk, 256, sizeof(OutputShared), stream>>>(args);
+  output_kernel<<<per_chunk, kOutputThreads, sizeof(OutputShared), stream>>>(args);
   check_cuda_launch("GatedDeltaNet kernel output");
   mark(3);
 }
