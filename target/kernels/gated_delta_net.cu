@@ -44,11 +44,6 @@ __device__ inline void load_rows_async(bf16* dst, int dst_ld, const bf16* src, i
   }
 }
 
-__device__ inline float warp_sum(float x) {
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-
 // ---- 1. causal conv1d + SiLU + L2 norm of the q/k heads ---------------------------------------
 // A thread owns 8 adjacent channels (16-byte loads and stores) over kConvTokens tokens, keeping
 // the last three inputs in registers, so every input row is read once; a head's 128 channels are
