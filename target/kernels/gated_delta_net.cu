@@ -390,18 +390,14 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
     mma_tile::pipeline_stage<kStateStages>(i, count, load);
     const int buffer = i % kStateStages;
     const int64_t tile = static_cast<int64_t>(first + i) * a.value_heads + head;
-    // This warp's half of S^T in bf16: the A operand below and the state the output reads ([v][key dim]).
+    // This warp's half of S^T in bf16: the A operand below, and the state the output kernel
+    // reads, stored in fragment order (16-byte coalesced stores; see GdnForward::states).
     uint32_t sa[4][4];
     mma_tile::to_a(sa, st);
-    uint32_t* states = reinterpret_cast<uint32_t*>(static_cast<bf16*>(a.states) + (tile * D + v0 + vw) * D + d0);
+    uint4* states = reinterpret_cast<uint4*>(static_cast<bf16*>(a.states) + tile * D * D) +
+                    ((blockIdx.z * kPairs + pair) * 8 + 4 * half) * 32 + lane;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const int col = 16 * kk + 2 * t4;
-      states[(g * D + col) / 2] = sa[kk][0];
-      states[((g + 8) * D + col) / 2] = sa[kk][1];
-      states[(g * D + col + 8) / 2] = sa[kk][2];
-      states[((g + 8) * D + col + 8) / 2] = sa[kk][3];
-    }
+    for (int kk = 0; kk < 4; ++kk) states[kk * 32] = make_uint4(sa[kk][0], sa[kk][1], sa[kk][2], sa[kk][3]);
     // (W S)^T over this warp's key dims, plus the partner's half.
     float vt[8][4];
 #pragma unroll
@@ -416,23 +412,29 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) vt[j][e] += other[(j * 4 + e) * 32 + lane];
-    // V'^T = U^T - (W S)^T: stored ([v][token], each warp half of the tokens) for the output
-    // kernel; its decayed copy V'^T e^(gamma_last - gamma) is the A operand of the update.
+    // V'^T = U^T - (W S)^T: stored in fragment order for the output kernel (each warp of the pair
+    // half of the tokens); its decayed copy V'^T e^(gamma_last - gamma) is the A operand of the update.
     const float* gamma = s.gamma[buffer];
     const bf16* u = s.u[buffer];
     const float gamma_last = gamma[C - 1];
-    uint32_t* v_new = reinterpret_cast<uint32_t*>(static_cast<bf16*>(a.v_new) + (tile * D + v0 + vw) * C);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        vt[j][e] = __bfloat162float(u[(8 * j + 2 * t4 + (e & 1)) * LDU + vw + g + (e >> 1) * 8]) - vt[j][e];
+      }
+    uint4* v_new = reinterpret_cast<uint4*>(static_cast<bf16*>(a.v_new) + tile * C * D) +
+                   ((blockIdx.z * kPairs + pair) * 4 + 2 * half) * 32 + lane;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {  // (static register indices: a runtime one would spill vt)
+      if ((kk >> 1) != half) continue;
+      const int j = 2 * kk;
+      v_new[(kk & 1) * 32] = make_uint4(mma_tile::pack(vt[j][0], vt[j][1]), mma_tile::pack(vt[j][2], vt[j][3]),
+                                        mma_tile::pack(vt[j + 1][0], vt[j + 1][1]), mma_tile::pack(vt[j + 1][2], vt[j + 1][3]));
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int token = 8 * j + 2 * t4;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        vt[j][e] = __bfloat162float(u[(token + (e & 1)) * LDU + vw + g + (e >> 1) * 8]) - vt[j][e];
-      }
-      if ((j >> 2) == half) {
-        v_new[(g * C + token) / 2] = mma_tile::pack(vt[j][0], vt[j][1]);
-        v_new[((g + 8) * C + token) / 2] = mma_tile::pack(vt[j][2], vt[j][3]);
-      }
       const float e0 = __expf(gamma_last - gamma[token]), e1 = __expf(gamma_last - gamma[token + 1]);
       vt[j][0] *= e0, vt[j][1] *= e1, vt[j][2] *= e0, vt[j][3] *= e1;
     }
@@ -449,8 +451,10 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
 
 // ---- 4. output: O = diag(scale e^gamma) Q S + P V', then the gated norm -----------------------
 // 4 warps, each 16 tokens x all 128 value columns (so the norm over a row stays in the warp's
-// quads): Q as a swizzled tile, S^T ([v][key dim]) as two, V'^T ([v][token]) and P as swizzled
-// 64-column matrices; products by mma.sync, the row scale applied to the accumulators.
+// quads): Q as a swizzled tile, P as a swizzled 64-column matrix, S^T and V'^T in the fragment
+// order the state pass wrote them (an A fragment of X^T is the B fragments of two n8 tiles of X:
+// one 16-byte shared load per lane); products by mma.sync, the row scale applied to the
+// accumulators.
 constexpr int kOutputThreads = 128;
 
 // Rows of 64 bf16 (eight 16-byte chunks), chunks XOR-swizzled by row as in mma_tile's tiles.
@@ -464,8 +468,8 @@ __device__ inline void load_rows64_async(bf16* dst, const bf16* src, int rows) {
 
 struct OutputShared {  // 74 KB: three CTAs per SM
   mma_tile::Tile q;
-  mma_tile::Tile state[2];     // S^T rows (value columns) [0, 64) and [64, 128)
-  __align__(16) bf16 v[D * C];  // V'^T: [v][token], swizzled
+  uint4 state[64 * 32];        // S^T in fragment order: the B operands of Q S
+  uint4 v[32 * 32];            // V'^T in fragment order: the B operands of P V'
   __align__(16) bf16 p[C * C];  // P: [token][token], swizzled
   float q_scale[C];             // scale e^gamma per row
 };
@@ -474,16 +478,16 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
   extern __shared__ __align__(128) unsigned char smem[];
   OutputShared& s = *reinterpret_cast<OutputShared*>(smem);
   const int chunk = blockIdx.x, head = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t4 = lane & 3, m = lane >> 3, row0 = warp * 16;
+  const int g = lane >> 2, t4 = lane & 3, row0 = warp * 16;
   const int start = a.chunks.start[chunk], length = a.chunks.length[chunk];
   const int key_head = head / (a.value_heads / a.key_heads);
   const int64_t tile = static_cast<int64_t>(chunk) * a.value_heads + head;
   const bf16* q = static_cast<const bf16*>(a.qkv) + static_cast<int64_t>(start) * a.qkv_stride + key_head * D;
-  const bf16* state = static_cast<const bf16*>(a.states) + tile * D * D;
+  const uint4* state = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.states) + tile * D * D);
+  const uint4* v_new = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.v_new) + tile * C * D);
   mma_tile::load_tile<kOutputThreads>(s.q, [&](int r) { return r < length ? q + r * a.qkv_stride : nullptr; });
-  mma_tile::load_tile<kOutputThreads>(s.state[0], [&](int r) { return state + r * D; });
-  mma_tile::load_tile<kOutputThreads>(s.state[1], [&](int r) { return state + (C + r) * D; });
-  load_rows64_async(s.v, static_cast<const bf16*>(a.v_new) + tile * C * D, D);
+  for (int i = threadIdx.x; i < 64 * 32; i += kOutputThreads) __pipeline_memcpy_async(&s.state[i], state + i, 16);
+  for (int i = threadIdx.x; i < 32 * 32; i += kOutputThreads) __pipeline_memcpy_async(&s.v[i], v_new + i, 16);
   load_rows64_async(s.p, static_cast<const bf16*>(a.qk) + tile * C * C, C);
   if (threadIdx.x < C) s.q_scale[threadIdx.x] = a.scale * __expf(a.gamma[tile * C + threadIdx.x]);
   __pipeline_commit();
@@ -496,11 +500,10 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
     uint32_t x[4];
     mma_tile::load_a(x, s.q, row0, ks * 16);
 #pragma unroll
-    for (int np = 0; np < 8; ++np) {
-      uint32_t y[4];
-      mma_tile::load_b_nk(y, s.state[np >> 2], (np & 3) * 16, ks * 16);
-      mma_tile::mma(acc[2 * np], x, y[0], y[1]);
-      mma_tile::mma(acc[2 * np + 1], x, y[2], y[3]);
+    for (int np = 0; np < 8; ++np) {  // value columns [16 np, +16): one fragment-ordered block
+      const uint4 y = s.state[(np * 8 + ks) * 32 + lane];
+      mma_tile::mma(acc[2 * np], x, y.x, y.z);
+      mma_tile::mma(acc[2 * np + 1], x, y.y, y.w);
     }
   }
   const float scale0 = s.q_scale[row0 + g], scale1 = s.q_scale[row0 + g + 8];
@@ -512,10 +515,9 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
     mma_tile::ldsm_x4(x, mma_tile::shared_address(s.p + swizzled64(row0 + (lane & 15), 2 * kk + (lane >> 4))));
 #pragma unroll
     for (int np = 0; np < 8; ++np) {
-      uint32_t y[4];  // B [k = token][n = v] from V'^T stored [n][k]
-      mma_tile::ldsm_x4(y, mma_tile::shared_address(s.v + swizzled64(np * 16 + ((m >> 1) << 3) + (lane & 7), 2 * kk + (m & 1))));
-      mma_tile::mma(acc[2 * np], x, y[0], y[1]);
-      mma_tile::mma(acc[2 * np + 1], x, y[2], y[3]);
+      const uint4 y = s.v[(np * 4 + kk) * 32 + lane];
+      mma_tile::mma(acc[2 * np], x, y.x, y.z);
+      mma_tile::mma(acc[2 * np + 1], x, y.y, y.w);
     }
   }
 

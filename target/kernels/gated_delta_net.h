@@ -13,7 +13,8 @@
 //   3. state (grid sequences x value heads x value-column blocks): the one sequential pass. The
 //      fp32 state stays in registers for the whole sequence, transposed (S^T, value columns x
 //      key dims, 16 value columns per pair of warps) so that no product needs it in shared memory; per
-//      chunk it stores S^T (bf16, for the output kernel), V'^T = (U - W S)^T, and updates S =
+//      chunk it stores S^T (bf16, for the output kernel), V'^T = (U - W S)^T (both in mma fragment
+//      order), and updates S =
 //      e^gamma_last S + K^T (V' e^(gamma_last - gamma)). Loads of chunk c+1 overlap the math of
 //      chunk c (cp.async double buffering).
 //   4. output (grid chunks x value heads): O = (scale e^gamma Q) S + P V', with the gated
@@ -66,10 +67,12 @@ struct GdnForward {
   const float* dt_bias = nullptr;
   float scale = 0;              // q scale (head_dim^-0.5)
   GdnChunks chunks;
-  // Scratch, bf16 unless noted: w, u [num_chunks, value_heads, 64 tokens, 128]; v_new
-  // [num_chunks, value_heads, 128 value columns, 64 tokens] (V'^T); states [num_chunks,
-  // value_heads, 128 value columns, 128 key dims] (S^T at the chunk's start); gamma fp32
-  // [num_chunks, value_heads, 64].
+  // Scratch, bf16 unless noted: w, u [num_chunks, value_heads, 64 tokens, 128]; gamma fp32
+  // [num_chunks, value_heads, 64]; states (S^T at each chunk's start, 128 value columns x 128
+  // key dims) and v_new (V'^T, 128 value columns x 64 tokens) per (chunk, value head) in
+  // fragment order: 16x16 blocks (value-column block major), each as 32 lanes x 16 bytes, lane
+  // 4g + t holding the mma.m16n8k16 A fragment {(g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8)}
+  // (element pairs) of the block.
   void* w = nullptr;
   void* u = nullptr;
   void* v_new = nullptr;
