@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/bf16x8.cuh"
 #include "common/cuda_check.h"
 
 namespace dflash::drafter::kernels {
@@ -43,13 +44,11 @@ __global__ void __launch_bounds__(kStatsThreads) row_stats_kernel(const bf16* __
   const bf16* row = logits + static_cast<int64_t>(r) * ld;
   Stats st{-INFINITY, 0.f, 0x7fffffff};
   for (int v = threadIdx.x * 8; v < vocab; v += kStatsThreads * 8) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(row + v);
-    const bf16* x = reinterpret_cast<const bf16*>(&raw);
     float f[8], m = -INFINITY;
+    bf16x8::load8(f, row + v);
     int at = 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      f[j] = __bfloat162float(x[j]);
       if (f[j] > m) {
         m = f[j];
         at = j;
@@ -88,14 +87,11 @@ __global__ void __launch_bounds__(kGradThreads) gradient_kernel(bf16* __restrict
   const float l = lse[r], k = scale[r];
   const int64_t label = labels[r];
   bf16* p = logits + static_cast<int64_t>(r) * ld + v;
-  uint4 raw = *reinterpret_cast<uint4*>(p);
-  bf16* x = reinterpret_cast<bf16*>(&raw);
+  float x[8];
+  bf16x8::load8(x, p);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float prob = __expf(__bfloat162float(x[j]) - l);
-    x[j] = __float2bfloat16((prob - (v + j == label ? 1.f : 0.f)) * k);
-  }
-  *reinterpret_cast<uint4*>(p) = raw;
+  for (int j = 0; j < 8; ++j) x[j] = (__expf(x[j] - l) - (v + j == label ? 1.f : 0.f)) * k;
+  bf16x8::store8(p, x);
 }
 
 }  // namespace

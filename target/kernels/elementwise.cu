@@ -8,15 +8,29 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/bf16x8.cuh"
 #include "common/cuda_check.h"
 
 namespace dflash::target::kernels {
 namespace {
 
 using bf16 = __nv_bfloat16;
+using bf16x8::load8;
+using bf16x8::store8;
 constexpr int kNormThreads = 256;
 
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// The RMSNorm's weight applied to normed = x * rsqrt(mean(x^2) + eps), rounded as HF does:
+// zero-centred (Qwen3.5 / Qwen3-Next) bf16(normed * (w + 1)); plain bf16(w * bf16(normed)).
+__device__ __forceinline__ float weighted_norm(float normed, float w, bool zero_centred) {
+  return round_bf16(zero_centred ? normed * (w + 1.f) : w * round_bf16(normed));
+}
+
+// Blocks of a grid-stride loop over `chunks` items: enough for the items, at most 16 per SM of an H100/H200.
+inline unsigned grid_stride_blocks(int64_t chunks, int threads) {
+  return static_cast<unsigned>(std::min<int64_t>((chunks + threads - 1) / threads, 132 * 16));
+}
 
 // One CTA per row: pass 1 forms the (rounded) sum and its sum of squares, pass 2 rereads it
 // (from L1/L2: a row is a few KB) and writes the normalised row.
@@ -30,20 +44,17 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const bf16* 
   const bf16* src = delta != nullptr ? sum_out + base : x + base;
   float squares = 0.f;
   for (int c = threadIdx.x * 8; c < n; c += kNormThreads * 8) {
-    uint4 raw = *reinterpret_cast<const uint4*>(x + base + c);
-    bf16* v = reinterpret_cast<bf16*>(&raw);
+    float v[8];
+    load8(v, x + base + c);
     if (delta != nullptr) {
-      const uint4 draw = *reinterpret_cast<const uint4*>(delta + base + c);
-      const bf16* d = reinterpret_cast<const bf16*>(&draw);
+      float d[8];
+      load8(d, delta + base + c);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = __float2bfloat16(__bfloat162float(v[j]) + __bfloat162float(d[j]));
-      *reinterpret_cast<uint4*>(sum_out + base + c) = raw;
+      for (int j = 0; j < 8; ++j) v[j] = round_bf16(v[j] + d[j]);
+      store8(sum_out + base + c, v);
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float f = __bfloat162float(v[j]);
-      squares += f * f;
-    }
+    for (int j = 0; j < 8; ++j) squares += v[j] * v[j];
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, off);
@@ -59,17 +70,12 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const bf16* 
   __syncthreads();
   const float r = scale;
   for (int c = threadIdx.x * 8; c < n; c += kNormThreads * 8) {
-    uint4 raw = *reinterpret_cast<const uint4*>(src + c);
-    const uint4 wraw = *reinterpret_cast<const uint4*>(weight + c);
-    bf16* v = reinterpret_cast<bf16*>(&raw);
-    const bf16* w = reinterpret_cast<const bf16*>(&wraw);
+    float v[8], w[8];
+    load8(v, src + c);
+    load8(w, weight + c);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float normed = __bfloat162float(v[j]) * r;
-      const float wf = __bfloat162float(w[j]);
-      v[j] = __float2bfloat16(zero_centred ? normed * (wf + 1.f) : wf * round_bf16(normed));
-    }
-    *reinterpret_cast<uint4*>(normed_out + base + c) = raw;
+    for (int j = 0; j < 8; ++j) v[j] = weighted_norm(v[j] * r, w[j], zero_centred);
+    store8(normed_out + base + c, v);
   }
 }
 
@@ -77,37 +83,15 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gate, const bf16* __res
                                 int64_t chunks) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint4 graw = reinterpret_cast<const uint4*>(gate)[i];
-    const uint4 uraw = reinterpret_cast<const uint4*>(up)[i];
-    const bf16* g = reinterpret_cast<const bf16*>(&graw);
-    const bf16* u = reinterpret_cast<const bf16*>(&uraw);
-    uint4 oraw;
-    bf16* o = reinterpret_cast<bf16*>(&oraw);
+    float g[8], u[8];
+    load8(g, gate + i * 8);
+    load8(u, up + i * 8);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float x = __bfloat162float(g[j]);
-      const float silu = round_bf16(x / (1.f + __expf(-x)));
-      o[j] = __float2bfloat16(silu * __bfloat162float(u[j]));
-    }
-    reinterpret_cast<uint4*>(out)[i] = oraw;
+    for (int j = 0; j < 8; ++j) g[j] = round_bf16(g[j] / (1.f + __expf(-g[j]))) * u[j];
+    store8(out + i * 8, g);
   }
 }
 
-
-__device__ __forceinline__ void load8(float (&dst)[8], const bf16* src) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
-  const bf16* v = reinterpret_cast<const bf16*>(&raw);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) dst[j] = __bfloat162float(v[j]);
-}
-
-__device__ __forceinline__ void store8(bf16* dst, const float (&src)[8]) {
-  uint4 raw;
-  bf16* v = reinterpret_cast<bf16*>(&raw);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = __float2bfloat16(src[j]);
-  *reinterpret_cast<uint4*>(dst) = raw;
-}
 
 constexpr int kRowThreads = 256;  // one warp per row of qk_norm_rope
 
@@ -134,10 +118,7 @@ __global__ void __launch_bounds__(kRowThreads) qk_norm_rope_kernel(const bf16* _
   float w[8] = {};
   if (active) load8(w, weight + c);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float normed = v[j] * r;
-    v[j] = round_bf16(zero_centred ? normed * (w[j] + 1.f) : w[j] * round_bf16(normed));
-  }
+  for (int j = 0; j < 8; ++j) v[j] = weighted_norm(v[j] * r, w[j], zero_centred);
   const int shift = rotary / 16;
   const bool rotated = c < rotary, first_half = lane < shift;
   const int partner = rotated ? (first_half ? lane + shift : lane - shift) : lane;
@@ -188,10 +169,8 @@ void silu_mul(const void* gate, const void* up, void* out, int64_t elements, cud
   const int64_t chunks = elements / 8;
   if (chunks == 0) return;
   const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((chunks + threads - 1) / threads, 132 * 16);
-  silu_mul_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<const bf16*>(gate),
-                                                                        static_cast<const bf16*>(up),
-                                                                        static_cast<bf16*>(out), chunks);
+  silu_mul_kernel<<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(
+      static_cast<const bf16*>(gate), static_cast<const bf16*>(up), static_cast<bf16*>(out), chunks);
   check_cuda_launch("target kernel silu_mul");
 }
 
@@ -216,8 +195,7 @@ void sigmoid_gate(void* out, const void* gate, int64_t token_stride, int64_t hea
   const int64_t chunks = static_cast<int64_t>(tokens) * heads * d / 8;
   if (chunks == 0) return;
   const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((chunks + threads - 1) / threads, 132 * 16);
-  sigmoid_gate_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+  sigmoid_gate_kernel<<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(
       static_cast<bf16*>(out), static_cast<const bf16*>(gate), token_stride, head_stride, heads, d, chunks);
   check_cuda_launch("target kernel sigmoid_gate");
 }
