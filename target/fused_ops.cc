@@ -46,15 +46,10 @@ std::pair<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const at::Tenso
 #endif
 }
 
-// Strided rows the row kernels can read: bf16 on the GPU, contiguous last dim, 16-byte aligned.
+// Strided rows the row kernels can read: bf16 on the GPU, vector_rows.
 bool rows_apply(const at::Tensor& x) {
 #ifdef DFLASHD_WITH_CUDA
-  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || x.stride(-1) != 1) return false;
-  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return false;
-  for (int64_t i = 0; i + 1 < x.dim(); ++i) {
-    if (x.stride(i) % 8 != 0) return false;
-  }
-  return true;
+  return x.is_cuda() && x.scalar_type() == at::kBFloat16 && vector_rows(x);
 #else
   (void)x;
   return false;
@@ -62,6 +57,14 @@ bool rows_apply(const at::Tensor& x) {
 }
 
 }  // namespace
+
+bool vector_rows(const at::Tensor& x) {
+  if (x.dim() == 0 || x.stride(-1) != 1 || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return false;
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) {
+    if (x.stride(i) % 8 != 0) return false;
+  }
+  return true;
+}
 
 at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centred) {
   return norm_rows(x, nullptr, weight, eps, zero_centred).second;

@@ -20,6 +20,10 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Te
 // silu(gate) * up, as HF's MLP rounds it.
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 
+// Whether kernels can read x's rows with 16-byte vector accesses: last dim contiguous, every
+// other stride a multiple of 8 elements, 16-byte aligned data (bf16 rows, any row stride).
+bool vector_rows(const at::Tensor& x);
+
 // x [tokens, heads, d] rotated over its first cos.size(-1) dims; cos/sin [tokens, rotary] in
 // x's dtype (the composite expression, HF's apply_rotary_pos_emb with partial rotary).
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);

@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
-#include <cstdint>
 #include <stdexcept>
 
 #ifdef DFLASHD_WITH_CUDA
@@ -13,6 +12,7 @@
 #include "target/kernels/gated_delta_net.h"
 #endif
 
+#include "target/fused_ops.h"
 #include "target/gated_delta_net.h"
 
 namespace dflash::target {
@@ -104,8 +104,8 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x_in, const at::Tensor& wei
                                    int64_t qk_channels) {
   expect(x_in.is_cuda() && x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "conv input must be bf16 [tokens, channels] on a GPU");
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const bool rows = x_in.stride(1) == 1 && x_in.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x_in.data_ptr()) % 16 == 0;
-  const at::Tensor x = rows ? x_in : x_in.contiguous();  // strided rows: a column slice of a fused projection
+  // Strided rows (a column slice of the fused projection) are read in place.
+  const at::Tensor x = vector_rows(x_in) ? x_in : x_in.contiguous();
   const at::Tensor weight = weight_in.to(at::kBFloat16).contiguous();
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   expect(weight.dim() == 2 && weight.size(0) == x.size(1), "conv weight must be [channels, kernel]");
@@ -129,14 +129,15 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
   const int64_t tokens = mixed.size(0);
   at::Tensor g, beta, gate_a, gate_b, a_log, dt_bias;
   if (gates.a.defined()) {
-    auto rows = [&](const at::Tensor& t) {
-      return t.dim() == 2 && t.size(0) == tokens && t.size(1) == value_heads && t.stride(1) == 1 ? t : t.contiguous();
-    };
-    gate_a = rows(gates.a.to(at::kBFloat16)), gate_b = rows(gates.b.to(at::kBFloat16));
-    a_log = gates.a_log.to(at::kFloat).contiguous(), dt_bias = gates.dt_bias.to(at::kFloat).contiguous();
-    expect(gate_a.numel() == tokens * value_heads && gate_b.numel() == tokens * value_heads &&
-               a_log.numel() == value_heads && dt_bias.numel() == value_heads,
+    expect(gates.a.numel() == tokens * value_heads && gates.b.numel() == tokens * value_heads &&
+               gates.a_log.numel() == value_heads && gates.dt_bias.numel() == value_heads,
            "gate projections a, b must be [tokens, value_heads], A_log and dt_bias [value_heads]");
+    auto rows = [&](const at::Tensor& t) {  // [tokens, value_heads] with unit column stride, any row stride
+      const at::Tensor r = t.to(at::kBFloat16).reshape({tokens, value_heads});
+      return r.stride(1) == 1 ? r : r.contiguous();
+    };
+    gate_a = rows(gates.a), gate_b = rows(gates.b);
+    a_log = gates.a_log.to(at::kFloat).contiguous(), dt_bias = gates.dt_bias.to(at::kFloat).contiguous();
   } else {
     g = gates.g.to(at::kFloat).contiguous(), beta = gates.beta.to(at::kFloat).contiguous();
     expect(g.numel() == tokens * value_heads && beta.numel() == tokens * value_heads, "g and beta must be [tokens, value_heads]");
@@ -158,8 +159,8 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
   if (gate_a.defined()) {
     a.gate_a = gate_a.data_ptr();
     a.gate_b = gate_b.data_ptr();
-    a.a_stride = gate_a.dim() == 2 ? gate_a.stride(0) : value_heads;
-    a.b_stride = gate_b.dim() == 2 ? gate_b.stride(0) : value_heads;
+    a.a_stride = gate_a.stride(0);
+    a.b_stride = gate_b.stride(0);
     a.a_log = a_log.data_ptr<float>();
     a.dt_bias = dt_bias.data_ptr<float>();
   } else {
