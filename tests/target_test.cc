@@ -290,6 +290,13 @@ TEST(GatedDeltaNetKernels, GatesFromProjectionsMatchPrecomputedGates) {
   const at::Tensor reference = chunk_gated_delta_rule_packed_reference(in.q.to(at::kFloat), in.k.to(at::kFloat),
                                                                        in.v.to(at::kFloat), g, beta, in.cu_seqlens);
   EXPECT_LE(relative_l2_error(from_raw, reference), 1e-2);
+  // A projection of the wrong size is refused with the shapes it needs.
+  try {
+    gated_delta_rule_cuda(in.mixed, hk, hv, GdnGates::projections(a.narrow(0, 0, tokens - 1), b, a_log, dt_bias), plan);
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("a, b must be [tokens, value_heads]"), std::string::npos) << e.what();
+  }
 }
 
 // The fused residual add + RMSNorm and SiLU-mul kernels against the composite expressions they
