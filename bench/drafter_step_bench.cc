@@ -120,11 +120,14 @@ int main(int argc, char** argv) {
   struct PathTime {
     const char* name;
     drafter::BlockAttentionPath path;
+    const char* mma = nullptr;  // DFLASHD_ATTENTION_MMA while timed
     double forward = 0, both = 0;
   };
   std::vector<PathTime> paths{{"fused kernels", drafter::BlockAttentionPath::kernels},
+                              {"fused kernels, mma.sync (DFLASHD_ATTENTION_MMA=sync)", drafter::BlockAttentionPath::kernels, "sync"},
                               {"split path, memory-efficient kernels", drafter::BlockAttentionPath::efficient}};
   for (PathTime& p : paths) {
+    if (p.mma != nullptr) setenv("DFLASHD_ATTENTION_MMA", p.mma, 1);
     drafter::BlockAttentionShape shape{16, 64, 0};
     shape.path = p.path;
     p.forward = timed([&] {
@@ -132,6 +135,7 @@ int main(int argc, char** argv) {
       drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape);
     });
     p.both = timed([&] { drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape).backward(dout); });
+    if (p.mma != nullptr) unsetenv("DFLASHD_ATTENTION_MMA");
   }
   // The attention's model FLOPs (performance.md): 4 d per visible (row, key) pair forward, 2.5x that backward.
   // Each of a block's 16 rows per query head sees anchor + 16 keys.

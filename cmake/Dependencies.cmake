@@ -84,9 +84,10 @@ if(DFLASHD_CUDA AND DFLASHD_TORCH_HAS_CUDA)
   include(CheckLanguage)
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
-    # Hopper first; Blackwell where the toolkit knows it. PTX of the newest for forward compat.
+    # Hopper first (sm_90a: its wgmma kernels); Blackwell where the toolkit knows it. PTX of the
+    # newest for forward compat.
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-      set(CMAKE_CUDA_ARCHITECTURES 90-real 100-real 120)
+      set(CMAKE_CUDA_ARCHITECTURES 90a-real 100-real 120)
     endif()
     set(CMAKE_CUDA_STANDARD 17)  # CMake 3.25 has no CUDA20 mapping for nvcc; kernels need only C++17
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)

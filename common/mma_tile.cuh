@@ -1,8 +1,10 @@
 // mma_tile.cuh: warp-level bf16 tensor-core building blocks shared by the CUDA kernels (the
 // drafter's block attention, the target's GatedDeltaNet state pass). Device code only.
 //
-// A Tile is 64 rows x 128 bf16 in shared memory, 16-byte chunks XOR-swizzled by row
-// (chunk' = chunk ^ (row & 7)) so that ldmatrix reads are free of bank conflicts. Fragments
+// A Tile is 64 rows x 128 bf16 in shared memory as two 64-column halves of 8 KB; in each half a
+// row is 128 bytes whose 16-byte chunks are XOR-swizzled by row (chunk' = chunk ^ (row & 7)), so
+// that ldmatrix reads are free of bank conflicts and the tile is also wgmma's 128-byte-swizzle
+// operand layout (common/wgmma.cuh; tiles 1024-byte aligned for that). Fragments
 // follow the PTX layout of mma.m16n8k16: lane = 4 g + t; an accumulator c[4] holds (row g, cols
 // 2t, 2t+1) and (row g + 8, same cols) of a 16 x 8 tile; an A operand a[4] holds (row g, k 2t,
 // 2t+1), (row g + 8, same k), (row g, k 2t + 8, +9), (row g + 8, same k).
@@ -24,7 +26,19 @@ struct __align__(16) Tile {
   bf16 v[R * D];
 };
 
-__device__ __forceinline__ int swizzled(int row, int chunk) { return row * D + ((chunk ^ (row & 7)) << 3); }
+// Element offset of 16-byte chunk `chunk` (0..15) of row `row`.
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return (chunk >> 3) * (R * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+}
+
+// The dynamic shared memory of a kernel as a T at the first 1024-byte boundary (launch with
+// sizeof(T) + kSharedAlignment bytes).
+constexpr int kSharedAlignment = 1024;
+template <typename T>
+__device__ __forceinline__ T& aligned_shared(unsigned char* raw) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(raw));
+  return *reinterpret_cast<T*>(raw + ((kSharedAlignment - (address & (kSharedAlignment - 1))) & (kSharedAlignment - 1)));
+}
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -168,15 +182,25 @@ __device__ __forceinline__ void accumulate_16x128(float (&acc)[16][4], const uin
   accumulate_16xn<D / 16>(acc, a, v, 0);
 }
 
+// Makes this thread's shared-memory writes (cp.async, st.shared) visible to the async proxy
+// (wgmma's operand reads); before the barrier that publishes them.
+__device__ __forceinline__ void async_proxy_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 // Software pipelining over kStages shared-memory buffers: before iteration i of `count` uses
 // buffer i % kStages, issue the loads of iteration i + kStages - 1 (load(j, buffer)) and wait for
 // those of i; then the whole CTA sees them. The caller has issued and committed one group per
 // iteration 0 .. kStages - 2, and ends each iteration with a barrier (its buffer is refilled next).
-template <int kStages, typename Load>
+// kAsyncReaders: the buffers are read by wgmma (the async proxy), which must be told of the writes.
+template <int kStages, bool kAsyncReaders = false, typename Load>
 __device__ __forceinline__ void pipeline_stage(int i, int count, Load load) {
   if (i + kStages - 1 < count) load(i + kStages - 1, (i + kStages - 1) % kStages);
   __pipeline_commit();  // possibly empty: one group per iteration keeps the count regular
   __pipeline_wait_prior(kStages - 1);
+  if constexpr (kAsyncReaders) async_proxy_fence();
   __syncthreads();
 }
 

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <fstream>
 #include <sys/stat.h>
 
@@ -200,8 +201,7 @@ TEST(BlockAttention, GpuBf16OperandsMatchTheFp32Reference) {
 // padding), no GQA with block 8 and 10; anchors at 0 (no context), repeated, at the last
 // position, context lengths that are not multiples of 64; enough blocks that the context
 // gradients are split into several chunks; bit-identical on a second run.
-TEST(BlockAttention, GpuFusedKernelsMatchTheFp32Reference) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+void check_fused_kernels() {
   if (auto why = block_attention_kernels_unavailable(at::empty({1, 1, 128}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16)), 16)) {
     FAIL() << *why;
   }
@@ -218,6 +218,20 @@ TEST(BlockAttention, GpuFusedKernelsMatchTheFp32Reference) {
   at::manual_seed(12);
   const auto second = check_gpu_path(BlockAttentionPath::kernels, many, 1001, 16, 32, 8, 128);
   for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(at::equal(first[i], second[i])) << "grad " << i;
+}
+
+// The kernels the device gets by default (wgmma on compute capability 9.0).
+TEST(BlockAttention, GpuFusedKernelsMatchTheFp32Reference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  check_fused_kernels();
+}
+
+// The mma.sync kernels (the only ones on GPUs other than Hopper), forced where wgmma would run.
+TEST(BlockAttention, GpuFusedMmaSyncKernelsMatchTheFp32Reference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  setenv("DFLASHD_ATTENTION_MMA", "sync", 1);
+  check_fused_kernels();
+  unsetenv("DFLASHD_ATTENTION_MMA");
 }
 
 TEST(BlockAttention, AskingForTheFusedKernelsWhereTheyCannotRunSaysWhy) {

@@ -10,11 +10,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
 #include "common/cuda_check.h"
 #include "common/mma_tile.cuh"
+#include "common/wgmma.cuh"
 
 namespace dflash::drafter::kernels {
 namespace {
@@ -78,34 +80,47 @@ __device__ __forceinline__ void load_key_tile(Tile& k, Tile& v, const BlockAtten
   load_tile<kThreads>(v, [&](int r) { return key_row(p, kt, p.v_context, p.v_block, n, h, t, r); });
 }
 
-// ---- forward ---------------------------------------------------------------------------------
-struct ForwardShared {
-  Tile q, k[2], v[2];
+// The products of a 64-row tile: per warp (mma.sync, its 16 rows, results at once; any sm_80+)
+// or per warpgroup (wgmma, sm_90a: each product is issued as one asynchronous group, and
+// finish<n>(results...) waits until n groups remain in flight). Same fragments either way.
+template <bool kGroup>
+struct Products;
+
+template <>
+struct Products<false> {
+  static __device__ __forceinline__ void product(float (&s)[8][4], const Tile& a, const Tile& b) {
+    product_16x64(s, a, (threadIdx.x >> 5) * 16, b);
+  }
+  static __device__ __forceinline__ void accumulate(float (&acc)[16][4], uint32_t (&a)[4][4], const Tile& v) {
+    accumulate_16x128(acc, a, v);
+  }
+  template <int kPending, typename... Operands>
+  static __device__ __forceinline__ void finish(Operands&...) {}
 };
 
-__global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem p, bf16* __restrict__ out,
-                                                           float* __restrict__ lse2) {
-  extern __shared__ __align__(16) unsigned char raw[];
-  ForwardShared& sh = *reinterpret_cast<ForwardShared*>(raw);
-  const RowTile tile = row_tile_of_cta(p);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const KeyTiles kt{p.anchors[tile.n], (p.anchors[tile.n] + R - 1) / R};
-  load_row_tile(sh.q, p, tile, p.q);
-  auto load_keys = [&](int t, int buffer) { load_key_tile(sh.k[buffer], sh.v[buffer], p, kt, tile.n, tile.h, t); };
-  load_keys(0, 0);
-  __pipeline_commit();
+template <>
+struct Products<true> {
+  static __device__ __forceinline__ void product(float (&s)[8][4], const Tile& a, const Tile& b) {
+    wgmma::issue_product(s, a, b);
+  }
+  static __device__ __forceinline__ void accumulate(float (&acc)[16][4], uint32_t (&a)[4][4], const Tile& v) {
+    wgmma::issue_accumulate(acc, a, v);
+  }
+  template <int kPending, typename... Operands>
+  static __device__ __forceinline__ void finish(Operands&... operands) {
+    wgmma::wait<kPending>(operands...);
+  }
+};
 
-  const float c = p.scale * kLog2e;
-  float o[16][4];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 of this warp
-  for (int t = 0; t < kt.count(); ++t) {
-    pipeline_stage<2>(t, kt.count(), load_keys);
-    const Tile &k = sh.k[t & 1], &v = sh.v[t & 1];
-    float s[8][4];
-    product_16x64(s, sh.q, warp * 16, k);
-    const int visible = kt.visible(t, p.block_size);
+// ---- forward ---------------------------------------------------------------------------------
+// The online softmax of rows g and g + 8 of a warp's 16: per key tile, scales the scores by c
+// (scale log2 e), masks the columns >= visible, updates the running maxima and (per-thread
+// partial) sums, rescales the output accumulators and leaves exp2(s - max) in s.
+struct OnlineSoftmax {
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+  __device__ __forceinline__ void step(float (&s)[8][4], float (&o)[16][4], int visible, float c) {
+    const int t4 = threadIdx.x & 3;
     float x0 = -INFINITY, x1 = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -137,7 +152,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem
       sum0 += s[nt][0] + s[nt][1];
       sum1 += s[nt][2] + s[nt][3];
     }
-    l0 = l0 * alpha0 + sum0;  // per-thread partial sums; the quad's are added at the end
+    l0 = l0 * alpha0 + sum0;
     l1 = l1 * alpha1 + sum1;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -146,11 +161,81 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem
       o[i][2] *= alpha1;
       o[i][3] *= alpha1;
     }
-    uint32_t pa[4][4];
-    to_a(pa, s);
-    accumulate_16x128(o, pa, v);
-    __syncthreads();  // the buffer is refilled by the next iteration's loads
   }
+};
+
+// Key-tile buffers: two for mma.sync; three for wgmma, whose loop issues the next tile's scores
+// before the softmax of this one (the tensor cores work while the warps compute exponentials),
+// so tile t + 1 must be resident while tile t + 2 loads.
+template <bool kGroup>
+struct ForwardShared {
+  static constexpr int kStages = kGroup ? 3 : 2;
+  Tile q, k[kStages], v[kStages];
+};
+
+template <bool kGroup>
+__global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem p, bf16* __restrict__ out,
+                                                           float* __restrict__ lse2) {
+  using Mma = Products<kGroup>;
+  extern __shared__ __align__(16) unsigned char raw[];
+  ForwardShared<kGroup>& sh = aligned_shared<ForwardShared<kGroup>>(raw);
+  const RowTile tile = row_tile_of_cta(p);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const KeyTiles kt{p.anchors[tile.n], (p.anchors[tile.n] + R - 1) / R};
+  const int count = kt.count();
+  load_row_tile(sh.q, p, tile, p.q);
+  auto load_keys = [&](int t, int buffer) { load_key_tile(sh.k[buffer], sh.v[buffer], p, kt, tile.n, tile.h, t); };
+  load_keys(0, 0);
+  __pipeline_commit();
+
+  const float c = p.scale * kLog2e;
+  float o[16][4];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  OnlineSoftmax softmax;
+  if constexpr (kGroup) {
+    if (count > 1) load_keys(1, 1);
+    __pipeline_commit();
+    __pipeline_wait_prior(1);
+    async_proxy_fence();
+    __syncthreads();
+    float s[8][4];
+    Mma::product(s, sh.q, sh.k[0]);
+    Mma::template finish<0>(s);
+    for (int t = 0; t < count; ++t) {
+      if (t + 2 < count) load_keys(t + 2, (t + 2) % 3);  // into the buffer of tile t - 1
+      __pipeline_commit();
+      __pipeline_wait_prior(1);  // tile t + 1 has landed
+      async_proxy_fence();
+      __syncthreads();
+      float next[8][4];
+      if (t + 1 < count) Mma::product(next, sh.q, sh.k[(t + 1) % 3]);
+      softmax.step(s, o, kt.visible(t, p.block_size), c);
+      uint32_t pa[4][4];
+      to_a(pa, s);
+      Mma::accumulate(o, pa, sh.v[t % 3]);
+      Mma::template finish<0>(o, pa, next);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[i][e] = next[i][e];
+      }
+      __syncthreads();  // buffer t % 3 is refilled at iteration t + 1
+    }
+  } else {
+    for (int t = 0; t < count; ++t) {
+      pipeline_stage<2>(t, count, load_keys);
+      float s[8][4];
+      Mma::product(s, sh.q, sh.k[t & 1]);
+      softmax.step(s, o, kt.visible(t, p.block_size), c);
+      uint32_t pa[4][4];
+      to_a(pa, s);
+      Mma::accumulate(o, pa, sh.v[t & 1]);
+      __syncthreads();  // the buffer is refilled by the next iteration's loads
+    }
+  }
+  float l0 = softmax.l0, l1 = softmax.l1;
+  const float m0 = softmax.m0, m1 = softmax.m1;
 #pragma unroll
   for (int off = 1; off < 4; off <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, off);
@@ -180,9 +265,11 @@ struct DqShared {
   float lse2[R], delta[R];
 };
 
+template <bool kGroup>
 __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, BlockAttentionBackward gr) {
   extern __shared__ __align__(16) unsigned char raw[];
-  DqShared& sh = *reinterpret_cast<DqShared*>(raw);
+  using Mma = Products<kGroup>;
+  DqShared& sh = aligned_shared<DqShared>(raw);
   const RowTile tile = row_tile_of_cta(p);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const KeyTiles kt{p.anchors[tile.n], (p.anchors[tile.n] + R - 1) / R};
@@ -226,28 +313,33 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
 #pragma unroll
   for (int i = 0; i < 16; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
   for (int t = 0; t < kt.count(); ++t) {
-    pipeline_stage<2>(t, kt.count(), load_keys);
+    pipeline_stage<2, kGroup>(t, kt.count(), load_keys);
     const Tile &k = sh.k[t & 1], &v = sh.v[t & 1];
     const int visible = kt.visible(t, p.block_size);
     const float lse0 = sh.lse2[warp * 16 + g], lse1 = sh.lse2[warp * 16 + g + 8];
     const float d0 = sh.delta[warp * 16 + g], d1 = sh.delta[warp * 16 + g + 8];
     float s[8][4], dp[8][4];
-    product_16x64(s, sh.q, warp * 16, k);
-    product_16x64(dp, sh.dout, warp * 16, v);
+    Mma::product(s, sh.q, k);
+    Mma::product(dp, sh.dout, v);
+    Mma::template finish<1>(s);  // P while dP = dO V^T is computed
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int col = nt * 8 + 2 * t4 + (i & 1);
-        const float pr = col < visible ? exp2f(s[nt][i] * c - (i < 2 ? lse0 : lse1)) : 0.f;
-        s[nt][i] = pr;
-        dp[nt][i] = pr * (dp[nt][i] - (i < 2 ? d0 : d1));  // dS
+        s[nt][i] = col < visible ? exp2f(s[nt][i] * c - (i < 2 ? lse0 : lse1)) : 0.f;
       }
+    }
+    Mma::template finish<0>(dp);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dp[nt][i] = s[nt][i] * (dp[nt][i] - (i < 2 ? d0 : d1));  // dS
     }
     uint32_t da[4][4];
     to_a(da, dp);
     // dQ += dS K: K as the [k][n] operand.
-    accumulate_16x128(dq, da, k);
+    Mma::accumulate(dq, da, k);
     if (t == kt.context_tiles) {  // the block's own keys: keep P and dS for their gradients
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -259,6 +351,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
         }
       }
     }
+    Mma::template finish<0>(dq, da);
     __syncthreads();
   }
   bf16* dq_out = reinterpret_cast<bf16*>(gr.dq);
@@ -314,9 +407,11 @@ struct DkvShared {
   float lse2[2][R], delta[2][R];
 };
 
+template <bool kGroup>
 __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, BlockAttentionBackward gr) {
   extern __shared__ __align__(16) unsigned char raw[];
-  DkvShared& sh = *reinterpret_cast<DkvShared*>(raw);
+  using Mma = Products<kGroup>;
+  DkvShared& sh = aligned_shared<DkvShared>(raw);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   // Heavy first: key tiles near the start are seen by the most blocks.
   const int h = blockIdx.x % p.kv_heads, rest = blockIdx.x / p.kv_heads;
@@ -365,12 +460,16 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
   }
   const int key0 = j0 + warp * 16 + g, key1 = key0 + 8;  // this thread's accumulator rows
   for (int i = 0; i < count; ++i) {
-    pipeline_stage<2>(i, count, load_rows);
+    pipeline_stage<2, kGroup>(i, count, load_rows);
     const int b = i & 1;
     const int anchor = p.anchors[first + i / tiles];
     const bool see0 = key0 < anchor, see1 = key1 < anchor;
-    float s[8][4];
-    product_16x64(s, sh.k, warp * 16, sh.q[b]);  // S^T: keys x rows
+    // wgmma: S^T and dP^T issued together, P computed while dP^T runs, dS while dV += P^T dO
+    // runs. mma.sync: dP^T after dV (fewer live registers).
+    float s[8][4], dp[8][4];
+    Mma::product(s, sh.k, sh.q[b]);  // S^T: keys x rows
+    if constexpr (kGroup) Mma::product(dp, sh.v, sh.dout[b]);  // dP^T = V dO^T
+    Mma::template finish<1>(s);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -382,9 +481,9 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
     }
     uint32_t pa[4][4];
     to_a(pa, s);
-    accumulate_16x128(dv, pa, sh.dout[b]);  // dV += P^T dO
-    float dp[8][4];
-    product_16x64(dp, sh.v, warp * 16, sh.dout[b]);  // dP^T = V dO^T
+    Mma::accumulate(dv, pa, sh.dout[b]);  // dV += P^T dO
+    if constexpr (!kGroup) Mma::product(dp, sh.v, sh.dout[b]);
+    Mma::template finish<1>(dp);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -395,7 +494,8 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
     }
     uint32_t da[4][4];
     to_a(da, dp);
-    accumulate_16x128(dk, da, sh.q[b]);  // dK += dS^T Q
+    Mma::accumulate(dk, da, sh.q[b]);  // dK += dS^T Q
+    Mma::template finish<0>(dv, dk, pa, da);
     __syncthreads();
   }
   const int64_t base = static_cast<int64_t>(chunk) * p.context;
@@ -414,26 +514,51 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
   }
 }
 
+// The wgmma kernels on compute capability 9.0 when built for sm_90a, the mma.sync ones elsewhere;
+// DFLASHD_ATTENTION_MMA=sync forces the mma.sync kernels (to compare the two in one run).
+bool warpgroup_kernels() {
+#ifdef DFLASHD_CUDA_SM90A
+  int device = 0, major = 0, minor = 0;
+  check_cuda(cudaGetDevice(&device), "block attention: current device");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "block attention: device");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "block attention: device");
+  const char* forced = std::getenv("DFLASHD_ATTENTION_MMA");
+  return major == 9 && minor == 0 && !(forced != nullptr && std::string(forced) == "sync");
+#else
+  return false;
+#endif
+}
+
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, int ctas, std::size_t shared, cudaStream_t stream, const char* what, Args... args) {
+  allow_shared_memory(kernel, shared, what);
+  kernel<<<ctas, kThreads, shared, stream>>>(args...);
+  check_cuda_launch(what);
+}
+
 }  // namespace
 
 void block_attention_forward(const BlockAttentionProblem& p, void* out, float* lse2, cudaStream_t stream) {
   if (p.blocks == 0) return;
   const int ctas = p.blocks * p.kv_heads * p.row_tiles();
-  allow_shared_memory(forward_kernel, sizeof(ForwardShared), "block attention kernel forward");
-  forward_kernel<<<ctas, kThreads, sizeof(ForwardShared), stream>>>(p, static_cast<bf16*>(out), lse2);
-  check_cuda_launch("block attention kernel forward");
+  if (warpgroup_kernels()) {
+    launch(forward_kernel<true>, ctas, sizeof(ForwardShared<true>) + kSharedAlignment, stream,
+           "block attention kernel forward", p, static_cast<bf16*>(out), lse2);
+  } else {
+    launch(forward_kernel<false>, ctas, sizeof(ForwardShared<false>) + kSharedAlignment, stream,
+           "block attention kernel forward", p, static_cast<bf16*>(out), lse2);
+  }
 }
 
 void block_attention_backward(const BlockAttentionProblem& p, const BlockAttentionBackward& g, cudaStream_t stream) {
   if (p.blocks == 0) return;
+  const bool group = warpgroup_kernels();
   const int ctas = p.blocks * p.kv_heads * p.row_tiles();
-  allow_shared_memory(dq_kernel, sizeof(DqShared), "block attention kernel dq");
-  dq_kernel<<<ctas, kThreads, sizeof(DqShared), stream>>>(p, g);  // writes delta for dkv
-  check_cuda_launch("block attention kernel dq");
+  launch(group ? dq_kernel<true> : dq_kernel<false>, ctas, sizeof(DqShared) + kSharedAlignment, stream,
+         "block attention kernel dq", p, g);  // writes delta for dkv
   const int key_tiles = (p.context + R - 1) / R;
-  allow_shared_memory(dkv_kernel, sizeof(DkvShared), "block attention kernel dkv");
-  dkv_kernel<<<key_tiles * p.kv_heads * g.context_chunks, kThreads, sizeof(DkvShared), stream>>>(p, g);
-  check_cuda_launch("block attention kernel dkv");
+  launch(group ? dkv_kernel<true> : dkv_kernel<false>, key_tiles * p.kv_heads * g.context_chunks,
+         sizeof(DkvShared) + kSharedAlignment, stream, "block attention kernel dkv", p, g);
 }
 
 int context_chunks_for(const BlockAttentionProblem& p, int sms) {
@@ -443,7 +568,7 @@ int context_chunks_for(const BlockAttentionProblem& p, int sms) {
 }
 
 const char* attention_kernels_unavailable_on_current_device() {
-  return kernel_image_missing(dkv_kernel);
+  return kernel_image_missing(dkv_kernel<false>);
 }
 
 }  // namespace dflash::drafter::kernels
