@@ -45,19 +45,30 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
 }
 
 // Loads a tile asynchronously with kThreads threads: row r from row_of(r) (nullptr: zero-filled).
-// The caller commits.
+// The caller commits. Each thread copies one 16-byte column chunk of the rows r0, r0 + kStep, ...
+// (kStep a multiple of 8, so its destination advances by a constant: the swizzle depends on
+// row & 7 only), which keeps the per-chunk work to the caller's row address and one copy.
 template <int kThreads, typename RowOf>
 __device__ __forceinline__ void load_tile(Tile& tile, RowOf row_of) {
-  for (int i = threadIdx.x; i < R * (D / 8); i += kThreads) {
-    const int r = i >> 4, c = i & 15;
-    const bf16* src = row_of(r);
-    bf16* dst = tile.v + swizzled(r, c);
+  static_assert(kThreads % 128 == 0, "tiles load with whole multiples of 128 threads");
+  constexpr int kStep = kThreads / 16;
+  const int c = threadIdx.x & 15, r0 = threadIdx.x >> 4;
+  bf16* dst = tile.v + swizzled(r0, c);
+#pragma unroll
+  for (int j = 0; j < R / kStep; ++j) {
+    const bf16* src = row_of(r0 + j * kStep);
     if (src != nullptr) {
-      __pipeline_memcpy_async(dst, src + c * 8, 16);
+      __pipeline_memcpy_async(dst + j * kStep * 64, src + c * 8, 16);
     } else {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(dst + j * kStep * 64) = make_uint4(0, 0, 0, 0);
     }
   }
+}
+
+// Rows [0, rows) at first + r * stride (elements); the rest zero-filled.
+template <int kThreads>
+__device__ __forceinline__ void load_tile(Tile& tile, const bf16* first, int64_t stride, int rows) {
+  load_tile<kThreads>(tile, [&](int r) { return r < rows ? first + r * stride : nullptr; });
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t address) {

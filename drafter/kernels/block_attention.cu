@@ -32,11 +32,18 @@ constexpr float kLog2e = 1.4426950408889634f;
 // (head, block row) pairs; past the last pair it is padding.
 struct RowTile {
   int n, h, rt;
-  __device__ int64_t row_offset(const BlockAttentionProblem& p, int r) const {  // element offset of q[m, head]; -1: padding
+  // Element offset of q[m, head] relative to block n's first row; -1: padding.
+  __device__ int relative_offset(const BlockAttentionProblem& p, int r) const {
     const int rep = p.q_heads / p.kv_heads, pair = rt * R + r;
     if (pair >= rep * p.block_size) return -1;
-    const int head = h * rep + pair / p.block_size, m = n * p.block_size + pair % p.block_size;
-    return (static_cast<int64_t>(m) * p.q_heads + head) * D;
+    return ((pair % p.block_size) * p.q_heads + h * rep + pair / p.block_size) * D;
+  }
+  __device__ int64_t block_offset(const BlockAttentionProblem& p) const {
+    return static_cast<int64_t>(n) * p.block_size * p.q_heads * D;
+  }
+  __device__ int64_t row_offset(const BlockAttentionProblem& p, int r) const {  // -1: padding
+    const int o = relative_offset(p, r);
+    return o < 0 ? -1 : block_offset(p) + o;
   }
   __device__ int64_t slot(const BlockAttentionProblem& p) const {
     return ((static_cast<int64_t>(h) * p.blocks + n) * p.row_tiles() + rt) * R;
@@ -56,19 +63,13 @@ struct KeyTiles {
   __device__ int visible(int t, int block_size) const { return t < context_tiles ? min(R, anchor - t * R) : block_size; }
 };
 
-__device__ __forceinline__ const bf16* key_row(const BlockAttentionProblem& p, const KeyTiles& kt, const void* context,
-                                              const void* block, int n, int h, int t, int r) {
-  if (r >= kt.visible(t, p.block_size)) return nullptr;
-  const int64_t row = t < kt.context_tiles ? static_cast<int64_t>(t) * R + r : static_cast<int64_t>(n) * p.block_size + r;
-  return static_cast<const bf16*>(t < kt.context_tiles ? context : block) + (row * p.kv_heads + h) * D;
-}
-
 // The 64 rows of a row tile from a [rows, q_heads, 128] tensor (q, dO); padding rows zero.
+// `offsets`: the rows' relative offsets when the caller has them in a table (nullptr: computed).
 __device__ __forceinline__ void load_row_tile(Tile& tile, const BlockAttentionProblem& p, const RowTile& rows,
-                                              const void* base) {
-  const bf16* b = static_cast<const bf16*>(base);
+                                              const void* base, const int32_t* offsets = nullptr) {
+  const bf16* b = static_cast<const bf16*>(base) + rows.block_offset(p);
   load_tile<kThreads>(tile, [&](int r) {
-    const int64_t o = rows.row_offset(p, r);
+    const int o = offsets != nullptr ? offsets[r] : rows.relative_offset(p, r);
     return o < 0 ? nullptr : b + o;
   });
 }
@@ -76,8 +77,12 @@ __device__ __forceinline__ void load_row_tile(Tile& tile, const BlockAttentionPr
 // Key tile t of block n (keys and values) for key-value head h; invisible rows zero.
 __device__ __forceinline__ void load_key_tile(Tile& k, Tile& v, const BlockAttentionProblem& p, const KeyTiles& kt,
                                               int n, int h, int t) {
-  load_tile<kThreads>(k, [&](int r) { return key_row(p, kt, p.k_context, p.k_block, n, h, t, r); });
-  load_tile<kThreads>(v, [&](int r) { return key_row(p, kt, p.v_context, p.v_block, n, h, t, r); });
+  const bool context = t < kt.context_tiles;
+  const int64_t row = context ? static_cast<int64_t>(t) * R : static_cast<int64_t>(n) * p.block_size;
+  const int64_t offset = (row * p.kv_heads + h) * D, stride = static_cast<int64_t>(p.kv_heads) * D;
+  const int rows = kt.visible(t, p.block_size);
+  load_tile<kThreads>(k, static_cast<const bf16*>(context ? p.k_context : p.k_block) + offset, stride, rows);
+  load_tile<kThreads>(v, static_cast<const bf16*>(context ? p.v_context : p.v_block) + offset, stride, rows);
 }
 
 // The products of a 64-row tile: per warp (mma.sync, its 16 rows, results at once; any sm_80+)
@@ -402,9 +407,12 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
 }
 
 // ---- backward: dK, dV of the context ---------------------------------------------------------
+constexpr int kOffsetTableTiles = 4;  // row tiles whose row offsets the dkv kernel keeps in a table
+
 struct DkvShared {
   Tile k, v, q[2], dout[2];
   float lse2[2][R], delta[2][R];
+  int32_t offsets[kOffsetTableTiles * R];  // RowTile::relative_offset per (row tile, row)
 };
 
 template <bool kGroup>
@@ -428,19 +436,20 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
   const int tiles = p.row_tiles();
   const int first = lo, count = (chunk_end - first) * tiles;  // (block, row tile) pairs
   if (count > 0) {
-    load_tile<kThreads>(sh.k, [&](int r) {
-      const int j = j0 + r;
-      return j < p.context ? reinterpret_cast<const bf16*>(p.k_context) + (static_cast<int64_t>(j) * p.kv_heads + h) * D : nullptr;
-    });
-    load_tile<kThreads>(sh.v, [&](int r) {
-      const int j = j0 + r;
-      return j < p.context ? reinterpret_cast<const bf16*>(p.v_context) + (static_cast<int64_t>(j) * p.kv_heads + h) * D : nullptr;
-    });
+    const int64_t stride = static_cast<int64_t>(p.kv_heads) * D, offset = (static_cast<int64_t>(j0) * p.kv_heads + h) * D;
+    load_tile<kThreads>(sh.k, static_cast<const bf16*>(p.k_context) + offset, stride, p.context - j0);
+    load_tile<kThreads>(sh.v, static_cast<const bf16*>(p.v_context) + offset, stride, p.context - j0);
   }
+  const bool table = tiles <= kOffsetTableTiles;
+  if (table) {
+    for (int i = threadIdx.x; i < tiles * R; i += kThreads) sh.offsets[i] = RowTile{0, h, i / R}.relative_offset(p, i % R);
+  }
+  __syncthreads();
   auto load_rows = [&](int i, int buffer) {
     const RowTile rt{first + i / tiles, h, i % tiles};
-    load_row_tile(sh.q[buffer], p, rt, p.q);
-    load_row_tile(sh.dout[buffer], p, rt, gr.d_out);
+    const int32_t* offsets = table ? sh.offsets + rt.rt * R : nullptr;
+    load_row_tile(sh.q[buffer], p, rt, p.q, offsets);
+    load_row_tile(sh.dout[buffer], p, rt, gr.d_out, offsets);
     const int64_t slot = rt.slot(p);
     if (threadIdx.x < 16) {
       __pipeline_memcpy_async(&sh.lse2[buffer][threadIdx.x * 4], gr.lse2 + slot + threadIdx.x * 4, 16);

@@ -352,8 +352,8 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
     const int64_t tile = static_cast<int64_t>(chunk) * a.value_heads + head;
     const bf16* w = static_cast<const bf16*>(a.w) + tile * C * D;
     const bf16* k = qkv + static_cast<int64_t>(start) * a.qkv_stride + (a.key_heads + key_head) * D;
-    mma_tile::load_tile<kThreads>(s.w[buffer], [&](int r) { return w + r * D; });
-    mma_tile::load_tile<kThreads>(s.k[buffer], [&](int r) { return r < length ? k + r * a.qkv_stride : nullptr; });
+    mma_tile::load_tile<kThreads>(s.w[buffer], w, D, C);
+    mma_tile::load_tile<kThreads>(s.k[buffer], k, a.qkv_stride, length);
     const bf16* u = static_cast<const bf16*>(a.u) + tile * C * D + v0;
     for (int i = threadIdx.x; i < C * BV / 8; i += kThreads) {
       const int r = i / (BV / 8), c = (i % (BV / 8)) * 8;
@@ -471,7 +471,7 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
   const bf16* q = static_cast<const bf16*>(a.qkv) + static_cast<int64_t>(start) * a.qkv_stride + key_head * D;
   const uint4* state = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.states) + tile * D * D);
   const uint4* v_new = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.v_new) + tile * C * D);
-  mma_tile::load_tile<kOutputThreads>(s.q, [&](int r) { return r < length ? q + r * a.qkv_stride : nullptr; });
+  mma_tile::load_tile<kOutputThreads>(s.q, q, a.qkv_stride, length);
   for (int i = threadIdx.x; i < 64 * 32; i += kOutputThreads) __pipeline_memcpy_async(&s.state[i], state + i, 16);
   for (int i = threadIdx.x; i < 32 * 32; i += kOutputThreads) __pipeline_memcpy_async(&s.v[i], v_new + i, 16);
   load_rows64_async(s.p, static_cast<const bf16*>(a.qk) + tile * C * C, C);
