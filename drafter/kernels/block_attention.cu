@@ -65,10 +65,11 @@ struct KeyTiles {
 
 // The 64 rows of a row tile from a [rows, q_heads, 128] tensor (q, dO); padding rows zero.
 // `offsets`: the rows' relative offsets when the caller has them in a table (nullptr: computed).
+template <int kLoaders = kThreads>
 __device__ __forceinline__ void load_row_tile(Tile& tile, const BlockAttentionProblem& p, const RowTile& rows,
                                               const void* base, const int32_t* offsets = nullptr) {
   const bf16* b = static_cast<const bf16*>(base) + rows.block_offset(p);
-  load_tile<kThreads>(tile, [&](int r) {
+  load_tile<kLoaders>(tile, [&](int r) {
     const int o = offsets != nullptr ? offsets[r] : rows.relative_offset(p, r);
     return o < 0 ? nullptr : b + o;
   });
@@ -119,12 +120,13 @@ struct Products<true> {
 
 // ---- forward ---------------------------------------------------------------------------------
 // The online softmax of rows g and g + 8 of a warp's 16: per key tile, scales the scores by c
-// (scale log2 e), masks the columns >= visible, updates the running maxima and (per-thread
-// partial) sums, rescales the output accumulators and leaves exp2(s - max) in s.
+// (scale log2 e), masks the invisible columns, updates the running maxima and (per-thread
+// partial) sums, rescales the output accumulators and leaves exp2(s - max) in s. Visible
+// columns: [lo, hi), at least one.
 struct OnlineSoftmax {
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-  __device__ __forceinline__ void step(float (&s)[8][4], float (&o)[16][4], int visible, float c) {
+  __device__ __forceinline__ void step(float (&s)[8][4], float (&o)[16][4], int lo, int hi, float c) {
     const int t4 = threadIdx.x & 3;
     float x0 = -INFINITY, x1 = -INFINITY;
 #pragma unroll
@@ -132,7 +134,7 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int col = nt * 8 + 2 * t4 + (i & 1);
-        s[nt][i] = col < visible ? s[nt][i] * c : -INFINITY;
+        s[nt][i] = col >= lo && col < hi ? s[nt][i] * c : -INFINITY;
       }
       x0 = fmaxf(x0, fmaxf(s[nt][0], s[nt][1]));
       x1 = fmaxf(x1, fmaxf(s[nt][2], s[nt][3]));
@@ -169,97 +171,154 @@ struct OnlineSoftmax {
   }
 };
 
-// Key-tile buffers: two for mma.sync; three for wgmma, whose loop issues the next tile's scores
-// before the softmax of this one (the tensor cores work while the warps compute exponentials),
-// so tile t + 1 must be resident while tile t + 2 loads.
-template <bool kGroup>
+// The softmax denominators' log2 into the slots and O / l into `out` for this warp's rows.
+__device__ __forceinline__ void store_output(const BlockAttentionProblem& p, const RowTile& tile, const OnlineSoftmax& softmax,
+                                             const float (&o)[16][4], bf16* __restrict__ out, float* __restrict__ lse2) {
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  float l0 = softmax.l0, l1 = softmax.l1;
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  const int64_t slot = tile.slot(p);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = warp * 16 + g + half * 8;
+    const int64_t offset = tile.row_offset(p, r);
+    const float l = half ? l1 : l0, m = half ? softmax.m1 : softmax.m0;
+    if (t4 == 0) lse2[slot + r] = offset < 0 ? INFINITY : m + log2f(l);
+    if (offset < 0) continue;
+    const float inv = 1.f / l;
+#pragma unroll
+    for (int dt = 0; dt < 16; ++dt) {
+      *reinterpret_cast<uint32_t*>(out + offset + dt * 8 + 2 * t4) = pack(o[dt][2 * half] * inv, o[dt][2 * half + 1] * inv);
+    }
+  }
+}
+
+// mma.sync: one CTA (4 warps) per (block, key-value head, row tile), two key-tile buffers.
 struct ForwardShared {
-  static constexpr int kStages = kGroup ? 3 : 2;
-  Tile q, k[kStages], v[kStages];
+  Tile q, k[2], v[2];
 };
 
-template <bool kGroup>
 __global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem p, bf16* __restrict__ out,
                                                            float* __restrict__ lse2) {
-  using Mma = Products<kGroup>;
+  using Mma = Products<false>;
   extern __shared__ __align__(16) unsigned char raw[];
-  ForwardShared<kGroup>& sh = aligned_shared<ForwardShared<kGroup>>(raw);
+  ForwardShared& sh = aligned_shared<ForwardShared>(raw);
   const RowTile tile = row_tile_of_cta(p);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const KeyTiles kt{p.anchors[tile.n], (p.anchors[tile.n] + R - 1) / R};
   const int count = kt.count();
   load_row_tile(sh.q, p, tile, p.q);
   auto load_keys = [&](int t, int buffer) { load_key_tile(sh.k[buffer], sh.v[buffer], p, kt, tile.n, tile.h, t); };
   load_keys(0, 0);
   __pipeline_commit();
+  const float c = p.scale * kLog2e;
+  float o[16][4] = {};
+  OnlineSoftmax softmax;
+  for (int t = 0; t < count; ++t) {
+    pipeline_stage<2>(t, count, load_keys);
+    float s[8][4];
+    Mma::product(s, sh.q, sh.k[t & 1]);
+    softmax.step(s, o, 0, kt.visible(t, p.block_size), c);
+    uint32_t pa[4][4];
+    to_a(pa, s);
+    Mma::accumulate(o, pa, sh.v[t & 1]);
+    __syncthreads();  // the buffer is refilled by the next iteration's loads
+  }
+  store_output(p, tile, softmax, o, out, lse2);
+}
+
+// wgmma: one CTA of two warpgroups per (pair of adjacent blocks, key-value head, row tile), each
+// warpgroup the row tile of one block. Anchors ascend, so the two blocks' context prefixes
+// nearly coincide: the CTA walks the longer one and a warpgroup skips the tiles past its anchor;
+// the last tile holds both blocks' own keys (rows [0, B) and [B, 2B)). Every key tile loaded
+// feeds 128 query rows. Three key-tile buffers: each warpgroup issues the next tile's scores
+// before this tile's softmax, so the tensor cores work while the warps compute exponentials.
+constexpr int kPairThreads = 2 * kThreads;
+struct ForwardPairShared {
+  Tile q[2], k[3], v[3];
+};
+
+__global__ void __launch_bounds__(kPairThreads) forward_pair_kernel(BlockAttentionProblem p, bf16* __restrict__ out,
+                                                                    float* __restrict__ lse2) {
+  using Mma = Products<true>;
+  extern __shared__ __align__(16) unsigned char raw[];
+  ForwardPairShared& sh = aligned_shared<ForwardPairShared>(raw);
+  const int group = threadIdx.x / kThreads, tiles = p.row_tiles(), pairs = (p.blocks + 1) / 2;
+  const int id = blockIdx.x, rest = id / p.kv_heads, h = id % p.kv_heads, rt = rest % tiles;
+  const int n0 = 2 * (pairs - 1 - rest / tiles), blocks_here = min(2, p.blocks - n0);  // heavy pairs first
+  const RowTile tile{n0 + group, h, rt};
+  const bool valid = group < blocks_here;
+  const int last_anchor = p.anchors[n0 + blocks_here - 1];
+  const int context_tiles = (last_anchor + R - 1) / R, count = context_tiles + 1;
+  const int anchor = valid ? p.anchors[tile.n] : 0, own_tiles = (anchor + R - 1) / R;
+  // Warpgroup `group` uses tile t when t is one of its context tiles or the block tile.
+  auto active = [&](int t) { return valid && (t < own_tiles || t == context_tiles); };
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (i < blocks_here) {
+      load_row_tile<kPairThreads>(sh.q[i], p, RowTile{n0 + i, h, rt}, p.q);
+    } else {
+      load_tile<kPairThreads>(sh.q[i], static_cast<const bf16*>(p.q), 0, 0);  // zeros
+    }
+  }
+  auto load_keys = [&](int t, int buffer) {
+    const bool context = t < context_tiles;
+    const int64_t row = context ? static_cast<int64_t>(t) * R : static_cast<int64_t>(n0) * p.block_size;
+    const int64_t offset = (row * p.kv_heads + h) * D, stride = static_cast<int64_t>(p.kv_heads) * D;
+    const int rows = context ? min(R, last_anchor - t * R) : blocks_here * p.block_size;
+    load_tile<kPairThreads>(sh.k[buffer], static_cast<const bf16*>(context ? p.k_context : p.k_block) + offset, stride, rows);
+    load_tile<kPairThreads>(sh.v[buffer], static_cast<const bf16*>(context ? p.v_context : p.v_block) + offset, stride, rows);
+  };
+  load_keys(0, 0);
+  __pipeline_commit();
+  if (count > 1) load_keys(1, 1);
+  __pipeline_commit();
+  __pipeline_wait_prior(1);
+  async_proxy_fence();
+  __syncthreads();
 
   const float c = p.scale * kLog2e;
-  float o[16][4];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float o[16][4] = {};
   OnlineSoftmax softmax;
-  if constexpr (kGroup) {
-    if (count > 1) load_keys(1, 1);
+  float s[8][4];
+  if (active(0)) {
+    Mma::product(s, sh.q[group], sh.k[0]);
+    Mma::finish<0>(s);
+  }
+  for (int t = 0; t < count; ++t) {
+    if (t + 2 < count) load_keys(t + 2, (t + 2) % 3);  // into the buffer of tile t - 1
     __pipeline_commit();
-    __pipeline_wait_prior(1);
+    __pipeline_wait_prior(1);  // tile t + 1 has landed
     async_proxy_fence();
     __syncthreads();
-    float s[8][4];
-    Mma::product(s, sh.q, sh.k[0]);
-    Mma::template finish<0>(s);
-    for (int t = 0; t < count; ++t) {
-      if (t + 2 < count) load_keys(t + 2, (t + 2) % 3);  // into the buffer of tile t - 1
-      __pipeline_commit();
-      __pipeline_wait_prior(1);  // tile t + 1 has landed
-      async_proxy_fence();
-      __syncthreads();
-      float next[8][4];
-      if (t + 1 < count) Mma::product(next, sh.q, sh.k[(t + 1) % 3]);
-      softmax.step(s, o, kt.visible(t, p.block_size), c);
+    float next[8][4];
+    const bool ahead = t + 1 < count && active(t + 1);
+    if (ahead) Mma::product(next, sh.q[group], sh.k[(t + 1) % 3]);
+    if (active(t)) {
+      const bool block_tile = t == context_tiles;
+      const int lo = block_tile ? group * p.block_size : 0;
+      const int hi = block_tile ? lo + p.block_size : min(R, anchor - t * R);
+      softmax.step(s, o, lo, hi, c);
       uint32_t pa[4][4];
       to_a(pa, s);
       Mma::accumulate(o, pa, sh.v[t % 3]);
-      Mma::template finish<0>(o, pa, next);
+      Mma::finish<0>(o, pa, next);
+    } else {
+      Mma::finish<0>(next);
+    }
+    if (ahead) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[i][e] = next[i][e];
       }
-      __syncthreads();  // buffer t % 3 is refilled at iteration t + 1
     }
-  } else {
-    for (int t = 0; t < count; ++t) {
-      pipeline_stage<2>(t, count, load_keys);
-      float s[8][4];
-      Mma::product(s, sh.q, sh.k[t & 1]);
-      softmax.step(s, o, kt.visible(t, p.block_size), c);
-      uint32_t pa[4][4];
-      to_a(pa, s);
-      Mma::accumulate(o, pa, sh.v[t & 1]);
-      __syncthreads();  // the buffer is refilled by the next iteration's loads
-    }
+    __syncthreads();  // buffer t % 3 is refilled at iteration t + 1
   }
-  float l0 = softmax.l0, l1 = softmax.l1;
-  const float m0 = softmax.m0, m1 = softmax.m1;
-#pragma unroll
-  for (int off = 1; off < 4; off <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-  }
-  const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-  const int64_t slot = tile.slot(p);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = warp * 16 + g + half * 8;
-    const int64_t offset = tile.row_offset(p, r);
-    if (t4 == 0) lse2[slot + r] = offset < 0 ? INFINITY : (half ? m1 + log2f(l1) : m0 + log2f(l0));
-    if (offset < 0) continue;
-    const float inv = half ? inv1 : inv0;
-#pragma unroll
-    for (int dt = 0; dt < 16; ++dt) {
-      *reinterpret_cast<uint32_t*>(out + offset + dt * 8 + 2 * t4) = pack(o[dt][2 * half] * inv, o[dt][2 * half + 1] * inv);
-    }
-  }
+  if (valid) store_output(p, tile, softmax, o, out, lse2);
 }
 
 // ---- backward: dQ, and the gradients of the block's own keys ---------------------------------
@@ -409,22 +468,30 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
 // ---- backward: dK, dV of the context ---------------------------------------------------------
 constexpr int kOffsetTableTiles = 4;  // row tiles whose row offsets the dkv kernel keeps in a table
 
+// Key tiles per CTA: with wgmma two warpgroups, one per 64 keys, share every row tile loaded
+// (half the loads per product); with mma.sync one.
+template <bool kGroup>
+constexpr int kDkvGroups = kGroup ? 2 : 1;
+
+template <bool kGroup>
 struct DkvShared {
-  Tile k, v, q[2], dout[2];
+  Tile k[kDkvGroups<kGroup>], v[kDkvGroups<kGroup>], q[2], dout[2];
   float lse2[2][R], delta[2][R];
   int32_t offsets[kOffsetTableTiles * R];  // RowTile::relative_offset per (row tile, row)
 };
 
 template <bool kGroup>
-__global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, BlockAttentionBackward gr) {
+__global__ void __launch_bounds__(kThreads * kDkvGroups<kGroup>) dkv_kernel(BlockAttentionProblem p, BlockAttentionBackward gr) {
   extern __shared__ __align__(16) unsigned char raw[];
   using Mma = Products<kGroup>;
-  DkvShared& sh = aligned_shared<DkvShared>(raw);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  constexpr int kGroups = kDkvGroups<kGroup>, kCtaThreads = kThreads * kGroups;
+  DkvShared<kGroup>& sh = aligned_shared<DkvShared<kGroup>>(raw);
+  const int group = threadIdx.x / kThreads, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
+            t4 = lane & 3;
   // Heavy first: key tiles near the start are seen by the most blocks.
   const int h = blockIdx.x % p.kv_heads, rest = blockIdx.x / p.kv_heads;
   const int chunk = rest % gr.context_chunks, key_tile = rest / gr.context_chunks;
-  const int j0 = key_tile * R;
+  const int j0 = key_tile * R * kGroups;
   const int per_chunk = (p.blocks + gr.context_chunks - 1) / gr.context_chunks;
   const int chunk_end = min(p.blocks, (chunk + 1) * per_chunk);
   // First block that sees key j0 (anchors ascend): a_n > j0.
@@ -436,20 +503,25 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
   const int tiles = p.row_tiles();
   const int first = lo, count = (chunk_end - first) * tiles;  // (block, row tile) pairs
   if (count > 0) {
-    const int64_t stride = static_cast<int64_t>(p.kv_heads) * D, offset = (static_cast<int64_t>(j0) * p.kv_heads + h) * D;
-    load_tile<kThreads>(sh.k, static_cast<const bf16*>(p.k_context) + offset, stride, p.context - j0);
-    load_tile<kThreads>(sh.v, static_cast<const bf16*>(p.v_context) + offset, stride, p.context - j0);
+    const int64_t stride = static_cast<int64_t>(p.kv_heads) * D;
+#pragma unroll
+    for (int i = 0; i < kGroups; ++i) {
+      const int j = j0 + i * R;
+      const int64_t offset = (static_cast<int64_t>(j) * p.kv_heads + h) * D;
+      load_tile<kCtaThreads>(sh.k[i], static_cast<const bf16*>(p.k_context) + offset, stride, p.context - j);
+      load_tile<kCtaThreads>(sh.v[i], static_cast<const bf16*>(p.v_context) + offset, stride, p.context - j);
+    }
   }
   const bool table = tiles <= kOffsetTableTiles;
   if (table) {
-    for (int i = threadIdx.x; i < tiles * R; i += kThreads) sh.offsets[i] = RowTile{0, h, i / R}.relative_offset(p, i % R);
+    for (int i = threadIdx.x; i < tiles * R; i += kCtaThreads) sh.offsets[i] = RowTile{0, h, i / R}.relative_offset(p, i % R);
   }
   __syncthreads();
   auto load_rows = [&](int i, int buffer) {
     const RowTile rt{first + i / tiles, h, i % tiles};
     const int32_t* offsets = table ? sh.offsets + rt.rt * R : nullptr;
-    load_row_tile(sh.q[buffer], p, rt, p.q, offsets);
-    load_row_tile(sh.dout[buffer], p, rt, gr.d_out, offsets);
+    load_row_tile<kCtaThreads>(sh.q[buffer], p, rt, p.q, offsets);
+    load_row_tile<kCtaThreads>(sh.dout[buffer], p, rt, gr.d_out, offsets);
     const int64_t slot = rt.slot(p);
     if (threadIdx.x < 16) {
       __pipeline_memcpy_async(&sh.lse2[buffer][threadIdx.x * 4], gr.lse2 + slot + threadIdx.x * 4, 16);
@@ -467,7 +539,8 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
     dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
     dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
   }
-  const int key0 = j0 + warp * 16 + g, key1 = key0 + 8;  // this thread's accumulator rows
+  const int key0 = j0 + group * R + warp * 16 + g, key1 = key0 + 8;  // this thread's accumulator rows
+  const Tile &k = sh.k[group], &v = sh.v[group];
   for (int i = 0; i < count; ++i) {
     pipeline_stage<2, kGroup>(i, count, load_rows);
     const int b = i & 1;
@@ -476,8 +549,8 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
     // wgmma: S^T and dP^T issued together, P computed while dP^T runs, dS while dV += P^T dO
     // runs. mma.sync: dP^T after dV (fewer live registers).
     float s[8][4], dp[8][4];
-    Mma::product(s, sh.k, sh.q[b]);  // S^T: keys x rows
-    if constexpr (kGroup) Mma::product(dp, sh.v, sh.dout[b]);  // dP^T = V dO^T
+    Mma::product(s, k, sh.q[b]);  // S^T: keys x rows
+    if constexpr (kGroup) Mma::product(dp, v, sh.dout[b]);  // dP^T = V dO^T
     Mma::template finish<1>(s);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -491,7 +564,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(BlockAttentionProblem p, 
     uint32_t pa[4][4];
     to_a(pa, s);
     Mma::accumulate(dv, pa, sh.dout[b]);  // dV += P^T dO
-    if constexpr (!kGroup) Mma::product(dp, sh.v, sh.dout[b]);
+    if constexpr (!kGroup) Mma::product(dp, v, sh.dout[b]);
     Mma::template finish<1>(dp);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -539,23 +612,28 @@ bool warpgroup_kernels() {
 }
 
 template <typename Kernel, typename... Args>
-void launch(Kernel kernel, int ctas, std::size_t shared, cudaStream_t stream, const char* what, Args... args) {
+void launch(Kernel kernel, int ctas, std::size_t shared, cudaStream_t stream, const char* what, int threads, Args... args) {
   allow_shared_memory(kernel, shared, what);
-  kernel<<<ctas, kThreads, shared, stream>>>(args...);
+  kernel<<<ctas, threads, shared, stream>>>(args...);
   check_cuda_launch(what);
+}
+
+// CTAs of the dkv kernel along the context (64 keys per warpgroup).
+int dkv_key_tiles(const BlockAttentionProblem& p, bool group) {
+  const int keys = R * (group ? kDkvGroups<true> : kDkvGroups<false>);
+  return (p.context + keys - 1) / keys;
 }
 
 }  // namespace
 
 void block_attention_forward(const BlockAttentionProblem& p, void* out, float* lse2, cudaStream_t stream) {
   if (p.blocks == 0) return;
-  const int ctas = p.blocks * p.kv_heads * p.row_tiles();
   if (warpgroup_kernels()) {
-    launch(forward_kernel<true>, ctas, sizeof(ForwardShared<true>) + kSharedAlignment, stream,
-           "block attention kernel forward", p, static_cast<bf16*>(out), lse2);
+    launch(forward_pair_kernel, (p.blocks + 1) / 2 * p.kv_heads * p.row_tiles(), sizeof(ForwardPairShared) + kSharedAlignment,
+           stream, "block attention kernel forward", kPairThreads, p, static_cast<bf16*>(out), lse2);
   } else {
-    launch(forward_kernel<false>, ctas, sizeof(ForwardShared<false>) + kSharedAlignment, stream,
-           "block attention kernel forward", p, static_cast<bf16*>(out), lse2);
+    launch(forward_kernel, p.blocks * p.kv_heads * p.row_tiles(), sizeof(ForwardShared) + kSharedAlignment, stream,
+           "block attention kernel forward", kThreads, p, static_cast<bf16*>(out), lse2);
   }
 }
 
@@ -564,14 +642,18 @@ void block_attention_backward(const BlockAttentionProblem& p, const BlockAttenti
   const bool group = warpgroup_kernels();
   const int ctas = p.blocks * p.kv_heads * p.row_tiles();
   launch(group ? dq_kernel<true> : dq_kernel<false>, ctas, sizeof(DqShared) + kSharedAlignment, stream,
-         "block attention kernel dq", p, g);  // writes delta for dkv
-  const int key_tiles = (p.context + R - 1) / R;
-  launch(group ? dkv_kernel<true> : dkv_kernel<false>, key_tiles * p.kv_heads * g.context_chunks,
-         sizeof(DkvShared) + kSharedAlignment, stream, "block attention kernel dkv", p, g);
+         "block attention kernel dq", kThreads, p, g);  // writes delta for dkv
+  if (group) {
+    launch(dkv_kernel<true>, dkv_key_tiles(p, true) * p.kv_heads * g.context_chunks, sizeof(DkvShared<true>) + kSharedAlignment,
+           stream, "block attention kernel dkv", kThreads * kDkvGroups<true>, p, g);
+  } else {
+    launch(dkv_kernel<false>, dkv_key_tiles(p, false) * p.kv_heads * g.context_chunks,
+           sizeof(DkvShared<false>) + kSharedAlignment, stream, "block attention kernel dkv", kThreads, p, g);
+  }
 }
 
 int context_chunks_for(const BlockAttentionProblem& p, int sms) {
-  const int key_tiles = (p.context + R - 1) / R;
+  const int key_tiles = dkv_key_tiles(p, warpgroup_kernels());
   const int wanted = (8 * sms + key_tiles * p.kv_heads - 1) / std::max(1, key_tiles * p.kv_heads);
   return std::clamp(std::min(wanted, p.blocks / 32), 1, 8);
 }
