@@ -50,19 +50,6 @@ struct RowTile {
   }
 };
 
-// Heavy tiles first: blocks in descending anchor order, key-value heads fastest.
-__device__ RowTile row_tile_of_cta(const BlockAttentionProblem& p) {
-  const int id = blockIdx.x, rest = id / p.kv_heads, tiles = p.row_tiles();
-  return {p.blocks - 1 - rest / tiles, id % p.kv_heads, rest % tiles};
-}
-
-// Key tile t of block n: context tiles [0, ceil(a_n / 64)), then the block's own keys.
-struct KeyTiles {
-  int anchor, context_tiles;
-  __device__ int count() const { return context_tiles + 1; }
-  __device__ int visible(int t, int block_size) const { return t < context_tiles ? min(R, anchor - t * R) : block_size; }
-};
-
 // The 64 rows of a row tile from a [rows, q_heads, 128] tensor (q, dO); padding rows zero.
 // `offsets`: the rows' relative offsets when the caller has them in a table (nullptr: computed).
 template <int kLoaders = kThreads>
@@ -75,16 +62,33 @@ __device__ __forceinline__ void load_row_tile(Tile& tile, const BlockAttentionPr
   });
 }
 
-// Key tile t of block n (keys and values) for key-value head h; invisible rows zero.
-__device__ __forceinline__ void load_key_tile(Tile& k, Tile& v, const BlockAttentionProblem& p, const KeyTiles& kt,
-                                              int n, int h, int t) {
-  const bool context = t < kt.context_tiles;
-  const int64_t row = context ? static_cast<int64_t>(t) * R : static_cast<int64_t>(n) * p.block_size;
-  const int64_t offset = (row * p.kv_heads + h) * D, stride = static_cast<int64_t>(p.kv_heads) * D;
-  const int rows = kt.visible(t, p.block_size);
-  load_tile<kThreads>(k, static_cast<const bf16*>(context ? p.k_context : p.k_block) + offset, stride, rows);
-  load_tile<kThreads>(v, static_cast<const bf16*>(context ? p.v_context : p.v_block) + offset, stride, rows);
-}
+// The block of a forward or dQ CTA (block, key-value head, row tile): late (heavy) anchors
+// first, key-value heads fastest. Its key tiles: the context tiles [0, ceil(anchor / 64)), then
+// the block's own keys.
+struct BlockTiles {
+  int n, h, rt, anchor, context_tiles;
+
+  __device__ explicit BlockTiles(const BlockAttentionProblem& p) {
+    const int tiles = p.row_tiles(), rest = blockIdx.x / p.kv_heads;
+    n = p.blocks - 1 - rest / tiles;
+    h = blockIdx.x % p.kv_heads;
+    rt = rest % tiles;
+    anchor = p.anchors[n];
+    context_tiles = (anchor + R - 1) / R;
+  }
+  __device__ int count() const { return context_tiles + 1; }
+  __device__ RowTile row_tile() const { return {n, h, rt}; }
+  __device__ int visible(int t, int block_size) const { return t < context_tiles ? min(R, anchor - t * R) : block_size; }
+  // Key tile t (keys and values); rows past the visible ones zero.
+  __device__ void load_keys(Tile& k, Tile& v, const BlockAttentionProblem& p, int t) const {
+    const bool context = t < context_tiles;
+    const int64_t row = context ? static_cast<int64_t>(t) * R : static_cast<int64_t>(n) * p.block_size;
+    const int64_t offset = (row * p.kv_heads + h) * D, stride = static_cast<int64_t>(p.kv_heads) * D;
+    const int rows = visible(t, p.block_size);
+    load_tile<kThreads>(k, static_cast<const bf16*>(context ? p.k_context : p.k_block) + offset, stride, rows);
+    load_tile<kThreads>(v, static_cast<const bf16*>(context ? p.v_context : p.v_block) + offset, stride, rows);
+  }
+};
 
 // The products of a 64-row tile: per warp (mma.sync, its 16 rows, results at once; any sm_80+)
 // or per warpgroup (wgmma, sm_90a: each product is issued as one asynchronous group, and
@@ -120,13 +124,13 @@ struct Products<true> {
 
 // ---- forward ---------------------------------------------------------------------------------
 // The online softmax of rows g and g + 8 of a warp's 16: per key tile, scales the scores by c
-// (scale log2 e), masks the invisible columns, updates the running maxima and (per-thread
-// partial) sums, rescales the output accumulators and leaves exp2(s - max) in s. Visible
-// columns: [lo, hi), at least one.
+// (scale log2 e), masks the columns >= visible, updates the running maxima and (per-thread
+// partial) sums, rescales the output accumulators and leaves exp2(s - max) in s. Every key
+// tile has a visible column for every row.
 struct OnlineSoftmax {
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-  __device__ __forceinline__ void step(float (&s)[8][4], float (&o)[16][4], int lo, int hi, float c) {
+  __device__ __forceinline__ void step(float (&s)[8][4], float (&o)[16][4], int visible, float c) {
     const int t4 = threadIdx.x & 3;
     float x0 = -INFINITY, x1 = -INFINITY;
 #pragma unroll
@@ -134,7 +138,7 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int col = nt * 8 + 2 * t4 + (i & 1);
-        s[nt][i] = col >= lo && col < hi ? s[nt][i] * c : -INFINITY;
+        s[nt][i] = col < visible ? s[nt][i] * c : -INFINITY;
       }
       x0 = fmaxf(x0, fmaxf(s[nt][0], s[nt][1]));
       x1 = fmaxf(x1, fmaxf(s[nt][2], s[nt][3]));
@@ -144,7 +148,7 @@ struct OnlineSoftmax {
       x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
       x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
     }
-    // Every key tile has a visible key for every row, so the new maxima are finite.
+    // The new maxima are finite (a visible column in every tile).
     const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
     const float alpha0 = exp2f(m0 - n0), alpha1 = exp2f(m1 - n1);
     m0 = n0;
@@ -197,134 +201,79 @@ __device__ __forceinline__ void store_output(const BlockAttentionProblem& p, con
   }
 }
 
-// mma.sync: one CTA (4 warps) per (block, key-value head, row tile), two key-tile buffers.
+// One CTA (one warpgroup) per (block, key-value head, row tile). mma.sync: two key-tile
+// buffers. wgmma: three, and the warpgroup issues the next tile's scores before this tile's
+// softmax, so the tensor cores work while the warps compute exponentials (tile t + 1 resident
+// while tile t + 2 loads).
+template <bool kGroup>
 struct ForwardShared {
-  Tile q, k[2], v[2];
+  static constexpr int kStages = kGroup ? 3 : 2;
+  Tile q, k[kStages], v[kStages];
 };
 
+template <bool kGroup>
 __global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem p, bf16* __restrict__ out,
                                                            float* __restrict__ lse2) {
-  using Mma = Products<false>;
+  using Mma = Products<kGroup>;
   extern __shared__ __align__(16) unsigned char raw[];
-  ForwardShared& sh = aligned_shared<ForwardShared>(raw);
-  const RowTile tile = row_tile_of_cta(p);
-  const KeyTiles kt{p.anchors[tile.n], (p.anchors[tile.n] + R - 1) / R};
-  const int count = kt.count();
-  load_row_tile(sh.q, p, tile, p.q);
-  auto load_keys = [&](int t, int buffer) { load_key_tile(sh.k[buffer], sh.v[buffer], p, kt, tile.n, tile.h, t); };
+  ForwardShared<kGroup>& sh = aligned_shared<ForwardShared<kGroup>>(raw);
+  const BlockTiles bt(p);
+  const int count = bt.count();
+  load_row_tile(sh.q, p, bt.row_tile(), p.q);
+  auto load_keys = [&](int t, int buffer) { bt.load_keys(sh.k[buffer], sh.v[buffer], p, t); };
   load_keys(0, 0);
   __pipeline_commit();
   const float c = p.scale * kLog2e;
   float o[16][4] = {};
   OnlineSoftmax softmax;
-  for (int t = 0; t < count; ++t) {
-    pipeline_stage<2>(t, count, load_keys);
-    float s[8][4];
-    Mma::product(s, sh.q, sh.k[t & 1]);
-    softmax.step(s, o, 0, kt.visible(t, p.block_size), c);
-    uint32_t pa[4][4];
-    to_a(pa, s);
-    Mma::accumulate(o, pa, sh.v[t & 1]);
-    __syncthreads();  // the buffer is refilled by the next iteration's loads
-  }
-  store_output(p, tile, softmax, o, out, lse2);
-}
-
-// wgmma: one CTA of two warpgroups per (pair of adjacent blocks, key-value head, row tile), each
-// warpgroup the row tile of one block. Anchors ascend, so the two blocks' context prefixes
-// nearly coincide: the CTA walks the longer one and a warpgroup skips the tiles past its anchor;
-// the last tile holds both blocks' own keys (rows [0, B) and [B, 2B)). Every key tile loaded
-// feeds 128 query rows. Three key-tile buffers: each warpgroup issues the next tile's scores
-// before this tile's softmax, so the tensor cores work while the warps compute exponentials.
-constexpr int kPairThreads = 2 * kThreads;
-struct ForwardPairShared {
-  Tile q[2], k[3], v[3];
-};
-
-__global__ void __launch_bounds__(kPairThreads) forward_pair_kernel(BlockAttentionProblem p, bf16* __restrict__ out,
-                                                                    float* __restrict__ lse2) {
-  using Mma = Products<true>;
-  extern __shared__ __align__(16) unsigned char raw[];
-  ForwardPairShared& sh = aligned_shared<ForwardPairShared>(raw);
-  const int group = threadIdx.x / kThreads, tiles = p.row_tiles(), pairs = (p.blocks + 1) / 2;
-  const int id = blockIdx.x, rest = id / p.kv_heads, h = id % p.kv_heads, rt = rest % tiles;
-  const int n0 = 2 * (pairs - 1 - rest / tiles), blocks_here = min(2, p.blocks - n0);  // heavy pairs first
-  const RowTile tile{n0 + group, h, rt};
-  const bool valid = group < blocks_here;
-  const int last_anchor = p.anchors[n0 + blocks_here - 1];
-  const int context_tiles = (last_anchor + R - 1) / R, count = context_tiles + 1;
-  const int anchor = valid ? p.anchors[tile.n] : 0, own_tiles = (anchor + R - 1) / R;
-  // Warpgroup `group` uses tile t when t is one of its context tiles or the block tile.
-  auto active = [&](int t) { return valid && (t < own_tiles || t == context_tiles); };
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    if (i < blocks_here) {
-      load_row_tile<kPairThreads>(sh.q[i], p, RowTile{n0 + i, h, rt}, p.q);
-    } else {
-      load_tile<kPairThreads>(sh.q[i], static_cast<const bf16*>(p.q), 0, 0);  // zeros
-    }
-  }
-  auto load_keys = [&](int t, int buffer) {
-    const bool context = t < context_tiles;
-    const int64_t row = context ? static_cast<int64_t>(t) * R : static_cast<int64_t>(n0) * p.block_size;
-    const int64_t offset = (row * p.kv_heads + h) * D, stride = static_cast<int64_t>(p.kv_heads) * D;
-    const int rows = context ? min(R, last_anchor - t * R) : blocks_here * p.block_size;
-    load_tile<kPairThreads>(sh.k[buffer], static_cast<const bf16*>(context ? p.k_context : p.k_block) + offset, stride, rows);
-    load_tile<kPairThreads>(sh.v[buffer], static_cast<const bf16*>(context ? p.v_context : p.v_block) + offset, stride, rows);
-  };
-  load_keys(0, 0);
-  __pipeline_commit();
-  if (count > 1) load_keys(1, 1);
-  __pipeline_commit();
-  __pipeline_wait_prior(1);
-  async_proxy_fence();
-  __syncthreads();
-
-  const float c = p.scale * kLog2e;
-  float o[16][4] = {};
-  OnlineSoftmax softmax;
-  float s[8][4];
-  if (active(0)) {
-    Mma::product(s, sh.q[group], sh.k[0]);
-    Mma::finish<0>(s);
-  }
-  for (int t = 0; t < count; ++t) {
-    if (t + 2 < count) load_keys(t + 2, (t + 2) % 3);  // into the buffer of tile t - 1
+  if constexpr (kGroup) {
+    if (count > 1) load_keys(1, 1);
     __pipeline_commit();
-    __pipeline_wait_prior(1);  // tile t + 1 has landed
+    __pipeline_wait_prior(1);
     async_proxy_fence();
     __syncthreads();
-    float next[8][4];
-    const bool ahead = t + 1 < count && active(t + 1);
-    if (ahead) Mma::product(next, sh.q[group], sh.k[(t + 1) % 3]);
-    if (active(t)) {
-      const bool block_tile = t == context_tiles;
-      const int lo = block_tile ? group * p.block_size : 0;
-      const int hi = block_tile ? lo + p.block_size : min(R, anchor - t * R);
-      softmax.step(s, o, lo, hi, c);
+    float s[8][4];
+    Mma::product(s, sh.q, sh.k[0]);
+    Mma::template finish<0>(s);
+    for (int t = 0; t < count; ++t) {
+      if (t + 2 < count) load_keys(t + 2, (t + 2) % 3);  // into the buffer of tile t - 1
+      __pipeline_commit();
+      __pipeline_wait_prior(1);  // tile t + 1 has landed
+      async_proxy_fence();
+      __syncthreads();
+      float next[8][4];
+      if (t + 1 < count) Mma::product(next, sh.q, sh.k[(t + 1) % 3]);
+      softmax.step(s, o, bt.visible(t, p.block_size), c);
       uint32_t pa[4][4];
       to_a(pa, s);
       Mma::accumulate(o, pa, sh.v[t % 3]);
-      Mma::finish<0>(o, pa, next);
-    } else {
-      Mma::finish<0>(next);
-    }
-    if (ahead) {
+      Mma::template finish<0>(o, pa, next);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[i][e] = next[i][e];
       }
+      __syncthreads();  // buffer t % 3 is refilled at iteration t + 1
     }
-    __syncthreads();  // buffer t % 3 is refilled at iteration t + 1
+  } else {
+    for (int t = 0; t < count; ++t) {
+      pipeline_stage<2>(t, count, load_keys);
+      float s[8][4];
+      Mma::product(s, sh.q, sh.k[t & 1]);
+      softmax.step(s, o, bt.visible(t, p.block_size), c);
+      uint32_t pa[4][4];
+      to_a(pa, s);
+      Mma::accumulate(o, pa, sh.v[t & 1]);
+      __syncthreads();  // the buffer is refilled by the next iteration's loads
+    }
   }
-  if (valid) store_output(p, tile, softmax, o, out, lse2);
+  store_output(p, bt.row_tile(), softmax, o, out, lse2);
 }
 
 // ---- backward: dQ, and the gradients of the block's own keys ---------------------------------
 struct DqShared {
   Tile q, dout, k[2], v[2];
-  __align__(16) bf16 p[R * kSmallLd];   // P and dS of the block tile, [row][key < 16]
+  __align__(16) bf16 p[R * kSmallLd];  // P and dS of the block tile, [row][key < 16]
   __align__(16) bf16 ds[R * kSmallLd];
   float lse2[R], delta[R];
 };
@@ -334,14 +283,14 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
   extern __shared__ __align__(16) unsigned char raw[];
   using Mma = Products<kGroup>;
   DqShared& sh = aligned_shared<DqShared>(raw);
-  const RowTile tile = row_tile_of_cta(p);
+  const BlockTiles bt(p);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const KeyTiles kt{p.anchors[tile.n], (p.anchors[tile.n] + R - 1) / R};
+  const RowTile tile = bt.row_tile();
   const bf16* dout = reinterpret_cast<const bf16*>(gr.d_out);
   const bf16* out = reinterpret_cast<const bf16*>(gr.out);
   load_row_tile(sh.q, p, tile, p.q);
   load_row_tile(sh.dout, p, tile, gr.d_out);
-  auto load_keys = [&](int t, int buffer) { load_key_tile(sh.k[buffer], sh.v[buffer], p, kt, tile.n, tile.h, t); };
+  auto load_keys = [&](int t, int buffer) { bt.load_keys(sh.k[buffer], sh.v[buffer], p, t); };
   load_keys(0, 0);
   __pipeline_commit();
   // D = rowsum(dO o O) of each row (two threads per row), kept in shared memory and in the
@@ -373,18 +322,17 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
     }
   }
   const float c = p.scale * kLog2e;
-  float dq[16][4];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
-  for (int t = 0; t < kt.count(); ++t) {
-    pipeline_stage<2, kGroup>(t, kt.count(), load_keys);
+  const Tile &q = sh.q, &d_out = sh.dout;
+  float dq[16][4] = {};
+  for (int t = 0; t < bt.count(); ++t) {
+    pipeline_stage<2, kGroup>(t, bt.count(), load_keys);
     const Tile &k = sh.k[t & 1], &v = sh.v[t & 1];
-    const int visible = kt.visible(t, p.block_size);
+    const int visible = bt.visible(t, p.block_size);
     const float lse0 = sh.lse2[warp * 16 + g], lse1 = sh.lse2[warp * 16 + g + 8];
     const float d0 = sh.delta[warp * 16 + g], d1 = sh.delta[warp * 16 + g + 8];
     float s[8][4], dp[8][4];
-    Mma::product(s, sh.q, k);
-    Mma::product(dp, sh.dout, v);
+    Mma::product(s, q, k);
+    Mma::product(dp, d_out, v);
     Mma::template finish<1>(s);  // P while dP = dO V^T is computed
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -404,7 +352,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
     to_a(da, dp);
     // dQ += dS K: K as the [k][n] operand.
     Mma::accumulate(dq, da, k);
-    if (t == kt.context_tiles) {  // the block's own keys: keep P and dS for their gradients
+    if (t == bt.context_tiles) {  // the block's own keys: keep P and dS for their gradients
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
@@ -442,10 +390,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
 #pragma unroll
     for (int dp2 = 0; dp2 < 2; ++dp2) {
       uint32_t y[4];
-      load_b_kn(y, sh.dout, kr * 16, warp * 32 + dp2 * 16);
+      load_b_kn(y, d_out, kr * 16, warp * 32 + dp2 * 16);
       mma(dv[2 * dp2], ap, y[0], y[1]);
       mma(dv[2 * dp2 + 1], ap, y[2], y[3]);
-      load_b_kn(y, sh.q, kr * 16, warp * 32 + dp2 * 16);
+      load_b_kn(y, q, kr * 16, warp * 32 + dp2 * 16);
       mma(dk[2 * dp2], ad, y[0], y[1]);
       mma(dk[2 * dp2 + 1], ad, y[2], y[3]);
     }
@@ -628,11 +576,12 @@ int dkv_key_tiles(const BlockAttentionProblem& p, bool group) {
 
 void block_attention_forward(const BlockAttentionProblem& p, void* out, float* lse2, cudaStream_t stream) {
   if (p.blocks == 0) return;
+  const int ctas = p.blocks * p.kv_heads * p.row_tiles();
   if (warpgroup_kernels()) {
-    launch(forward_pair_kernel, (p.blocks + 1) / 2 * p.kv_heads * p.row_tiles(), sizeof(ForwardPairShared) + kSharedAlignment,
-           stream, "block attention kernel forward", kPairThreads, p, static_cast<bf16*>(out), lse2);
+    launch(forward_kernel<true>, ctas, sizeof(ForwardShared<true>) + kSharedAlignment, stream,
+           "block attention kernel forward", kThreads, p, static_cast<bf16*>(out), lse2);
   } else {
-    launch(forward_kernel, p.blocks * p.kv_heads * p.row_tiles(), sizeof(ForwardShared) + kSharedAlignment, stream,
+    launch(forward_kernel<false>, ctas, sizeof(ForwardShared<false>) + kSharedAlignment, stream,
            "block attention kernel forward", kThreads, p, static_cast<bf16*>(out), lse2);
   }
 }
@@ -640,9 +589,8 @@ void block_attention_forward(const BlockAttentionProblem& p, void* out, float* l
 void block_attention_backward(const BlockAttentionProblem& p, const BlockAttentionBackward& g, cudaStream_t stream) {
   if (p.blocks == 0) return;
   const bool group = warpgroup_kernels();
-  const int ctas = p.blocks * p.kv_heads * p.row_tiles();
-  launch(group ? dq_kernel<true> : dq_kernel<false>, ctas, sizeof(DqShared) + kSharedAlignment, stream,
-         "block attention kernel dq", kThreads, p, g);  // writes delta for dkv
+  launch(group ? dq_kernel<true> : dq_kernel<false>, p.blocks * p.kv_heads * p.row_tiles(),
+         sizeof(DqShared) + kSharedAlignment, stream, "block attention kernel dq", kThreads, p, g);  // writes delta for dkv
   if (group) {
     launch(dkv_kernel<true>, dkv_key_tiles(p, true) * p.kv_heads * g.context_chunks, sizeof(DkvShared<true>) + kSharedAlignment,
            stream, "block attention kernel dkv", kThreads * kDkvGroups<true>, p, g);

@@ -7,14 +7,18 @@
 // key-value head h, up to 64 of its rep * B (head, row) pairs): every row of a tile has the same
 // visible keys, a prefix of the context plus the block. The kernels walk exactly those key tiles
 // (flash-attention style: online softmax, nothing quadratic in memory), bf16 operands on tensor
-// cores (mma.sync m16n8k16), fp32 scores, softmax and accumulation.
+// cores, fp32 scores, softmax and accumulation. Two kernel sets, same fragments and results to
+// rounding: mma.sync m16n8k16 per warp (sm_80 and newer), and on Hopper (built for sm_90a)
+// wgmma per warpgroup with its products issued asynchronously while the warps compute the
+// exponentials (DFLASHD_ATTENTION_MMA=sync forces the first set).
 //   forward   one CTA per (block, key-value head, row tile): O and the log-sum-exp.
 //   backward  dq kernel, one CTA per (block, key-value head, row tile): D = rowsum(dO o O), dQ,
 //             and the gradients of the block's own keys and values (only this tile reads them);
-//             dkv kernel, one CTA per (64 context keys, key-value head, chunk of blocks): dK,
-//             dV of the context, summed over the blocks that see the keys. No atomics: results
-//             are bit-identical run to run (partial sums over row tiles and block chunks are
-//             written separately and added by the caller in a fixed order).
+//             dkv kernel, one CTA per (64 context keys, or 128 as two warpgroups with wgmma,
+//             key-value head, chunk of blocks): dK, dV of the context, summed over the blocks
+//             that see the keys. No atomics: results are bit-identical run to run (partial sums
+//             over row tiles and block chunks are written separately and added by the caller in
+//             a fixed order).
 // Head size 128, block size <= 16, sm_80 and newer.
 #pragma once
 
