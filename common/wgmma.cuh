@@ -1,13 +1,15 @@
 // wgmma.cuh: Hopper warpgroup tensor-core products (wgmma.mma_async, sm_90a) over mma_tile's
-// Tiles. Device code only; the functions compile to a trap on other architectures, so callers
-// choose them at run time only on compute capability 9.0 (see `available` below).
+// Tiles. Device code only; the functions compile to a trap on other architectures, so host code
+// launches kernels that use them only on compute capability 9.0 of a build for sm_90a (as
+// drafter/kernels/block_attention.cu's warpgroup_kernels() decides).
 //
 // Why: with mma.sync every warp reads the whole B operand from shared memory through ldmatrix
 // (4x per 4-warp CTA); a warpgroup's wgmma reads it once, straight from shared memory.
 //
 // Layout: a Tile (64 rows x 128 bf16) is two 64-column halves of 8 KB, each row of a half 128
 // bytes with its 16-byte chunks XOR-swizzled by row: exactly the "128-byte swizzle" canonical
-// layout of the PTX ISA (8-row core groups 1024 bytes apart). Tiles must be 1024-byte aligned.
+// layout of the PTX ISA (8-row core groups 1024 bytes apart). Tiles must be 1024-byte aligned
+// (mma_tile::aligned_shared).
 //   K-major operand (rows = M or N, columns = the reduction): k-step s (16 columns) starts at
 //     half s / 4, byte 32 (s % 4) of the row; stride between 8-row groups (SBO) 1024.
 //   MN-major operand (rows = the reduction, columns = N): k-step s (16 rows) starts at byte
