@@ -201,14 +201,15 @@ __device__ __forceinline__ void async_proxy_fence() {
 #endif
 }
 
-// Software pipelining over kStages shared-memory buffers: before iteration i of `count` uses
-// buffer i % kStages, issue the loads of iteration i + kStages - 1 (load(j, buffer)) and wait for
-// those of i; then the whole CTA sees them. The caller has issued and committed one group per
-// iteration 0 .. kStages - 2, and ends each iteration with a barrier (its buffer is refilled next).
+// Software pipelining over kBuffers (default kStages) shared-memory buffers: before iteration i
+// of `count` uses buffer i % kBuffers, issue the loads of iteration i + kStages - 1
+// (load(j, buffer)) and wait for those of i; then the whole CTA sees them. The caller has issued
+// and committed one group per iteration 0 .. kStages - 2, and ends each iteration with a barrier
+// (a buffer is refilled kBuffers - kStages + 1 iterations after its use).
 // kAsyncReaders: the buffers are read by wgmma (the async proxy), which must be told of the writes.
-template <int kStages, bool kAsyncReaders = false, typename Load>
+template <int kStages, bool kAsyncReaders = false, int kBuffers = kStages, typename Load>
 __device__ __forceinline__ void pipeline_stage(int i, int count, Load load) {
-  if (i + kStages - 1 < count) load(i + kStages - 1, (i + kStages - 1) % kStages);
+  if (i + kStages - 1 < count) load(i + kStages - 1, (i + kStages - 1) % kBuffers);
   __pipeline_commit();  // possibly empty: one group per iteration keeps the count regular
   __pipeline_wait_prior(kStages - 1);
   if constexpr (kAsyncReaders) async_proxy_fence();

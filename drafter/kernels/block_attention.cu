@@ -227,33 +227,27 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem
   float o[16][4] = {};
   OnlineSoftmax softmax;
   if constexpr (kGroup) {
-    if (count > 1) load_keys(1, 1);
-    __pipeline_commit();
-    __pipeline_wait_prior(1);
-    async_proxy_fence();
-    __syncthreads();
+    // Loads one tile ahead of the scores, which run one tile ahead of the softmax.
+    constexpr int kBuffers = ForwardShared<true>::kStages;
+    pipeline_stage<2, true, kBuffers>(0, count, load_keys);  // tile 1 loading, tile 0 landed
     float s[8][4];
     Mma::product(s, sh.q, sh.k[0]);
     Mma::template finish<0>(s);
     for (int t = 0; t < count; ++t) {
-      if (t + 2 < count) load_keys(t + 2, (t + 2) % 3);  // into the buffer of tile t - 1
-      __pipeline_commit();
-      __pipeline_wait_prior(1);  // tile t + 1 has landed
-      async_proxy_fence();
-      __syncthreads();
+      pipeline_stage<2, true, kBuffers>(t + 1, count, load_keys);  // tile t + 2 loading, t + 1 landed
       float next[8][4];
-      if (t + 1 < count) Mma::product(next, sh.q, sh.k[(t + 1) % 3]);
+      if (t + 1 < count) Mma::product(next, sh.q, sh.k[(t + 1) % kBuffers]);
       softmax.step(s, o, bt.visible(t, p.block_size), c);
       uint32_t pa[4][4];
       to_a(pa, s);
-      Mma::accumulate(o, pa, sh.v[t % 3]);
+      Mma::accumulate(o, pa, sh.v[t % kBuffers]);
       Mma::template finish<0>(o, pa, next);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[i][e] = next[i][e];
       }
-      __syncthreads();  // buffer t % 3 is refilled at iteration t + 1
+      __syncthreads();  // buffer t % kBuffers is refilled at iteration t + 1
     }
   } else {
     for (int t = 0; t < count; ++t) {
@@ -559,8 +553,10 @@ bool warpgroup_kernels() {
 #endif
 }
 
-template <typename Kernel, typename... Args>
-void launch(Kernel kernel, int ctas, std::size_t shared, cudaStream_t stream, const char* what, int threads, Args... args) {
+// Launches `kernel` with a Shared's worth of dynamic shared memory (plus the alignment slack).
+template <typename Shared, typename Kernel, typename... Args>
+void launch(Kernel kernel, int ctas, int threads, cudaStream_t stream, const char* what, Args... args) {
+  const std::size_t shared = sizeof(Shared) + kSharedAlignment;
   allow_shared_memory(kernel, shared, what);
   kernel<<<ctas, threads, shared, stream>>>(args...);
   check_cuda_launch(what);
@@ -572,32 +568,30 @@ int dkv_key_tiles(const BlockAttentionProblem& p, bool group) {
   return (p.context + keys - 1) / keys;
 }
 
+template <bool kGroup>
+void forward(const BlockAttentionProblem& p, void* out, float* lse2, cudaStream_t stream) {
+  launch<ForwardShared<kGroup>>(forward_kernel<kGroup>, p.blocks * p.kv_heads * p.row_tiles(), kThreads, stream,
+                                "block attention kernel forward", p, static_cast<bf16*>(out), lse2);
+}
+
+template <bool kGroup>
+void backward(const BlockAttentionProblem& p, const BlockAttentionBackward& g, cudaStream_t stream) {
+  launch<DqShared>(dq_kernel<kGroup>, p.blocks * p.kv_heads * p.row_tiles(), kThreads, stream,
+                   "block attention kernel dq", p, g);  // writes delta for dkv
+  launch<DkvShared<kGroup>>(dkv_kernel<kGroup>, dkv_key_tiles(p, kGroup) * p.kv_heads * g.context_chunks,
+                            kThreads * kDkvGroups<kGroup>, stream, "block attention kernel dkv", p, g);
+}
+
 }  // namespace
 
 void block_attention_forward(const BlockAttentionProblem& p, void* out, float* lse2, cudaStream_t stream) {
   if (p.blocks == 0) return;
-  const int ctas = p.blocks * p.kv_heads * p.row_tiles();
-  if (warpgroup_kernels()) {
-    launch(forward_kernel<true>, ctas, sizeof(ForwardShared<true>) + kSharedAlignment, stream,
-           "block attention kernel forward", kThreads, p, static_cast<bf16*>(out), lse2);
-  } else {
-    launch(forward_kernel<false>, ctas, sizeof(ForwardShared<false>) + kSharedAlignment, stream,
-           "block attention kernel forward", kThreads, p, static_cast<bf16*>(out), lse2);
-  }
+  warpgroup_kernels() ? forward<true>(p, out, lse2, stream) : forward<false>(p, out, lse2, stream);
 }
 
 void block_attention_backward(const BlockAttentionProblem& p, const BlockAttentionBackward& g, cudaStream_t stream) {
   if (p.blocks == 0) return;
-  const bool group = warpgroup_kernels();
-  launch(group ? dq_kernel<true> : dq_kernel<false>, p.blocks * p.kv_heads * p.row_tiles(),
-         sizeof(DqShared) + kSharedAlignment, stream, "block attention kernel dq", kThreads, p, g);  // writes delta for dkv
-  if (group) {
-    launch(dkv_kernel<true>, dkv_key_tiles(p, true) * p.kv_heads * g.context_chunks, sizeof(DkvShared<true>) + kSharedAlignment,
-           stream, "block attention kernel dkv", kThreads * kDkvGroups<true>, p, g);
-  } else {
-    launch(dkv_kernel<false>, dkv_key_tiles(p, false) * p.kv_heads * g.context_chunks,
-           sizeof(DkvShared<false>) + kSharedAlignment, stream, "block attention kernel dkv", kThreads, p, g);
-  }
+  warpgroup_kernels() ? backward<true>(p, g, stream) : backward<false>(p, g, stream);
 }
 
 int context_chunks_for(const BlockAttentionProblem& p, int sms) {

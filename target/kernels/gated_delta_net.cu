@@ -443,12 +443,11 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
 // accumulators.
 constexpr int kOutputThreads = 128;
 
-// Rows of 64 bf16 (eight 16-byte chunks), chunks XOR-swizzled by row as in mma_tile's tiles.
-__device__ __forceinline__ int swizzled64(int row, int chunk) { return row * C + ((chunk ^ (row & 7)) << 3); }
-
+// Rows of 64 bf16 (eight 16-byte chunks) laid out as the first 64-column half of an mma_tile
+// Tile: mma_tile::swizzled with chunks 0-7.
 __device__ inline void load_rows64_async(bf16* dst, const bf16* src, int rows) {
   for (int i = threadIdx.x; i < rows * 8; i += blockDim.x) {
-    __pipeline_memcpy_async(dst + swizzled64(i >> 3, i & 7), src + i * 8, 16);
+    __pipeline_memcpy_async(dst + mma_tile::swizzled(i >> 3, i & 7), src + i * 8, 16);
   }
 }
 
@@ -498,7 +497,7 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
 #pragma unroll
   for (int kk = 0; kk < C / 16; ++kk) {  // + P V' over the chunk's tokens
     uint32_t x[4];
-    mma_tile::ldsm_x4(x, mma_tile::shared_address(s.p + swizzled64(row0 + (lane & 15), 2 * kk + (lane >> 4))));
+    mma_tile::ldsm_x4(x, mma_tile::shared_address(s.p + mma_tile::swizzled(row0 + (lane & 15), 2 * kk + (lane >> 4))));
 #pragma unroll
     for (int np = 0; np < 8; ++np) {
       const uint4 y = s.v[(np * 4 + kk) * 32 + lane];
