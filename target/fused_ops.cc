@@ -76,10 +76,19 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Te
 }
 
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  if (!kernels_apply({&gate, &up}) || gate.sizes() != up.sizes()) return at::silu(gate) * up;
+  // Rows at one common stride: contiguous tensors (as [rows, n]) or 2-D views such as the halves
+  // of a fused gate/up projection.
+  const bool contiguous = gate.is_contiguous() && up.is_contiguous() && gate.dim() >= 1;
+  const bool strided = gate.dim() == 2 && gate.stride(0) == up.stride(0);
+  if (gate.sizes() != up.sizes() || !rows_apply(gate) || !rows_apply(up) || gate.size(-1) % 8 != 0 ||
+      !(contiguous || strided)) {
+    return at::silu(gate) * up;
+  }
 #ifdef DFLASHD_WITH_CUDA
-  at::Tensor out = at::empty_like(gate);
-  kernels::silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), at::cuda::getCurrentCUDAStream().stream());
+  const int64_t n = gate.size(-1), rows = n == 0 ? 0 : gate.numel() / n;
+  at::Tensor out = at::empty(gate.sizes(), gate.options());
+  kernels::silu_mul(gate.data_ptr(), up.data_ptr(), contiguous ? n : gate.stride(0), out.data_ptr(), rows, n,
+                    at::cuda::getCurrentCUDAStream().stream());
   return out;
 #else
   return {};

@@ -17,7 +17,8 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double e
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                                                double eps, bool zero_centred);
 
-// silu(gate) * up, as HF's MLP rounds it.
+// silu(gate) * up, as HF's MLP rounds it. gate and up [rows, n] may be views with a common row
+// stride (the two halves of one gate/up projection).
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 
 // Whether kernels can read x's rows with 16-byte vector accesses: last dim contiguous, every

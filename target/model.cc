@@ -37,7 +37,7 @@ struct GatedDeltaNet {
 };
 
 struct Mlp {
-  Linear gate, up, down;  // dense SwiGLU
+  Linear gate_up, down;  // dense SwiGLU: gate_proj and up_proj concatenated at load (one GEMM)
   // MoE: router [E, H]; experts fused [E, 2I, H] and [E, H, I]; shared expert + its gate.
   at::Tensor router, experts_gate_up, experts_down;
   Linear shared_gate, shared_up, shared_down, shared_expert_gate;
@@ -168,7 +168,11 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
 }
 
 at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x) {
-  if (!p.moe) return p.down(silu_mul(p.gate(x), p.up(x)));
+  if (!p.moe) {
+    const at::Tensor gate_up = p.gate_up(x);
+    const int64_t inner = gate_up.size(-1) / 2;
+    return p.down(silu_mul(gate_up.narrow(-1, 0, inner), gate_up.narrow(-1, inner, inner)));
+  }
   const int64_t experts = c.num_experts, top_k = c.num_experts_per_tok, inner = c.moe_intermediate_size;
   const at::Tensor probabilities = at::softmax(at::linear(x, p.router).to(at::kFloat), -1);  // router in fp32
   auto [weights, indices] = at::topk(probabilities, top_k, -1);
@@ -294,8 +298,8 @@ TargetModel::TargetModel(ModelConfig config, WeightSource& w, int64_t last_layer
         m.shared_expert_gate = linear(p + "shared_expert_gate", 1, h);
       }
     } else {
-      m.gate = linear(p + "gate_proj", c.intermediate_size, h);
-      m.up = linear(p + "up_proj", c.intermediate_size, h);
+      m.gate_up.weight = at::cat({linear(p + "gate_proj", c.intermediate_size, h).weight,
+                                  linear(p + "up_proj", c.intermediate_size, h).weight}, 0);
       m.down = linear(p + "down_proj", h, c.intermediate_size);
     }
     impl_->layers.push_back(std::move(layer));

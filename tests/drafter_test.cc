@@ -492,7 +492,7 @@ TEST(Optimizer, FusedGpuUpdateMatchesThePerTensorUpdate) {
     at::manual_seed(5);
     const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
     std::vector<at::Tensor> fused_params, plain_params;
-    for (int64_t n : {1000, 37, 70000}) {  // the last spans two of the one-pass kernel's chunks
+    for (int64_t n : {1000, 37, 131075}) {  // 37 and the last end in single elements; 131075 spans three of the kernel's chunks
       const at::Tensor init = at::randn({n}, options);
       fused_params.push_back(init.clone().requires_grad_());
       plain_params.push_back(init.clone().requires_grad_());

@@ -323,6 +323,10 @@ TEST(FusedOps, GpuKernelsMatchTheCompositeExpressions) {
   }
   const at::Tensor gate = at::randn({300, 1736}, bf16) * 3, up = at::randn({300, 1736}, bf16);
   nearly_equal(silu_mul(gate, up), at::silu(gate) * up, "silu_mul");
+  // The dense MLP's fused projection: gate and up are the two halves of one [rows, 2n] output.
+  const at::Tensor gate_up = at::randn({300, 2 * 1736}, bf16) * 3;
+  const at::Tensor halves_gate = gate_up.narrow(-1, 0, 1736), halves_up = gate_up.narrow(-1, 1736, 1736);
+  nearly_equal(silu_mul(halves_gate, halves_up), at::silu(halves_gate) * halves_up, "silu_mul of a gate/up projection");
   // Attention q/k: the gated layout's q is a strided view ([query | gate] per head), k contiguous;
   // Qwen3.5's partial rotary (64 of 256) and Qwen3's full rotary (128 of 128).
   for (const auto& [d, rotary] : {std::pair<int64_t, int64_t>{256, 64}, {128, 128}}) {

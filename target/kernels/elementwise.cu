@@ -79,19 +79,20 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const bf16* 
   }
 }
 
-__global__ void silu_mul_kernel(const bf16* __restrict__ gate, const bf16* __restrict__ up, bf16* __restrict__ out,
-                                int64_t chunks) {
+// Rows of n (a multiple of 8) elements: gate and up rows at a common stride, out contiguous.
+__global__ void silu_mul_kernel(const bf16* __restrict__ gate, const bf16* __restrict__ up, int64_t stride,
+                                bf16* __restrict__ out, int64_t chunks, int64_t row_chunks) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t in = i / row_chunks * stride + i % row_chunks * 8;
     float g[8], u[8];
-    load8(g, gate + i * 8);
-    load8(u, up + i * 8);
+    load8(g, gate + in);
+    load8(u, up + in);
 #pragma unroll
     for (int j = 0; j < 8; ++j) g[j] = round_bf16(g[j] / (1.f + __expf(-g[j]))) * u[j];
     store8(out + i * 8, g);
   }
 }
-
 
 constexpr int kRowThreads = 256;  // one warp per row of qk_norm_rope
 
@@ -165,12 +166,12 @@ void add_rms_norm(const void* x, const void* delta, const void* weight, void* su
   check_cuda_launch("target kernel add_rms_norm");
 }
 
-void silu_mul(const void* gate, const void* up, void* out, int64_t elements, cudaStream_t stream) {
-  const int64_t chunks = elements / 8;
+void silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t rows, int64_t n, cudaStream_t stream) {
+  const int64_t chunks = rows * (n / 8);
   if (chunks == 0) return;
   const int threads = 256;
   silu_mul_kernel<<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(
-      static_cast<const bf16*>(gate), static_cast<const bf16*>(up), static_cast<bf16*>(out), chunks);
+      static_cast<const bf16*>(gate), static_cast<const bf16*>(up), stride, static_cast<bf16*>(out), chunks, n / 8);
   check_cuda_launch("target kernel silu_mul");
 }
 

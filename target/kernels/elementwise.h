@@ -17,8 +17,10 @@ namespace dflash::target::kernels {
 void add_rms_norm(const void* x, const void* delta, const void* weight, void* sum_out, void* normed_out, int rows, int n,
                   float eps, bool zero_centred, cudaStream_t stream);
 
-// out = bf16(bf16(silu(gate)) * up), elements count a multiple of 8, all contiguous bf16.
-void silu_mul(const void* gate, const void* up, void* out, int64_t elements, cudaStream_t stream);
+// out = bf16(bf16(silu(gate)) * up) over rows of n bf16 (a multiple of 8): row r of gate and of up
+// at r * stride (16-byte aligned; separate tensors or the two halves of one fused projection),
+// out contiguous [rows, n].
+void silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t rows, int64_t n, cudaStream_t stream);
 
 // Attention q or k: out = rope(rms_norm(x)) for rows of d bf16 (d <= 256, a multiple of 8), row
 // (token t, head h) read at x + t * token_stride + h * head_stride, written contiguous [t, h, d].

@@ -4,7 +4,6 @@
 #include <cuda_bf16.h>
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include <stdexcept>
 #include <string>
@@ -16,34 +15,11 @@
 namespace dflash::target::kernels {
 namespace {
 
-namespace wmma = nvcuda::wmma;
 using bf16 = __nv_bfloat16;
 
 constexpr int C = kGdnChunk;    // 64 tokens per chunk
 constexpr int D = kGdnHeadDim;  // 128
-constexpr int LD = D + 8;       // bf16 row stride of 128-wide tiles in shared memory (no bank conflicts)
-constexpr int LDA = C + 4;      // fp32 row stride of 64x64 matrices
-constexpr int LDT = C + 8;      // bf16 row stride of 64x64 matrices
-
-using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
-using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major>;
-using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-
-// Copies `rows` rows of `cols` bf16 (a multiple of 8) from global memory into shared memory
-// asynchronously; rows at or past `valid` are zero-filled. The caller commits and waits.
-__device__ inline void load_rows_async(bf16* dst, int dst_ld, const bf16* src, int64_t src_ld, int rows, int valid,
-                                       int cols) {
-  const int per_row = cols / 8;
-  for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
-    const int r = i / per_row, c = (i % per_row) * 8;
-    bf16* d = dst + r * dst_ld + c;
-    if (r < valid) {
-      __pipeline_memcpy_async(d, src + r * src_ld + c, 16);
-    } else {
-      *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
-    }
-  }
-}
+constexpr int LDA = C + 8;      // fp32 row stride of 64x64 matrices (float2 fragment accesses conflict-free)
 
 // ---- 1. causal conv1d + SiLU + L2 norm of the q/k heads ---------------------------------------
 // A thread owns 8 adjacent channels (16-byte loads and stores) over kConvTokens tokens, keeping
@@ -107,18 +83,26 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const 
   }
 }
 
-// ---- 2. prepare: gamma, T = (I + A)^-1, W, U per (chunk, value head) -------------------------
+// ---- 2. prepare: per (chunk, key head), for each of its value heads: gamma, A, T = (I + A)^-1, W, U, P
+// K K^T and Q K^T depend on the key head only: computed once per CTA (mma.sync, warps 0-3 and
+// 4-7, 16 rows each) and kept in registers; each value head then applies its own decay to them
+// there (A to shared memory for the solve, P straight to global memory in fragment order).
+// The gates' scales are folded into T's columns when T becomes the A operand of W and U
+// (W = (T diag(beta e^gamma)) K, U = (T diag(beta)) V), so K stays shared and V is not
+// rewritten. W and U go out through shared memory as whole rows (16-byte coalesced stores).
+constexpr int kPrepareThreads = 256;
+constexpr int kMaxGroup = 8;  // value heads per key head
+
 struct __align__(16) PrepareShared {
-  bf16 q[C * LD];
-  bf16 k[C * LD];
-  bf16 v[C * LD];
-  float a[C * LDA];  // A
-  float t[C * LDA];
-  bf16 tb[C * LDT];
+  mma_tile::Tile q;     // Q; after Q K^T, the staging of W
+  mma_tile::Tile k;
+  mma_tile::Tile v[2];  // V of this value head and the next; then the staging of U
+  float a[C * LDA];     // A
+  float t[C * LDA];     // T
   __align__(16) float scratch[32 * 36];  // the inner products of solve_unit_lower
-  float gamma[C];
-  float beta[C];
-  float k_scale[C];  // beta e^gamma per row
+  float gamma[kMaxGroup][C];
+  float beta[kMaxGroup][C];
+  float k_scale[kMaxGroup][C];  // beta e^gamma
 };
 
 // Block products of solve_unit_lower, kCount of them at once, each n x n (fp32, row stride
@@ -178,132 +162,164 @@ __device__ void solve_unit_lower(PrepareShared& s) {
   negated_triple_product<32, 1>(s.scratch, s.a, s.t, at(32, 32), at(32, 0), at(0, 0), at(32, 0), 0);
 }
 
-constexpr int kPrepareThreads = 256;
+// The gates of value head `head` at chunk token t (0 past the chunk's length).
+__device__ __forceinline__ void gates_at(const GdnForward& a, int head, int start, int t, int length, float& g, float& beta) {
+  g = 0.0f, beta = 0.0f;
+  if (t >= length) return;
+  const int64_t token = start + t;
+  if (a.gate_a != nullptr) {
+    const float x = __bfloat162float(static_cast<const bf16*>(a.gate_a)[token * a.a_stride + head]) + a.dt_bias[head];
+    g = -expf(a.a_log[head]) * (x > 20.0f ? x : log1pf(expf(x)));  // softplus with torch's threshold
+    beta = 1.0f / (1.0f + expf(-__bfloat162float(static_cast<const bf16*>(a.gate_b)[token * a.b_stride + head])));
+  } else {
+    g = a.g[token * a.value_heads + head];
+    beta = a.beta[token * a.value_heads + head];
+  }
+}
 
-__global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(GdnForward a) {
+// A operand fragments (4 k-steps) of rows [row0, row0 + 16) of T diag(scale), from fp32 T.
+__device__ __forceinline__ void scaled_t_fragments(uint32_t (&x)[4][4], const float* t, const float* scale, int row0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + g + 8 * (i & 1), col = 16 * kk + 2 * t4 + 8 * (i >> 1);
+      const float2 v = *reinterpret_cast<const float2*>(t + row * LDA + col);
+      const float2 f = *reinterpret_cast<const float2*>(scale + col);
+      x[kk][i] = mma_tile::pack(v.x * f.x, v.y * f.y);
+    }
+}
+
+// Accumulators of rows [row0, +16) x columns [col0, +64) into a tile (bf16), for the row copy-out.
+__device__ __forceinline__ void stage_rows(mma_tile::Tile& tile, const float (&acc)[8][4], int row0, int col0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int col = col0 + 8 * j + 2 * t4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      *reinterpret_cast<uint32_t*>(tile.v + mma_tile::swizzled(row0 + g + 8 * h, col >> 3) + (col & 7)) =
+          mma_tile::pack(acc[j][2 * h], acc[j][2 * h + 1]);
+    }
+  }
+}
+
+// The whole tile to rows of D bf16 in global memory (16-byte stores).
+__device__ __forceinline__ void store_rows(bf16* out, const mma_tile::Tile& tile) {
+  for (int i = threadIdx.x; i < C * 16; i += kPrepareThreads) {
+    *reinterpret_cast<uint4*>(out + (i >> 4) * D + (i & 15) * 8) =
+        *reinterpret_cast<const uint4*>(tile.v + mma_tile::swizzled(i >> 4, i & 15));
+  }
+}
+
+__global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward a) {
   extern __shared__ __align__(128) unsigned char smem[];
   PrepareShared& s = *reinterpret_cast<PrepareShared*>(smem);
-  const int chunk = blockIdx.x, head = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int chunk = blockIdx.x, key_head = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;
   const int start = a.chunks.start[chunk], length = a.chunks.length[chunk];
-  const int key_head = head / (a.value_heads / a.key_heads);
+  const int group = a.value_heads / a.key_heads, head0 = key_head * group;
   const bf16* qkv = static_cast<const bf16*>(a.qkv) + static_cast<int64_t>(start) * a.qkv_stride;
-  load_rows_async(s.q, LD, qkv + key_head * D, a.qkv_stride, C, length, D);
-  load_rows_async(s.k, LD, qkv + (a.key_heads + key_head) * D, a.qkv_stride, C, length, D);
-  load_rows_async(s.v, LD, qkv + (2 * a.key_heads + head) * D, a.qkv_stride, C, length, D);
+  auto load_v = [&](int h) {
+    mma_tile::load_tile<kPrepareThreads>(s.v[h & 1], qkv + (2 * a.key_heads + head0 + h) * D, a.qkv_stride, length);
+  };
+  mma_tile::load_tile<kPrepareThreads>(s.q, qkv + key_head * D, a.qkv_stride, length);
+  mma_tile::load_tile<kPrepareThreads>(s.k, qkv + (a.key_heads + key_head) * D, a.qkv_stride, length);
+  load_v(0);
   __pipeline_commit();
 
-  // gamma: inclusive cumsum of g over the chunk (0 past the end, so gamma stays at its last value).
-  if (threadIdx.x < C) {
-    const int t = threadIdx.x;
-    const int64_t token = start + t;
-    float g = 0.0f, beta = 0.0f;
-    if (t < length && a.gate_a != nullptr) {
-      const float x = __bfloat162float(static_cast<const bf16*>(a.gate_a)[token * a.a_stride + head]) + a.dt_bias[head];
-      g = -expf(a.a_log[head]) * (x > 20.0f ? x : log1pf(expf(x)));  // softplus with torch's threshold
-      beta = 1.0f / (1.0f + expf(-__bfloat162float(static_cast<const bf16*>(a.gate_b)[token * a.b_stride + head])));
-    } else if (t < length) {
-      g = a.g[token * a.value_heads + head];
-      beta = a.beta[token * a.value_heads + head];
-    }
-    s.beta[t] = beta;
+  // gamma: inclusive cumsum of g over the chunk (g = 0 past the end, so gamma stays at its last
+  // value), two warps per value head; then beta e^gamma.
+  for (int i = threadIdx.x; i < group * C; i += kPrepareThreads) {  // whole warps (C = 64)
+    const int h = i / C, t = i % C;
+    float gate, beta;
+    gates_at(a, head0 + h, start, t, length, gate, beta);
+    s.beta[h][t] = beta;
     for (int offset = 1; offset < 32; offset <<= 1) {
-      const float other = __shfl_up_sync(0xffffffffu, g, offset);
-      if (lane >= offset) g += other;
+      const float other = __shfl_up_sync(0xffffffffu, gate, offset);
+      if (lane >= offset) gate += other;
     }
-    s.gamma[t] = g;
+    s.gamma[h][t] = gate;
   }
   __syncthreads();
-  if (threadIdx.x >= 32 && threadIdx.x < C) s.gamma[threadIdx.x] += s.gamma[31];
+  for (int i = threadIdx.x; i < group * C; i += kPrepareThreads) {
+    const int h = i / C, t = i % C;
+    const float gamma = t < 32 ? s.gamma[h][t] : s.gamma[h][t] + s.gamma[h][31];
+    s.k_scale[h][t] = s.beta[h][t] * __expf(gamma);
+    a.gamma[(static_cast<int64_t>(chunk) * a.value_heads + head0 + h) * C + t] = gamma;
+    if (t >= 32) s.gamma[h][t] = gamma;  // (t < 32 reads only its own entry above)
+  }
   __pipeline_wait_prior(0);
   __syncthreads();
-  if (threadIdx.x < C) {
-    a.gamma[(static_cast<int64_t>(chunk) * a.value_heads + head) * C + threadIdx.x] = s.gamma[threadIdx.x];
-    s.k_scale[threadIdx.x] = s.beta[threadIdx.x] * __expf(s.gamma[threadIdx.x]);
-  }
 
-  // Warps 0-3: K K^T into a; warps 4-7: Q K^T into t (16 rows x 64 columns each).
-  {
-    const int rows = (warp & 3) * 16;
-    const bf16* lhs = warp < 4 ? s.k : s.q;
-    float* out = warp < 4 ? s.a : s.t;
-    FragC acc[4];
+  // Warps 0-3: K K^T, warps 4-7: Q K^T, rows [16 (warp % 4), +16), all 64 columns.
+  const int row0 = (warp & 3) * 16;
+  float product[8][4];
+  mma_tile::product_16x64(product, warp < 4 ? s.k : s.q, row0, s.k);
+
+  for (int h = 0; h < group; ++h) {
+    const int head = head0 + h;
+    const int64_t tile = static_cast<int64_t>(chunk) * a.value_heads + head;
+    const float* gamma = s.gamma[h];
+    // The decay exp(gamma_r - gamma_c) on the products: A = strict_lower(diag(beta) K K^T o decay)
+    // into shared memory; P = causal(scale Q K^T o decay) to global memory in fragment order
+    // (see GdnForward::qk).
+    float decayed[8][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) wmma::fill_fragment(acc[j], 0.0f);
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      FragA x;
-      wmma::load_matrix_sync(x, lhs + rows * LD + kk * 16, LD);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        FragBT y;
-        wmma::load_matrix_sync(y, s.k + j * 16 * LD + kk * 16, LD);
-        wmma::mma_sync(acc[j], x, y, acc[j]);
+      for (int e = 0; e < 4; ++e) {
+        const int r = row0 + g + 8 * (e >> 1), c = 8 * j + 2 * t4 + (e & 1);
+        const bool keep = warp < 4 ? r > c : r >= c;
+        decayed[j][e] = keep ? product[j][e] * __expf(gamma[r] - gamma[c]) : 0.0f;
       }
-    }
+    if (warp < 4) {
+      const float beta0 = s.beta[h][row0 + g], beta1 = s.beta[h][row0 + g + 8];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) wmma::store_matrix_sync(out + rows * LDA + j * 16, acc[j], LDA, wmma::mem_row_major);
-  }
-  __syncthreads();
-  // A = strict_lower(diag(beta) K K^T o decay) in place; P = causal(scale Q K^T o decay) to global.
-  __nv_bfloat162* qk =
-      reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(a.qk) + (static_cast<int64_t>(chunk) * a.value_heads + head) * C * C);
-  for (int i = threadIdx.x; i < C * C / 2; i += blockDim.x) {
-    const int r = (2 * i) / C, c = (2 * i) % C;
-    float out[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float decay = c + e <= r ? __expf(s.gamma[r] - s.gamma[c + e]) : 0.0f;
-      s.a[r * LDA + c + e] = r > c + e ? s.beta[r] * s.a[r * LDA + c + e] * decay : 0.0f;
-      out[e] = s.t[r * LDA + c + e] * a.scale * decay;
-    }
-    qk[i] = __floats2bfloat162_rn(out[0], out[1]);
-  }
-  __syncthreads();
-  solve_unit_lower(s);
-
-  // T to bf16; K rows scaled by beta e^gamma, V rows by beta (in place).
-  for (int i = threadIdx.x; i < C * C; i += blockDim.x) s.tb[(i / C) * LDT + i % C] = __float2bfloat16(s.t[(i / C) * LDA + i % C]);
-  for (int i = threadIdx.x; i < C * D / 2; i += blockDim.x) {
-    const int r = (2 * i) / D, c = (2 * i) % D;
-    __nv_bfloat162& k2 = *reinterpret_cast<__nv_bfloat162*>(&s.k[r * LD + c]);
-    __nv_bfloat162& v2 = *reinterpret_cast<__nv_bfloat162*>(&s.v[r * LD + c]);
-    const float2 kf = __bfloat1622float2(k2), vf = __bfloat1622float2(v2);
-    k2 = __floats2bfloat162_rn(kf.x * s.k_scale[r], kf.y * s.k_scale[r]);
-    v2 = __floats2bfloat162_rn(vf.x * s.beta[r], vf.y * s.beta[r]);
-  }
-  __syncthreads();
-
-  // W = T (beta e^gamma K), then U = T (beta V), with mma.sync straight from the padded shared
-  // matrices (ldmatrix rows are 16-byte aligned and fall in distinct banks) to bf16 in global
-  // memory: warp w computes rows 16(w%4), columns 64(w/4) + [0, 64).
-  const int64_t tile = (static_cast<int64_t>(chunk) * a.value_heads + head) * C * D;
-  const int rows = (warp & 3) * 16, cols = (warp >> 2) * 64, g = lane >> 2, t4 = lane & 3, m = lane >> 3;
-  uint32_t ta[4][4];  // A operands: T rows [rows, +16), 4 k-steps of 16 tokens
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    mma_tile::ldsm_x4(ta[kk], mma_tile::shared_address(s.tb + (rows + (lane & 15)) * LDT + kk * 16 + (lane >> 4) * 8));
-  }
-  for (int which = 0; which < 2; ++which) {
-    const bf16* rhs = which == 0 ? s.k : s.v;
-    float acc[8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        uint32_t y[4];  // B [k = token][n = column] from the row-major matrix, transposed by ldmatrix
-        mma_tile::ldsm_x4_trans(
-            y, mma_tile::shared_address(rhs + (kk * 16 + ((m & 1) << 3) + (lane & 7)) * LD + cols + np * 16 + (m >> 1) * 8));
-        mma_tile::mma(acc[2 * np], ta[kk], y[0], y[1]);
-        mma_tile::mma(acc[2 * np + 1], ta[kk], y[2], y[3]);
+      for (int j = 0; j < 8; ++j) {
+        const int c = 8 * j + 2 * t4;
+        *reinterpret_cast<float2*>(s.a + (row0 + g) * LDA + c) = make_float2(beta0 * decayed[j][0], beta0 * decayed[j][1]);
+        *reinterpret_cast<float2*>(s.a + (row0 + g + 8) * LDA + c) = make_float2(beta1 * decayed[j][2], beta1 * decayed[j][3]);
       }
-    }
-    bf16* out = static_cast<bf16*>(which == 0 ? a.w : a.u) + tile;
+    } else {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int col = cols + 8 * j + 2 * t4;
-      *reinterpret_cast<uint32_t*>(out + (rows + g) * D + col) = mma_tile::pack(acc[j][0], acc[j][1]);
-      *reinterpret_cast<uint32_t*>(out + (rows + g + 8) * D + col) = mma_tile::pack(acc[j][2], acc[j][3]);
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) decayed[j][e] *= a.scale;
+      uint32_t p[4][4];
+      mma_tile::to_a(p, decayed);
+      uint4* out = reinterpret_cast<uint4*>(static_cast<bf16*>(a.qk) + tile * C * C) + (warp - 4) * 4 * 32 + lane;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) out[kk * 32] = make_uint4(p[kk][0], p[kk][1], p[kk][2], p[kk][3]);
     }
+    __syncthreads();
+    if (h + 1 < group) load_v(h + 1);  // its buffer's last reader (head h - 1's copy-out) is done
+    __pipeline_commit();
+    solve_unit_lower(s);
+    __pipeline_wait_prior(1);
+    __syncthreads();
+
+    // W = (T diag(beta e^gamma)) K into the Q tile, U = (T diag(beta)) V into V's own tile once
+    // every warp has read it; warp w computes rows 16 (w % 4), columns 64 (w / 4) + [0, 64).
+    const int col0 = (warp >> 2) * 64;
+    mma_tile::Tile& v = s.v[h & 1];
+    float acc[8][4];
+    uint32_t x[4][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    scaled_t_fragments(x, s.t, s.k_scale[h], row0);
+    mma_tile::accumulate_16xn<4>(acc, x, s.k, col0);
+    stage_rows(s.q, acc, row0, col0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    scaled_t_fragments(x, s.t, s.beta[h], row0);
+    mma_tile::accumulate_16xn<4>(acc, x, v, col0);
+    __syncthreads();
+    stage_rows(v, acc, row0, col0);
+    __syncthreads();
+    store_rows(static_cast<bf16*>(a.w) + tile * C * D, s.q);
+    store_rows(static_cast<bf16*>(a.u) + tile * C * D, v);
   }
 }
 
@@ -443,19 +459,11 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
 // accumulators.
 constexpr int kOutputThreads = 128;
 
-// Rows of 64 bf16 (eight 16-byte chunks) laid out as the first 64-column half of an mma_tile
-// Tile: mma_tile::swizzled with chunks 0-7.
-__device__ inline void load_rows64_async(bf16* dst, const bf16* src, int rows) {
-  for (int i = threadIdx.x; i < rows * 8; i += blockDim.x) {
-    __pipeline_memcpy_async(dst + mma_tile::swizzled(i >> 3, i & 7), src + i * 8, 16);
-  }
-}
-
 struct OutputShared {  // 74 KB: three CTAs per SM
   mma_tile::Tile q;
   uint4 state[64 * 32];        // S^T in fragment order: the B operands of Q S
   uint4 v[32 * 32];            // V'^T in fragment order: the B operands of P V'
-  __align__(16) bf16 p[C * C];  // P: [token][token], swizzled
+  uint4 p[16 * 32];             // P in fragment order: the A operands of P V'
   float q_scale[C];             // scale e^gamma per row
 };
 
@@ -473,7 +481,8 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
   mma_tile::load_tile<kOutputThreads>(s.q, q, a.qkv_stride, length);
   for (int i = threadIdx.x; i < 64 * 32; i += kOutputThreads) __pipeline_memcpy_async(&s.state[i], state + i, 16);
   for (int i = threadIdx.x; i < 32 * 32; i += kOutputThreads) __pipeline_memcpy_async(&s.v[i], v_new + i, 16);
-  load_rows64_async(s.p, static_cast<const bf16*>(a.qk) + tile * C * C, C);
+  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.qk) + tile * C * C);
+  for (int i = threadIdx.x; i < 16 * 32; i += kOutputThreads) __pipeline_memcpy_async(&s.p[i], p + i, 16);
   if (threadIdx.x < C) s.q_scale[threadIdx.x] = a.scale * __expf(a.gamma[tile * C + threadIdx.x]);
   __pipeline_commit();
   __pipeline_wait_prior(0);
@@ -496,8 +505,8 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
   for (int n = 0; n < 16; ++n) acc[n][0] *= scale0, acc[n][1] *= scale0, acc[n][2] *= scale1, acc[n][3] *= scale1;
 #pragma unroll
   for (int kk = 0; kk < C / 16; ++kk) {  // + P V' over the chunk's tokens
-    uint32_t x[4];
-    mma_tile::ldsm_x4(x, mma_tile::shared_address(s.p + mma_tile::swizzled(row0 + (lane & 15), 2 * kk + (lane >> 4))));
+    const uint4 pf = s.p[(warp * 4 + kk) * 32 + lane];
+    const uint32_t x[4] = {pf.x, pf.y, pf.z, pf.w};
 #pragma unroll
     for (int np = 0; np < 8; ++np) {
       const uint4 y = s.v[(np * 4 + kk) * 32 + lane];
@@ -574,6 +583,10 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
   if (args.key_heads <= 0 || args.value_heads % args.key_heads != 0) {
     throw std::invalid_argument("gated_delta_rule_forward: value heads must be a multiple of key heads");
   }
+  if (args.value_heads / args.key_heads > kMaxGroup) {
+    throw std::invalid_argument("gated_delta_rule_forward: at most " + std::to_string(kMaxGroup) +
+                                " value heads per key head (got " + std::to_string(args.value_heads / args.key_heads) + ")");
+  }
   if ((args.out_raw == nullptr) == (args.out == nullptr)) {
     throw std::invalid_argument("gated_delta_rule_forward: exactly one of out_raw and out");
   }
@@ -583,7 +596,7 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
   };
   mark(0);
   allow_shared_memory(prepare_kernel, sizeof(PrepareShared), "GatedDeltaNet kernel prepare");
-  prepare_kernel<<<per_chunk, kPrepareThreads, sizeof(PrepareShared), stream>>>(args);
+  prepare_kernel<<<dim3(args.chunks.num_chunks, args.key_heads), kPrepareThreads, sizeof(PrepareShared), stream>>>(args);
   check_cuda_launch("GatedDeltaNet kernel prepare");
   mark(1);
   switch (args.state_columns) {
