@@ -92,6 +92,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const 
 // rewritten. W and U go out through shared memory as whole rows (16-byte coalesced stores).
 constexpr int kPrepareThreads = 256;
 constexpr int kMaxGroup = 8;  // value heads per key head
+constexpr int kSolveLd = 40;  // row stride of the solve's 32 x 32 intermediate (B-operand reads conflict-free)
 
 struct __align__(16) PrepareShared {
   mma_tile::Tile q;     // Q; after Q K^T, the staging of W
@@ -99,50 +100,52 @@ struct __align__(16) PrepareShared {
   mma_tile::Tile v[2];  // V of this value head and the next; then the staging of U
   float a[C * LDA];     // A
   float t[C * LDA];     // T
-  __align__(16) float scratch[32 * 36];  // the inner products of solve_unit_lower
+  __align__(16) float scratch[32 * kSolveLd];  // the inner products of solve_unit_lower
   float gamma[kMaxGroup][C];
   float beta[kMaxGroup][C];
   float k_scale[kMaxGroup][C];  // beta e^gamma
 };
 
-// Block products of solve_unit_lower, kCount of them at once, each n x n (fp32, row stride
-// LDA): t[d] = -t[l] . (a[x] . t[r]), where l, x, r, d are element offsets of the first product's
-// blocks and product i adds i * step to each; the inner product goes through `scratch` (kCount x
-// n x (n + 4)). Every thread of the CTA takes part; a thread owns 4 adjacent columns of a row.
-template <int N, int kCount>
-__device__ inline void negated_triple_product(float* scratch, const float* a, float* t, int l, int x, int r, int d,
-                                              int step) {
-  constexpr int LDX = N + 4, kPer = N * N / 4;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int o = threadIdx.x; o < kCount * kPer; o += blockDim.x) {
-      const int which = o / kPer, row = (o % kPer) / (N / 4), col = (o % (N / 4)) * 4, shift = which * step;
-      float* product = scratch + which * N * LDX;
-      const float* lhs = pass == 0 ? a + x + shift + row * LDA : t + l + shift + row * LDA;
-      float4 acc = make_float4(0, 0, 0, 0);
-#pragma unroll 8
-      for (int k = 0; k < N; ++k) {
-        const float v = lhs[k];
-        const float4 y = *reinterpret_cast<const float4*>(pass == 0 ? t + r + shift + k * LDA + col : product + k * LDX + col);
-        acc.x += v * y.x, acc.y += v * y.y, acc.z += v * y.z, acc.w += v * y.w;
-      }
-      if (pass == 0) {
-        *reinterpret_cast<float4*>(product + row * LDX + col) = acc;
-      } else {
-        *reinterpret_cast<float4*>(t + d + shift + row * LDA + col) = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
-      }
-    }
-    __syncthreads();
+// fp32 products on the tensor cores (mma.m16n8k8, TF32 operands rounded to nearest, fp32
+// accumulation): TF32 keeps 10 mantissa bits, more than the bf16 that T is rounded to for W and U.
+__device__ __forceinline__ uint32_t tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// c (16 x 8) = X (16 x kK, row stride ldx) . Y (kK x 8, row stride ldy), fp32 in shared memory.
+template <int kK>
+__device__ __forceinline__ void product_tf32(float (&c)[4], const float* x, int ldx, const float* y, int ldy) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  c[0] = c[1] = c[2] = c[3] = 0.f;
+#pragma unroll
+  for (int k = 0; k < kK; k += 8) {
+    const uint32_t a0 = tf32(x[g * ldx + k + t4]), a1 = tf32(x[(g + 8) * ldx + k + t4]);
+    const uint32_t a2 = tf32(x[g * ldx + k + t4 + 4]), a3 = tf32(x[(g + 8) * ldx + k + t4 + 4]);
+    const uint32_t b0 = tf32(y[(k + t4) * ldy + g]), b1 = tf32(y[(k + t4 + 4) * ldy + g]);
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
 }
 
-// T = (I + A)^-1 for strictly lower A (64x64, fp32, in s.a) into s.t. The four 16x16 diagonal
+// c (a 16 x 8 accumulator) times `sign` into rows of stride ld.
+__device__ __forceinline__ void store_tf32_result(float* out, int ld, const float (&c)[4], float sign) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  *reinterpret_cast<float2*>(out + g * ld + 2 * t4) = make_float2(sign * c[0], sign * c[1]);
+  *reinterpret_cast<float2*>(out + (g + 8) * ld + 2 * t4) = make_float2(sign * c[2], sign * c[3]);
+}
+
+// T = (I + A)^-1 for strictly lower A (64x64, fp32, in s.a) into s.t, whose blocks above the
+// diagonal blocks the caller has zeroed (they are never written here). The four 16x16 diagonal
 // blocks by forward substitution (threads 0-63: one column each, kept in registers; rows of A
-// read as broadcasts); then the off-diagonal blocks by merging: T_10 = -T_11 A_10 T_00 and
-// T_32 = -T_33 A_32 T_22 together, then the lower-left 32x32 block, -T_hi A_hi,lo T_lo, from
-// the two 32x32 diagonal blocks.
+// read as broadcasts); then the off-diagonal blocks by merging on the tensor cores: T_10 =
+// -T_11 (A_10 T_00) and T_32 = -T_33 (A_32 T_22) by warps 0-3 (8 columns each), then the
+// lower-left 32x32 block, -T_hi (A_hi,lo T_lo), by all 8 warps (16 x 8 each).
 __device__ void solve_unit_lower(PrepareShared& s) {
-  for (int i = threadIdx.x; i < C * LDA; i += blockDim.x) s.t[i] = 0;
-  __syncthreads();
   if (threadIdx.x < C) {
     const int base = (threadIdx.x >> 4) * 16, j = threadIdx.x & 15;
     float column[16];
@@ -157,9 +160,25 @@ __device__ void solve_unit_lower(PrepareShared& s) {
     for (int i = 0; i < 16; ++i) s.t[(base + i) * LDA + base + j] = column[i];
   }
   __syncthreads();
-  auto at = [](int row, int col) { return row * LDA + col; };
-  negated_triple_product<16, 2>(s.scratch, s.a, s.t, at(16, 16), at(16, 0), at(0, 0), at(16, 0), at(32, 32));
-  negated_triple_product<32, 1>(s.scratch, s.a, s.t, at(32, 32), at(32, 0), at(0, 0), at(32, 0), 0);
+  const int warp = threadIdx.x >> 5;
+  float c[4];
+  if (warp < 4) {  // block (r, r - 1) for r = 1 (warps 0, 1) and r = 3 (warps 2, 3)
+    const int r0 = 16 + 32 * (warp >> 1), c0 = r0 - 16, half = 8 * (warp & 1);
+    float* x = s.scratch + warp * 16 * 8;  // this warp's 16 x 8 of A_r,r-1 T_r-1,r-1
+    product_tf32<16>(c, s.a + r0 * LDA + c0, LDA, s.t + c0 * LDA + c0 + half, LDA);
+    store_tf32_result(x, 8, c, 1.f);
+    __syncwarp();
+    product_tf32<16>(c, s.t + r0 * LDA + r0, LDA, x, 8);
+    store_tf32_result(s.t + r0 * LDA + c0 + half, LDA, c, -1.f);
+  }
+  __syncthreads();
+  const int rows = 16 * (warp >> 2), cols = 8 * (warp & 3);  // of the 32 x 32 block
+  product_tf32<32>(c, s.a + (32 + rows) * LDA, LDA, s.t + cols, LDA);  // A_hi,lo T_lo
+  store_tf32_result(s.scratch + rows * kSolveLd + cols, kSolveLd, c, 1.f);
+  __syncthreads();
+  product_tf32<32>(c, s.t + (32 + rows) * LDA + 32, LDA, s.scratch + cols, kSolveLd);
+  store_tf32_result(s.t + (32 + rows) * LDA + cols, LDA, c, -1.f);
+  __syncthreads();
 }
 
 // The gates of value head `head` at chunk token t (0 past the chunk's length).
@@ -228,6 +247,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
   mma_tile::load_tile<kPrepareThreads>(s.k, qkv + (a.key_heads + key_head) * D, a.qkv_stride, length);
   load_v(0);
   __pipeline_commit();
+  // T's blocks above the diagonal blocks stay zero (solve_unit_lower never writes them).
+  for (int i = threadIdx.x; i < C * LDA; i += kPrepareThreads) s.t[i] = 0.0f;
 
   // gamma: inclusive cumsum of g over the chunk (g = 0 past the end, so gamma stays at its last
   // value), two warps per value head; then beta e^gamma.
@@ -266,14 +287,19 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
     // into shared memory; P = causal(scale Q K^T o decay) to global memory in fragment order
     // (see GdnForward::qk).
     float decayed[8][4];
+    const float gamma_row[2] = {gamma[row0 + g], gamma[row0 + g + 8]};
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 8; ++j) {
+      decayed[j][0] = decayed[j][1] = decayed[j][2] = decayed[j][3] = 0.0f;
+      if (8 * j > row0 + 15) continue;  // above the diagonal for all 16 rows (warp-uniform)
+      const float2 gamma_col = *reinterpret_cast<const float2*>(gamma + 8 * j + 2 * t4);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = row0 + g + 8 * (e >> 1), c = 8 * j + 2 * t4 + (e & 1);
         const bool keep = warp < 4 ? r > c : r >= c;
-        decayed[j][e] = keep ? product[j][e] * __expf(gamma[r] - gamma[c]) : 0.0f;
+        if (keep) decayed[j][e] = product[j][e] * __expf(gamma_row[e >> 1] - ((e & 1) ? gamma_col.y : gamma_col.x));
       }
+    }
     if (warp < 4) {
       const float beta0 = s.beta[h][row0 + g], beta1 = s.beta[h][row0 + g + 8];
 #pragma unroll
