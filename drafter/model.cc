@@ -11,6 +11,7 @@
 
 #include "common/safetensors.h"
 #include "common/tensor_math.h"
+#include "drafter/rms_norm.h"
 #include "drafter/tensor_io.h"
 
 namespace dflash::drafter {
@@ -144,7 +145,7 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
   const at::Tensor all_context_pos = at::cat(context_pos).to(device);
 
   // Fused target context, once per sequence: hidden_norm(fc(concat(h_ids ascending))).
-  const at::Tensor context = rms_norm(at::linear(batch.features.to(options_.dtype()), param("fc.weight")),
+  const at::Tensor context = trained_rms_norm(at::linear(batch.features.to(options_.dtype()), param("fc.weight")),
                                       param("hidden_norm.weight"), s.rms_norm_eps);
   at::Tensor x;
   {
@@ -153,20 +154,20 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
   }
   const BlockAttentionShape attention_shape{s.block_size, group_blocks, 0};
   for (int64_t i = 0; i < s.num_layers; ++i) {
-    const at::Tensor h = rms_norm(x, param(layer_key(i, "input_layernorm.weight")), s.rms_norm_eps);
+    const at::Tensor h = trained_rms_norm(x, param(layer_key(i, "input_layernorm.weight")), s.rms_norm_eps);
     const at::Tensor& wk = param(layer_key(i, "self_attn.k_proj.weight"));
     const at::Tensor& wv = param(layer_key(i, "self_attn.v_proj.weight"));
     const at::Tensor& q_norm = param(layer_key(i, "self_attn.q_norm.weight"));
     const at::Tensor& k_norm = param(layer_key(i, "self_attn.k_norm.weight"));
     const int64_t rows = h.size(0), tokens = context.size(0);
     const at::Tensor q = apply_rope(
-        rms_norm(at::linear(h, param(layer_key(i, "self_attn.q_proj.weight"))).view({rows, hq, d}), q_norm, s.rms_norm_eps),
+        trained_rms_norm(at::linear(h, param(layer_key(i, "self_attn.q_proj.weight"))).view({rows, hq, d}), q_norm, s.rms_norm_eps),
         all_block_pos, s.rope_theta);
-    const at::Tensor k_block = apply_rope(rms_norm(at::linear(h, wk).view({rows, hkv, d}), k_norm, s.rms_norm_eps),
+    const at::Tensor k_block = apply_rope(trained_rms_norm(at::linear(h, wk).view({rows, hkv, d}), k_norm, s.rms_norm_eps),
                                           all_block_pos, s.rope_theta);
     const at::Tensor v_block = at::linear(h, wv).view({rows, hkv, d});
     const at::Tensor k_context = apply_rope(
-        rms_norm(at::linear(context, wk).view({tokens, hkv, d}), k_norm, s.rms_norm_eps), all_context_pos, s.rope_theta);
+        trained_rms_norm(at::linear(context, wk).view({tokens, hkv, d}), k_norm, s.rms_norm_eps), all_context_pos, s.rope_theta);
     const at::Tensor v_context = at::linear(context, wv).view({tokens, hkv, d});
     std::vector<at::Tensor> attended;
     for (int64_t q_index = 0; q_index < sequences; ++q_index) {
@@ -179,12 +180,12 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
     }
     const at::Tensor attention = at::cat(attended).reshape({rows, hq * d});
     x = x + at::linear(attention, param(layer_key(i, "self_attn.o_proj.weight")));
-    const at::Tensor m = rms_norm(x, param(layer_key(i, "post_attention_layernorm.weight")), s.rms_norm_eps);
+    const at::Tensor m = trained_rms_norm(x, param(layer_key(i, "post_attention_layernorm.weight")), s.rms_norm_eps);
     x = x + at::linear(at::silu(at::linear(m, param(layer_key(i, "mlp.gate_proj.weight")))) *
                            at::linear(m, param(layer_key(i, "mlp.up_proj.weight"))),
                        param(layer_key(i, "mlp.down_proj.weight")));
   }
-  return rms_norm(x, param("norm.weight"), s.rms_norm_eps);
+  return trained_rms_norm(x, param("norm.weight"), s.rms_norm_eps);
 }
 
 }  // namespace dflash::drafter

@@ -13,11 +13,13 @@
 #include <thread>
 
 #include "common/safetensors.h"
+#include "common/tensor_math.h"
 #include "drafter/block_attention.h"
 #include "drafter/checkpoint.h"
 #include "drafter/loss.h"
 #include "drafter/model.h"
 #include "drafter/optimizer.h"
+#include "drafter/rms_norm.h"
 #include "tests/test_util.h"
 
 namespace dflash::drafter {
@@ -354,6 +356,33 @@ TEST(Anchors, SampledOnlyWhereAnchorAndNextAreSupervisedUniqueSortedReproducible
 // the same bf16 logits with ATen ops: loss, hidden-state gradient, per-offset hits and counts.
 // Rows without weight skip the head and get a zero gradient; several chunks; a vocabulary
 // that is a multiple of 8 but not of the kernels' stride.
+// The RMSNorm kernels against the composite expression under autograd, on the same bf16 inputs:
+// the output equal but for the last bit of elements where the fp32 sum of squares differs in
+// order; the input and weight gradients within bf16 rounding. Row lengths: the hidden size, a
+// head (q/k norm: 16 chunks, half-warp rows), one of 129 chunks (a partial last lane round).
+TEST(TrainedRmsNorm, GpuKernelsMatchTheCompositeForwardAndBackward) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(23);
+  const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  for (const auto& [rows, n] : {std::pair<int64_t, int64_t>{37, 5120}, {1001, 128}, {45, 1032}, {3, 64}}) {
+    const std::string what = std::to_string(rows) + " x " + std::to_string(n);
+    const at::Tensor x0 = at::randn({rows, n}, bf16) * 3, w0 = at::randn({n}, bf16) * 0.5 + 1, dy = at::randn({rows, n}, bf16);
+    const at::Tensor x1 = x0.clone().requires_grad_(), w1 = w0.clone().requires_grad_();
+    const at::Tensor x2 = x0.clone().requires_grad_(), w2 = w0.clone().requires_grad_();
+    const at::Tensor ours = trained_rms_norm(x1, w1, 1e-6), reference = dflash::rms_norm(x2, w2, 1e-6);
+    ours.backward(dy);
+    reference.backward(dy);
+    EXPECT_GE((ours == reference).to(at::kFloat).mean().item<double>(), 0.99) << what;
+    EXPECT_LE(relative_error(ours, reference), 1e-2) << what;
+    EXPECT_LE(relative_error(x1.grad(), x2.grad()), 2e-2) << what;
+    EXPECT_LE(relative_error(w1.grad(), w2.grad()), 2e-2) << what;
+    EXPECT_FALSE(at::equal(x1.grad(), at::zeros_like(x1.grad()))) << what;
+  }
+  // A row length the kernels cannot take (n / 8 = 3): the composite path, same numbers.
+  const at::Tensor x = at::randn({5, 24}, bf16), w = at::randn({24}, bf16);
+  EXPECT_TRUE(at::equal(trained_rms_norm(x, w, 1e-6), dflash::rms_norm(x, w, 1e-6)));
+}
+
 TEST(LmHeadLoss, GpuKernelsMatchTheCompositeComputation) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(21);

@@ -1,0 +1,204 @@
+// The drafter's RMSNorm kernels: see rms_norm.h.
+#include "drafter/kernels/rms_norm.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "common/bf16x8.cuh"
+#include "common/cuda_check.h"
+
+namespace dflash::drafter::kernels {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using bf16x8::load8;
+using bf16x8::store8;
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// Sum over the kLanes lanes that share a row (aligned groups within the warp).
+template <int kLanes>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// kLanes lanes per row, each taking every kLanes-th 8-element chunk of it.
+template <int kLanes>
+__global__ void __launch_bounds__(kThreads) forward_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                          bf16* __restrict__ y, float* __restrict__ rstd,
+                                                          int64_t rows, int n, float eps) {
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kLanes;
+  const int sub = threadIdx.x % kLanes, chunks = n / 8;
+  const bool active = row < rows;  // no early return: the shuffles need every lane
+  const bf16* xr = x + row * n;
+  float squares = 0.f;
+  for (int c = sub; active && c < chunks; c += kLanes) {
+    float v[8];
+    load8(v, xr + 8 * c);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) squares += v[j] * v[j];
+  }
+  const float r = rsqrtf(group_sum<kLanes>(squares) / n + eps);
+  if (!active) return;
+  if (sub == 0) rstd[row] = r;
+  for (int c = sub; c < chunks; c += kLanes) {
+    float v[8], g[8];
+    load8(v, xr + 8 * c);
+    load8(g, w + 8 * c);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = g[j] * round_bf16(v[j] * r);
+    store8(y + row * n + 8 * c, v);
+  }
+}
+
+template <int kLanes>
+__global__ void __launch_bounds__(kThreads) backward_input_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                                 const bf16* __restrict__ dy,
+                                                                 const float* __restrict__ rstd, bf16* __restrict__ dx,
+                                                                 int64_t rows, int n) {
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kLanes;
+  const int sub = threadIdx.x % kLanes, chunks = n / 8;
+  const bool active = row < rows;
+  const bf16* xr = x + row * n;
+  const bf16* dyr = dy + row * n;
+  float dot = 0.f;  // sum_j g_j x_j
+  for (int c = sub; active && c < chunks; c += kLanes) {
+    float v[8], d[8], g[8];
+    load8(v, xr + 8 * c);
+    load8(d, dyr + 8 * c);
+    load8(g, w + 8 * c);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) dot += round_bf16(d[j] * g[j]) * v[j];
+  }
+  dot = group_sum<kLanes>(dot);
+  if (!active) return;
+  const float r = rstd[row], k = r * r * r * dot / n;
+  for (int c = sub; c < chunks; c += kLanes) {
+    float v[8], d[8], g[8];
+    load8(v, xr + 8 * c);
+    load8(d, dyr + 8 * c);
+    load8(g, w + 8 * c);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = r * round_bf16(d[j] * g[j]) - v[j] * k;
+    store8(dx + row * n + 8 * c, v);
+  }
+}
+
+// Threads of a CTA: kWeightThreads / lanes rows at a time, `lanes` = min(chunks, 128) column
+// chunks each (grid.x covers the rest of the columns); grid.y parts of the rows. A thread's 8
+// sums go to partial[(part * row_lanes + its row lane)][its columns].
+constexpr int kWeightThreads = 128;
+constexpr int kMaxParts = 512;
+
+struct WeightGrid {
+  int lanes, row_lanes, column_blocks, parts;
+  int64_t rows_per_part;
+};
+
+WeightGrid weight_grid(int64_t rows, int n) {
+  WeightGrid g;
+  const int chunks = n / 8;
+  g.lanes = std::min(chunks, kWeightThreads);
+  g.row_lanes = kWeightThreads / g.lanes;
+  g.column_blocks = (chunks + g.lanes - 1) / g.lanes;
+  const int64_t row_groups = (rows + g.row_lanes - 1) / g.row_lanes;
+  g.parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(row_groups, std::max(1, 4 * 132 / g.column_blocks))));
+  g.parts = std::min(g.parts, kMaxParts);
+  g.rows_per_part = (row_groups + g.parts - 1) / g.parts * g.row_lanes;
+  return g;
+}
+
+__global__ void __launch_bounds__(kWeightThreads) backward_weight_kernel(const bf16* __restrict__ x,
+                                                                        const bf16* __restrict__ dy,
+                                                                        const float* __restrict__ rstd,
+                                                                        float* __restrict__ partial, int64_t rows,
+                                                                        int n, WeightGrid g) {
+  const int lane = threadIdx.x % g.lanes, row_lane = threadIdx.x / g.lanes;
+  const int chunk = blockIdx.x * g.lanes + lane;
+  if (row_lane >= g.row_lanes || chunk >= n / 8) return;
+  const int64_t first = blockIdx.y * g.rows_per_part, last = min(first + g.rows_per_part, rows);
+  float sum[8] = {};
+  for (int64_t row = first + row_lane; row < last; row += g.row_lanes) {
+    float v[8], d[8];
+    load8(v, x + row * n + 8 * chunk);
+    load8(d, dy + row * n + 8 * chunk);
+    const float r = rstd[row];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sum[j] += d[j] * round_bf16(v[j] * r);
+  }
+  float* out = partial + (static_cast<int64_t>(blockIdx.y) * g.row_lanes + row_lane) * n + 8 * chunk;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) out[j] = sum[j];
+}
+
+int lanes_per_row(int n) {
+  const int chunks = n / 8;
+  if (n % 8 != 0 || n <= 0 || (chunks < 32 && (chunks & (chunks - 1)) != 0)) {
+    throw std::invalid_argument("rms_norm kernels: row length " + std::to_string(n) +
+                                " is not a multiple of 8 with n / 8 >= 32 or a power of two");
+  }
+  return std::min(chunks, 32);
+}
+
+template <typename Launch>
+void dispatch_lanes(int n, Launch launch) {
+  switch (lanes_per_row(n)) {
+    case 1: launch(std::integral_constant<int, 1>{}); break;
+    case 2: launch(std::integral_constant<int, 2>{}); break;
+    case 4: launch(std::integral_constant<int, 4>{}); break;
+    case 8: launch(std::integral_constant<int, 8>{}); break;
+    case 16: launch(std::integral_constant<int, 16>{}); break;
+    default: launch(std::integral_constant<int, 32>{}); break;
+  }
+}
+
+unsigned row_blocks(int64_t rows, int lanes) {
+  return static_cast<unsigned>((rows * lanes + kThreads - 1) / kThreads);
+}
+
+}  // namespace
+
+void rms_norm_forward(const void* x, const void* weight, void* y, float* rstd, int64_t rows, int n, float eps,
+                      cudaStream_t stream) {
+  if (rows == 0) return;
+  dispatch_lanes(n, [&](auto lanes) {
+    forward_kernel<lanes.value><<<row_blocks(rows, lanes.value), kThreads, 0, stream>>>(
+        static_cast<const bf16*>(x), static_cast<const bf16*>(weight), static_cast<bf16*>(y), rstd, rows, n, eps);
+  });
+  check_cuda_launch("drafter kernel rms_norm_forward");
+}
+
+void rms_norm_backward_input(const void* x, const void* weight, const void* dy, const float* rstd, void* dx,
+                             int64_t rows, int n, cudaStream_t stream) {
+  if (rows == 0) return;
+  dispatch_lanes(n, [&](auto lanes) {
+    backward_input_kernel<lanes.value><<<row_blocks(rows, lanes.value), kThreads, 0, stream>>>(
+        static_cast<const bf16*>(x), static_cast<const bf16*>(weight), static_cast<const bf16*>(dy), rstd,
+        static_cast<bf16*>(dx), rows, n);
+  });
+  check_cuda_launch("drafter kernel rms_norm_backward_input");
+}
+
+int64_t rms_norm_weight_parts(int64_t rows, int n) {
+  lanes_per_row(n);  // validates n
+  const WeightGrid g = weight_grid(rows, n);
+  return static_cast<int64_t>(g.parts) * g.row_lanes;
+}
+
+void rms_norm_backward_weight(const void* x, const void* dy, const float* rstd, float* partial, int64_t rows, int n,
+                              cudaStream_t stream) {
+  lanes_per_row(n);
+  const WeightGrid g = weight_grid(rows, n);
+  backward_weight_kernel<<<dim3(g.column_blocks, g.parts), kWeightThreads, 0, stream>>>(
+      static_cast<const bf16*>(x), static_cast<const bf16*>(dy), rstd, partial, rows, n, g);
+  check_cuda_launch("drafter kernel rms_norm_backward_weight");
+}
+
+}  // namespace dflash::drafter::kernels

@@ -1,0 +1,78 @@
+#include "drafter/rms_norm.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "common/tensor_math.h"
+
+#ifdef DFLASHD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+
+#include "drafter/kernels/rms_norm.h"
+#endif
+
+namespace dflash::drafter {
+namespace {
+
+#ifdef DFLASHD_WITH_CUDA
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool kernels_apply(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t n = x.dim() > 0 ? x.size(-1) : 0, chunks = n / 8;
+  return x.is_cuda() && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+         weight.dim() == 1 && weight.size(0) == n && n > 0 && n % 8 == 0 && (chunks >= 32 || (chunks & (chunks - 1)) == 0) &&
+         n <= (int64_t{1} << 30);
+}
+
+// 16-byte aligned contiguous rows for the kernels (a copy only where x is neither).
+at::Tensor rows_of(const at::Tensor& x) {
+  at::Tensor c = x.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c;
+}
+
+struct FusedRmsNorm : public torch::autograd::Function<FusedRmsNorm> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
+    const at::Tensor rows = rows_of(x), w = rows_of(weight);
+    const int n = static_cast<int>(x.size(-1));
+    const int64_t count = rows.numel() / n;
+    at::Tensor y = at::empty_like(rows);
+    at::Tensor rstd = at::empty({count}, rows.options().dtype(at::kFloat));
+    kernels::rms_norm_forward(rows.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr<float>(), count, n,
+                              static_cast<float>(eps), at::cuda::getCurrentCUDAStream().stream());
+    ctx->save_for_backward({rows, w, rstd});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& rows = saved[0];
+    const at::Tensor& w = saved[1];
+    const at::Tensor& rstd = saved[2];
+    const at::Tensor dy = rows_of(grads[0]);
+    const int n = static_cast<int>(rows.size(-1));
+    const int64_t count = rows.numel() / n;
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+    at::Tensor dx = at::empty_like(rows);
+    kernels::rms_norm_backward_input(rows.data_ptr(), w.data_ptr(), dy.data_ptr(), rstd.data_ptr<float>(), dx.data_ptr(),
+                                     count, n, stream);
+    at::Tensor partial =
+        at::empty({kernels::rms_norm_weight_parts(count, n), n}, rows.options().dtype(at::kFloat));
+    kernels::rms_norm_backward_weight(rows.data_ptr(), dy.data_ptr(), rstd.data_ptr<float>(), partial.data_ptr<float>(),
+                                      count, n, stream);
+    return {dx, partial.sum(0).to(w.scalar_type()), at::Tensor()};
+  }
+};
+#endif
+
+}  // namespace
+
+at::Tensor trained_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+#ifdef DFLASHD_WITH_CUDA
+  if (kernels_apply(x, weight)) return FusedRmsNorm::apply(x, weight, eps);
+#endif
+  return rms_norm(x, weight, eps);
+}
+
+}  // namespace dflash::drafter
