@@ -8,6 +8,10 @@
 
 namespace dflash::bf16x8 {
 
+// x rounded to bf16 (nearest even) and back: where the composite expression rounds an fp32
+// intermediate to the model dtype.
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
 __device__ __forceinline__ void load8(float (&dst)[8], const __nv_bfloat16* src) {
   const uint4 raw = *reinterpret_cast<const uint4*>(src);
   const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);

@@ -15,11 +15,10 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 using bf16x8::load8;
+using bf16x8::round_bf16;
 using bf16x8::store8;
 
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
 // Sum over the kLanes lanes that share a row (aligned groups within the warp).
 template <int kLanes>

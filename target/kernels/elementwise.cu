@@ -16,10 +16,9 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 using bf16x8::load8;
+using bf16x8::round_bf16;
 using bf16x8::store8;
 constexpr int kNormThreads = 256;
-
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
 // The RMSNorm's weight applied to normed = x * rsqrt(mean(x^2) + eps), rounded as HF does:
 // zero-centred (Qwen3.5 / Qwen3-Next) bf16(normed * (w + 1)); plain bf16(w * bf16(normed)).
