@@ -11,7 +11,7 @@
 
 #include "common/safetensors.h"
 #include "common/tensor_math.h"
-#include "drafter/rms_norm.h"
+#include "drafter/layer_ops.h"
 #include "drafter/tensor_io.h"
 
 namespace dflash::drafter {
@@ -181,8 +181,8 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
     const at::Tensor attention = at::cat(attended).reshape({rows, hq * d});
     x = x + at::linear(attention, param(layer_key(i, "self_attn.o_proj.weight")));
     const at::Tensor m = trained_rms_norm(x, param(layer_key(i, "post_attention_layernorm.weight")), s.rms_norm_eps);
-    x = x + at::linear(at::silu(at::linear(m, param(layer_key(i, "mlp.gate_proj.weight")))) *
-                           at::linear(m, param(layer_key(i, "mlp.up_proj.weight"))),
+    x = x + at::linear(trained_silu_mul(at::linear(m, param(layer_key(i, "mlp.gate_proj.weight"))),
+                                        at::linear(m, param(layer_key(i, "mlp.up_proj.weight")))),
                        param(layer_key(i, "mlp.down_proj.weight")));
   }
   return trained_rms_norm(x, param("norm.weight"), s.rms_norm_eps);

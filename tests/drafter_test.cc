@@ -19,7 +19,7 @@
 #include "drafter/loss.h"
 #include "drafter/model.h"
 #include "drafter/optimizer.h"
-#include "drafter/rms_norm.h"
+#include "drafter/layer_ops.h"
 #include "tests/test_util.h"
 
 namespace dflash::drafter {
@@ -381,6 +381,25 @@ TEST(TrainedRmsNorm, GpuKernelsMatchTheCompositeForwardAndBackward) {
   // A row length the kernels cannot take (n / 8 = 3): the composite path, same numbers.
   const at::Tensor x = at::randn({5, 24}, bf16), w = at::randn({24}, bf16);
   EXPECT_TRUE(at::equal(trained_rms_norm(x, w, 1e-6), dflash::rms_norm(x, w, 1e-6)));
+}
+
+// The SwiGLU product's kernels against at::silu(gate) * up under autograd: the output identical
+// (same roundings, one product each), the gradients within bf16 rounding.
+TEST(TrainedSiluMul, GpuKernelsMatchTheCompositeForwardAndBackward) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(29);
+  const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const at::Tensor gate0 = at::randn({77, 1736}, bf16) * 3, up0 = at::randn({77, 1736}, bf16), dy = at::randn({77, 1736}, bf16);
+  const at::Tensor g1 = gate0.clone().requires_grad_(), u1 = up0.clone().requires_grad_();
+  const at::Tensor g2 = gate0.clone().requires_grad_(), u2 = up0.clone().requires_grad_();
+  const at::Tensor ours = trained_silu_mul(g1, u1), reference = at::silu(g2) * u2;
+  ours.backward(dy);
+  reference.backward(dy);
+  EXPECT_GE((ours == reference).to(at::kFloat).mean().item<double>(), 0.99);
+  EXPECT_LE(relative_error(ours, reference), 1e-2);
+  EXPECT_LE(relative_error(g1.grad(), g2.grad()), 2e-2);
+  EXPECT_LE(relative_error(u1.grad(), u2.grad()), 2e-2);
+  EXPECT_GE((u1.grad() == u2.grad()).to(at::kFloat).mean().item<double>(), 0.99);
 }
 
 TEST(LmHeadLoss, GpuKernelsMatchTheCompositeComputation) {

@@ -1,5 +1,5 @@
-// The drafter's RMSNorm kernels: see rms_norm.h.
-#include "drafter/kernels/rms_norm.h"
+// The drafter layers' element-wise kernels: see layer_ops.h.
+#include "drafter/kernels/layer_ops.h"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -158,6 +158,45 @@ void dispatch_lanes(int n, Launch launch) {
   }
 }
 
+__global__ void __launch_bounds__(kThreads) silu_mul_forward_kernel(const bf16* __restrict__ gate,
+                                                                   const bf16* __restrict__ up, bf16* __restrict__ y,
+                                                                   int64_t chunks) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < chunks;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    float g[8], u[8];
+    load8(g, gate + 8 * i);
+    load8(u, up + 8 * i);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) g[j] = round_bf16(g[j] / (1.f + __expf(-g[j]))) * u[j];
+    store8(y + 8 * i, g);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) silu_mul_backward_kernel(const bf16* __restrict__ gate,
+                                                                    const bf16* __restrict__ up,
+                                                                    const bf16* __restrict__ dy, bf16* __restrict__ d_gate,
+                                                                    bf16* __restrict__ d_up, int64_t chunks) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < chunks;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    float g[8], u[8], d[8], dg[8], du[8];
+    load8(g, gate + 8 * i);
+    load8(u, up + 8 * i);
+    load8(d, dy + 8 * i);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float s = 1.f / (1.f + __expf(-g[j]));
+      du[j] = d[j] * round_bf16(g[j] * s);
+      dg[j] = round_bf16(d[j] * u[j]) * (s * (1.f + g[j] * (1.f - s)));
+    }
+    store8(d_gate + 8 * i, dg);
+    store8(d_up + 8 * i, du);
+  }
+}
+
+unsigned element_blocks(int64_t chunks) {
+  return static_cast<unsigned>(std::min<int64_t>((chunks + kThreads - 1) / kThreads, 132 * 16));
+}
+
 unsigned row_blocks(int64_t rows, int lanes) {
   return static_cast<unsigned>((rows * lanes + kThreads - 1) / kThreads);
 }
@@ -198,6 +237,24 @@ void rms_norm_backward_weight(const void* x, const void* dy, const float* rstd, 
   backward_weight_kernel<<<dim3(g.column_blocks, g.parts), kWeightThreads, 0, stream>>>(
       static_cast<const bf16*>(x), static_cast<const bf16*>(dy), rstd, partial, rows, n, g);
   check_cuda_launch("drafter kernel rms_norm_backward_weight");
+}
+
+void silu_mul_forward(const void* gate, const void* up, void* y, int64_t elements, cudaStream_t stream) {
+  const int64_t chunks = elements / 8;
+  if (chunks == 0) return;
+  silu_mul_forward_kernel<<<element_blocks(chunks), kThreads, 0, stream>>>(
+      static_cast<const bf16*>(gate), static_cast<const bf16*>(up), static_cast<bf16*>(y), chunks);
+  check_cuda_launch("drafter kernel silu_mul_forward");
+}
+
+void silu_mul_backward(const void* gate, const void* up, const void* dy, void* d_gate, void* d_up, int64_t elements,
+                       cudaStream_t stream) {
+  const int64_t chunks = elements / 8;
+  if (chunks == 0) return;
+  silu_mul_backward_kernel<<<element_blocks(chunks), kThreads, 0, stream>>>(
+      static_cast<const bf16*>(gate), static_cast<const bf16*>(up), static_cast<const bf16*>(dy),
+      static_cast<bf16*>(d_gate), static_cast<bf16*>(d_up), chunks);
+  check_cuda_launch("drafter kernel silu_mul_backward");
 }
 
 }  // namespace dflash::drafter::kernels

@@ -1,4 +1,4 @@
-#include "drafter/rms_norm.h"
+#include "drafter/layer_ops.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -8,7 +8,7 @@
 #ifdef DFLASHD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 
-#include "drafter/kernels/rms_norm.h"
+#include "drafter/kernels/layer_ops.h"
 #endif
 
 namespace dflash::drafter {
@@ -64,6 +64,25 @@ struct FusedRmsNorm : public torch::autograd::Function<FusedRmsNorm> {
     return {dx, partial.sum(0).to(w.scalar_type()), at::Tensor()};
   }
 };
+
+struct FusedSiluMul : public torch::autograd::Function<FusedSiluMul> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    const at::Tensor g = rows_of(gate), u = rows_of(up);
+    at::Tensor y = at::empty_like(g);
+    kernels::silu_mul_forward(g.data_ptr(), u.data_ptr(), y.data_ptr(), g.numel(), at::cuda::getCurrentCUDAStream().stream());
+    ctx->save_for_backward({g, u});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor dy = rows_of(grads[0]);
+    at::Tensor d_gate = at::empty_like(saved[0]), d_up = at::empty_like(saved[1]);
+    kernels::silu_mul_backward(saved[0].data_ptr(), saved[1].data_ptr(), dy.data_ptr(), d_gate.data_ptr(),
+                               d_up.data_ptr(), dy.numel(), at::cuda::getCurrentCUDAStream().stream());
+    return {d_gate, d_up};
+  }
+};
 #endif
 
 }  // namespace
@@ -73,6 +92,16 @@ at::Tensor trained_rms_norm(const at::Tensor& x, const at::Tensor& weight, doubl
   if (kernels_apply(x, weight)) return FusedRmsNorm::apply(x, weight, eps);
 #endif
   return rms_norm(x, weight, eps);
+}
+
+at::Tensor trained_silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+#ifdef DFLASHD_WITH_CUDA
+  if (gate.is_cuda() && gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16 &&
+      gate.sizes() == up.sizes() && gate.numel() % 8 == 0) {
+    return FusedSiluMul::apply(gate, up);
+  }
+#endif
+  return at::silu(gate) * up;
 }
 
 }  // namespace dflash::drafter

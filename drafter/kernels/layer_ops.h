@@ -1,5 +1,7 @@
-// rms_norm.h: the drafter's RMSNorm forward and backward as CUDA kernels over bf16 rows (no
-// torch in this interface; drafter/rms_norm.cc wraps them in an autograd function). The
+// layer_ops.h: the drafter layers' element-wise work with gradients, as CUDA kernels over bf16
+// (no torch in this interface; drafter/layer_ops.cc wraps them in autograd functions).
+//
+// RMSNorm forward and backward over rows. The
 // composite version (common/tensor_math.h rms_norm under autograd) makes about seven fp32
 // passes forward and a dozen backward per norm and keeps fp32 copies of its input for the
 // backward; these read and write each row a few times in bf16 and keep one fp32 per row.
@@ -26,5 +28,13 @@ void rms_norm_backward_input(const void* x, const void* weight, const void* dy, 
 int64_t rms_norm_weight_parts(int64_t rows, int n);
 void rms_norm_backward_weight(const void* x, const void* dy, const float* rstd, float* partial, int64_t rows, int n,
                               cudaStream_t stream);
+
+// SwiGLU's product y = bf16(bf16(silu(gate)) * up) and its gradients as autograd forms them
+// from the composite expression: d_up = bf16(dy * bf16(silu(gate))), d_gate =
+// bf16(bf16(dy * up) * s (1 + gate (1 - s))) with s = sigmoid(gate). Contiguous, 16-byte aligned,
+// `elements` a multiple of 8. One pass each instead of two forward and four backward.
+void silu_mul_forward(const void* gate, const void* up, void* y, int64_t elements, cudaStream_t stream);
+void silu_mul_backward(const void* gate, const void* up, const void* dy, void* d_gate, void* d_up, int64_t elements,
+                       cudaStream_t stream);
 
 }  // namespace dflash::drafter::kernels
