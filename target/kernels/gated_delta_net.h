@@ -2,13 +2,15 @@
 // wrapper is target/gdn_cuda.h).
 //
 // Head size 128 (keys and values), chunk 64, bf16 operands, fp32 state and accumulation,
-// tensor cores through WMMA (sm_80 and newer). The math is the chunked WY form of
+// tensor cores through mma.sync (sm_80 and newer; the solve's merges in TF32). The math is the chunked WY form of
 // targets.md, as in target/gated_delta_net.h (the reference these kernels are tested against):
 //   1. conv1d_silu_l2norm: causal depthwise conv + SiLU over all channels of the packed
 //      [tokens, q|k|v] projection, with the L2 normalisation of every q and k head fused in.
-//   2. prepare (grid chunks x value heads): the gates (or precomputed g, beta); gamma = in-chunk cumsum of g; A = strict_lower(
-//      diag(beta) K K^T o exp(gamma_i - gamma_j)); T = (I + A)^-1 by blocked substitution in
-//      fp32; W = T diag(beta e^gamma) K, U = T diag(beta) V; P = causal(scale Q K^T o
+//   2. prepare (grid chunks x key heads; each CTA takes the key head's value heads in turn, at most 8,
+//      K K^T and Q K^T computed once for them): the gates (or precomputed g, beta); gamma =
+//      in-chunk cumsum of g; A = strict_lower(diag(beta) K K^T o exp(gamma_i - gamma_j)); T =
+//      (I + A)^-1 by blocked substitution (diagonal blocks in fp32, merges in TF32 on the tensor
+//      cores); W = T diag(beta e^gamma) K, U = T diag(beta) V; P = causal(scale Q K^T o
 //      exp(gamma_i - gamma_j)) (all bf16).
 //   3. state (grid sequences x value heads x value-column blocks): the one sequential pass. The
 //      fp32 state stays in registers for the whole sequence, transposed (S^T, value columns x
@@ -78,7 +80,9 @@ struct GdnForward {
   void* v_new = nullptr;
   void* states = nullptr;
   float* gamma = nullptr;
-  void* qk = nullptr;  // bf16 [num_chunks, value_heads, 64, 64]: causal(scale Q K^T o exp(gamma_i - gamma_j))
+  // P = causal(scale Q K^T o exp(gamma_i - gamma_j)), bf16 64 x 64 per (chunk, value head) in
+  // the same fragment order, as A operands: 16-row block r major, then the 16-token step k.
+  void* qk = nullptr;
   // Output, one of:
   float* out_raw = nullptr;  // fp32 [tokens, value_heads, 128]: o itself (tests)
   // or the gated RMSNorm: out bf16 [tokens, value_heads * 128] = w * rmsnorm(o) * silu(z),
