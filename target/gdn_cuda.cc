@@ -30,6 +30,11 @@ std::optional<std::string> gdn_kernels_unavailable(const ModelConfig& c, at::Dev
   if (c.linear_conv_kernel_dim < 1 || c.linear_conv_kernel_dim > 4) {
     return "linear_conv_kernel_dim " + std::to_string(c.linear_conv_kernel_dim) + ": the conv kernel takes widths 1-4";
   }
+  const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+  if (hk <= 0 || hv % hk != 0 || hv / hk > kernels::kGdnMaxGroup) {
+    return "linear_num_value_heads " + std::to_string(hv) + " / linear_num_key_heads " + std::to_string(hk) +
+           ": the kernels take up to " + std::to_string(kernels::kGdnMaxGroup) + " value heads per key head";
+  }
   if (dtype != at::kBFloat16) return std::string("target dtype ") + c10::toString(dtype) + ": the kernels take bfloat16";
   if (!at::hasCUDA() || device.index() >= static_cast<int>(at::cuda::device_count())) {
     return "GPU " + device.str() + " is not visible to this process";

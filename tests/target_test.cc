@@ -211,6 +211,12 @@ TEST(TargetRandom, DemandedKernelsAreRefusedWhereTheyCannotRun) {
   if (at::hasCUDA()) {
     const std::string why = gdn_kernels_unavailable(config, at::Device(at::kCUDA, 0), at::kBFloat16).value_or("");
     EXPECT_NE(why.find("linear_key_head_dim 16"), std::string::npos) << why;
+    ModelConfig grouped = config;
+    grouped.linear_key_head_dim = grouped.linear_value_head_dim = 128;
+    grouped.linear_num_key_heads = 1;
+    grouped.linear_num_value_heads = 16;
+    const std::string group_why = gdn_kernels_unavailable(grouped, at::Device(at::kCUDA, 0), at::kBFloat16).value_or("");
+    EXPECT_NE(group_why.find("linear_num_value_heads 16 / linear_num_key_heads 1"), std::string::npos) << group_why;
   }
 }
 

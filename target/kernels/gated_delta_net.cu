@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const 
 // (W = (T diag(beta e^gamma)) K, U = (T diag(beta)) V), so K stays shared and V is not
 // rewritten. W and U go out through shared memory as whole rows (16-byte coalesced stores).
 constexpr int kPrepareThreads = 256;
-constexpr int kMaxGroup = 8;  // value heads per key head
+constexpr int kMaxGroup = kGdnMaxGroup;
 constexpr int kSolveLd = 40;  // row stride of the solve's 32 x 32 intermediate (B-operand reads conflict-free)
 
 struct __align__(16) PrepareShared {

@@ -32,6 +32,7 @@ namespace dflash::target::kernels {
 
 constexpr int kGdnHeadDim = 128;
 constexpr int kGdnChunk = 64;
+constexpr int kGdnMaxGroup = 8;  // value heads per key head (the prepare kernel's shared arrays)
 
 // Chunks of a packed batch, device int32 arrays: chunk c covers tokens [start[c], start[c] +
 // length[c]) of one sequence; sequence s owns chunks [seq_chunks[s], seq_chunks[s + 1]).
