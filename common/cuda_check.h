@@ -3,7 +3,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -26,6 +28,11 @@ void allow_shared_memory(Kernel kernel, std::size_t bytes, const std::string& wh
   check_cuda(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(bytes)),
              what + " (shared memory)");
+}
+
+// Blocks of a grid-stride loop over `items`: enough for the items, at most 16 per SM of an H100/H200.
+inline unsigned grid_stride_blocks(int64_t items, int threads) {
+  return static_cast<unsigned>(std::min<int64_t>((items + threads - 1) / threads, 132 * 16));
 }
 
 // Empty when `kernel` has an image for the current device; otherwise the CUDA error text.

@@ -19,10 +19,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 bool kernels_apply(const at::Tensor& x, const at::Tensor& weight) {
-  const int64_t n = x.dim() > 0 ? x.size(-1) : 0, chunks = n / 8;
+  const int64_t n = x.dim() > 0 ? x.size(-1) : 0;
   return x.is_cuda() && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-         weight.dim() == 1 && weight.size(0) == n && n > 0 && n % 8 == 0 && (chunks >= 32 || (chunks & (chunks - 1)) == 0) &&
-         n <= (int64_t{1} << 30);
+         weight.dim() == 1 && weight.size(0) == n && kernels::rms_norm_supports(n);
 }
 
 // 16-byte aligned contiguous rows for the kernels (a copy only where x is neither).

@@ -138,12 +138,11 @@ __global__ void __launch_bounds__(kWeightThreads) backward_weight_kernel(const b
 }
 
 int lanes_per_row(int n) {
-  const int chunks = n / 8;
-  if (n % 8 != 0 || n <= 0 || (chunks < 32 && (chunks & (chunks - 1)) != 0)) {
+  if (!rms_norm_supports(n)) {
     throw std::invalid_argument("rms_norm kernels: row length " + std::to_string(n) +
                                 " is not a multiple of 8 with n / 8 >= 32 or a power of two");
   }
-  return std::min(chunks, 32);
+  return std::min(n / 8, 32);
 }
 
 template <typename Launch>
@@ -193,15 +192,16 @@ __global__ void __launch_bounds__(kThreads) silu_mul_backward_kernel(const bf16*
   }
 }
 
-unsigned element_blocks(int64_t chunks) {
-  return static_cast<unsigned>(std::min<int64_t>((chunks + kThreads - 1) / kThreads, 132 * 16));
-}
-
 unsigned row_blocks(int64_t rows, int lanes) {
   return static_cast<unsigned>((rows * lanes + kThreads - 1) / kThreads);
 }
 
 }  // namespace
+
+bool rms_norm_supports(int64_t n) {
+  const int64_t chunks = n / 8;
+  return n > 0 && n % 8 == 0 && n <= (int64_t{1} << 30) && (chunks >= 32 || (chunks & (chunks - 1)) == 0);
+}
 
 void rms_norm_forward(const void* x, const void* weight, void* y, float* rstd, int64_t rows, int n, float eps,
                       cudaStream_t stream) {
@@ -242,7 +242,7 @@ void rms_norm_backward_weight(const void* x, const void* dy, const float* rstd, 
 void silu_mul_forward(const void* gate, const void* up, void* y, int64_t elements, cudaStream_t stream) {
   const int64_t chunks = elements / 8;
   if (chunks == 0) return;
-  silu_mul_forward_kernel<<<element_blocks(chunks), kThreads, 0, stream>>>(
+  silu_mul_forward_kernel<<<grid_stride_blocks(chunks, kThreads), kThreads, 0, stream>>>(
       static_cast<const bf16*>(gate), static_cast<const bf16*>(up), static_cast<bf16*>(y), chunks);
   check_cuda_launch("drafter kernel silu_mul_forward");
 }
@@ -251,7 +251,7 @@ void silu_mul_backward(const void* gate, const void* up, const void* dy, void* d
                        cudaStream_t stream) {
   const int64_t chunks = elements / 8;
   if (chunks == 0) return;
-  silu_mul_backward_kernel<<<element_blocks(chunks), kThreads, 0, stream>>>(
+  silu_mul_backward_kernel<<<grid_stride_blocks(chunks, kThreads), kThreads, 0, stream>>>(
       static_cast<const bf16*>(gate), static_cast<const bf16*>(up), static_cast<const bf16*>(dy),
       static_cast<bf16*>(d_gate), static_cast<bf16*>(d_up), chunks);
   check_cuda_launch("drafter kernel silu_mul_backward");

@@ -14,8 +14,12 @@
 
 namespace dflash::drafter::kernels {
 
-// Rows of n bf16 (n a multiple of 8; n / 8 at least 32 or a power of two), all contiguous and
-// 16-byte aligned. Writes y and r per row (fp32).
+// Whether the kernels take rows of n elements: n a multiple of 8 (up to 2^30) with n / 8 at
+// least 32 or a power of two (lanes of a warp share a row).
+bool rms_norm_supports(int64_t n);
+
+// Rows of n bf16 (rms_norm_supports(n)), all contiguous and 16-byte aligned. Writes y and r per
+// row (fp32).
 void rms_norm_forward(const void* x, const void* weight, void* y, float* rstd, int64_t rows, int n, float eps,
                       cudaStream_t stream);
 

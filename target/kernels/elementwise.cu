@@ -26,11 +26,6 @@ __device__ __forceinline__ float weighted_norm(float normed, float w, bool zero_
   return round_bf16(zero_centred ? normed * (w + 1.f) : w * round_bf16(normed));
 }
 
-// Blocks of a grid-stride loop over `chunks` items: enough for the items, at most 16 per SM of an H100/H200.
-inline unsigned grid_stride_blocks(int64_t chunks, int threads) {
-  return static_cast<unsigned>(std::min<int64_t>((chunks + threads - 1) / threads, 132 * 16));
-}
-
 // One CTA per row: pass 1 forms the (rounded) sum and its sum of squares, pass 2 rereads it
 // (from L1/L2: a row is a few KB) and writes the normalised row.
 __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const bf16* __restrict__ x,
