@@ -89,14 +89,16 @@ int main(int argc, char** argv) {
     }
   }
   // Where the time goes: the parts timed alone (synchronised), same inputs.
-  auto timed = [&](auto&& f) {
+  // The median of `runs` (default `repeats`) after `warm` unrecorded runs.
+  auto timed = [&](auto&& f, int runs = 0, int warm = 1) {
+    runs = runs > 0 ? runs : repeats;
     std::vector<double> t;
-    for (int i = 0; i < repeats + 1; ++i) {
+    for (int i = 0; i < runs + warm; ++i) {
       torch::cuda::synchronize();
       const auto a = std::chrono::steady_clock::now();
       f();
       torch::cuda::synchronize();
-      if (i > 0) t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
+      if (i >= warm) t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
     }
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
@@ -116,7 +118,8 @@ int main(int argc, char** argv) {
   at::Tensor vc = at::randn({S, hkv, d}, bf16).requires_grad_(), kb = at::randn({rows, hkv, d}, bf16).requires_grad_();
   at::Tensor vb = at::randn({rows, hkv, d}, bf16).requires_grad_();
   const at::Tensor dout = at::randn({rows, hq, d}, bf16);
-  // Each GPU path, forward alone and forward + backward (same inputs, same run).
+  // Each GPU path, forward alone and forward + backward (same inputs, same run), timed as the
+  // flex_attention peer (bench/python/flex_block_attention.py): median of 20 after 3 warm-up runs.
   struct PathTime {
     const char* name;
     drafter::BlockAttentionPath path;
@@ -133,8 +136,8 @@ int main(int argc, char** argv) {
     p.forward = timed([&] {
       c10::NoGradGuard no_grad;
       drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape);
-    });
-    p.both = timed([&] { drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape).backward(dout); });
+    }, 20, 3);
+    p.both = timed([&] { drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape).backward(dout); }, 20, 3);
     if (p.mma != nullptr) unsetenv("DFLASHD_ATTENTION_MMA");
   }
   // The attention's model FLOPs (performance.md): 4 d per visible (row, key) pair forward, 2.5x that backward.
@@ -142,6 +145,22 @@ int main(int argc, char** argv) {
   const double pairs = 16.0 * static_cast<double>(hq) * static_cast<double>(anchor_sum + 16 * batch.anchors[0].size(0));
   const double attention_flops = 4.0 * d * pairs;
   if (std::getenv("DFLASHD_PROFILE")) {
+    drafter::BlockAttentionShape shape{16, 64, 0};
+    shape.path = drafter::BlockAttentionPath::kernels;
+    // As timed above: each call synchronised.
+    bench::print_kernel_profile("block attention of one layer, forward alone, 10 calls", [&] {
+      c10::NoGradGuard no_grad;
+      for (int i = 0; i < 10; ++i) {
+        drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape);
+        torch::cuda::synchronize();
+      }
+    }, 12);
+    bench::print_kernel_profile("block attention of one layer, forward + backward, 10 calls", [&] {
+      for (int i = 0; i < 10; ++i) {
+        drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape).backward(dout);
+        torch::cuda::synchronize();
+      }
+    }, 16);
     bench::print_kernel_profile("drafter step (forward, LM head + loss, backward)", [&] {
       drafter::LossStats stats;
       const at::Tensor hidden = model.forward(batch, embed);

@@ -5,6 +5,8 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -27,22 +29,34 @@ inline void print_kernel_profile(const char* title, const std::function<void()>&
     double ms = 0;
     int calls = 0;
   };
-  std::map<std::string, Total> kernels;
+  std::map<std::string, Total> kernels, host;
   double all = 0;
+  uint64_t first = UINT64_MAX, last = 0;
   for (const auto& e : result->events()) {
-    if (e.deviceType() != c10::DeviceType::CUDA) continue;
     const double ms = static_cast<double>(e.durationNs()) / 1e6;
-    Total& t = kernels[e.name()];
+    const bool gpu = e.deviceType() == c10::DeviceType::CUDA;
+    Total& t = (gpu ? kernels : host)[e.name()];
     t.ms += ms;
     ++t.calls;
+    if (!gpu) continue;
     all += ms;
+    first = std::min<uint64_t>(first, e.startNs());
+    last = std::max<uint64_t>(last, e.endNs());
   }
-  std::vector<std::pair<std::string, Total>> sorted(kernels.begin(), kernels.end());
-  std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
-  std::printf("profile: %s: %.2f ms of GPU time in %zu distinct kernels\n", title, all, sorted.size());
-  for (int i = 0; i < std::min<int>(top, static_cast<int>(sorted.size())); ++i) {
-    const auto& [name, t] = sorted[i];
-    std::printf("  %8.2f ms %5.1f%% %6d  %.110s\n", t.ms, 100 * t.ms / all, t.calls, name.c_str());
+  auto print = [&](const std::map<std::string, Total>& totals, int rows) {
+    std::vector<std::pair<std::string, Total>> sorted(totals.begin(), totals.end());
+    std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
+    for (int i = 0; i < std::min<int>(rows, static_cast<int>(sorted.size())); ++i) {
+      const auto& [name, t] = sorted[i];
+      std::printf("  %8.2f ms %5.1f%% %6d  %.110s\n", t.ms, 100 * t.ms / all, t.calls, name.c_str());
+    }
+  };
+  std::printf("profile: %s: %.2f ms of GPU time in %zu distinct kernels, first start to last end %.2f ms\n", title, all,
+              kernels.size(), last > first ? static_cast<double>(last - first) / 1e6 : 0.0);
+  print(kernels, top);
+  if (std::getenv("DFLASHD_PROFILE_HOST") != nullptr) {
+    std::printf("  host side (operators and runtime calls, nested; %% of the GPU time):\n");
+    print(host, top);
   }
 }
 

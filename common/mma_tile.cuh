@@ -44,6 +44,16 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// One 16-byte asynchronous copy global -> shared (cp.async.cg, joins the thread's current
+// commit group); when !valid nothing is read and the 16 bytes are zero-filled. Inline PTX rather
+// than __pipeline_memcpy_async, whose expansion adds never-executed filler instructions that
+// still take issue slots in the tile loops.
+__device__ __forceinline__ void copy16(void* dst, const void* src, bool valid = true) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
 // Loads a tile asynchronously with kThreads threads: row r from row_of(r) (nullptr: zero-filled).
 // The caller commits. Each thread copies one 16-byte column chunk of the rows r0, r0 + kStep, ...
 // (kStep a multiple of 8, so its destination advances by a constant: the swizzle depends on
@@ -57,18 +67,25 @@ __device__ __forceinline__ void load_tile(Tile& tile, RowOf row_of) {
 #pragma unroll
   for (int j = 0; j < R / kStep; ++j) {
     const bf16* src = row_of(r0 + j * kStep);
-    if (src != nullptr) {
-      __pipeline_memcpy_async(dst + j * kStep * 64, src + c * 8, 16);
-    } else {
-      *reinterpret_cast<uint4*>(dst + j * kStep * 64) = make_uint4(0, 0, 0, 0);
-    }
+    copy16(dst + j * kStep * 64, src + c * 8, src != nullptr);
   }
 }
 
-// Rows [0, rows) at first + r * stride (elements); the rest zero-filled.
+// Rows [0, rows) at first + r * stride (elements); the rest zero-filled. The source pointer
+// advances by a constant per copy (no per-row address arithmetic).
 template <int kThreads>
 __device__ __forceinline__ void load_tile(Tile& tile, const bf16* first, int64_t stride, int rows) {
-  load_tile<kThreads>(tile, [&](int r) { return r < rows ? first + r * stride : nullptr; });
+  static_assert(kThreads % 128 == 0, "tiles load with whole multiples of 128 threads");
+  constexpr int kStep = kThreads / 16;
+  const int c = threadIdx.x & 15, r0 = threadIdx.x >> 4;
+  bf16* dst = tile.v + swizzled(r0, c);
+  const bf16* src = first + r0 * stride + c * 8;
+  const int64_t step = kStep * stride;
+#pragma unroll
+  for (int j = 0; j < R / kStep; ++j) {
+    copy16(dst + j * kStep * 64, src, r0 + j * kStep < rows);
+    src += step;
+  }
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t address) {

@@ -314,6 +314,16 @@ struct FusedBlockAttentionFunction : public torch::autograd::Function<FusedBlock
 
 #ifdef DFLASHD_WITH_CUDA
 // ---- GPU path on the fused DFlash kernels (drafter/kernels/block_attention.h) ----------------
+// The anchors (CPU, int64, checked) as int32 on `device`: through pinned memory, so the copy is
+// asynchronous (a copy from pageable memory would wait for the stream to drain).
+at::Tensor device_anchors(const at::Tensor& anchors, const at::Device& device) {
+  at::Tensor host = at::empty({anchors.size(0)}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  const int64_t* from = anchors.data_ptr<int64_t>();
+  int32_t* to = host.data_ptr<int32_t>();
+  for (int64_t i = 0; i < anchors.size(0); ++i) to[i] = static_cast<int32_t>(from[i]);
+  return host.to(device, /*non_blocking=*/true);
+}
+
 struct KernelBlockAttentionFunction : public torch::autograd::Function<KernelBlockAttentionFunction> {
   static kernels::BlockAttentionProblem problem(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                                                 const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& anchors,
@@ -340,7 +350,7 @@ struct KernelBlockAttentionFunction : public torch::autograd::Function<KernelBlo
     const c10::cuda::CUDAGuard guard(q.device());
     const at::Tensor qc = q.contiguous(), kc = k_context.contiguous(), vc = v_context.contiguous();
     const at::Tensor kb = k_block.contiguous(), vb = v_block.contiguous();
-    const at::Tensor anchors_gpu = anchors.to(at::kInt).to(q.device());
+    const at::Tensor anchors_gpu = device_anchors(anchors, q.device());
     const kernels::BlockAttentionProblem p = problem(qc, kc, vc, kb, vb, anchors_gpu, block_size, scale);
     at::Tensor out = at::empty_like(qc);
     at::Tensor lse2 = at::empty({p.slots()}, qc.options().dtype(at::kFloat));
@@ -363,23 +373,20 @@ struct KernelBlockAttentionFunction : public torch::autograd::Function<KernelBlo
     kernels::BlockAttentionBackward g;
     g.context_chunks = kernels::context_chunks_for(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
     at::Tensor delta = at::empty({p.slots()}, fp32), dq = at::empty_like(q);
-    at::Tensor dkb = at::empty({p.row_tiles(), kb.size(0), kb.size(1), kb.size(2)}, fp32), dvb = at::empty_like(dkb);
-    at::Tensor dkc = at::empty({g.context_chunks, kc.size(0), kc.size(1), kc.size(2)}, fp32), dvc = at::empty_like(dkc);
+    at::Tensor dkb = at::empty_like(kb), dvb = at::empty_like(vb), dkc = at::empty_like(kc), dvc = at::empty_like(vc);
+    const at::Tensor partials = at::empty({g.partials_floats(p)}, fp32);
     g.out = out.data_ptr();
     g.d_out = d_out.data_ptr();
     g.lse2 = lse2.data_ptr<float>();
     g.delta = delta.data_ptr<float>();
     g.dq = dq.data_ptr();
-    g.dk_block = dkb.data_ptr<float>();
-    g.dv_block = dvb.data_ptr<float>();
-    g.dk_context = dkc.data_ptr<float>();
-    g.dv_context = dvc.data_ptr<float>();
+    g.dk_block = dkb.data_ptr();
+    g.dv_block = dvb.data_ptr();
+    g.dk_context = dkc.data_ptr();
+    g.dv_context = dvc.data_ptr();
+    g.partials = partials.data_ptr<float>();
     kernels::block_attention_backward(p, g, at::cuda::getCurrentCUDAStream().stream());
-    // Partial sums over row tiles and block chunks, added in a fixed order.
-    auto total = [&](const at::Tensor& parts) {
-      return (parts.size(0) == 1 ? parts[0] : parts.sum(0)).to(q.scalar_type());
-    };
-    return {dq, total(dkc), total(dvc), total(dkb), total(dvb), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dkc, dvc, dkb, dvb, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 #endif

@@ -28,6 +28,14 @@ constexpr int kThreads = 128;          // 4 warps x 16 rows
 constexpr int kSmallLd = 24;           // bf16 row stride of the [64 rows][16 keys] block-tile matrices
 constexpr float kLog2e = 1.4426950408889634f;
 
+// 2^x in one MUFU.EX2 (relative error about 2^-22, results below 2^-126 flushed to zero; 2^-inf
+// = 0). exp2f without fast math adds a range test and two multiplies per call.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Rows of one (block, key-value head, row tile): row r is pair rt * 64 + r of the rep * B
 // (head, block row) pairs; past the last pair it is padding.
 struct RowTile {
@@ -123,23 +131,31 @@ struct Products<true> {
 };
 
 // ---- forward ---------------------------------------------------------------------------------
-// The online softmax of rows g and g + 8 of a warp's 16: per key tile, scales the scores by c
-// (scale log2 e), masks the columns >= visible, updates the running maxima and (per-thread
-// partial) sums, rescales the output accumulators and leaves exp2(s - max) in s. Every key
-// tile has a visible column for every row.
+// Scores of the columns >= visible to -inf (a tile's last visible columns; uniform branch).
+__device__ __forceinline__ void mask_columns(float (&s)[8][4], int visible) {
+  if (visible >= R) return;
+  const int t4 = threadIdx.x & 3;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (nt * 8 + 2 * t4 + (i & 1) >= visible) s[nt][i] = -INFINITY;
+    }
+  }
+}
+
+// The online softmax of rows g and g + 8 of a warp's 16: per key tile of raw scores s, masks the
+// columns >= visible, updates the running maxima (in units of c = scale log2 e) and
+// (per-thread partial) sums, rescales the output accumulators and leaves exp2(c s - max) in s
+// (one FFMA and one EX2 per score). Every key tile has a visible column for every row.
 struct OnlineSoftmax {
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
   __device__ __forceinline__ void step(float (&s)[8][4], float (&o)[16][4], int visible, float c) {
-    const int t4 = threadIdx.x & 3;
+    mask_columns(s, visible);
     float x0 = -INFINITY, x1 = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int col = nt * 8 + 2 * t4 + (i & 1);
-        s[nt][i] = col < visible ? s[nt][i] * c : -INFINITY;
-      }
       x0 = fmaxf(x0, fmaxf(s[nt][0], s[nt][1]));
       x1 = fmaxf(x1, fmaxf(s[nt][2], s[nt][3]));
     }
@@ -149,17 +165,17 @@ struct OnlineSoftmax {
       x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
     }
     // The new maxima are finite (a visible column in every tile).
-    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
-    const float alpha0 = exp2f(m0 - n0), alpha1 = exp2f(m1 - n1);
+    const float n0 = fmaxf(m0, x0 * c), n1 = fmaxf(m1, x1 * c);
+    const float alpha0 = exp2_approx(m0 - n0), alpha1 = exp2_approx(m1 - n1);
     m0 = n0;
     m1 = n1;
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      s[nt][0] = exp2f(s[nt][0] - n0);
-      s[nt][1] = exp2f(s[nt][1] - n0);
-      s[nt][2] = exp2f(s[nt][2] - n1);
-      s[nt][3] = exp2f(s[nt][3] - n1);
+      s[nt][0] = exp2_approx(fmaf(s[nt][0], c, -n0));
+      s[nt][1] = exp2_approx(fmaf(s[nt][1], c, -n0));
+      s[nt][2] = exp2_approx(fmaf(s[nt][2], c, -n1));
+      s[nt][3] = exp2_approx(fmaf(s[nt][3], c, -n1));
       sum0 += s[nt][0] + s[nt][1];
       sum1 += s[nt][2] + s[nt][3];
     }
@@ -265,6 +281,36 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem
 }
 
 // ---- backward: dQ, and the gradients of the block's own keys ---------------------------------
+// Where a backward kernel puts a gradient: part `part` of fp32 partial sums (each `part_floats`
+// long), or with no partials the bf16 gradient itself.
+struct GradientOut {
+  float* parts;
+  bf16* out;
+  int64_t part_floats;
+  __device__ __forceinline__ void store2(int part, int64_t index, float x, float y) const {
+    if (parts != nullptr) {
+      *reinterpret_cast<float2*>(parts + part * part_floats + index) = make_float2(x, y);
+    } else {
+      *reinterpret_cast<uint32_t*>(out + index) = pack(x, y);
+    }
+  }
+};
+
+// The four gradients' destinations (keys, values; block, context) in the scratch layout of
+// BlockAttentionBackward::partials.
+struct GradientOuts {
+  GradientOut dk_block, dv_block, dk_context, dv_context;
+  __device__ __forceinline__ explicit GradientOuts(const BlockAttentionProblem& p, const BlockAttentionBackward& g) {
+    const int64_t nb = g.block_partial_floats(p), nc = g.context_partial_floats(p);
+    const int64_t block_part = nb / max(1, p.row_tiles()), context_part = nc / max(1, g.context_chunks);
+    float* scratch = g.partials;
+    dk_block = {nb > 0 ? scratch : nullptr, static_cast<bf16*>(g.dk_block), block_part};
+    dv_block = {nb > 0 ? scratch + nb : nullptr, static_cast<bf16*>(g.dv_block), block_part};
+    dk_context = {nc > 0 ? scratch + 2 * nb : nullptr, static_cast<bf16*>(g.dk_context), context_part};
+    dv_context = {nc > 0 ? scratch + 2 * nb + nc : nullptr, static_cast<bf16*>(g.dv_context), context_part};
+  }
+};
+
 struct DqShared {
   Tile q, dout, k[2], v[2];
   __align__(16) bf16 p[R * kSmallLd];  // P and dS of the block tile, [row][key < 16]
@@ -328,13 +374,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
     Mma::product(s, q, k);
     Mma::product(dp, d_out, v);
     Mma::template finish<1>(s);  // P while dP = dO V^T is computed
+    mask_columns(s, visible);  // exp2(-inf) = 0
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int col = nt * 8 + 2 * t4 + (i & 1);
-        s[nt][i] = col < visible ? exp2f(s[nt][i] * c - (i < 2 ? lse0 : lse1)) : 0.f;
-      }
+      for (int i = 0; i < 4; ++i) s[nt][i] = exp2_approx(fmaf(s[nt][i], c, -(i < 2 ? lse0 : lse1)));
     }
     Mma::template finish<0>(dp);
 #pragma unroll
@@ -392,17 +436,17 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
       mma(dk[2 * dp2 + 1], ad, y[2], y[3]);
     }
   }
+  const GradientOuts outs(p, gr);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = g + half * 8;
     if (key >= p.block_size) continue;
-    const int64_t row = (static_cast<int64_t>(tile.rt) * p.blocks * p.block_size + tile.n * p.block_size + key) * p.kv_heads + tile.h;
+    const int64_t row = static_cast<int64_t>(tile.n * p.block_size + key) * p.kv_heads + tile.h;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int col = warp * 32 + j * 8 + 2 * t4;
-      *reinterpret_cast<float2*>(gr.dv_block + row * D + col) = make_float2(dv[j][2 * half], dv[j][2 * half + 1]);
-      *reinterpret_cast<float2*>(gr.dk_block + row * D + col) =
-          make_float2(dk[j][2 * half] * p.scale, dk[j][2 * half + 1] * p.scale);
+      outs.dv_block.store2(tile.rt, row * D + col, dv[j][2 * half], dv[j][2 * half + 1]);
+      outs.dk_block.store2(tile.rt, row * D + col, dk[j][2 * half] * p.scale, dk[j][2 * half + 1] * p.scale);
     }
   }
 }
@@ -466,9 +510,9 @@ __global__ void __launch_bounds__(kThreads * kDkvGroups<kGroup>) dkv_kernel(Bloc
     load_row_tile<kCtaThreads>(sh.dout[buffer], p, rt, gr.d_out, offsets);
     const int64_t slot = rt.slot(p);
     if (threadIdx.x < 16) {
-      __pipeline_memcpy_async(&sh.lse2[buffer][threadIdx.x * 4], gr.lse2 + slot + threadIdx.x * 4, 16);
+      copy16(&sh.lse2[buffer][threadIdx.x * 4], gr.lse2 + slot + threadIdx.x * 4);
     } else if (threadIdx.x < 32) {
-      __pipeline_memcpy_async(&sh.delta[buffer][(threadIdx.x - 16) * 4], gr.delta + slot + (threadIdx.x - 16) * 4, 16);
+      copy16(&sh.delta[buffer][(threadIdx.x - 16) * 4], gr.delta + slot + (threadIdx.x - 16) * 4);
     }
   };
   if (count > 0) load_rows(0, 0);
@@ -487,6 +531,7 @@ __global__ void __launch_bounds__(kThreads * kDkvGroups<kGroup>) dkv_kernel(Bloc
     pipeline_stage<2, kGroup>(i, count, load_rows);
     const int b = i & 1;
     const int anchor = p.anchors[first + i / tiles];
+    const bool all_visible = j0 + kGroups * R <= anchor;  // uniform: every key of the CTA
     const bool see0 = key0 < anchor, see1 = key1 < anchor;
     // wgmma: S^T and dP^T issued together, P computed while dP^T runs, dS while dV += P^T dO
     // runs. mma.sync: dP^T after dV (fewer live registers).
@@ -494,13 +539,20 @@ __global__ void __launch_bounds__(kThreads * kDkvGroups<kGroup>) dkv_kernel(Bloc
     Mma::product(s, k, sh.q[b]);  // S^T: keys x rows
     if constexpr (kGroup) Mma::product(dp, v, sh.dout[b]);  // dP^T = V dO^T
     Mma::template finish<1>(s);
+    if (all_visible) {
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+      for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = nt * 8 + 2 * t4 + (e & 1);
-        const bool see = e < 2 ? see0 : see1;
-        s[nt][e] = see ? exp2f(s[nt][e] * c - sh.lse2[b][col]) : 0.f;
+        for (int e = 0; e < 4; ++e) s[nt][e] = exp2_approx(fmaf(s[nt][e], c, -sh.lse2[b][nt * 8 + 2 * t4 + (e & 1)]));
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool see = e < 2 ? see0 : see1;
+          s[nt][e] = see ? exp2_approx(fmaf(s[nt][e], c, -sh.lse2[b][nt * 8 + 2 * t4 + (e & 1)])) : 0.f;
+        }
       }
     }
     uint32_t pa[4][4];
@@ -522,19 +574,46 @@ __global__ void __launch_bounds__(kThreads * kDkvGroups<kGroup>) dkv_kernel(Bloc
     Mma::template finish<0>(dv, dk, pa, da);
     __syncthreads();
   }
-  const int64_t base = static_cast<int64_t>(chunk) * p.context;
+  const GradientOuts outs(p, gr);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int j = half ? key1 : key0;
     if (j >= p.context) continue;
-    const int64_t row = ((base + j) * p.kv_heads + h) * D;
+    const int64_t row = (static_cast<int64_t>(j) * p.kv_heads + h) * D;
 #pragma unroll
     for (int dt = 0; dt < 16; ++dt) {
       const int col = dt * 8 + 2 * t4;
-      *reinterpret_cast<float2*>(gr.dk_context + row + col) =
-          make_float2(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
-      *reinterpret_cast<float2*>(gr.dv_context + row + col) = make_float2(dv[dt][2 * half], dv[dt][2 * half + 1]);
+      outs.dk_context.store2(chunk, row + col, dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
+      outs.dv_context.store2(chunk, row + col, dv[dt][2 * half], dv[dt][2 * half + 1]);
     }
+  }
+}
+
+// ---- backward: the partial sums into the bf16 gradients ------------------------------------
+// Up to four sums (blockIdx.y), each of `count` fp32 parts of n floats (n % 4 == 0), added in
+// part order: deterministic.
+struct PartialSum {
+  const float* parts = nullptr;
+  bf16* out = nullptr;
+  int count = 0;
+  int64_t n = 0;
+};
+struct PartialSums {
+  PartialSum sums[4];
+};
+
+constexpr int kSumThreads = 256;
+
+__global__ void __launch_bounds__(kSumThreads) sum_partials_kernel(PartialSums all) {
+  const PartialSum job = all.sums[blockIdx.y];
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kSumThreads + threadIdx.x) * 4; i < job.n;
+       i += static_cast<int64_t>(gridDim.x) * kSumThreads * 4) {
+    float4 acc = *reinterpret_cast<const float4*>(job.parts + i);
+    for (int part = 1; part < job.count; ++part) {
+      const float4 x = *reinterpret_cast<const float4*>(job.parts + part * job.n + i);
+      acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+    }
+    *reinterpret_cast<uint2*>(job.out + i) = make_uint2(pack(acc.x, acc.y), pack(acc.z, acc.w));
   }
 }
 
@@ -580,6 +659,23 @@ void backward(const BlockAttentionProblem& p, const BlockAttentionBackward& g, c
                    "block attention kernel dq", p, g);  // writes delta for dkv
   launch<DkvShared<kGroup>>(dkv_kernel<kGroup>, dkv_key_tiles(p, kGroup) * p.kv_heads * g.context_chunks,
                             kThreads * kDkvGroups<kGroup>, stream, "block attention kernel dkv", p, g);
+  PartialSums sums;
+  int jobs = 0;
+  int64_t longest = 0;
+  auto add = [&](const float* parts, void* out, int count, int64_t floats) {
+    if (floats == 0) return;
+    sums.sums[jobs++] = {parts, static_cast<bf16*>(out), count, floats / count};
+    longest = std::max(longest, floats / count);
+  };
+  const int64_t nb = g.block_partial_floats(p), nc = g.context_partial_floats(p);
+  add(g.partials, g.dk_block, p.row_tiles(), nb);
+  add(g.partials + nb, g.dv_block, p.row_tiles(), nb);
+  add(g.partials + 2 * nb, g.dk_context, g.context_chunks, nc);
+  add(g.partials + 2 * nb + nc, g.dv_context, g.context_chunks, nc);
+  if (jobs == 0) return;
+  const dim3 grid(grid_stride_blocks(longest / 4, kSumThreads) / jobs + 1, jobs);
+  sum_partials_kernel<<<grid, kSumThreads, 0, stream>>>(sums);
+  check_cuda_launch("block attention kernel sum_partials");
 }
 
 }  // namespace

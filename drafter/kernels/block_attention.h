@@ -17,8 +17,9 @@
 //             dkv kernel, one CTA per (64 context keys, or 128 as two warpgroups with wgmma,
 //             key-value head, chunk of blocks): dK, dV of the context, summed over the blocks
 //             that see the keys. No atomics: results are bit-identical run to run (partial sums
-//             over row tiles and block chunks are written separately and added by the caller in
-//             a fixed order).
+//             over row tiles and block chunks are written separately and added in a fixed order
+//             by a last kernel; with one row tile or one chunk the bf16 gradients are written
+//             directly).
 // Head size 128, block size <= 16, sm_80 and newer.
 #pragma once
 
@@ -63,11 +64,25 @@ struct BlockAttentionBackward {
   const float* lse2 = nullptr;  // the forward's slots
   float* delta = nullptr;       // scratch slots: rowsum(dO o O)
   void* dq = nullptr;           // bf16, like q
-  float* dk_block = nullptr;    // fp32 [row_tiles, blocks * block_size, kv_heads, 128] (sum over dim 0)
-  float* dv_block = nullptr;
-  float* dk_context = nullptr;  // fp32 [context_chunks, context, kv_heads, 128] (sum over dim 0)
-  float* dv_context = nullptr;
+  void* dk_block = nullptr;     // bf16, like k_block (and v_block)
+  void* dv_block = nullptr;
+  void* dk_context = nullptr;   // bf16, like k_context (and v_context)
+  void* dv_context = nullptr;
+  // fp32 scratch of partials_floats(p) floats (none needed when that is 0): the partial sums over
+  // row tiles and block chunks, added in a fixed order into the bf16 gradients.
+  float* partials = nullptr;
   int context_chunks = 1;       // chunks of blocks that the dkv kernel splits its work into
+
+  DFLASHD_HOST_DEVICE int64_t block_partial_floats(const BlockAttentionProblem& p) const {
+    return p.row_tiles() > 1 ? static_cast<int64_t>(p.row_tiles()) * p.blocks * p.block_size * p.kv_heads * kAttentionHeadDim : 0;
+  }
+  DFLASHD_HOST_DEVICE int64_t context_partial_floats(const BlockAttentionProblem& p) const {
+    return context_chunks > 1 ? static_cast<int64_t>(context_chunks) * p.context * p.kv_heads * kAttentionHeadDim : 0;
+  }
+  // Keys then values, blocks then context.
+  DFLASHD_HOST_DEVICE int64_t partials_floats(const BlockAttentionProblem& p) const {
+    return 2 * (block_partial_floats(p) + context_partial_floats(p));
+  }
 };
 
 void block_attention_backward(const BlockAttentionProblem& p, const BlockAttentionBackward& g, cudaStream_t stream);

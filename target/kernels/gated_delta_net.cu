@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
     const bf16* u = static_cast<const bf16*>(a.u) + tile * C * D + v0;
     for (int i = threadIdx.x; i < C * BV / 8; i += kThreads) {
       const int r = i / (BV / 8), c = (i % (BV / 8)) * 8;
-      __pipeline_memcpy_async(&s.u[buffer][r * LDU + c], u + r * D + c, 16);
+      mma_tile::copy16(&s.u[buffer][r * LDU + c], u + r * D + c);
     }
     for (int i = threadIdx.x; i < C; i += kThreads) __pipeline_memcpy_async(&s.gamma[buffer][i], a.gamma + tile * C + i, 4);
   };
@@ -505,10 +505,10 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
   const uint4* state = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.states) + tile * D * D);
   const uint4* v_new = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.v_new) + tile * C * D);
   mma_tile::load_tile<kOutputThreads>(s.q, q, a.qkv_stride, length);
-  for (int i = threadIdx.x; i < 64 * 32; i += kOutputThreads) __pipeline_memcpy_async(&s.state[i], state + i, 16);
-  for (int i = threadIdx.x; i < 32 * 32; i += kOutputThreads) __pipeline_memcpy_async(&s.v[i], v_new + i, 16);
+  for (int i = threadIdx.x; i < 64 * 32; i += kOutputThreads) mma_tile::copy16(&s.state[i], state + i);
+  for (int i = threadIdx.x; i < 32 * 32; i += kOutputThreads) mma_tile::copy16(&s.v[i], v_new + i);
   const uint4* p = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.qk) + tile * C * C);
-  for (int i = threadIdx.x; i < 16 * 32; i += kOutputThreads) __pipeline_memcpy_async(&s.p[i], p + i, 16);
+  for (int i = threadIdx.x; i < 16 * 32; i += kOutputThreads) mma_tile::copy16(&s.p[i], p + i);
   if (threadIdx.x < C) s.q_scale[threadIdx.x] = a.scale * __expf(a.gamma[tile * C + threadIdx.x]);
   __pipeline_commit();
   __pipeline_wait_prior(0);
