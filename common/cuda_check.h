@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -33,6 +34,18 @@ void allow_shared_memory(Kernel kernel, std::size_t bytes, const std::string& wh
 // Blocks of a grid-stride loop over `items`: enough for the items, at most 16 per SM of an H100/H200.
 inline unsigned grid_stride_blocks(int64_t items, int threads) {
   return static_cast<unsigned>(std::min<int64_t>((items + threads - 1) / threads, 132 * 16));
+}
+
+// Whether the current device has compute capability 9.0 (Hopper: the wgmma kernels built for
+// sm_90a run there) and the environment variable `switch_variable` does not say "sync" (which
+// forces a kernel set's mma.sync variant, to compare the two in one run).
+inline bool warpgroup_mma_on_current_device(const char* switch_variable) {
+  int device = 0, major = 0, minor = 0;
+  check_cuda(cudaGetDevice(&device), "current device");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "compute capability");
+  const char* forced = std::getenv(switch_variable);
+  return major == 9 && minor == 0 && !(forced != nullptr && std::string(forced) == "sync");
 }
 
 // Empty when `kernel` has an image for the current device; otherwise the CUDA error text.

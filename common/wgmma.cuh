@@ -101,6 +101,25 @@ __device__ __forceinline__ void mma_64x64(float (&d)[8][4], uint64_t a, uint64_t
 #endif
 }
 
+// d (64 x 64) = (accumulate ? d : 0) + A . B, A the warp's 16 rows as an mma A fragment
+// (registers), B a K-major descriptor.
+__device__ __forceinline__ void mma_64x64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+#ifdef DFLASHD_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+#endif
+}
+
 // d (64 x 128) += A . B, A the warp's 16 rows as an mma A fragment, B an MN-major descriptor.
 __device__ __forceinline__ void mma_64x128(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b) {
 #ifdef DFLASHD_WGMMA
@@ -134,6 +153,16 @@ __device__ __forceinline__ void issue_product(float (&s)[8][4], const Tile& a, c
   arrive();
 #pragma unroll
   for (int step = 0; step < 8; ++step) mma_64x64(s, k_major(a, step), k_major(b, step), step);
+  commit();
+}
+
+// s = A . B^T over the 128 columns: A the warp's 16 rows as 8 k-step fragments (registers), B
+// 64 rows of `b` ([n][k]). `a` must stay unchanged until the wait.
+__device__ __forceinline__ void issue_product(float (&s)[8][4], uint32_t (&a)[8][4], const Tile& b) {
+  fence_operands(a);
+  arrive();
+#pragma unroll
+  for (int step = 0; step < 8; ++step) mma_64x64(s, a[step], k_major(b, step), step);
   commit();
 }
 

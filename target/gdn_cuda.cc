@@ -150,8 +150,11 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
   expect(plan.table.defined() && plan.table.device() == mixed.device(), "the chunk plan must be on the input's device");
   const int64_t chunks = plan.num_chunks;
   const auto bf = mixed.options();
-  const at::Tensor w = at::empty({chunks, value_heads, C, D}, bf), u = at::empty_like(w), v_new = at::empty_like(w);
-  const at::Tensor states = at::empty({chunks, value_heads, D, D}, bf);
+  const at::Tensor w = at::empty({chunks, value_heads, C, D}, bf), u = at::empty_like(w);
+  // The per-chunk states and V' only where the state pass and the output are separate kernels.
+  const bool fused = kernels::gated_delta_rule_fuses_output(state_columns);
+  const at::Tensor v_new = fused ? at::Tensor() : at::empty_like(w);
+  const at::Tensor states = fused ? at::Tensor() : at::empty({chunks, value_heads, D, D}, bf);
   const at::Tensor gamma = at::empty({chunks, value_heads, C}, bf.dtype(at::kFloat));
   const at::Tensor qk = at::empty({chunks, value_heads, C, C}, bf);
 
@@ -177,8 +180,8 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
   a.chunks = {table, table + chunks, table + 2 * chunks, plan.num_chunks, plan.num_seqs};
   a.w = w.data_ptr();
   a.u = u.data_ptr();
-  a.v_new = v_new.data_ptr();
-  a.states = states.data_ptr();
+  a.v_new = fused ? nullptr : v_new.data_ptr();
+  a.states = fused ? nullptr : states.data_ptr();
   a.gamma = gamma.data_ptr<float>();
   a.qk = qk.data_ptr();
   a.eps = static_cast<float>(eps);

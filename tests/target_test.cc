@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <fstream>
 
 #include "common/safetensors.h"
@@ -273,6 +274,24 @@ TEST(GatedDeltaNetKernels, MatchTheReferenceAtSeveralShapes) {
       EXPECT_TRUE(at::equal(part, alone)) << "sequence " << s << " differs when packed";
     }
   }
+}
+
+// On Hopper the state pass runs on wgmma by default: the mma.sync state pass (every other GPU's,
+// forced by DFLASHD_GDN_MMA=sync) must stay correct there too.
+TEST(GatedDeltaNetKernels, MmaSyncStatePassMatchesTheReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(11);
+  const GdnInputs in = random_gdn_inputs({1000, 64, 1, 2031}, 16, 48, 0.5, at::kCUDA);
+  at::Tensor fast, sync;
+  const double fast_error = gdn_kernel_error(in, 16, 48, &fast);
+  setenv("DFLASHD_GDN_MMA", "sync", 1);
+  const double sync_error = gdn_kernel_error(in, 16, 48, &sync);
+  unsetenv("DFLASHD_GDN_MMA");
+  EXPECT_LE(fast_error, 1e-2);
+  EXPECT_LE(sync_error, 1e-2);
+  EXPECT_TRUE(at::isfinite(sync).all().item<bool>());
+  // Same math, different summation order: the two agree to bf16 rounding of the stored states.
+  EXPECT_LE(((fast - sync).norm() / sync.norm()).item<double>(), 1e-2);
 }
 
 // The gates formed in the prepare kernel from the raw projections (strided rows, as a fused

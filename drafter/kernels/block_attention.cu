@@ -15,6 +15,7 @@
 #include <string>
 
 #include "common/cuda_check.h"
+#include "common/fast_math.cuh"
 #include "common/mma_tile.cuh"
 #include "common/wgmma.cuh"
 
@@ -27,14 +28,6 @@ static_assert(D == kAttentionHeadDim && R == kAttentionTileRows, "tiles of 64 ro
 constexpr int kThreads = 128;          // 4 warps x 16 rows
 constexpr int kSmallLd = 24;           // bf16 row stride of the [64 rows][16 keys] block-tile matrices
 constexpr float kLog2e = 1.4426950408889634f;
-
-// 2^x in one MUFU.EX2 (relative error about 2^-22, results below 2^-126 flushed to zero; 2^-inf
-// = 0). exp2f without fast math adds a range test and two multiplies per call.
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Rows of one (block, key-value head, row tile): row r is pair rt * 64 + r of the rep * B
 // (head, block row) pairs; past the last pair it is padding.
@@ -621,12 +614,7 @@ __global__ void __launch_bounds__(kSumThreads) sum_partials_kernel(PartialSums a
 // DFLASHD_ATTENTION_MMA=sync forces the mma.sync kernels (to compare the two in one run).
 bool warpgroup_kernels() {
 #ifdef DFLASHD_CUDA_SM90A
-  int device = 0, major = 0, minor = 0;
-  check_cuda(cudaGetDevice(&device), "block attention: current device");
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "block attention: device");
-  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "block attention: device");
-  const char* forced = std::getenv("DFLASHD_ATTENTION_MMA");
-  return major == 9 && minor == 0 && !(forced != nullptr && std::string(forced) == "sync");
+  return warpgroup_mma_on_current_device("DFLASHD_ATTENTION_MMA");
 #else
   return false;
 #endif

@@ -5,12 +5,15 @@
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
 #include "common/bf16x8.cuh"
 #include "common/cuda_check.h"
+#include "common/fast_math.cuh"
 #include "common/mma_tile.cuh"
+#include "common/wgmma.cuh"
 
 namespace dflash::target::kernels {
 namespace {
@@ -267,7 +270,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
   for (int i = threadIdx.x; i < group * C; i += kPrepareThreads) {
     const int h = i / C, t = i % C;
     const float gamma = t < 32 ? s.gamma[h][t] : s.gamma[h][t] + s.gamma[h][31];
-    s.k_scale[h][t] = s.beta[h][t] * __expf(gamma);
+    s.k_scale[h][t] = s.beta[h][t] * exp_approx(gamma);
     a.gamma[(static_cast<int64_t>(chunk) * a.value_heads + head0 + h) * C + t] = gamma;
     if (t >= 32) s.gamma[h][t] = gamma;  // (t < 32 reads only its own entry above)
   }
@@ -297,7 +300,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
       for (int e = 0; e < 4; ++e) {
         const int r = row0 + g + 8 * (e >> 1), c = 8 * j + 2 * t4 + (e & 1);
         const bool keep = warp < 4 ? r > c : r >= c;
-        if (keep) decayed[j][e] = product[j][e] * __expf(gamma_row[e >> 1] - ((e & 1) ? gamma_col.y : gamma_col.x));
+        if (keep) decayed[j][e] = product[j][e] * exp_approx(gamma_row[e >> 1] - ((e & 1) ? gamma_col.y : gamma_col.x));
       }
     }
     if (warp < 4) {
@@ -368,8 +371,8 @@ struct StateShared {
   mma_tile::Tile w[kStateStages];
   mma_tile::Tile k[kStateStages];
   __align__(16) bf16 u[kStateStages][C * LDU];
-  float gamma[kStateStages][C];
-  float exchange[2 * kPairs][32 * 32];  // per warp: its half of (W S)^T, [fragment element][lane]
+  __align__(16) float gamma[kStateStages][C];
+  float4 exchange[2 * kPairs][8 * 32];  // per warp: its half of (W S)^T, [n8 tile][lane]
 };
 
 __device__ __forceinline__ void pair_barrier(int pair) {
@@ -383,7 +386,7 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
   extern __shared__ __align__(128) unsigned char smem[];
   Shared& s = *reinterpret_cast<Shared*>(smem);
   const int seq = blockIdx.x, head = blockIdx.y, v0 = blockIdx.z * BV;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t4 = lane & 3;
   const int pair = warp >> 1, half = warp & 1, vw = pair * 16, d0 = half * 64;
   const int first = a.chunks.seq_chunks[seq], count = a.chunks.seq_chunks[seq + 1] - first;
   const int key_head = head / (a.value_heads / a.key_heads);
@@ -401,7 +404,7 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
       const int r = i / (BV / 8), c = (i % (BV / 8)) * 8;
       mma_tile::copy16(&s.u[buffer][r * LDU + c], u + r * D + c);
     }
-    for (int i = threadIdx.x; i < C; i += kThreads) __pipeline_memcpy_async(&s.gamma[buffer][i], a.gamma + tile * C + i, 4);
+    if (threadIdx.x < C / 4) mma_tile::copy16(&s.gamma[buffer][4 * threadIdx.x], a.gamma + tile * C + 4 * threadIdx.x);
   };
 
   // S^T: rows v0 + vw + g (c[0], c[1]) and + 8 (c[2], c[3]); key dims d0 + 8n + 2t4 (+1).
@@ -412,8 +415,8 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
     if (i < count) load(i, i);
     __pipeline_commit();
   }
-  float* mine = s.exchange[warp];
-  const float* other = s.exchange[warp ^ 1];
+  float4* mine = s.exchange[warp];
+  const float4* other = s.exchange[warp ^ 1];
   for (int i = 0; i < count; ++i) {
     mma_tile::pipeline_stage<kStateStages>(i, count, load);
     const int buffer = i % kStateStages;
@@ -425,51 +428,58 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
     uint4* states = reinterpret_cast<uint4*>(static_cast<bf16*>(a.states) + tile * D * D) +
                     ((blockIdx.z * kPairs + pair) * 8 + 4 * half) * 32 + lane;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) states[kk * 32] = make_uint4(sa[kk][0], sa[kk][1], sa[kk][2], sa[kk][3]);
+    for (int kk = 0; kk < 4; ++kk) states[kk * 32] = make_uint4(sa[kk][0], sa[kk][2], sa[kk][1], sa[kk][3]);
     // (W S)^T over this warp's key dims, plus the partner's half.
     float vt[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j) vt[j][0] = vt[j][1] = vt[j][2] = vt[j][3] = 0.f;
     mma_tile::product_16x64_add<4>(vt, sa, s.w[buffer], d0);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * 32 + lane] = vt[j][e];
+    for (int j = 0; j < 8; ++j) mine[j * 32 + lane] = make_float4(vt[j][0], vt[j][1], vt[j][2], vt[j][3]);
     pair_barrier(pair);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) vt[j][e] += other[(j * 4 + e) * 32 + lane];
+    for (int j = 0; j < 8; ++j) {
+      const float4 x = other[j * 32 + lane];
+      vt[j][0] += x.x, vt[j][1] += x.y, vt[j][2] += x.z, vt[j][3] += x.w;
+    }
     // V'^T = U^T - (W S)^T: stored in fragment order for the output kernel (each warp of the pair
     // half of the tokens); its decayed copy V'^T e^(gamma_last - gamma) is the A operand of the update.
     const float* gamma = s.gamma[buffer];
-    const bf16* u = s.u[buffer];
     const float gamma_last = gamma[C - 1];
+    // U^T's fragments by ldmatrix.trans from U ([token][column]): matrix m of k-step kk holds
+    // tokens 16 kk + 8 (m >> 1) .., columns vw + 8 (m & 1) ..; it is vt[2 kk + (m >> 1)][2 (m & 1) ..].
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int kk = 0; kk < 4; ++kk) {
+      const int m = lane >> 3, token = 16 * kk + 8 * (m >> 1) + (lane & 7);
+      uint32_t x[4];
+      mma_tile::ldsm_x4_trans(x, mma_tile::shared_address(&s.u[buffer][token * LDU + vw + 8 * (m & 1)]));
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        vt[j][e] = __bfloat162float(u[(8 * j + 2 * t4 + (e & 1)) * LDU + vw + g + (e >> 1) * 8]) - vt[j][e];
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = mma_tile::unpack(x[i]);
+        float* c = vt[2 * kk + (i >> 1)] + 2 * (i & 1);
+        c[0] = f.x - c[0];
+        c[1] = f.y - c[1];
       }
+    }
     uint4* v_new = reinterpret_cast<uint4*>(static_cast<bf16*>(a.v_new) + tile * C * D) +
                    ((blockIdx.z * kPairs + pair) * 4 + 2 * half) * 32 + lane;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {  // (static register indices: a runtime one would spill vt)
       if ((kk >> 1) != half) continue;
       const int j = 2 * kk;
-      v_new[(kk & 1) * 32] = make_uint4(mma_tile::pack(vt[j][0], vt[j][1]), mma_tile::pack(vt[j][2], vt[j][3]),
-                                        mma_tile::pack(vt[j + 1][0], vt[j + 1][1]), mma_tile::pack(vt[j + 1][2], vt[j + 1][3]));
+      v_new[(kk & 1) * 32] = make_uint4(mma_tile::pack(vt[j][0], vt[j][1]), mma_tile::pack(vt[j + 1][0], vt[j + 1][1]),
+                                        mma_tile::pack(vt[j][2], vt[j][3]), mma_tile::pack(vt[j + 1][2], vt[j + 1][3]));
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int token = 8 * j + 2 * t4;
-      const float e0 = __expf(gamma_last - gamma[token]), e1 = __expf(gamma_last - gamma[token + 1]);
+      const float e0 = exp_approx(gamma_last - gamma[token]), e1 = exp_approx(gamma_last - gamma[token + 1]);
       vt[j][0] *= e0, vt[j][1] *= e1, vt[j][2] *= e0, vt[j][3] *= e1;
     }
     uint32_t va[4][4];
     mma_tile::to_a(va, vt);
     // S = e^gamma_last S + K^T (V' e^(gamma_last - gamma)), transposed, this warp's key dims.
-    const float decay = __expf(gamma_last);
+    const float decay = exp_approx(gamma_last);
 #pragma unroll
     for (int n = 0; n < 8; ++n) st[n][0] *= decay, st[n][1] *= decay, st[n][2] *= decay, st[n][3] *= decay;
     mma_tile::accumulate_16xn<4>(st, va, s.k[buffer], d0);
@@ -477,11 +487,313 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
   }
 }
 
+// The same pass on Hopper's warpgroup products (wgmma, sm_90a): one warpgroup per (sequence,
+// value head, 64 value columns), each warp 16 value columns over all 128 key dims, so no
+// exchange between warps. (W S)^T = S^T W^T takes S^T from registers (the bf16 A fragments
+// also stored for the output kernel) and W from its swizzled tile; the update S^T += (V'
+// e^(gamma_last - gamma))^T K takes V'^T from registers and K's tile as the MN-major operand.
+// Each product is one asynchronous group of the whole warpgroup at the tensor cores' full rate,
+// where mma.sync issued 64 products per warp per chunk at about half of it.
+struct StateWgmmaShared {
+  static constexpr int BV = 64, LDU = BV + 8;
+  mma_tile::Tile w[kStateStages];  // 1024-byte aligned: wgmma's swizzled operands
+  mma_tile::Tile k[kStateStages];
+  __align__(16) bf16 u[kStateStages][C * LDU];
+  __align__(16) float gamma[kStateStages][C];
+};
+
+__global__ void __launch_bounds__(128) state_wgmma_kernel(GdnForward a) {
+  using Shared = StateWgmmaShared;
+  constexpr int BV = Shared::BV, LDU = Shared::LDU, kThreads = 128;
+  extern __shared__ __align__(16) unsigned char raw[];
+  Shared& s = mma_tile::aligned_shared<Shared>(raw);
+  const int seq = blockIdx.x, head = blockIdx.y, v0 = blockIdx.z * BV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t4 = lane & 3, vw = warp * 16;
+  const int first = a.chunks.seq_chunks[seq], count = a.chunks.seq_chunks[seq + 1] - first;
+  const int key_head = head / (a.value_heads / a.key_heads);
+  const bf16* qkv = static_cast<const bf16*>(a.qkv);
+
+  auto load = [&](int index, int buffer) {
+    const int chunk = first + index, start = a.chunks.start[chunk], length = a.chunks.length[chunk];
+    const int64_t tile = static_cast<int64_t>(chunk) * a.value_heads + head;
+    mma_tile::load_tile<kThreads>(s.w[buffer], static_cast<const bf16*>(a.w) + tile * C * D, D, C);
+    mma_tile::load_tile<kThreads>(s.k[buffer], qkv + static_cast<int64_t>(start) * a.qkv_stride + (a.key_heads + key_head) * D,
+                                  a.qkv_stride, length);
+    const bf16* u = static_cast<const bf16*>(a.u) + tile * C * D + v0;
+#pragma unroll
+    for (int j = 0; j < C * BV / 8 / kThreads; ++j) {
+      const int i = threadIdx.x + j * kThreads, r = i / (BV / 8), c = (i % (BV / 8)) * 8;
+      mma_tile::copy16(&s.u[buffer][r * LDU + c], u + r * D + c);
+    }
+    if (threadIdx.x < C / 4) mma_tile::copy16(&s.gamma[buffer][4 * threadIdx.x], a.gamma + tile * C + 4 * threadIdx.x);
+  };
+
+  // S^T: rows v0 + vw + g (c[0], c[1]) and + 8 (c[2], c[3]); key dims 8n + 2t4 (+1).
+  float st[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
+  for (int i = 0; i + 1 < kStateStages; ++i) {
+    if (i < count) load(i, i);
+    __pipeline_commit();
+  }
+  const int block = blockIdx.z * 4 + warp;  // this warp's 16-column block of the head's 128
+  for (int i = 0; i < count; ++i) {
+    mma_tile::pipeline_stage<kStateStages, true>(i, count, load);
+    const int buffer = i % kStateStages;
+    const int64_t tile = static_cast<int64_t>(first + i) * a.value_heads + head;
+    uint32_t sa[8][4];
+    mma_tile::to_a(sa, st);
+    float vt[8][4];
+    wgmma::issue_product(vt, sa, s.w[buffer]);  // (W S)^T: 16 value columns x 64 tokens per warp
+    uint4* states = reinterpret_cast<uint4*>(static_cast<bf16*>(a.states) + tile * D * D) + block * 8 * 32 + lane;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) states[ks * 32] = make_uint4(sa[ks][0], sa[ks][2], sa[ks][1], sa[ks][3]);
+    wgmma::wait<0>(vt, sa);
+    const float* gamma = s.gamma[buffer];
+    const float gamma_last = gamma[C - 1];
+    // V'^T = U^T - (W S)^T, U^T's fragments by ldmatrix.trans as in state_kernel.
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int m = lane >> 3, token = 16 * kk + 8 * (m >> 1) + (lane & 7);
+      uint32_t x[4];
+      mma_tile::ldsm_x4_trans(x, mma_tile::shared_address(&s.u[buffer][token * LDU + vw + 8 * (m & 1)]));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = mma_tile::unpack(x[e]);
+        float* c = vt[2 * kk + (e >> 1)] + 2 * (e & 1);
+        c[0] = f.x - c[0];
+        c[1] = f.y - c[1];
+      }
+    }
+    uint4* v_new = reinterpret_cast<uint4*>(static_cast<bf16*>(a.v_new) + tile * C * D) + block * 4 * 32 + lane;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int j = 2 * kk;
+      v_new[kk * 32] = make_uint4(mma_tile::pack(vt[j][0], vt[j][1]), mma_tile::pack(vt[j + 1][0], vt[j + 1][1]),
+                                  mma_tile::pack(vt[j][2], vt[j][3]), mma_tile::pack(vt[j + 1][2], vt[j + 1][3]));
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int token = 8 * j + 2 * t4;
+      const float e0 = exp_approx(gamma_last - gamma[token]), e1 = exp_approx(gamma_last - gamma[token + 1]);
+      vt[j][0] *= e0, vt[j][1] *= e1, vt[j][2] *= e0, vt[j][3] *= e1;
+    }
+    uint32_t va[4][4];
+    mma_tile::to_a(va, vt);
+    const float decay = exp_approx(gamma_last);
+#pragma unroll
+    for (int n = 0; n < 16; ++n) st[n][0] *= decay, st[n][1] *= decay, st[n][2] *= decay, st[n][3] *= decay;
+    wgmma::issue_accumulate(st, va, s.k[buffer]);
+    wgmma::wait<0>(st, va);
+    __syncthreads();  // this chunk's buffers are refilled next
+  }
+}
+
+// ---- 3+4 on Hopper: the state pass with the output fused in --------------------------------
+// One CTA (one warpgroup) per (sequence, value head, 64 value columns), the two CTAs of a head
+// a cluster; each warp 16 value columns over all 128 key dims (S^T in registers). Per chunk, from
+// S^T's bf16 fragments:
+//   (W S)^T and (Q S)^T = S^T Q^T (wgmma, W and Q tiles as K-major operands), V'^T = U^T - (W S)^T;
+//   the update S^T = e^gamma_last S^T + (V' e^(gamma_last - gamma))^T K (wgmma, K as MN-major),
+//   issued before the output work so the tensor cores run it meanwhile;
+//   O^T = (Q S)^T diag(scale e^gamma) + V'^T P^T (mma.sync: P's A fragments are P^T's B
+//   fragments), then the gated RMSNorm over the head's 128 columns (each CTA's sums of squares
+//   per token exchanged through the cluster's distributed shared memory) and the store.
+// Neither the per-chunk states nor V' go through global memory (the unfused pair writes and reads
+// both: the output kernel was bound by those reads).
+constexpr int kFusedThreads = 128;
+constexpr int kFusedStages = 3;
+
+struct FusedShared {
+  static constexpr int BV = 64, LDU = BV + 8;
+  mma_tile::Tile w[kFusedStages];  // 1024-byte aligned: wgmma's swizzled operands
+  mma_tile::Tile k[kFusedStages];
+  mma_tile::Tile q[kFusedStages];
+  __align__(16) bf16 u[kFusedStages][C * LDU];  // U's and z's 64 columns of this CTA, [token][column]
+  __align__(16) bf16 z[kFusedStages][C * LDU];
+  uint4 p[kFusedStages][16 * 32];  // P in A-fragment order (GdnForward::qk)
+  __align__(16) float gamma[kFusedStages][C];
+  float squares[4][C];      // per warp: the sums of squares of its 16 columns, per token
+  float partial[2][C];      // this CTA's 64 columns, per token (by chunk parity; the peer reads it)
+  float rstd[C];
+};
+
+__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads) state_output_kernel(GdnForward a) {
+  using Shared = FusedShared;
+  constexpr int BV = Shared::BV, LDU = Shared::LDU;
+  extern __shared__ __align__(16) unsigned char raw[];
+  Shared& s = mma_tile::aligned_shared<Shared>(raw);
+  const int seq = blockIdx.x, head = blockIdx.y, v0 = blockIdx.z * BV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, vw = warp * 16;
+  const int first = a.chunks.seq_chunks[seq], count = a.chunks.seq_chunks[seq + 1] - first;
+  const int key_head = head / (a.value_heads / a.key_heads);
+  const bf16* qkv = static_cast<const bf16*>(a.qkv);
+  const bool norm = a.out != nullptr;
+
+  auto load = [&](int index, int buffer) {
+    const int chunk = first + index, start = a.chunks.start[chunk], length = a.chunks.length[chunk];
+    const int64_t tile = static_cast<int64_t>(chunk) * a.value_heads + head;
+    const bf16* rows = qkv + static_cast<int64_t>(start) * a.qkv_stride;
+    mma_tile::load_tile<kFusedThreads>(s.w[buffer], static_cast<const bf16*>(a.w) + tile * C * D, D, C);
+    mma_tile::load_tile<kFusedThreads>(s.k[buffer], rows + (a.key_heads + key_head) * D, a.qkv_stride, length);
+    mma_tile::load_tile<kFusedThreads>(s.q[buffer], rows + key_head * D, a.qkv_stride, length);
+    const bf16* u = static_cast<const bf16*>(a.u) + tile * C * D + v0;
+    const bf16* z = norm ? static_cast<const bf16*>(a.z) + static_cast<int64_t>(start) * a.z_stride + head * D + v0 : nullptr;
+#pragma unroll
+    for (int j = 0; j < C * BV / 8 / kFusedThreads; ++j) {
+      const int i = threadIdx.x + j * kFusedThreads, r = i >> 3, c = (i & 7) * 8;
+      mma_tile::copy16(&s.u[buffer][r * LDU + c], u + r * D + c);
+      if (norm) mma_tile::copy16(&s.z[buffer][r * LDU + c], z + r * a.z_stride + c, r < length);
+    }
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.qk) + tile * C * C);
+#pragma unroll
+    for (int j = 0; j < 16 * 32 / kFusedThreads; ++j) mma_tile::copy16(&s.p[buffer][threadIdx.x + j * kFusedThreads], p + threadIdx.x + j * kFusedThreads);
+    if (threadIdx.x < C / 4) mma_tile::copy16(&s.gamma[buffer][4 * threadIdx.x], a.gamma + tile * C + 4 * threadIdx.x);
+  };
+
+  // The gated norm's weights of this thread's columns v0 + vw + g and + 8.
+  float weight0 = 0.f, weight1 = 0.f;
+  if (norm) {
+    const bf16* w = static_cast<const bf16*>(a.norm_weight) + v0 + vw + g;
+    weight0 = __bfloat162float(w[0]);
+    weight1 = __bfloat162float(w[8]);
+  }
+  // The peer CTA's per-token sums of squares (distributed shared memory of the cluster).
+  uint32_t rank, peer_partial;
+  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer_partial) : "r"(mma_tile::shared_address(&s.partial[0][0])), "r"(rank ^ 1));
+  // S^T: rows v0 + vw + g (c[0], c[1]) and + 8 (c[2], c[3]); key dims 8n + 2t4 (+1).
+  float st[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
+  for (int i = 0; i + 1 < kFusedStages; ++i) {
+    if (i < count) load(i, i);
+    __pipeline_commit();
+  }
+  for (int i = 0; i < count; ++i) {
+    mma_tile::pipeline_stage<kFusedStages, true>(i, count, load);
+    const int buffer = i % kFusedStages, chunk = first + i;
+    const int start = a.chunks.start[chunk], length = a.chunks.length[chunk];
+    uint32_t sa[8][4];
+    mma_tile::to_a(sa, st);
+    float vt[8][4], ot[8][4];
+    wgmma::issue_product(vt, sa, s.w[buffer]);  // (W S)^T: this warp's 16 columns x 64 tokens
+    wgmma::issue_product(ot, sa, s.q[buffer]);  // (Q S)^T
+    wgmma::wait<1>(vt);
+    const float* gamma = s.gamma[buffer];
+    const float gamma_last = gamma[C - 1];
+    // V'^T = U^T - (W S)^T; U^T's fragments by ldmatrix.trans (matrix m of k-step kk: tokens
+    // 16 kk + 8 (m >> 1) .., columns vw + 8 (m & 1) ..; it is vt[2 kk + (m >> 1)][2 (m & 1) ..]).
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int m = lane >> 3, token = 16 * kk + 8 * (m >> 1) + (lane & 7);
+      uint32_t x[4];
+      mma_tile::ldsm_x4_trans(x, mma_tile::shared_address(&s.u[buffer][token * LDU + vw + 8 * (m & 1)]));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = mma_tile::unpack(x[e]);
+        float* c = vt[2 * kk + (e >> 1)] + 2 * (e & 1);
+        c[0] = f.x - c[0];
+        c[1] = f.y - c[1];
+      }
+    }
+    uint32_t vb[4][4];  // V'^T in bf16: the A operand of V'^T P^T
+    mma_tile::to_a(vb, vt);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int token = 8 * j + 2 * t4;
+      const float e0 = exp_approx(gamma_last - gamma[token]), e1 = exp_approx(gamma_last - gamma[token + 1]);
+      vt[j][0] *= e0, vt[j][1] *= e1, vt[j][2] *= e0, vt[j][3] *= e1;
+    }
+    uint32_t va[4][4];
+    mma_tile::to_a(va, vt);
+    const float decay = exp_approx(gamma_last);
+#pragma unroll
+    for (int n = 0; n < 16; ++n) st[n][0] *= decay, st[n][1] *= decay, st[n][2] *= decay, st[n][3] *= decay;
+    wgmma::issue_accumulate(st, va, s.k[buffer]);
+    wgmma::wait<1>(ot);
+    // O^T = (Q S)^T diag(scale e^gamma) + V'^T P^T, the second on mma.sync: P's stored A fragment
+    // of (row block rb, token step kk) holds P^T's B fragments of the n8 tiles 2 rb, 2 rb + 1.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int token = 8 * j + 2 * t4;
+      const float q0 = a.scale * exp_approx(gamma[token]), q1 = a.scale * exp_approx(gamma[token + 1]);
+      ot[j][0] *= q0, ot[j][1] *= q1, ot[j][2] *= q0, ot[j][3] *= q1;
+    }
+#pragma unroll
+    for (int rb = 0; rb < 4; ++rb) {
+#pragma unroll
+      for (int kk = 0; kk <= rb; ++kk) {  // P is causal: blocks above the diagonal are zero
+        const uint4 pf = s.p[buffer][(rb * 4 + kk) * 32 + lane];
+        mma_tile::mma(ot[2 * rb], vb[kk], pf.x, pf.z);
+        mma_tile::mma(ot[2 * rb + 1], vb[kk], pf.y, pf.w);
+      }
+    }
+    // Epilogue: tokens 8j + 2t4 (+1) of columns v0 + vw + g, + 8.
+    if (!norm) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int token = 8 * j + 2 * t4 + (e & 1);
+          if (token >= length) continue;
+          a.out_raw[((static_cast<int64_t>(start) + token) * a.value_heads + head) * D + v0 + vw + g + (e >> 1) * 8] = ot[j][e];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float q0 = ot[j][0] * ot[j][0] + ot[j][2] * ot[j][2], q1 = ot[j][1] * ot[j][1] + ot[j][3] * ot[j][3];
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {
+          q0 += __shfl_xor_sync(0xffffffffu, q0, off);
+          q1 += __shfl_xor_sync(0xffffffffu, q1, off);
+        }
+        if (g == 0) s.squares[warp][8 * j + 2 * t4] = q0, s.squares[warp][8 * j + 2 * t4 + 1] = q1;
+      }
+      __syncthreads();
+      const int parity = i & 1;
+      if (threadIdx.x < C) {
+        s.partial[parity][threadIdx.x] = s.squares[0][threadIdx.x] + s.squares[1][threadIdx.x] + s.squares[2][threadIdx.x] +
+                                         s.squares[3][threadIdx.x];
+      }
+      // Both CTAs' partial sums written (and, by the previous chunk's barrier, the peer done
+      // reading this parity's buffer two chunks ago).
+      asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+      if (threadIdx.x < C) {
+        float other;
+        asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(other) : "r"(peer_partial + (parity * C + threadIdx.x) * 4));
+        s.rstd[threadIdx.x] = rsqrtf((s.partial[parity][threadIdx.x] + other) / D + a.eps);
+      }
+      __syncthreads();
+      const bf16* z = s.z[buffer] + vw + g;
+      bf16* out = static_cast<bf16*>(a.out) + (static_cast<int64_t>(start) * a.value_heads + head) * D + v0 + vw + g;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int token = 8 * j + 2 * t4 + (e & 1), column = (e >> 1) * 8;
+          if (token >= length) continue;
+          // As the reference: rmsnorm(o) and w * it rounded to bf16, then times silu(z) in fp32.
+          const float gate = __bfloat162float(z[token * LDU + column]);
+          const float n = __bfloat162float(__float2bfloat16(ot[j][e] * s.rstd[token]));
+          const float weighted = __bfloat162float(__float2bfloat16((e >> 1 ? weight1 : weight0) * n));
+          out[static_cast<int64_t>(token) * a.value_heads * D + column] = __float2bfloat16(weighted * gate / (1.0f + __expf(-gate)));
+        }
+      }
+    }
+    wgmma::wait<0>(st, va);
+    __syncthreads();  // this chunk's buffers (and the norm's scratch) are refilled next
+  }
+  // The peer may still read this CTA's last partial sums: leave the cluster together.
+  if (norm) asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 // ---- 4. output: O = diag(scale e^gamma) Q S + P V', then the gated norm -----------------------
 // 4 warps, each 16 tokens x all 128 value columns (so the norm over a row stays in the warp's
-// quads): Q as a swizzled tile, P as a swizzled 64-column matrix, S^T and V'^T in the fragment
-// order the state pass wrote them (an A fragment of X^T is the B fragments of two n8 tiles of X:
-// one 16-byte shared load per lane); products by mma.sync, the row scale applied to the
+// quads): Q as a swizzled tile, P in A-fragment order, S^T and V'^T in the fragment order the
+// state pass wrote them (the B fragments of two n8 tiles of S or V' as one 16-byte shared load per
+// lane, pairs in adjacent registers); products by mma.sync, the row scale applied to the
 // accumulators.
 constexpr int kOutputThreads = 128;
 
@@ -509,7 +821,7 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
   for (int i = threadIdx.x; i < 32 * 32; i += kOutputThreads) mma_tile::copy16(&s.v[i], v_new + i);
   const uint4* p = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.qk) + tile * C * C);
   for (int i = threadIdx.x; i < 16 * 32; i += kOutputThreads) mma_tile::copy16(&s.p[i], p + i);
-  if (threadIdx.x < C) s.q_scale[threadIdx.x] = a.scale * __expf(a.gamma[tile * C + threadIdx.x]);
+  if (threadIdx.x < C) s.q_scale[threadIdx.x] = a.scale * exp_approx(a.gamma[tile * C + threadIdx.x]);
   __pipeline_commit();
   __pipeline_wait_prior(0);
   __syncthreads();
@@ -522,8 +834,8 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
 #pragma unroll
     for (int np = 0; np < 8; ++np) {  // value columns [16 np, +16): one fragment-ordered block
       const uint4 y = s.state[(np * 8 + ks) * 32 + lane];
-      mma_tile::mma(acc[2 * np], x, y.x, y.z);
-      mma_tile::mma(acc[2 * np + 1], x, y.y, y.w);
+      mma_tile::mma(acc[2 * np], x, y.x, y.y);
+      mma_tile::mma(acc[2 * np + 1], x, y.z, y.w);
     }
   }
   const float scale0 = s.q_scale[row0 + g], scale1 = s.q_scale[row0 + g + 8];
@@ -536,8 +848,8 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
 #pragma unroll
     for (int np = 0; np < 8; ++np) {
       const uint4 y = s.v[(np * 4 + kk) * 32 + lane];
-      mma_tile::mma(acc[2 * np], x, y.x, y.z);
-      mma_tile::mma(acc[2 * np + 1], x, y.y, y.w);
+      mma_tile::mma(acc[2 * np], x, y.x, y.y);
+      mma_tile::mma(acc[2 * np + 1], x, y.z, y.w);
     }
   }
 
@@ -596,12 +908,26 @@ void conv1d_silu_l2norm(const void* x, int64_t x_stride, const void* weight, int
   check_cuda_launch("GatedDeltaNet kernel conv1d_silu_l2norm");
 }
 
+// The wgmma state pass on compute capability 9.0 when built for sm_90a (64 value columns per CTA),
+// the mma.sync ones elsewhere; DFLASHD_GDN_MMA=sync forces mma.sync (to compare the two in one run).
+bool warpgroup_kernels() {
+#ifdef DFLASHD_CUDA_SM90A
+  return warpgroup_mma_on_current_device("DFLASHD_GDN_MMA");
+#else
+  return false;
+#endif
+}
+
 template <int kPairs>
 void launch_state(const GdnForward& args, cudaStream_t stream) {
   const size_t bytes = sizeof(StateShared<kPairs>);
   allow_shared_memory(state_kernel<kPairs>, bytes, "GatedDeltaNet kernel state");
   state_kernel<kPairs><<<dim3(args.chunks.num_seqs, args.value_heads, D / (16 * kPairs)), 64 * kPairs, bytes, stream>>>(args);
   check_cuda_launch("GatedDeltaNet kernel state");
+}
+
+bool gated_delta_rule_fuses_output(int state_columns) {
+  return state_columns == 64 && warpgroup_kernels() && std::getenv("DFLASHD_GDN_UNFUSED") == nullptr;
 }
 
 void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
@@ -625,11 +951,27 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
   prepare_kernel<<<dim3(args.chunks.num_chunks, args.key_heads), kPrepareThreads, sizeof(PrepareShared), stream>>>(args);
   check_cuda_launch("GatedDeltaNet kernel prepare");
   mark(1);
-  switch (args.state_columns) {
-    case 32: launch_state<2>(args, stream); break;
-    case 64: launch_state<4>(args, stream); break;
-    case 128: launch_state<8>(args, stream); break;
-    default: throw std::invalid_argument("gated_delta_rule_forward: state_columns must be 32, 64 or 128");
+  if (gated_delta_rule_fuses_output(args.state_columns)) {
+    const size_t bytes = sizeof(FusedShared) + mma_tile::kSharedAlignment;
+    allow_shared_memory(state_output_kernel, bytes, "GatedDeltaNet kernel state+output (wgmma)");
+    state_output_kernel<<<dim3(args.chunks.num_seqs, args.value_heads, D / FusedShared::BV), kFusedThreads, bytes, stream>>>(args);
+    check_cuda_launch("GatedDeltaNet kernel state+output (wgmma)");
+    mark(2);
+    mark(3);
+    return;
+  }
+  if (args.state_columns == StateWgmmaShared::BV && warpgroup_kernels()) {
+    const size_t bytes = sizeof(StateWgmmaShared) + mma_tile::kSharedAlignment;
+    allow_shared_memory(state_wgmma_kernel, bytes, "GatedDeltaNet kernel state (wgmma)");
+    state_wgmma_kernel<<<dim3(args.chunks.num_seqs, args.value_heads, D / StateWgmmaShared::BV), 128, bytes, stream>>>(args);
+    check_cuda_launch("GatedDeltaNet kernel state (wgmma)");
+  } else {
+    switch (args.state_columns) {
+      case 32: launch_state<2>(args, stream); break;
+      case 64: launch_state<4>(args, stream); break;
+      case 128: launch_state<8>(args, stream); break;
+      default: throw std::invalid_argument("gated_delta_rule_forward: state_columns must be 32, 64 or 128");
+    }
   }
   mark(2);
   allow_shared_memory(output_kernel, sizeof(OutputShared), "GatedDeltaNet kernel output");

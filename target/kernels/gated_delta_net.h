@@ -21,6 +21,10 @@
 //      chunk c (cp.async double buffering).
 //   4. output (grid chunks x value heads): O = (scale e^gamma Q) S + P V', with the gated
 //      RMSNorm of the layer fused in (w * rmsnorm(O) * silu(z)).
+//   On Hopper (built for sm_90a, compute capability 9.0) 3 and 4 are one kernel on the
+//   warpgroup tensor-core products (wgmma): one CTA per (sequence, value head), the output of
+//   each chunk computed from the state in registers, so neither the per-chunk states nor V' go
+//   through global memory (DFLASHD_GDN_MMA=sync forces the mma.sync kernels above).
 // Variable-length batches: the chunk table never lets a chunk cross a sequence boundary.
 #pragma once
 
@@ -74,15 +78,17 @@ struct GdnForward {
   // [num_chunks, value_heads, 64]; states (S^T at each chunk's start, 128 value columns x 128
   // key dims) and v_new (V'^T, 128 value columns x 64 tokens) per (chunk, value head) in
   // fragment order: 16x16 blocks (value-column block major), each as 32 lanes x 16 bytes, lane
-  // 4g + t holding the mma.m16n8k16 A fragment {(g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8)}
-  // (element pairs) of the block.
+  // 4g + t holding the element pairs {(g, 2t), (g, 2t + 8), (g + 8, 2t), (g + 8, 2t + 8)} of the
+  // block: the mma.m16n8k16 B fragments (b0, b1) of its two 8-column halves, adjacent registers
+  // for the output kernel's products.
   void* w = nullptr;
   void* u = nullptr;
   void* v_new = nullptr;
   void* states = nullptr;
   float* gamma = nullptr;
-  // P = causal(scale Q K^T o exp(gamma_i - gamma_j)), bf16 64 x 64 per (chunk, value head) in
-  // the same fragment order, as A operands: 16-row block r major, then the 16-token step k.
+  // P = causal(scale Q K^T o exp(gamma_i - gamma_j)), bf16 64 x 64 per (chunk, value head) as
+  // mma.m16n8k16 A fragments {(g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8)}, 32 lanes x 16
+  // bytes per 16x16 block: 16-row block r major, then the 16-token step k.
   void* qk = nullptr;
   // Output, one of:
   float* out_raw = nullptr;  // fp32 [tokens, value_heads, 128]: o itself (tests)
@@ -99,6 +105,10 @@ struct GdnForward {
   // Optional: four events recorded before prepare, state, output and after output (profiling).
   cudaEvent_t* stage_events = nullptr;
 };
+
+// Whether gated_delta_rule_forward runs the fused state + output kernel on the current device
+// (Hopper, 64 state columns): then GdnForward::states and v_new are not used (may be null).
+bool gated_delta_rule_fuses_output(int state_columns);
 
 // Launches prepare, state and output on `stream`. Throws std::runtime_error (naming the kernel
 // and the CUDA error) when a launch fails.
