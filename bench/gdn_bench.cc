@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
   const int64_t hk = 16, hv = 48;
   std::printf("GatedDeltaNet core, Hk %lld / Hv %lld / head 128, bf16 in, fp32 state; ms per call (CUDA events)\n",
               static_cast<long long>(hk), static_cast<long long>(hv));
-  // ours: the default kernels (on an H200 the wgmma state pass); sync/64, /32, /128: the mma.sync
+  // ours: the default kernels (on an H200 the fused wgmma state + output kernel); sync/64, /32, /128: the mma.sync
   // state pass with 64, 32 or 128 value columns per CTA (DFLASHD_GDN_MMA=sync for sync/64).
   std::printf("%-14s %8s %8s %8s %8s %8s %10s %12s %10s\n", "batch", "tokens", "ours", "sync/64", "sync/32", "sync/128",
               "conv+l2", "reference", "ref/ours");
@@ -117,7 +117,6 @@ int main(int argc, char** argv) {
       });
     };
     const double ours = core(64), sync64 = core(64, "DFLASHD_GDN_MMA"), ours32 = core(32), ours128 = core(128);
-    const double unfused = core(64, "DFLASHD_GDN_UNFUSED");
     const double conv = cuda_ms(20, [&](int i) {
       const Inputs& in = sets[i % copies];
       target::conv1d_silu_l2norm_cuda(in.raw, in.conv_weight, in.positions, 2 * hk * 128);
@@ -139,7 +138,6 @@ int main(int argc, char** argv) {
     std::printf("%-14s %8lld %8.3f %8.3f %8.3f %8.3f %10.3f %12.3f %10.1f   rel.err %.1e  prepare/state/output %.3f/%.3f/%.3f\n",
                 batch.c_str(), static_cast<long long>(n), ours, sync64, ours32, ours128, conv, reference, reference / ours, error,
                 stages[2][0], stages[2][1], stages[2][2]);
-    std::printf("%-14s unfused wgmma state + output kernels %.3f\n", "", unfused);
   }
 
   // bf16 matmul rate of this GPU (the MFU denominator).

@@ -5,7 +5,6 @@
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -375,6 +374,27 @@ struct StateShared {
   float4 exchange[2 * kPairs][8 * 32];  // per warp: its half of (W S)^T, [n8 tile][lane]
 };
 
+// vt = U^T - vt for the warp's 16 value columns [col0, col0 + 16) x the chunk's 64 tokens
+// (accumulator fragments: vt[j] the tokens 8j ..), U in shared memory as [token][column] with row
+// stride ld: U^T's fragments by ldmatrix.trans (matrix m of k-step kk holds tokens
+// 16 kk + 8 (m >> 1) .., columns col0 + 8 (m & 1) ..; it is vt[2 kk + (m >> 1)][2 (m & 1) ..]).
+__device__ __forceinline__ void subtract_from_u(float (&vt)[8][4], const bf16* u, int ld, int col0) {
+  const int lane = threadIdx.x & 31, m = lane >> 3;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int token = 16 * kk + 8 * (m >> 1) + (lane & 7);
+    uint32_t x[4];
+    mma_tile::ldsm_x4_trans(x, mma_tile::shared_address(u + token * ld + col0 + 8 * (m & 1)));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = mma_tile::unpack(x[e]);
+      float* c = vt[2 * kk + (e >> 1)] + 2 * (e & 1);
+      c[0] = f.x - c[0];
+      c[1] = f.y - c[1];
+    }
+  }
+}
+
 __device__ __forceinline__ void pair_barrier(int pair) {
   asm volatile("bar.sync %0, 64;\n" ::"r"(1 + pair) : "memory");
 }
@@ -446,21 +466,7 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
     // half of the tokens); its decayed copy V'^T e^(gamma_last - gamma) is the A operand of the update.
     const float* gamma = s.gamma[buffer];
     const float gamma_last = gamma[C - 1];
-    // U^T's fragments by ldmatrix.trans from U ([token][column]): matrix m of k-step kk holds
-    // tokens 16 kk + 8 (m >> 1) .., columns vw + 8 (m & 1) ..; it is vt[2 kk + (m >> 1)][2 (m & 1) ..].
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const int m = lane >> 3, token = 16 * kk + 8 * (m >> 1) + (lane & 7);
-      uint32_t x[4];
-      mma_tile::ldsm_x4_trans(x, mma_tile::shared_address(&s.u[buffer][token * LDU + vw + 8 * (m & 1)]));
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = mma_tile::unpack(x[i]);
-        float* c = vt[2 * kk + (i >> 1)] + 2 * (i & 1);
-        c[0] = f.x - c[0];
-        c[1] = f.y - c[1];
-      }
-    }
+    subtract_from_u(vt, s.u[buffer], LDU, vw);
     uint4* v_new = reinterpret_cast<uint4*>(static_cast<bf16*>(a.v_new) + tile * C * D) +
                    ((blockIdx.z * kPairs + pair) * 4 + 2 * half) * 32 + lane;
 #pragma unroll
@@ -484,108 +490,6 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
     for (int n = 0; n < 8; ++n) st[n][0] *= decay, st[n][1] *= decay, st[n][2] *= decay, st[n][3] *= decay;
     mma_tile::accumulate_16xn<4>(st, va, s.k[buffer], d0);
     __syncthreads();  // this chunk's buffers and exchange slots are refilled next
-  }
-}
-
-// The same pass on Hopper's warpgroup products (wgmma, sm_90a): one warpgroup per (sequence,
-// value head, 64 value columns), each warp 16 value columns over all 128 key dims, so no
-// exchange between warps. (W S)^T = S^T W^T takes S^T from registers (the bf16 A fragments
-// also stored for the output kernel) and W from its swizzled tile; the update S^T += (V'
-// e^(gamma_last - gamma))^T K takes V'^T from registers and K's tile as the MN-major operand.
-// Each product is one asynchronous group of the whole warpgroup at the tensor cores' full rate,
-// where mma.sync issued 64 products per warp per chunk at about half of it.
-struct StateWgmmaShared {
-  static constexpr int BV = 64, LDU = BV + 8;
-  mma_tile::Tile w[kStateStages];  // 1024-byte aligned: wgmma's swizzled operands
-  mma_tile::Tile k[kStateStages];
-  __align__(16) bf16 u[kStateStages][C * LDU];
-  __align__(16) float gamma[kStateStages][C];
-};
-
-__global__ void __launch_bounds__(128) state_wgmma_kernel(GdnForward a) {
-  using Shared = StateWgmmaShared;
-  constexpr int BV = Shared::BV, LDU = Shared::LDU, kThreads = 128;
-  extern __shared__ __align__(16) unsigned char raw[];
-  Shared& s = mma_tile::aligned_shared<Shared>(raw);
-  const int seq = blockIdx.x, head = blockIdx.y, v0 = blockIdx.z * BV;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t4 = lane & 3, vw = warp * 16;
-  const int first = a.chunks.seq_chunks[seq], count = a.chunks.seq_chunks[seq + 1] - first;
-  const int key_head = head / (a.value_heads / a.key_heads);
-  const bf16* qkv = static_cast<const bf16*>(a.qkv);
-
-  auto load = [&](int index, int buffer) {
-    const int chunk = first + index, start = a.chunks.start[chunk], length = a.chunks.length[chunk];
-    const int64_t tile = static_cast<int64_t>(chunk) * a.value_heads + head;
-    mma_tile::load_tile<kThreads>(s.w[buffer], static_cast<const bf16*>(a.w) + tile * C * D, D, C);
-    mma_tile::load_tile<kThreads>(s.k[buffer], qkv + static_cast<int64_t>(start) * a.qkv_stride + (a.key_heads + key_head) * D,
-                                  a.qkv_stride, length);
-    const bf16* u = static_cast<const bf16*>(a.u) + tile * C * D + v0;
-#pragma unroll
-    for (int j = 0; j < C * BV / 8 / kThreads; ++j) {
-      const int i = threadIdx.x + j * kThreads, r = i / (BV / 8), c = (i % (BV / 8)) * 8;
-      mma_tile::copy16(&s.u[buffer][r * LDU + c], u + r * D + c);
-    }
-    if (threadIdx.x < C / 4) mma_tile::copy16(&s.gamma[buffer][4 * threadIdx.x], a.gamma + tile * C + 4 * threadIdx.x);
-  };
-
-  // S^T: rows v0 + vw + g (c[0], c[1]) and + 8 (c[2], c[3]); key dims 8n + 2t4 (+1).
-  float st[16][4];
-#pragma unroll
-  for (int n = 0; n < 16; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
-  for (int i = 0; i + 1 < kStateStages; ++i) {
-    if (i < count) load(i, i);
-    __pipeline_commit();
-  }
-  const int block = blockIdx.z * 4 + warp;  // this warp's 16-column block of the head's 128
-  for (int i = 0; i < count; ++i) {
-    mma_tile::pipeline_stage<kStateStages, true>(i, count, load);
-    const int buffer = i % kStateStages;
-    const int64_t tile = static_cast<int64_t>(first + i) * a.value_heads + head;
-    uint32_t sa[8][4];
-    mma_tile::to_a(sa, st);
-    float vt[8][4];
-    wgmma::issue_product(vt, sa, s.w[buffer]);  // (W S)^T: 16 value columns x 64 tokens per warp
-    uint4* states = reinterpret_cast<uint4*>(static_cast<bf16*>(a.states) + tile * D * D) + block * 8 * 32 + lane;
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) states[ks * 32] = make_uint4(sa[ks][0], sa[ks][2], sa[ks][1], sa[ks][3]);
-    wgmma::wait<0>(vt, sa);
-    const float* gamma = s.gamma[buffer];
-    const float gamma_last = gamma[C - 1];
-    // V'^T = U^T - (W S)^T, U^T's fragments by ldmatrix.trans as in state_kernel.
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const int m = lane >> 3, token = 16 * kk + 8 * (m >> 1) + (lane & 7);
-      uint32_t x[4];
-      mma_tile::ldsm_x4_trans(x, mma_tile::shared_address(&s.u[buffer][token * LDU + vw + 8 * (m & 1)]));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = mma_tile::unpack(x[e]);
-        float* c = vt[2 * kk + (e >> 1)] + 2 * (e & 1);
-        c[0] = f.x - c[0];
-        c[1] = f.y - c[1];
-      }
-    }
-    uint4* v_new = reinterpret_cast<uint4*>(static_cast<bf16*>(a.v_new) + tile * C * D) + block * 4 * 32 + lane;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const int j = 2 * kk;
-      v_new[kk * 32] = make_uint4(mma_tile::pack(vt[j][0], vt[j][1]), mma_tile::pack(vt[j + 1][0], vt[j + 1][1]),
-                                  mma_tile::pack(vt[j][2], vt[j][3]), mma_tile::pack(vt[j + 1][2], vt[j + 1][3]));
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int token = 8 * j + 2 * t4;
-      const float e0 = exp_approx(gamma_last - gamma[token]), e1 = exp_approx(gamma_last - gamma[token + 1]);
-      vt[j][0] *= e0, vt[j][1] *= e1, vt[j][2] *= e0, vt[j][3] *= e1;
-    }
-    uint32_t va[4][4];
-    mma_tile::to_a(va, vt);
-    const float decay = exp_approx(gamma_last);
-#pragma unroll
-    for (int n = 0; n < 16; ++n) st[n][0] *= decay, st[n][1] *= decay, st[n][2] *= decay, st[n][3] *= decay;
-    wgmma::issue_accumulate(st, va, s.k[buffer]);
-    wgmma::wait<0>(st, va);
-    __syncthreads();  // this chunk's buffers are refilled next
   }
 }
 
@@ -682,21 +586,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads) state
     wgmma::wait<1>(vt);
     const float* gamma = s.gamma[buffer];
     const float gamma_last = gamma[C - 1];
-    // V'^T = U^T - (W S)^T; U^T's fragments by ldmatrix.trans (matrix m of k-step kk: tokens
-    // 16 kk + 8 (m >> 1) .., columns vw + 8 (m & 1) ..; it is vt[2 kk + (m >> 1)][2 (m & 1) ..]).
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const int m = lane >> 3, token = 16 * kk + 8 * (m >> 1) + (lane & 7);
-      uint32_t x[4];
-      mma_tile::ldsm_x4_trans(x, mma_tile::shared_address(&s.u[buffer][token * LDU + vw + 8 * (m & 1)]));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = mma_tile::unpack(x[e]);
-        float* c = vt[2 * kk + (e >> 1)] + 2 * (e & 1);
-        c[0] = f.x - c[0];
-        c[1] = f.y - c[1];
-      }
-    }
+    subtract_from_u(vt, s.u[buffer], LDU, vw);  // V'^T = U^T - (W S)^T
     uint32_t vb[4][4];  // V'^T in bf16: the A operand of V'^T P^T
     mma_tile::to_a(vb, vt);
 #pragma unroll
@@ -908,8 +798,9 @@ void conv1d_silu_l2norm(const void* x, int64_t x_stride, const void* weight, int
   check_cuda_launch("GatedDeltaNet kernel conv1d_silu_l2norm");
 }
 
-// The wgmma state pass on compute capability 9.0 when built for sm_90a (64 value columns per CTA),
-// the mma.sync ones elsewhere; DFLASHD_GDN_MMA=sync forces mma.sync (to compare the two in one run).
+// The fused wgmma state + output kernel on compute capability 9.0 when built for sm_90a (64 value
+// columns per CTA), the mma.sync kernels elsewhere; DFLASHD_GDN_MMA=sync forces mma.sync (to
+// compare the two in one run).
 bool warpgroup_kernels() {
 #ifdef DFLASHD_CUDA_SM90A
   return warpgroup_mma_on_current_device("DFLASHD_GDN_MMA");
@@ -927,7 +818,7 @@ void launch_state(const GdnForward& args, cudaStream_t stream) {
 }
 
 bool gated_delta_rule_fuses_output(int state_columns) {
-  return state_columns == 64 && warpgroup_kernels() && std::getenv("DFLASHD_GDN_UNFUSED") == nullptr;
+  return state_columns == 64 && warpgroup_kernels();
 }
 
 void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
@@ -960,18 +851,11 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
     mark(3);
     return;
   }
-  if (args.state_columns == StateWgmmaShared::BV && warpgroup_kernels()) {
-    const size_t bytes = sizeof(StateWgmmaShared) + mma_tile::kSharedAlignment;
-    allow_shared_memory(state_wgmma_kernel, bytes, "GatedDeltaNet kernel state (wgmma)");
-    state_wgmma_kernel<<<dim3(args.chunks.num_seqs, args.value_heads, D / StateWgmmaShared::BV), 128, bytes, stream>>>(args);
-    check_cuda_launch("GatedDeltaNet kernel state (wgmma)");
-  } else {
-    switch (args.state_columns) {
-      case 32: launch_state<2>(args, stream); break;
-      case 64: launch_state<4>(args, stream); break;
-      case 128: launch_state<8>(args, stream); break;
-      default: throw std::invalid_argument("gated_delta_rule_forward: state_columns must be 32, 64 or 128");
-    }
+  switch (args.state_columns) {
+    case 32: launch_state<2>(args, stream); break;
+    case 64: launch_state<4>(args, stream); break;
+    case 128: launch_state<8>(args, stream); break;
+    default: throw std::invalid_argument("gated_delta_rule_forward: state_columns must be 32, 64 or 128");
   }
   mark(2);
   allow_shared_memory(output_kernel, sizeof(OutputShared), "GatedDeltaNet kernel output");
