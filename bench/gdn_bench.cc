@@ -6,7 +6,8 @@
 //   2. A whole 27B-shaped target forward (random weights, up to layer 61, 3072 and 4096
 //      tokens): time, tokens/s, and MFU against the bf16 matmul rate measured here.
 // The Python peers (FLA, transformers' fallback) run beside it from bench/run_h200.sh gdn.
-// Usage: gdn_bench <directory with the 27B config.json>   (bench/configs/qwen3_5-27b)
+// Usage: gdn_bench <directory with the 27B config.json> [core]   (bench/configs/qwen3_5-27b;
+//        `core`: the core table only, batch-1 4096 and 16384 tokens, no whole forward)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/core/InferenceMode.h>
@@ -45,6 +46,7 @@ double cuda_ms(int repeats, const std::function<void(int)>& f) {
 
 struct Inputs {
   at::Tensor mixed, raw, conv_weight, positions, g, beta;
+  at::Tensor z, norm_weight;  // the gated RMSNorm's gate and weight (what the model runs)
   target::GdnChunkPlan plan;
   at::Tensor q, k, v;  // fp32 views for the reference
   std::vector<int64_t> cu;
@@ -68,6 +70,8 @@ Inputs make_inputs(const std::vector<int64_t>& lengths, int64_t hk, int64_t hv) 
   in.g = -(0.05 + 0.95 * at::rand({n, hv}, cuda));
   in.beta = at::sigmoid(at::randn({n, hv}, cuda));
   in.plan = target::make_gdn_chunk_plan(in.cu, at::kCUDA);
+  in.z = at::randn({n, hv, 128}, cuda).to(at::kBFloat16);
+  in.norm_weight = (1.0 + 0.1 * at::randn({128}, cuda)).to(at::kBFloat16);
   const at::Tensor f = in.mixed.to(at::kFloat);
   in.q = f.narrow(1, 0, hk * 128).view({n, hk, 128});
   in.k = f.narrow(1, hk * 128, hk * 128).view({n, hk, 128});
@@ -79,7 +83,7 @@ Inputs make_inputs(const std::vector<int64_t>& lengths, int64_t hk, int64_t hv) 
 
 int main(int argc, char** argv) {
   if (argc < 2 || !at::hasCUDA()) {
-    std::fprintf(stderr, "usage: gdn_bench <directory with a Qwen3.5-27B config.json> (needs a GPU)\n");
+    std::fprintf(stderr, "usage: gdn_bench <directory with a Qwen3.5-27B config.json> [core] (needs a GPU)\n");
     return 2;
   }
   c10::InferenceMode inference;
@@ -88,12 +92,15 @@ int main(int argc, char** argv) {
               static_cast<long long>(hk), static_cast<long long>(hv));
   // ours: the default kernels (on an H200 the fused wgmma state + output kernel); sync/64, /32, /128: the mma.sync
   // state pass with 64, 32 or 128 value columns per CTA (DFLASHD_GDN_MMA=sync for sync/64).
-  std::printf("%-14s %8s %8s %8s %8s %8s %10s %12s %10s\n", "batch", "tokens", "ours", "sync/64", "sync/32", "sync/128",
-              "conv+l2", "reference", "ref/ours");
+  // +norm: ours with the gated RMSNorm fused (z in, bf16 out), as the target model calls it.
+  std::printf("%-14s %8s %8s %8s %8s %8s %8s %10s %12s %10s\n", "batch", "tokens", "ours", "+norm", "sync/64", "sync/32",
+              "sync/128", "conv+l2", "reference", "ref/ours");
   // DFLASHD_PROFILE=1: only the whole forward, then its kernels by GPU time.
   const bool profile = std::getenv("DFLASHD_PROFILE") != nullptr;
   std::vector<std::vector<int64_t>> shapes = {{2048}, {4096}, {8192}, {16384}, {1024, 1024, 1024, 1024},
                                               {4096, 4096, 4096, 4096}};
+  const bool core_only = argc > 2 && std::string(argv[2]) == "core";
+  if (core_only) shapes = {{4096}, {16384}};
   if (profile) shapes.clear();
   for (const auto& lengths : shapes) {
     // Rotate over enough input sets to exceed the 60 MB L2.
@@ -117,6 +124,11 @@ int main(int argc, char** argv) {
       });
     };
     const double ours = core(64), sync64 = core(64, "DFLASHD_GDN_MMA"), ours32 = core(32), ours128 = core(128);
+    // With the gated RMSNorm fused (z read, bf16 out): what the target model runs per layer.
+    const double normed = cuda_ms(20, [&](int i) {
+      const Inputs& in = sets[i % copies];
+      target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, in.z, in.norm_weight);
+    });
     const double conv = cuda_ms(20, [&](int i) {
       const Inputs& in = sets[i % copies];
       target::conv1d_silu_l2norm_cuda(in.raw, in.conv_weight, in.positions, 2 * hk * 128);
@@ -135,11 +147,12 @@ int main(int argc, char** argv) {
     for (auto& st : stages) target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, {}, {}, 1e-6, 64, st.data());
     std::sort(stages.begin(), stages.end(), [](const auto& x, const auto& y) { return x[0] + x[1] + x[2] < y[0] + y[1] + y[2]; });
     std::string batch = std::to_string(lengths.size()) + "x" + std::to_string(lengths[0]);
-    std::printf("%-14s %8lld %8.3f %8.3f %8.3f %8.3f %10.3f %12.3f %10.1f   rel.err %.1e  prepare/state/output %.3f/%.3f/%.3f\n",
-                batch.c_str(), static_cast<long long>(n), ours, sync64, ours32, ours128, conv, reference, reference / ours, error,
+    std::printf("%-14s %8lld %8.3f %8.3f %8.3f %8.3f %8.3f %10.3f %12.3f %10.1f   rel.err %.1e  prepare/state/output %.3f/%.3f/%.3f\n",
+                batch.c_str(), static_cast<long long>(n), ours, normed, sync64, ours32, ours128, conv, reference, reference / ours, error,
                 stages[2][0], stages[2][1], stages[2][2]);
   }
 
+  if (core_only) return 0;
   // bf16 matmul rate of this GPU (the MFU denominator).
   const at::Tensor a = at::randn({8192, 8192}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
   const at::Tensor b = at::randn({8192, 8192}, a.options());

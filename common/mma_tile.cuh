@@ -72,12 +72,13 @@ __device__ __forceinline__ void load_tile(Tile& tile, RowOf row_of) {
 }
 
 // Rows [0, rows) at first + r * stride (elements); the rest zero-filled. The source pointer
-// advances by a constant per copy (no per-row address arithmetic).
+// advances by a constant per copy (no per-row address arithmetic). `thread`: this thread's index
+// among the kThreads that load (threadIdx.x unless a kernel splits its threads into groups).
 template <int kThreads>
-__device__ __forceinline__ void load_tile(Tile& tile, const bf16* first, int64_t stride, int rows) {
+__device__ __forceinline__ void load_tile(Tile& tile, const bf16* first, int64_t stride, int rows, int thread) {
   static_assert(kThreads % 128 == 0, "tiles load with whole multiples of 128 threads");
   constexpr int kStep = kThreads / 16;
-  const int c = threadIdx.x & 15, r0 = threadIdx.x >> 4;
+  const int c = thread & 15, r0 = thread >> 4;
   bf16* dst = tile.v + swizzled(r0, c);
   const bf16* src = first + r0 * stride + c * 8;
   const int64_t step = kStep * stride;
@@ -86,6 +87,10 @@ __device__ __forceinline__ void load_tile(Tile& tile, const bf16* first, int64_t
     copy16(dst + j * kStep * 64, src, r0 + j * kStep < rows);
     src += step;
   }
+}
+template <int kThreads>
+__device__ __forceinline__ void load_tile(Tile& tile, const bf16* first, int64_t stride, int rows) {
+  load_tile<kThreads>(tile, first, stride, rows, static_cast<int>(threadIdx.x));
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t address) {
@@ -121,6 +126,20 @@ __device__ __forceinline__ float2 unpack(uint32_t x) {
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const Tile& t, int row0, int col0) {
   const int lane = threadIdx.x & 31;
   ldsm_x4(a, shared_address(t.v + swizzled(row0 + (lane & 15), (col0 >> 3) + (lane >> 4))));
+}
+
+// The inverse of load_a: an A operand into rows [row0, row0 + 16), columns [col0, col0 + 16) of
+// a tile (stmatrix, sm_90 and later).
+__device__ __forceinline__ void store_a(Tile& t, const uint32_t (&a)[4], int row0, int col0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const int lane = threadIdx.x & 31;
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   shared_address(t.v + swizzled(row0 + (lane & 15), (col0 >> 3) + (lane >> 4)))),
+               "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])
+               : "memory");
+#else
+  __trap();
+#endif
 }
 
 // B operands of two n8 tiles [n0, n0 + 8), [n0 + 8, n0 + 16) over k [k0, k0 + 16), from a tile

@@ -493,144 +493,250 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
   }
 }
 
-// ---- 3+4 on Hopper: the state pass with the output fused in --------------------------------
-// One CTA (one warpgroup) per (sequence, value head, 64 value columns), the two CTAs of a head
-// a cluster; each warp 16 value columns over all 128 key dims (S^T in registers). Per chunk, from
-// S^T's bf16 fragments:
-//   (W S)^T and (Q S)^T = S^T Q^T (wgmma, W and Q tiles as K-major operands), V'^T = U^T - (W S)^T;
-//   the update S^T = e^gamma_last S^T + (V' e^(gamma_last - gamma))^T K (wgmma, K as MN-major),
-//   issued before the output work so the tensor cores run it meanwhile;
-//   O^T = (Q S)^T diag(scale e^gamma) + V'^T P^T (mma.sync: P's A fragments are P^T's B
-//   fragments), then the gated RMSNorm over the head's 128 columns (each CTA's sums of squares
-//   per token exchanged through the cluster's distributed shared memory) and the store.
-// Neither the per-chunk states nor V' go through global memory (the unfused pair writes and reads
-// both: the output kernel was bound by those reads).
-constexpr int kFusedThreads = 128;
-constexpr int kFusedStages = 3;
+// ---- 3+4 on Hopper: the state pass with the output fused in, warp-specialised -----------------
+// One CTA per (sequence, value head, 64 value columns), the two CTAs of a head a cluster. Two
+// warpgroups: the chain (warpgroup 0) carries the state from chunk to chunk, the output
+// (warpgroup 1) turns each chunk's state into its output, so only the state's own work is on the
+// sequential path. Warp w of either warpgroup owns the value columns [16 w, 16 w + 16).
+//   chain, per chunk: S^T's bf16 fragments (S^T in fp32 registers over all 128 key dims) to the
+//     hand-off tile (stmatrix) and the A operand of (W S)^T (wgmma); V'^T = U^T - (W S)^T, in bf16
+//     to the hand-off; the update S^T = e^gamma_last S^T + (V' e^(gamma_last - gamma))^T K (wgmma,
+//     K as MN-major).
+//   output, per chunk: (Q S)^T = S^T Q^T (wgmma from the hand-off tile), O^T = (Q S)^T
+//     diag(scale e^gamma) + V'^T P^T (mma.sync: P's A fragments are P^T's B fragments), the gated
+//     RMSNorm over the head's 128 columns (the two CTAs' per-token sums of squares exchanged
+//     through distributed shared memory, an mbarrier per parity) and the store.
+// The hand-off is a ring of kHandoffs slots between named barriers (full: chain -> output;
+// empty: output -> chain). Each warpgroup loads its own operands (cp.async, kChainStages /
+// kOutputStages deep) and synchronises on its own named barrier. No per-chunk states or V' in
+// global memory. At 4096 tokens (H200, raw output) the state + output part took 0.137 ms with one
+// warpgroup doing both per chunk and takes 0.108 split; the chain alone (no output work) 0.087.
+// Measured and not kept (whole core at 4096 tokens, against 0.204): 3 chain stages 0.216; 2
+// hand-off slots 0.206; (Q S)^T on mma.sync from the hand-off (no async-proxy fence) 0.219; the
+// hand-off after the update is issued 0.209; L2 prefetch of the operands 2 chunks ahead 0.210;
+// W S formed as (T diag(beta e^gamma)) (K S) from an 8 KB matrix instead of the 16 KB W, one
+// more product on the chain, 0.215-0.232.
+constexpr int kFusedThreads = 256;
+constexpr int kChainStages = 2;
+constexpr int kOutputStages = 2;
+constexpr int kHandoffs = 1;
+// Named barriers (0 is __syncthreads): each warpgroup's own, then full and empty per slot.
+constexpr int kChainBarrier = 1, kOutputBarrier = 2, kFullBarrier = 3, kEmptyBarrier = 3 + kHandoffs;
 
 struct FusedShared {
   static constexpr int BV = 64, LDU = BV + 8;
-  mma_tile::Tile w[kFusedStages];  // 1024-byte aligned: wgmma's swizzled operands
-  mma_tile::Tile k[kFusedStages];
-  mma_tile::Tile q[kFusedStages];
-  __align__(16) bf16 u[kFusedStages][C * LDU];  // U's and z's 64 columns of this CTA, [token][column]
-  __align__(16) bf16 z[kFusedStages][C * LDU];
-  uint4 p[kFusedStages][16 * 32];  // P in A-fragment order (GdnForward::qk)
-  __align__(16) float gamma[kFusedStages][C];
-  float squares[4][C];      // per warp: the sums of squares of its 16 columns, per token
-  float partial[2][C];      // this CTA's 64 columns, per token (by chunk parity; the peer reads it)
+  // Tiles first (1024-byte aligned: wgmma's swizzled operands).
+  mma_tile::Tile w[kChainStages];
+  mma_tile::Tile k[kChainStages];
+  mma_tile::Tile q[kOutputStages];
+  mma_tile::Tile state[kHandoffs];  // S^T in bf16 (64 value columns x 128 key dims)
+  __align__(16) bf16 u[kChainStages][C * LDU];  // U's 64 columns of this CTA, [token][column]
+  __align__(16) bf16 z[kOutputStages][C * LDU];
+  uint4 p[kOutputStages][16 * 32];   // P in A-fragment order (GdnForward::qk)
+  uint4 v[kHandoffs][4 * 4 * 32];    // V'^T in bf16, A-fragment order: [warp][token step][lane]
+  __align__(16) float chain_gamma[kChainStages][C];
+  __align__(16) float output_gamma[kOutputStages][C];
+  float squares[4][C];     // per output warp: the sums of squares of its 16 columns, per token
+  float peer_partial[2][C];  // the peer CTA's 64 columns, per token (written by the peer, by parity)
   float rstd[C];
+  uint64_t peer_written[2];  // mbarriers: the peer's partial sums of parity 0 / 1 arrived
 };
 
-__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads) state_output_kernel(GdnForward a) {
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// A warpgroup's software pipeline over kStages buffers, one barrier per iteration: wait_stage
+// waits (cp.async) for the loads of iteration i and publishes them to the warpgroup (and the
+// async proxy); issue_stage then issues those of iteration i + kStages - 1 into the buffer that
+// iteration i - 1 used (every thread of the warpgroup is past it).
+template <int kStages>
+__device__ __forceinline__ void wait_stage(int barrier) {
+  static_assert(kStages >= 2, "at least one iteration of loads ahead");
+  __pipeline_wait_prior(kStages - 2);
+  mma_tile::async_proxy_fence();
+  named_sync(barrier, 128);
+}
+template <int kStages, typename Load>
+__device__ __forceinline__ void issue_stage(int i, int count, Load load) {
+  if (i + kStages - 1 < count) load(i + kStages - 1, (i + kStages - 1) % kStages);
+  __pipeline_commit();
+}
+
+__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) state_output_kernel(GdnForward a) {
   using Shared = FusedShared;
   constexpr int BV = Shared::BV, LDU = Shared::LDU;
   extern __shared__ __align__(16) unsigned char raw[];
   Shared& s = mma_tile::aligned_shared<Shared>(raw);
   const int seq = blockIdx.x, head = blockIdx.y, v0 = blockIdx.z * BV;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, vw = warp * 16;
+  const int tid = threadIdx.x & 127, warp = tid >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int vw = warp * 16;
   const int first = a.chunks.seq_chunks[seq], count = a.chunks.seq_chunks[seq + 1] - first;
+  // A sequence's chunks are consecutive 64-token pieces (make_gdn_chunk_plan): chunk i starts at
+  // seq_start + 64 i, so the loop needs no per-chunk table reads.
+  const int seq_start = count > 0 ? a.chunks.start[first] : 0;
+  const int seq_end = count > 0 ? a.chunks.start[first + count - 1] + a.chunks.length[first + count - 1] : 0;
   const int key_head = head / (a.value_heads / a.key_heads);
   const bf16* qkv = static_cast<const bf16*>(a.qkv);
   const bool norm = a.out != nullptr;
+  const int64_t tile_step = static_cast<int64_t>(a.value_heads);  // (chunk, head) tiles per chunk
 
-  auto load = [&](int index, int buffer) {
-    const int chunk = first + index, start = a.chunks.start[chunk], length = a.chunks.length[chunk];
-    const int64_t tile = static_cast<int64_t>(chunk) * a.value_heads + head;
-    const bf16* rows = qkv + static_cast<int64_t>(start) * a.qkv_stride;
-    mma_tile::load_tile<kFusedThreads>(s.w[buffer], static_cast<const bf16*>(a.w) + tile * C * D, D, C);
-    mma_tile::load_tile<kFusedThreads>(s.k[buffer], rows + (a.key_heads + key_head) * D, a.qkv_stride, length);
-    mma_tile::load_tile<kFusedThreads>(s.q[buffer], rows + key_head * D, a.qkv_stride, length);
-    const bf16* u = static_cast<const bf16*>(a.u) + tile * C * D + v0;
-    const bf16* z = norm ? static_cast<const bf16*>(a.z) + static_cast<int64_t>(start) * a.z_stride + head * D + v0 : nullptr;
-#pragma unroll
-    for (int j = 0; j < C * BV / 8 / kFusedThreads; ++j) {
-      const int i = threadIdx.x + j * kFusedThreads, r = i >> 3, c = (i & 7) * 8;
-      mma_tile::copy16(&s.u[buffer][r * LDU + c], u + r * D + c);
-      if (norm) mma_tile::copy16(&s.z[buffer][r * LDU + c], z + r * a.z_stride + c, r < length);
-    }
-    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.qk) + tile * C * C);
-#pragma unroll
-    for (int j = 0; j < 16 * 32 / kFusedThreads; ++j) mma_tile::copy16(&s.p[buffer][threadIdx.x + j * kFusedThreads], p + threadIdx.x + j * kFusedThreads);
-    if (threadIdx.x < C / 4) mma_tile::copy16(&s.gamma[buffer][4 * threadIdx.x], a.gamma + tile * C + 4 * threadIdx.x);
-  };
-
-  // The gated norm's weights of this thread's columns v0 + vw + g and + 8.
-  float weight0 = 0.f, weight1 = 0.f;
-  if (norm) {
-    const bf16* w = static_cast<const bf16*>(a.norm_weight) + v0 + vw + g;
-    weight0 = __bfloat162float(w[0]);
-    weight1 = __bfloat162float(w[8]);
-  }
-  // The peer CTA's per-token sums of squares (distributed shared memory of the cluster).
-  uint32_t rank, peer_partial;
+  // The norm's exchange: this CTA writes its per-token partial sums into the peer's peer_partial
+  // and arrives on the peer's mbarrier of that parity.
+  uint32_t rank, peer_partial, peer_written;
   asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer_partial) : "r"(mma_tile::shared_address(&s.partial[0][0])), "r"(rank ^ 1));
-  // S^T: rows v0 + vw + g (c[0], c[1]) and + 8 (c[2], c[3]); key dims 8n + 2t4 (+1).
-  float st[16][4];
-#pragma unroll
-  for (int n = 0; n < 16; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
-  for (int i = 0; i + 1 < kFusedStages; ++i) {
-    if (i < count) load(i, i);
-    __pipeline_commit();
+  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer_partial) : "r"(mma_tile::shared_address(&s.peer_partial[0][0])), "r"(rank ^ 1));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer_written) : "r"(mma_tile::shared_address(&s.peer_written[0])), "r"(rank ^ 1));
+  if (threadIdx.x == 0) {
+    for (int p = 0; p < 2; ++p) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(mma_tile::shared_address(&s.peer_written[p])));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  for (int i = 0; i < count; ++i) {
-    mma_tile::pipeline_stage<kFusedStages, true>(i, count, load);
-    const int buffer = i % kFusedStages, chunk = first + i;
-    const int start = a.chunks.start[chunk], length = a.chunks.length[chunk];
-    uint32_t sa[8][4];
-    mma_tile::to_a(sa, st);
-    float vt[8][4], ot[8][4];
-    wgmma::issue_product(vt, sa, s.w[buffer]);  // (W S)^T: this warp's 16 columns x 64 tokens
-    wgmma::issue_product(ot, sa, s.q[buffer]);  // (Q S)^T
-    wgmma::wait<1>(vt);
-    const float* gamma = s.gamma[buffer];
-    const float gamma_last = gamma[C - 1];
-    subtract_from_u(vt, s.u[buffer], LDU, vw);  // V'^T = U^T - (W S)^T
-    uint32_t vb[4][4];  // V'^T in bf16: the A operand of V'^T P^T
-    mma_tile::to_a(vb, vt);
+  cluster_sync();  // the peer's mbarriers exist before anyone arrives on them
+
+  if (threadIdx.x < 128) {
+    // ---- the chain ----
+    auto load = [&](int index, int buffer) {
+      const int start = seq_start + index * C, length = min(C, seq_end - start);
+      const int64_t tile = (first + index) * tile_step + head;
+      mma_tile::load_tile<128>(s.w[buffer], static_cast<const bf16*>(a.w) + tile * C * D, D, C, tid);
+      mma_tile::load_tile<128>(s.k[buffer], qkv + static_cast<int64_t>(start) * a.qkv_stride + (a.key_heads + key_head) * D,
+                               a.qkv_stride, length, tid);
+      const bf16* u = static_cast<const bf16*>(a.u) + tile * C * D + v0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int token = 8 * j + 2 * t4;
-      const float e0 = exp_approx(gamma_last - gamma[token]), e1 = exp_approx(gamma_last - gamma[token + 1]);
-      vt[j][0] *= e0, vt[j][1] *= e1, vt[j][2] *= e0, vt[j][3] *= e1;
-    }
-    uint32_t va[4][4];
-    mma_tile::to_a(va, vt);
-    const float decay = exp_approx(gamma_last);
-#pragma unroll
-    for (int n = 0; n < 16; ++n) st[n][0] *= decay, st[n][1] *= decay, st[n][2] *= decay, st[n][3] *= decay;
-    wgmma::issue_accumulate(st, va, s.k[buffer]);
-    wgmma::wait<1>(ot);
-    // O^T = (Q S)^T diag(scale e^gamma) + V'^T P^T, the second on mma.sync: P's stored A fragment
-    // of (row block rb, token step kk) holds P^T's B fragments of the n8 tiles 2 rb, 2 rb + 1.
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int token = 8 * j + 2 * t4;
-      const float q0 = a.scale * exp_approx(gamma[token]), q1 = a.scale * exp_approx(gamma[token + 1]);
-      ot[j][0] *= q0, ot[j][1] *= q1, ot[j][2] *= q0, ot[j][3] *= q1;
-    }
-#pragma unroll
-    for (int rb = 0; rb < 4; ++rb) {
-#pragma unroll
-      for (int kk = 0; kk <= rb; ++kk) {  // P is causal: blocks above the diagonal are zero
-        const uint4 pf = s.p[buffer][(rb * 4 + kk) * 32 + lane];
-        mma_tile::mma(ot[2 * rb], vb[kk], pf.x, pf.z);
-        mma_tile::mma(ot[2 * rb + 1], vb[kk], pf.y, pf.w);
+      for (int j = 0; j < C * BV / 8 / 128; ++j) {
+        const int i = tid + j * 128, r = i >> 3, c = (i & 7) * 8;
+        mma_tile::copy16(&s.u[buffer][r * LDU + c], u + r * D + c);
       }
+      if (tid < C / 4) mma_tile::copy16(&s.chain_gamma[buffer][4 * tid], a.gamma + tile * C + 4 * tid);
+    };
+    // S^T: rows v0 + vw + g (c[0], c[1]) and + 8 (c[2], c[3]); key dims 8n + 2t4 (+1).
+    float st[16][4];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
+    for (int i = 0; i + 1 < kChainStages; ++i) {
+      if (i < count) load(i, i);
+      __pipeline_commit();
     }
-    // Epilogue: tokens 8j + 2t4 (+1) of columns v0 + vw + g, + 8.
-    if (!norm) {
+    for (int i = 0; i < count; ++i) {
+      wait_stage<kChainStages>(kChainBarrier);
+      issue_stage<kChainStages>(i, count, load);
+      const int buffer = i % kChainStages, slot = i % kHandoffs;
+      uint32_t sa[8][4];
+      mma_tile::to_a(sa, st);
+      float vt[8][4];
+      wgmma::issue_product(vt, sa, s.w[buffer]);  // (W S)^T: this warp's 16 columns x 64 tokens
+      if (i >= kHandoffs) named_sync(kEmptyBarrier + slot, 256);  // the output is done with the slot
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) mma_tile::store_a(s.state[slot], sa[kk], vw, 16 * kk);
+      wgmma::wait<0>(vt);
+      const float* gamma = s.chain_gamma[buffer];
+      const float gamma_last = gamma[C - 1];
+      subtract_from_u(vt, s.u[buffer], LDU, vw);  // V'^T = U^T - (W S)^T
+      uint32_t vb[4][4];
+      mma_tile::to_a(vb, vt);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) s.v[slot][(warp * 4 + kk) * 32 + lane] = make_uint4(vb[kk][0], vb[kk][1], vb[kk][2], vb[kk][3]);
+      mma_tile::async_proxy_fence();  // the state tile is read by the output's wgmma
+      named_arrive(kFullBarrier + slot, 256);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
+        const int token = 8 * j + 2 * t4;
+        const float e0 = exp_approx(gamma_last - gamma[token]), e1 = exp_approx(gamma_last - gamma[token + 1]);
+        vt[j][0] *= e0, vt[j][1] *= e1, vt[j][2] *= e0, vt[j][3] *= e1;
+      }
+      uint32_t va[4][4];
+      mma_tile::to_a(va, vt);
+      const float decay = exp_approx(gamma_last);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int token = 8 * j + 2 * t4 + (e & 1);
-          if (token >= length) continue;
-          a.out_raw[((static_cast<int64_t>(start) + token) * a.value_heads + head) * D + v0 + vw + g + (e >> 1) * 8] = ot[j][e];
+      for (int n = 0; n < 16; ++n) st[n][0] *= decay, st[n][1] *= decay, st[n][2] *= decay, st[n][3] *= decay;
+      wgmma::issue_accumulate(st, va, s.k[buffer]);
+      wgmma::wait<0>(st, va);
+    }
+  } else {
+    // ---- the output ----
+    auto load = [&](int index, int buffer) {
+      const int start = seq_start + index * C, length = min(C, seq_end - start);
+      const int64_t tile = (first + index) * tile_step + head;
+      mma_tile::load_tile<128>(s.q[buffer], qkv + static_cast<int64_t>(start) * a.qkv_stride + key_head * D, a.qkv_stride,
+                               length, tid);
+      if (norm) {
+        const bf16* z = static_cast<const bf16*>(a.z) + static_cast<int64_t>(start) * a.z_stride + head * D + v0;
+#pragma unroll
+        for (int j = 0; j < C * BV / 8 / 128; ++j) {
+          const int i = tid + j * 128, r = i >> 3, c = (i & 7) * 8;
+          mma_tile::copy16(&s.z[buffer][r * LDU + c], z + r * a.z_stride + c, r < length);
         }
       }
-    } else {
+      const uint4* p = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.qk) + tile * C * C);
+#pragma unroll
+      for (int j = 0; j < 16 * 32 / 128; ++j) mma_tile::copy16(&s.p[buffer][tid + j * 128], p + tid + j * 128);
+      if (tid < C / 4) mma_tile::copy16(&s.output_gamma[buffer][4 * tid], a.gamma + tile * C + 4 * tid);
+    };
+    // The gated norm's weights of this thread's columns v0 + vw + g and + 8.
+    float weight0 = 0.f, weight1 = 0.f;
+    if (norm) {
+      const bf16* w = static_cast<const bf16*>(a.norm_weight) + v0 + vw + g;
+      weight0 = __bfloat162float(w[0]);
+      weight1 = __bfloat162float(w[8]);
+    }
+    const int64_t row = static_cast<int64_t>(a.value_heads) * D;  // between tokens of the output
+    for (int i = 0; i + 1 < kOutputStages; ++i) {
+      if (i < count) load(i, i);
+      __pipeline_commit();
+    }
+    for (int i = 0; i < count; ++i) {
+      wait_stage<kOutputStages>(kOutputBarrier);
+      issue_stage<kOutputStages>(i, count, load);
+      const int buffer = i % kOutputStages, slot = i % kHandoffs;
+      const int start = seq_start + i * C, length = min(C, seq_end - start);
+      named_sync(kFullBarrier + slot, 256);  // S^T and V'^T of chunk i
+      float ot[8][4];
+      wgmma::issue_product(ot, s.state[slot], s.q[buffer]);  // (Q S)^T
+      uint32_t vb[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint4 x = s.v[slot][(warp * 4 + kk) * 32 + lane];
+        vb[kk][0] = x.x, vb[kk][1] = x.y, vb[kk][2] = x.z, vb[kk][3] = x.w;
+      }
+      wgmma::wait<0>(ot);
+      if (i + kHandoffs < count) named_arrive(kEmptyBarrier + slot, 256);
+      // O^T = (Q S)^T diag(scale e^gamma) + V'^T P^T, the second on mma.sync: P's stored A fragment
+      // of (row block rb, token step kk) holds P^T's B fragments of the n8 tiles 2 rb, 2 rb + 1.
+      const float* gamma = s.output_gamma[buffer];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int token = 8 * j + 2 * t4;
+        const float q0 = a.scale * exp_approx(gamma[token]), q1 = a.scale * exp_approx(gamma[token + 1]);
+        ot[j][0] *= q0, ot[j][1] *= q1, ot[j][2] *= q0, ot[j][3] *= q1;
+      }
+#pragma unroll
+      for (int rb = 0; rb < 4; ++rb) {
+#pragma unroll
+        for (int kk = 0; kk <= rb; ++kk) {  // P is causal: blocks above the diagonal are zero
+          const uint4 pf = s.p[buffer][(rb * 4 + kk) * 32 + lane];
+          mma_tile::mma(ot[2 * rb], vb[kk], pf.x, pf.z);
+          mma_tile::mma(ot[2 * rb + 1], vb[kk], pf.y, pf.w);
+        }
+      }
+      // Epilogue: tokens 8j + 2t4 (+1) of columns v0 + vw + g, + 8.
+      if (!norm) {
+        float* out = a.out_raw + (static_cast<int64_t>(start) + 2 * t4) * row + head * D + v0 + vw + g;
+#pragma unroll
+        for (int j = 0; j < 8; ++j, out += 8 * row) {
+          const int token = 8 * j + 2 * t4;
+          if (token < length) out[0] = ot[j][0], out[8] = ot[j][2];
+          if (token + 1 < length) out[row] = ot[j][1], out[row + 8] = ot[j][3];
+        }
+        continue;
+      }
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         float q0 = ot[j][0] * ot[j][0] + ot[j][2] * ot[j][2], q1 = ot[j][1] * ot[j][1] + ot[j][3] * ot[j][3];
@@ -641,42 +747,61 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads) state
         }
         if (g == 0) s.squares[warp][8 * j + 2 * t4] = q0, s.squares[warp][8 * j + 2 * t4 + 1] = q1;
       }
-      __syncthreads();
-      const int parity = i & 1;
-      if (threadIdx.x < C) {
-        s.partial[parity][threadIdx.x] = s.squares[0][threadIdx.x] + s.squares[1][threadIdx.x] + s.squares[2][threadIdx.x] +
-                                         s.squares[3][threadIdx.x];
+      named_sync(kOutputBarrier, 128);
+      if (tid < C) {
+        // To the peer: st.async lands the value in its shared memory and counts its 4 bytes on the
+        // peer's mbarrier of this parity (no memory fence: a release at cluster scope would wait
+        // for this thread's output stores to reach global memory). The peer's buffer of this
+        // parity is free: it read it two chunks ago, before it sent the partial sums of the chunk
+        // in between, which this CTA has received.
+        const int parity = i & 1;
+        const uint32_t bar = mma_tile::shared_address(&s.peer_written[parity]);
+        if (tid == 0) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(C * 4) : "memory");
+        const float own = s.squares[0][tid] + s.squares[1][tid] + s.squares[2][tid] + s.squares[3][tid];
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n" ::"r"(
+                         peer_partial + (parity * C + tid) * 4),
+                     "f"(own), "r"(peer_written + parity * 8)
+                     : "memory");
+        // The peer's partial sums of this chunk: the (i / 2)-th phase of this parity's mbarrier.
+        const uint32_t phase = (i >> 1) & 1;
+        uint32_t done = 0;
+        while (!done) {
+          asm volatile(
+              "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+              : "=r"(done)
+              : "r"(bar), "r"(phase)
+              : "memory");
+        }
+        s.rstd[tid] = rsqrtf((own + s.peer_partial[parity][tid]) / D + a.eps);
       }
-      // Both CTAs' partial sums written (and, by the previous chunk's barrier, the peer done
-      // reading this parity's buffer two chunks ago).
-      asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-      if (threadIdx.x < C) {
-        float other;
-        asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(other) : "r"(peer_partial + (parity * C + threadIdx.x) * 4));
-        s.rstd[threadIdx.x] = rsqrtf((s.partial[parity][threadIdx.x] + other) / D + a.eps);
-      }
-      __syncthreads();
-      const bf16* z = s.z[buffer] + vw + g;
-      bf16* out = static_cast<bf16*>(a.out) + (static_cast<int64_t>(start) * a.value_heads + head) * D + v0 + vw + g;
+      named_sync(kOutputBarrier, 128);
+      // The gated norm in place of z (each element read and written by the same thread), then the
+      // chunk's 64 tokens x 64 columns out as whole 128-byte rows (16-byte stores; scattered 2-byte
+      // stores left every 32-byte sector half written).
+      bf16* staged = s.z[buffer] + vw + g;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int token = 8 * j + 2 * t4 + (e & 1), column = (e >> 1) * 8;
-          if (token >= length) continue;
           // As the reference: rmsnorm(o) and w * it rounded to bf16, then times silu(z) in fp32.
-          const float gate = __bfloat162float(z[token * LDU + column]);
+          const float gate = __bfloat162float(staged[token * LDU + column]);
           const float n = __bfloat162float(__float2bfloat16(ot[j][e] * s.rstd[token]));
           const float weighted = __bfloat162float(__float2bfloat16((e >> 1 ? weight1 : weight0) * n));
-          out[static_cast<int64_t>(token) * a.value_heads * D + column] = __float2bfloat16(weighted * gate / (1.0f + __expf(-gate)));
+          staged[token * LDU + column] = __float2bfloat16(__fdividef(weighted * gate, 1.0f + __expf(-gate)));
         }
       }
+      named_sync(kOutputBarrier, 128);
+      bf16* out = static_cast<bf16*>(a.out) + static_cast<int64_t>(start) * row + head * D + v0;
+#pragma unroll
+      for (int j = 0; j < C * BV / 8 / 128; ++j) {
+        const int c = tid + j * 128, r = c >> 3, k = (c & 7) * 8;
+        if (r < length) *reinterpret_cast<uint4*>(out + r * row + k) = *reinterpret_cast<const uint4*>(&s.z[buffer][r * LDU + k]);
+      }
     }
-    wgmma::wait<0>(st, va);
-    __syncthreads();  // this chunk's buffers (and the norm's scratch) are refilled next
   }
-  // The peer may still read this CTA's last partial sums: leave the cluster together.
-  if (norm) asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  // Neither CTA leaves while its peer may still write into its shared memory.
+  cluster_sync();
 }
 
 // ---- 4. output: O = diag(scale e^gamma) Q S + P V', then the gated norm -----------------------
