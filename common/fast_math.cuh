@@ -18,4 +18,12 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // e^x = 2^(x log2 e).
 __device__ __forceinline__ float exp_approx(float x) { return exp2_approx(x * 1.4426950408889634f); }
 
+// 1 / (1 + e^-x) = (1 + tanh(x / 2)) / 2 with one MUFU.TANH (relative error about 2^-11: for
+// results rounded to bf16).
+__device__ __forceinline__ float sigmoid_approx(float x) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(t) : "f"(0.5f * x));
+  return fmaf(0.5f, t, 0.5f);
+}
+
 }  // namespace dflash

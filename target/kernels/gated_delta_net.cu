@@ -494,52 +494,60 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
 }
 
 // ---- 3+4 on Hopper: the state pass with the output fused in, warp-specialised -----------------
-// One CTA per (sequence, value head, 64 value columns), the two CTAs of a head a cluster. Two
-// warpgroups: the chain (warpgroup 0) carries the state from chunk to chunk, the output
-// (warpgroup 1) turns each chunk's state into its output, so only the state's own work is on the
-// sequential path. Warp w of either warpgroup owns the value columns [16 w, 16 w + 16).
+// One CTA per (sequence, value head, 64 value columns), the two CTAs of a head a cluster. Three
+// warpgroups: the chain (warpgroup 0) carries the state from chunk to chunk; two output groups
+// (warpgroups 1 and 2) take the chunks in turn and turn each chunk's state into its output, so
+// only the state's own work is on the sequential path and each output group has two chunks' time
+// for one. Warp w of every warpgroup owns the value columns [16 w, 16 w + 16).
 //   chain, per chunk: S^T's bf16 fragments (S^T in fp32 registers over all 128 key dims) to the
 //     hand-off tile (stmatrix) and the A operand of (W S)^T (wgmma); V'^T = U^T - (W S)^T, in bf16
 //     to the hand-off; the update S^T = e^gamma_last S^T + (V' e^(gamma_last - gamma))^T K (wgmma,
 //     K as MN-major).
 //   output, per chunk: (Q S)^T = S^T Q^T (wgmma from the hand-off tile), O^T = (Q S)^T
 //     diag(scale e^gamma) + V'^T P^T (mma.sync: P's A fragments are P^T's B fragments), the gated
-//     RMSNorm over the head's 128 columns (the two CTAs' per-token sums of squares exchanged
-//     through distributed shared memory, an mbarrier per parity) and the store.
-// The hand-off is a ring of kHandoffs slots between named barriers (full: chain -> output;
-// empty: output -> chain). Each warpgroup loads its own operands (cp.async, kChainStages /
-// kOutputStages deep) and synchronises on its own named barrier. No per-chunk states or V' in
-// global memory. At 4096 tokens (H200, raw output) the state + output part took 0.137 ms with one
-// warpgroup doing both per chunk and takes 0.108 split; the chain alone (no output work) 0.087.
-// Measured and not kept (whole core at 4096 tokens, against 0.204): 3 chain stages 0.216; 2
-// hand-off slots 0.206; (Q S)^T on mma.sync from the hand-off (no async-proxy fence) 0.219; the
-// hand-off after the update is issued 0.209; L2 prefetch of the operands 2 chunks ahead 0.210;
-// W S formed as (T diag(beta e^gamma)) (K S) from an 8 KB matrix instead of the 16 KB W, one
-// more product on the chain, 0.215-0.232.
-constexpr int kFusedThreads = 256;
+//     RMSNorm over the head's 128 columns (the two CTAs' per-token sums of squares sent to each
+//     other by st.async onto an mbarrier) in place of z in shared memory, stored as whole rows.
+// Each output group has its own hand-off slot between named barriers (full: chain -> group;
+// empty: group -> chain) and its own buffers; each warpgroup loads its own operands (cp.async)
+// and synchronises on its own named barrier. No per-chunk states or V' in global memory.
+// Measured at 4096 tokens on the H200 (whole core with fp32 o / with the gated norm, bf16 out):
+// one warpgroup for the chain and the output 0.240 / 0.509 ms; chain and one output group 0.207
+// / 0.356 (the chain alone 0.087 of it); two output groups 0.216 / 0.280. Tried and not kept (one
+// output group, core at 4096 against 0.204): 3 chain stages 0.216; 2 hand-off slots 0.206; (Q
+// S)^T on mma.sync from the hand-off (no async-proxy fence) 0.219; the hand-off after the update
+// is issued 0.209; L2 prefetch of the operands 2 chunks ahead 0.210; W S formed as (T diag(beta
+// e^gamma)) (K S) from an 8 KB matrix instead of the 16 KB W, one more product on the chain,
+// 0.215-0.232. The norm's cost was its per-element math (0.13 ms of 0.36 with one output group;
+// the exchange 0.01).
+constexpr int kOutputGroups = 2;
+constexpr int kFusedThreads = 128 * (1 + kOutputGroups);
 constexpr int kChainStages = 2;
-constexpr int kOutputStages = 2;
-constexpr int kHandoffs = 1;
-// Named barriers (0 is __syncthreads): each warpgroup's own, then full and empty per slot.
-constexpr int kChainBarrier = 1, kOutputBarrier = 2, kFullBarrier = 3, kEmptyBarrier = 3 + kHandoffs;
+constexpr int kOutputStages = kOutputGroups == 1 ? 2 : 1;
+constexpr int kHandoffs = kOutputGroups;
+// Named barriers (0 is __syncthreads): the chain's, each output group's, then full and empty per slot.
+constexpr int kChainBarrier = 1, kOutputBarrier = 2, kFullBarrier = 2 + kOutputGroups,
+              kEmptyBarrier = 2 + kOutputGroups + kHandoffs;
 
 struct FusedShared {
-  static constexpr int BV = 64, LDU = BV + 8;
+  static constexpr int BV = 64, LDU = BV + 8, kOutputBuffers = kOutputGroups * kOutputStages;
   // Tiles first (1024-byte aligned: wgmma's swizzled operands).
   mma_tile::Tile w[kChainStages];
   mma_tile::Tile k[kChainStages];
-  mma_tile::Tile q[kOutputStages];
+  mma_tile::Tile q[kOutputBuffers];
   mma_tile::Tile state[kHandoffs];  // S^T in bf16 (64 value columns x 128 key dims)
   __align__(16) bf16 u[kChainStages][C * LDU];  // U's 64 columns of this CTA, [token][column]
-  __align__(16) bf16 z[kOutputStages][C * LDU];
-  uint4 p[kOutputStages][16 * 32];   // P in A-fragment order (GdnForward::qk)
+  __align__(16) bf16 z[kOutputBuffers][C * LDU];
+  uint4 p[kOutputBuffers][16 * 32];  // P in A-fragment order (GdnForward::qk)
   uint4 v[kHandoffs][4 * 4 * 32];    // V'^T in bf16, A-fragment order: [warp][token step][lane]
   __align__(16) float chain_gamma[kChainStages][C];
-  __align__(16) float output_gamma[kOutputStages][C];
-  float squares[4][C];     // per output warp: the sums of squares of its 16 columns, per token
-  float peer_partial[2][C];  // the peer CTA's 64 columns, per token (written by the peer, by parity)
-  float rstd[C];
-  uint64_t peer_written[2];  // mbarriers: the peer's partial sums of parity 0 / 1 arrived
+  __align__(16) float output_gamma[kOutputBuffers][C];
+  // Per output group: the sums of squares per warp (its 16 columns) and token, the peer CTA's 64
+  // columns per token (written by the peer; by the parity of the group's chunk count), rstd, and
+  // the mbarriers on which the peer's partial sums of parity 0 / 1 arrive.
+  float squares[kOutputGroups][4][C];
+  float peer_partial[kOutputGroups][2][C];
+  float rstd[kOutputGroups][C];
+  uint64_t peer_written[kOutputGroups][2];
 };
 
 __device__ __forceinline__ void named_sync(int id, int threads) {
@@ -552,21 +560,31 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// A warpgroup's software pipeline over kStages buffers, one barrier per iteration: wait_stage
-// waits (cp.async) for the loads of iteration i and publishes them to the warpgroup (and the
-// async proxy); issue_stage then issues those of iteration i + kStages - 1 into the buffer that
-// iteration i - 1 used (every thread of the warpgroup is past it).
+// A warpgroup's software pipeline over kStages buffers: wait_stage waits (cp.async) for the
+// loads of iteration i and publishes them to the warpgroup (and the async proxy); issue_stage then
+// issues those of iteration i + kStages - 1 into the buffer that iteration i - 1 used (every
+// thread of the warpgroup is past it). With one buffer, the next iteration's loads are issued
+// after the whole warpgroup is done with it (issue_after).
 template <int kStages>
 __device__ __forceinline__ void wait_stage(int barrier) {
-  static_assert(kStages >= 2, "at least one iteration of loads ahead");
-  __pipeline_wait_prior(kStages - 2);
+  __pipeline_wait_prior(kStages >= 2 ? kStages - 2 : 0);
   mma_tile::async_proxy_fence();
   named_sync(barrier, 128);
 }
 template <int kStages, typename Load>
 __device__ __forceinline__ void issue_stage(int i, int count, Load load) {
-  if (i + kStages - 1 < count) load(i + kStages - 1, (i + kStages - 1) % kStages);
-  __pipeline_commit();
+  if constexpr (kStages >= 2) {
+    if (i + kStages - 1 < count) load(i + kStages - 1, (i + kStages - 1) % kStages);
+    __pipeline_commit();
+  }
+}
+template <int kStages, typename Load>
+__device__ __forceinline__ void issue_after(int i, int count, int barrier, Load load) {
+  if constexpr (kStages == 1) {
+    named_sync(barrier, 128);
+    if (i + 1 < count) load(i + 1, 0);
+    __pipeline_commit();
+  }
 }
 
 __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) state_output_kernel(GdnForward a) {
@@ -591,11 +609,12 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
   // and arrives on the peer's mbarrier of that parity.
   uint32_t rank, peer_partial, peer_written;
   asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer_partial) : "r"(mma_tile::shared_address(&s.peer_partial[0][0])), "r"(rank ^ 1));
-  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer_written) : "r"(mma_tile::shared_address(&s.peer_written[0])), "r"(rank ^ 1));
+  const int group = max(static_cast<int>(threadIdx.x >> 7) - 1, 0);  // output warpgroups: 0 .. kOutputGroups - 1
+  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer_partial) : "r"(mma_tile::shared_address(&s.peer_partial[group][0][0])), "r"(rank ^ 1));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(peer_written) : "r"(mma_tile::shared_address(&s.peer_written[group][0])), "r"(rank ^ 1));
   if (threadIdx.x == 0) {
-    for (int p = 0; p < 2; ++p) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(mma_tile::shared_address(&s.peer_written[p])));
+    for (int p = 0; p < 2 * kOutputGroups; ++p) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(mma_tile::shared_address(&s.peer_written[p / 2][p % 2])));
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -661,8 +680,11 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
       wgmma::wait<0>(st, va);
     }
   } else {
-    // ---- the output ----
-    auto load = [&](int index, int buffer) {
+    // ---- the output: this group's chunks i = group + n * kOutputGroups ----
+    const int chunks = count > group ? (count - group + kOutputGroups - 1) / kOutputGroups : 0;
+    const int bar = kOutputBarrier + group;
+    auto load = [&](int n, int local) {
+      const int index = group + n * kOutputGroups, buffer = group * kOutputStages + local;
       const int start = seq_start + index * C, length = min(C, seq_end - start);
       const int64_t tile = (first + index) * tile_step + head;
       mma_tile::load_tile<128>(s.q[buffer], qkv + static_cast<int64_t>(start) * a.qkv_stride + key_head * D, a.qkv_stride,
@@ -688,14 +710,14 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
       weight1 = __bfloat162float(w[8]);
     }
     const int64_t row = static_cast<int64_t>(a.value_heads) * D;  // between tokens of the output
-    for (int i = 0; i + 1 < kOutputStages; ++i) {
-      if (i < count) load(i, i);
+    for (int n = 0; n < max(kOutputStages - 1, 1); ++n) {
+      if (n < chunks) load(n, n);
       __pipeline_commit();
     }
-    for (int i = 0; i < count; ++i) {
-      wait_stage<kOutputStages>(kOutputBarrier);
-      issue_stage<kOutputStages>(i, count, load);
-      const int buffer = i % kOutputStages, slot = i % kHandoffs;
+    for (int n = 0; n < chunks; ++n) {
+      wait_stage<kOutputStages>(bar);
+      issue_stage<kOutputStages>(n, chunks, load);
+      const int i = group + n * kOutputGroups, buffer = group * kOutputStages + n % kOutputStages, slot = i % kHandoffs;
       const int start = seq_start + i * C, length = min(C, seq_end - start);
       named_sync(kFullBarrier + slot, 256);  // S^T and V'^T of chunk i
       float ot[8][4];
@@ -735,6 +757,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
           if (token < length) out[0] = ot[j][0], out[8] = ot[j][2];
           if (token + 1 < length) out[row] = ot[j][1], out[row + 8] = ot[j][3];
         }
+        issue_after<kOutputStages>(n, chunks, bar, load);
         continue;
       }
 #pragma unroll
@@ -745,36 +768,36 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
           q0 += __shfl_xor_sync(0xffffffffu, q0, off);
           q1 += __shfl_xor_sync(0xffffffffu, q1, off);
         }
-        if (g == 0) s.squares[warp][8 * j + 2 * t4] = q0, s.squares[warp][8 * j + 2 * t4 + 1] = q1;
+        if (g == 0) s.squares[group][warp][8 * j + 2 * t4] = q0, s.squares[group][warp][8 * j + 2 * t4 + 1] = q1;
       }
-      named_sync(kOutputBarrier, 128);
+      named_sync(bar, 128);
       if (tid < C) {
         // To the peer: st.async lands the value in its shared memory and counts its 4 bytes on the
         // peer's mbarrier of this parity (no memory fence: a release at cluster scope would wait
         // for this thread's output stores to reach global memory). The peer's buffer of this
-        // parity is free: it read it two chunks ago, before it sent the partial sums of the chunk
-        // in between, which this CTA has received.
-        const int parity = i & 1;
-        const uint32_t bar = mma_tile::shared_address(&s.peer_written[parity]);
-        if (tid == 0) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(C * 4) : "memory");
-        const float own = s.squares[0][tid] + s.squares[1][tid] + s.squares[2][tid] + s.squares[3][tid];
+        // parity is free: it read it two of the group's chunks ago, before it sent the partial sums
+        // of the group's chunk in between, which this CTA has received.
+        const int parity = n & 1;
+        const uint32_t arrived = mma_tile::shared_address(&s.peer_written[group][parity]);
+        if (tid == 0) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(arrived), "r"(C * 4) : "memory");
+        const float own = s.squares[group][0][tid] + s.squares[group][1][tid] + s.squares[group][2][tid] + s.squares[group][3][tid];
         asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n" ::"r"(
                          peer_partial + (parity * C + tid) * 4),
                      "f"(own), "r"(peer_written + parity * 8)
                      : "memory");
-        // The peer's partial sums of this chunk: the (i / 2)-th phase of this parity's mbarrier.
-        const uint32_t phase = (i >> 1) & 1;
+        // The peer's partial sums of this chunk: the (n / 2)-th phase of this parity's mbarrier.
+        const uint32_t phase = (n >> 1) & 1;
         uint32_t done = 0;
         while (!done) {
           asm volatile(
               "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
               : "=r"(done)
-              : "r"(bar), "r"(phase)
+              : "r"(arrived), "r"(phase)
               : "memory");
         }
-        s.rstd[tid] = rsqrtf((own + s.peer_partial[parity][tid]) / D + a.eps);
+        s.rstd[group][tid] = rsqrtf((own + s.peer_partial[group][parity][tid]) / D + a.eps);
       }
-      named_sync(kOutputBarrier, 128);
+      named_sync(bar, 128);
       // The gated norm in place of z (each element read and written by the same thread), then the
       // chunk's 64 tokens x 64 columns out as whole 128-byte rows (16-byte stores; scattered 2-byte
       // stores left every 32-byte sector half written).
@@ -786,18 +809,19 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
           const int token = 8 * j + 2 * t4 + (e & 1), column = (e >> 1) * 8;
           // As the reference: rmsnorm(o) and w * it rounded to bf16, then times silu(z) in fp32.
           const float gate = __bfloat162float(staged[token * LDU + column]);
-          const float n = __bfloat162float(__float2bfloat16(ot[j][e] * s.rstd[token]));
-          const float weighted = __bfloat162float(__float2bfloat16((e >> 1 ? weight1 : weight0) * n));
-          staged[token * LDU + column] = __float2bfloat16(__fdividef(weighted * gate, 1.0f + __expf(-gate)));
+          const float normed = __bfloat162float(__float2bfloat16(ot[j][e] * s.rstd[group][token]));
+          const float weighted = __bfloat162float(__float2bfloat16((e >> 1 ? weight1 : weight0) * normed));
+          staged[token * LDU + column] = __float2bfloat16(weighted * gate * sigmoid_approx(gate));
         }
       }
-      named_sync(kOutputBarrier, 128);
+      named_sync(bar, 128);
       bf16* out = static_cast<bf16*>(a.out) + static_cast<int64_t>(start) * row + head * D + v0;
 #pragma unroll
       for (int j = 0; j < C * BV / 8 / 128; ++j) {
         const int c = tid + j * 128, r = c >> 3, k = (c & 7) * 8;
         if (r < length) *reinterpret_cast<uint4*>(out + r * row + k) = *reinterpret_cast<const uint4*>(&s.z[buffer][r * LDU + k]);
       }
+      issue_after<kOutputStages>(n, chunks, bar, load);
     }
   }
   // Neither CTA leaves while its peer may still write into its shared memory.
