@@ -22,9 +22,12 @@
 //   4. output (grid chunks x value heads): O = (scale e^gamma Q) S + P V', with the gated
 //      RMSNorm of the layer fused in (w * rmsnorm(O) * silu(z)).
 //   On Hopper (built for sm_90a, compute capability 9.0) 3 and 4 are one kernel on the
-//   warpgroup tensor-core products (wgmma): one CTA per (sequence, value head), the output of
-//   each chunk computed from the state in registers, so neither the per-chunk states nor V' go
-//   through global memory (DFLASHD_GDN_MMA=sync forces the mma.sync kernels above).
+//   warpgroup tensor-core products (wgmma): a 2-CTA cluster per (sequence, value head), 64 value
+//   columns per CTA; in each CTA one warpgroup carries the state (in registers) from chunk to
+//   chunk and hands each chunk's S^T and V'^T through shared memory to one of two output
+//   warpgroups, which compute the output and the gated norm (the two CTAs' per-token sums of
+//   squares exchanged through distributed shared memory), so neither the per-chunk states nor
+//   V' go through global memory (DFLASHD_GDN_MMA=sync forces the mma.sync kernels above).
 // Variable-length batches: the chunk table never lets a chunk cross a sequence boundary.
 #pragma once
 
