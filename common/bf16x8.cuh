@@ -12,6 +12,12 @@ namespace dflash::bf16x8 {
 // intermediate to the model dtype.
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
+// An RMSNorm's weight applied to normed = x * rsqrt(mean(x^2) + eps), rounded as HF does:
+// zero-centred (Qwen3.5 / Qwen3-Next) bf16(normed * (w + 1)); plain bf16(w * bf16(normed)).
+__device__ __forceinline__ float weighted_norm(float normed, float w, bool zero_centred) {
+  return round_bf16(zero_centred ? normed * (w + 1.f) : w * round_bf16(normed));
+}
+
 __device__ __forceinline__ void load8(float (&dst)[8], const __nv_bfloat16* src) {
   const uint4 raw = *reinterpret_cast<const uint4*>(src);
   const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);

@@ -18,13 +18,8 @@ using bf16 = __nv_bfloat16;
 using bf16x8::load8;
 using bf16x8::round_bf16;
 using bf16x8::store8;
+using bf16x8::weighted_norm;
 constexpr int kNormThreads = 256;
-
-// The RMSNorm's weight applied to normed = x * rsqrt(mean(x^2) + eps), rounded as HF does:
-// zero-centred (Qwen3.5 / Qwen3-Next) bf16(normed * (w + 1)); plain bf16(w * bf16(normed)).
-__device__ __forceinline__ float weighted_norm(float normed, float w, bool zero_centred) {
-  return round_bf16(zero_centred ? normed * (w + 1.f) : w * round_bf16(normed));
-}
 
 // One CTA per row: pass 1 forms the (rounded) sum and its sum of squares, pass 2 rereads it
 // (from L1/L2: a row is a few KB) and writes the normalised row.

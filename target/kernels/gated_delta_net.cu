@@ -31,6 +31,7 @@ constexpr int kConvTokens = 32;
 constexpr int kConvThreads = 128;  // 1024 channels per CTA
 
 using bf16x8::load8;
+using bf16x8::weighted_norm;
 
 __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const bf16* __restrict__ x, int64_t x_stride,
                                                                           const bf16* __restrict__ weight, int kernel,
@@ -395,6 +396,18 @@ __device__ __forceinline__ void subtract_from_u(float (&vt)[8][4], const bf16* u
   }
 }
 
+// V'^T's token columns times e^(gamma_last - gamma) (accumulator fragments: vt[j] the tokens
+// 8j + 2t4, + 1): V' decayed to the chunk's end, the A operand of the state update.
+__device__ __forceinline__ void decay_to_chunk_end(float (&vt)[8][4], const float* gamma, float gamma_last) {
+  const int t4 = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int token = 8 * j + 2 * t4;
+    const float e0 = exp_approx(gamma_last - gamma[token]), e1 = exp_approx(gamma_last - gamma[token + 1]);
+    vt[j][0] *= e0, vt[j][1] *= e1, vt[j][2] *= e0, vt[j][3] *= e1;
+  }
+}
+
 __device__ __forceinline__ void pair_barrier(int pair) {
   asm volatile("bar.sync %0, 64;\n" ::"r"(1 + pair) : "memory");
 }
@@ -406,7 +419,7 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
   extern __shared__ __align__(128) unsigned char smem[];
   Shared& s = *reinterpret_cast<Shared*>(smem);
   const int seq = blockIdx.x, head = blockIdx.y, v0 = blockIdx.z * BV;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t4 = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int pair = warp >> 1, half = warp & 1, vw = pair * 16, d0 = half * 64;
   const int first = a.chunks.seq_chunks[seq], count = a.chunks.seq_chunks[seq + 1] - first;
   const int key_head = head / (a.value_heads / a.key_heads);
@@ -476,12 +489,7 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
       v_new[(kk & 1) * 32] = make_uint4(mma_tile::pack(vt[j][0], vt[j][1]), mma_tile::pack(vt[j + 1][0], vt[j + 1][1]),
                                         mma_tile::pack(vt[j][2], vt[j][3]), mma_tile::pack(vt[j + 1][2], vt[j + 1][3]));
     }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int token = 8 * j + 2 * t4;
-      const float e0 = exp_approx(gamma_last - gamma[token]), e1 = exp_approx(gamma_last - gamma[token + 1]);
-      vt[j][0] *= e0, vt[j][1] *= e1, vt[j][2] *= e0, vt[j][3] *= e1;
-    }
+    decay_to_chunk_end(vt, gamma, gamma_last);
     uint32_t va[4][4];
     mma_tile::to_a(va, vt);
     // S = e^gamma_last S + K^T (V' e^(gamma_last - gamma)), transposed, this warp's key dims.
@@ -522,25 +530,24 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
 constexpr int kOutputGroups = 2;
 constexpr int kFusedThreads = 128 * (1 + kOutputGroups);
 constexpr int kChainStages = 2;
-constexpr int kOutputStages = kOutputGroups == 1 ? 2 : 1;
 constexpr int kHandoffs = kOutputGroups;
 // Named barriers (0 is __syncthreads): the chain's, each output group's, then full and empty per slot.
 constexpr int kChainBarrier = 1, kOutputBarrier = 2, kFullBarrier = 2 + kOutputGroups,
               kEmptyBarrier = 2 + kOutputGroups + kHandoffs;
 
 struct FusedShared {
-  static constexpr int BV = 64, LDU = BV + 8, kOutputBuffers = kOutputGroups * kOutputStages;
+  static constexpr int BV = 64, LDU = BV + 8;
   // Tiles first (1024-byte aligned: wgmma's swizzled operands).
   mma_tile::Tile w[kChainStages];
   mma_tile::Tile k[kChainStages];
-  mma_tile::Tile q[kOutputBuffers];
+  mma_tile::Tile q[kOutputGroups];
   mma_tile::Tile state[kHandoffs];  // S^T in bf16 (64 value columns x 128 key dims)
   __align__(16) bf16 u[kChainStages][C * LDU];  // U's 64 columns of this CTA, [token][column]
-  __align__(16) bf16 z[kOutputBuffers][C * LDU];
-  uint4 p[kOutputBuffers][16 * 32];  // P in A-fragment order (GdnForward::qk)
+  __align__(16) bf16 z[kOutputGroups][C * LDU];
+  uint4 p[kOutputGroups][16 * 32];  // P in A-fragment order (GdnForward::qk)
   uint4 v[kHandoffs][4 * 4 * 32];    // V'^T in bf16, A-fragment order: [warp][token step][lane]
   __align__(16) float chain_gamma[kChainStages][C];
-  __align__(16) float output_gamma[kOutputBuffers][C];
+  __align__(16) float output_gamma[kOutputGroups][C];
   // Per output group: the sums of squares per warp (its 16 columns) and token, the peer CTA's 64
   // columns per token (written by the peer; by the parity of the group's chunk count), rstd, and
   // the mbarriers on which the peer's partial sums of parity 0 / 1 arrive.
@@ -560,31 +567,22 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// A warpgroup's software pipeline over kStages buffers: wait_stage waits (cp.async) for the
-// loads of iteration i and publishes them to the warpgroup (and the async proxy); issue_stage then
-// issues those of iteration i + kStages - 1 into the buffer that iteration i - 1 used (every
-// thread of the warpgroup is past it). With one buffer, the next iteration's loads are issued
-// after the whole warpgroup is done with it (issue_after).
-template <int kStages>
+// A warpgroup's software pipeline: wait_stage waits (cp.async) for the loads of iteration i,
+// leaving kPending later iterations' loads in flight, and publishes them to the warpgroup (and the
+// async proxy). The chain then issues the loads of iteration i + 1 into the other of its two
+// buffers (every thread of the warpgroup is past iteration i - 1, which used it); an output group,
+// with one buffer, issues its next loads once the whole group is done with it (issue_after).
+template <int kPending>
 __device__ __forceinline__ void wait_stage(int barrier) {
-  __pipeline_wait_prior(kStages >= 2 ? kStages - 2 : 0);
+  __pipeline_wait_prior(kPending);
   mma_tile::async_proxy_fence();
   named_sync(barrier, 128);
 }
-template <int kStages, typename Load>
-__device__ __forceinline__ void issue_stage(int i, int count, Load load) {
-  if constexpr (kStages >= 2) {
-    if (i + kStages - 1 < count) load(i + kStages - 1, (i + kStages - 1) % kStages);
-    __pipeline_commit();
-  }
-}
-template <int kStages, typename Load>
+template <typename Load>
 __device__ __forceinline__ void issue_after(int i, int count, int barrier, Load load) {
-  if constexpr (kStages == 1) {
-    named_sync(barrier, 128);
-    if (i + 1 < count) load(i + 1, 0);
-    __pipeline_commit();
-  }
+  named_sync(barrier, 128);
+  if (i + 1 < count) load(i + 1);
+  __pipeline_commit();
 }
 
 __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) state_output_kernel(GdnForward a) {
@@ -645,8 +643,9 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
       __pipeline_commit();
     }
     for (int i = 0; i < count; ++i) {
-      wait_stage<kChainStages>(kChainBarrier);
-      issue_stage<kChainStages>(i, count, load);
+      wait_stage<kChainStages - 2>(kChainBarrier);
+      if (i + kChainStages - 1 < count) load(i + kChainStages - 1, (i + kChainStages - 1) % kChainStages);
+      __pipeline_commit();
       const int buffer = i % kChainStages, slot = i % kHandoffs;
       uint32_t sa[8][4];
       mma_tile::to_a(sa, st);
@@ -665,12 +664,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
       for (int kk = 0; kk < 4; ++kk) s.v[slot][(warp * 4 + kk) * 32 + lane] = make_uint4(vb[kk][0], vb[kk][1], vb[kk][2], vb[kk][3]);
       mma_tile::async_proxy_fence();  // the state tile is read by the output's wgmma
       named_arrive(kFullBarrier + slot, 256);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int token = 8 * j + 2 * t4;
-        const float e0 = exp_approx(gamma_last - gamma[token]), e1 = exp_approx(gamma_last - gamma[token + 1]);
-        vt[j][0] *= e0, vt[j][1] *= e1, vt[j][2] *= e0, vt[j][3] *= e1;
-      }
+      decay_to_chunk_end(vt, gamma, gamma_last);
       uint32_t va[4][4];
       mma_tile::to_a(va, vt);
       const float decay = exp_approx(gamma_last);
@@ -683,8 +677,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
     // ---- the output: this group's chunks i = group + n * kOutputGroups ----
     const int chunks = count > group ? (count - group + kOutputGroups - 1) / kOutputGroups : 0;
     const int bar = kOutputBarrier + group;
-    auto load = [&](int n, int local) {
-      const int index = group + n * kOutputGroups, buffer = group * kOutputStages + local;
+    auto load = [&](int n) {
+      const int index = group + n * kOutputGroups, buffer = group;
       const int start = seq_start + index * C, length = min(C, seq_end - start);
       const int64_t tile = (first + index) * tile_step + head;
       mma_tile::load_tile<128>(s.q[buffer], qkv + static_cast<int64_t>(start) * a.qkv_stride + key_head * D, a.qkv_stride,
@@ -710,14 +704,11 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
       weight1 = __bfloat162float(w[8]);
     }
     const int64_t row = static_cast<int64_t>(a.value_heads) * D;  // between tokens of the output
-    for (int n = 0; n < max(kOutputStages - 1, 1); ++n) {
-      if (n < chunks) load(n, n);
-      __pipeline_commit();
-    }
+    if (chunks > 0) load(0);
+    __pipeline_commit();
     for (int n = 0; n < chunks; ++n) {
-      wait_stage<kOutputStages>(bar);
-      issue_stage<kOutputStages>(n, chunks, load);
-      const int i = group + n * kOutputGroups, buffer = group * kOutputStages + n % kOutputStages, slot = i % kHandoffs;
+      wait_stage<0>(bar);
+      const int i = group + n * kOutputGroups, buffer = group, slot = i % kHandoffs;
       const int start = seq_start + i * C, length = min(C, seq_end - start);
       named_sync(kFullBarrier + slot, 256);  // S^T and V'^T of chunk i
       float ot[8][4];
@@ -757,7 +748,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
           if (token < length) out[0] = ot[j][0], out[8] = ot[j][2];
           if (token + 1 < length) out[row] = ot[j][1], out[row + 8] = ot[j][3];
         }
-        issue_after<kOutputStages>(n, chunks, bar, load);
+        issue_after(n, chunks, bar, load);
         continue;
       }
 #pragma unroll
@@ -807,10 +798,9 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int token = 8 * j + 2 * t4 + (e & 1), column = (e >> 1) * 8;
-          // As the reference: rmsnorm(o) and w * it rounded to bf16, then times silu(z) in fp32.
+          // As the reference: the weighted rmsnorm(o) rounded as HF does, then times silu(z) in fp32.
           const float gate = __bfloat162float(staged[token * LDU + column]);
-          const float normed = __bfloat162float(__float2bfloat16(ot[j][e] * s.rstd[group][token]));
-          const float weighted = __bfloat162float(__float2bfloat16((e >> 1 ? weight1 : weight0) * normed));
+          const float weighted = weighted_norm(ot[j][e] * s.rstd[group][token], e >> 1 ? weight1 : weight0, false);
           staged[token * LDU + column] = __float2bfloat16(weighted * gate * sigmoid_approx(gate));
         }
       }
@@ -821,7 +811,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
         const int c = tid + j * 128, r = c >> 3, k = (c & 7) * 8;
         if (r < length) *reinterpret_cast<uint4*>(out + r * row + k) = *reinterpret_cast<const uint4*>(&s.z[buffer][r * LDU + k]);
       }
-      issue_after<kOutputStages>(n, chunks, bar, load);
+      issue_after(n, chunks, bar, load);
     }
   }
   // Neither CTA leaves while its peer may still write into its shared memory.
@@ -920,11 +910,9 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
       const int col = 8 * n + 2 * t4;
       const float2 gate = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(z + col));
       const float2 weight = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(w + col));
-      // As the reference: rmsnorm(o) and w * it rounded to bf16, then times silu(z) in fp32.
-      const float n0 = __bfloat162float(__float2bfloat16(acc[n][2 * half] * rstd));
-      const float n1 = __bfloat162float(__float2bfloat16(acc[n][2 * half + 1] * rstd));
-      const float w0 = __bfloat162float(__float2bfloat16(weight.x * n0));
-      const float w1 = __bfloat162float(__float2bfloat16(weight.y * n1));
+      // As the reference: the weighted rmsnorm(o) rounded as HF does, then times silu(z) in fp32.
+      const float w0 = weighted_norm(acc[n][2 * half] * rstd, weight.x, false);
+      const float w1 = weighted_norm(acc[n][2 * half + 1] * rstd, weight.y, false);
       *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(w0 * gate.x / (1.0f + __expf(-gate.x)),
                                                                             w1 * gate.y / (1.0f + __expf(-gate.y)));
     }
