@@ -86,6 +86,22 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const 
   }
 }
 
+// Programmatic dependent launch (sm_90 and newer; no-ops elsewhere and when the launch did not ask
+// for it): a kernel that says dependents_may_launch lets the next kernel in the stream, launched
+// with launch_dependent, be scheduled onto SMs as its own CTAs leave (once every CTA of it has
+// said so); that kernel calls wait_for_prerequisite before it reads anything its predecessor
+// writes, which returns when the predecessor has finished and its writes are visible.
+__device__ __forceinline__ void dependents_may_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisite() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---- 2. prepare: per (chunk, key head), for each of its value heads: gamma, A, T = (I + A)^-1, W, U, P
 // K K^T and Q K^T depend on the key head only: computed once per CTA (mma.sync, warps 0-3 and
 // 4-7, 16 rows each) and kept in registers; each value head then applies its own decay to them
@@ -236,6 +252,7 @@ __device__ __forceinline__ void store_rows(bf16* out, const mma_tile::Tile& tile
 }
 
 __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward a) {
+  dependents_may_launch();
   extern __shared__ __align__(128) unsigned char smem[];
   PrepareShared& s = *reinterpret_cast<PrepareShared*>(smem);
   const int chunk = blockIdx.x, key_head = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -617,6 +634,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   cluster_sync();  // the peer's mbarriers exist before anyone arrives on them
+  wait_for_prerequisite();  // prepare's W, U, P and gamma
 
   if (threadIdx.x < 128) {
     // ---- the chain ----
@@ -946,6 +964,25 @@ bool warpgroup_kernels() {
 #endif
 }
 
+// Launches `kernel` as a programmatic dependent of the stream's previous kernel (see
+// dependents_may_launch), so that its CTAs start, and its set-up runs, while that kernel's last
+// CTAs finish.
+template <typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Args...), dim3 grid, int threads, size_t shared_bytes, cudaStream_t stream,
+                             Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
 template <int kPairs>
 void launch_state(const GdnForward& args, cudaStream_t stream) {
   const size_t bytes = sizeof(StateShared<kPairs>);
@@ -982,8 +1019,9 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
   if (gated_delta_rule_fuses_output(args.state_columns)) {
     const size_t bytes = sizeof(FusedShared) + mma_tile::kSharedAlignment;
     allow_shared_memory(state_output_kernel, bytes, "GatedDeltaNet kernel state+output (wgmma)");
-    state_output_kernel<<<dim3(args.chunks.num_seqs, args.value_heads, D / FusedShared::BV), kFusedThreads, bytes, stream>>>(args);
-    check_cuda_launch("GatedDeltaNet kernel state+output (wgmma)");
+    check_cuda(launch_dependent(state_output_kernel, dim3(args.chunks.num_seqs, args.value_heads, D / FusedShared::BV),
+                                kFusedThreads, bytes, stream, args),
+               "GatedDeltaNet kernel state+output (wgmma)");
     mark(2);
     mark(3);
     return;
