@@ -90,11 +90,12 @@ int main(int argc, char** argv) {
   const int64_t hk = 16, hv = 48;
   std::printf("GatedDeltaNet core, Hk %lld / Hv %lld / head 128, bf16 in, fp32 state; ms per call (CUDA events)\n",
               static_cast<long long>(hk), static_cast<long long>(hv));
-  // ours: the default kernels (on an H200 the fused wgmma state + output kernel); sync/64, /32, /128: the mma.sync
-  // state pass with 64, 32 or 128 value columns per CTA (DFLASHD_GDN_MMA=sync for sync/64).
-  // +norm: ours with the gated RMSNorm fused (z in, bf16 out), as the target model calls it.
-  std::printf("%-14s %8s %8s %8s %8s %8s %8s %10s %12s %10s\n", "batch", "tokens", "ours", "+norm", "sync/64", "sync/32",
-              "sync/128", "conv+l2", "reference", "ref/ours");
+  // ours: the default kernels (on an H200 the fused wgmma state + output kernel), o in fp32; bf16 o: the same with o
+  // in bf16 (FLA's output); sync/64, /32, /128: the mma.sync state pass with 64, 32 or 128 value columns per CTA
+  // (DFLASHD_GDN_MMA=sync for sync/64). +norm: ours with the gated RMSNorm fused (z in, bf16 out), as the target
+  // model calls it.
+  std::printf("%-14s %8s %8s %8s %8s %8s %8s %8s %10s %12s %10s\n", "batch", "tokens", "ours", "bf16 o", "+norm", "sync/64",
+              "sync/32", "sync/128", "conv+l2", "reference", "ref/ours");
   // DFLASHD_PROFILE=1: only the whole forward, then its kernels by GPU time.
   const bool profile = std::getenv("DFLASHD_PROFILE") != nullptr;
   std::vector<std::vector<int64_t>> shapes = {{2048}, {4096}, {8192}, {16384}, {1024, 1024, 1024, 1024},
@@ -110,7 +111,7 @@ int main(int argc, char** argv) {
     const int copies = n >= 8192 ? 2 : 4;
     for (int i = 0; i < copies; ++i) sets.push_back(make_inputs(lengths, hk, hv));
     // `variable`: an environment switch set to "sync" while timed.
-    auto core = [&](int columns, const char* variable = nullptr) {
+    auto core = [&](int columns, const char* variable = nullptr, at::ScalarType o_dtype = at::kFloat) {
       if (variable != nullptr) setenv(variable, "sync", 1);
       struct Unset {
         const char* variable;
@@ -120,10 +121,11 @@ int main(int argc, char** argv) {
       } unset{variable};
       return cuda_ms(20, [&](int i) {
         const Inputs& in = sets[i % copies];
-        target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, {}, {}, 1e-6, columns);
+        target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, {}, {}, 1e-6, columns,
+                                      nullptr, o_dtype);
       });
     };
-    const double ours = core(64), sync64 = core(64, "DFLASHD_GDN_MMA"), ours32 = core(32), ours128 = core(128);
+    const double ours = core(64), ours_bf16 = core(64, nullptr, at::kBFloat16), sync64 = core(64, "DFLASHD_GDN_MMA"), ours32 = core(32), ours128 = core(128);
     // With the gated RMSNorm fused (z read, bf16 out): what the target model runs per layer.
     const double normed = cuda_ms(20, [&](int i) {
       const Inputs& in = sets[i % copies];
@@ -147,8 +149,8 @@ int main(int argc, char** argv) {
     for (auto& st : stages) target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, {}, {}, 1e-6, 64, st.data());
     std::sort(stages.begin(), stages.end(), [](const auto& x, const auto& y) { return x[0] + x[1] + x[2] < y[0] + y[1] + y[2]; });
     std::string batch = std::to_string(lengths.size()) + "x" + std::to_string(lengths[0]);
-    std::printf("%-14s %8lld %8.3f %8.3f %8.3f %8.3f %8.3f %10.3f %12.3f %10.1f   rel.err %.1e  prepare/state/output %.3f/%.3f/%.3f\n",
-                batch.c_str(), static_cast<long long>(n), ours, normed, sync64, ours32, ours128, conv, reference, reference / ours, error,
+    std::printf("%-14s %8lld %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %10.3f %12.3f %10.1f   rel.err %.1e  prepare/state/output %.3f/%.3f/%.3f\n",
+                batch.c_str(), static_cast<long long>(n), ours, ours_bf16, normed, sync64, ours32, ours128, conv, reference, reference / ours, error,
                 stages[2][0], stages[2][1], stages[2][2]);
   }
 

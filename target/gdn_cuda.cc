@@ -124,7 +124,7 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x_in, const at::Tensor& wei
 
 at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, int64_t value_heads, const GdnGates& gates,
                                  const GdnChunkPlan& plan, const at::Tensor& z, const at::Tensor& norm_weight_in,
-                                 double eps, int state_columns, float* stage_ms) {
+                                 double eps, int state_columns, float* stage_ms, at::ScalarType o_dtype) {
   constexpr int64_t D = kernels::kGdnHeadDim, C = kernels::kGdnChunk;
   expect(mixed_in.is_cuda() && mixed_in.scalar_type() == at::kBFloat16 && mixed_in.dim() == 2 &&
              mixed_in.size(1) == (2 * key_heads + value_heads) * D,
@@ -198,7 +198,11 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
     a.z = z.data_ptr();
     a.z_stride = z.stride(0);
     a.norm_weight = norm_weight.data_ptr();
+  } else if (o_dtype == at::kBFloat16) {
+    out = at::empty({tokens, value_heads, D}, bf);
+    a.out_plain = out.data_ptr();
   } else {
+    expect(o_dtype == at::kFloat, "o_dtype must be float32 or bfloat16");
     out = at::empty({tokens, value_heads, D}, bf.dtype(at::kFloat));
     a.out_raw = out.data_ptr<float>();
   }
@@ -221,7 +225,7 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor&, const at::Tensor&, const a
   throw std::logic_error("conv1d_silu_l2norm_cuda: this build has no CUDA kernels");
 }
 at::Tensor gated_delta_rule_cuda(const at::Tensor&, int64_t, int64_t, const GdnGates&,
-                                 const GdnChunkPlan&, const at::Tensor&, const at::Tensor&, double, int, float*) {
+                                 const GdnChunkPlan&, const at::Tensor&, const at::Tensor&, double, int, float*, at::ScalarType) {
   throw std::logic_error("gated_delta_rule_cuda: this build has no CUDA kernels");
 }
 #endif

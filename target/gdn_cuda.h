@@ -54,10 +54,12 @@ struct GdnGates {
 // mixed: bf16 [tokens, (2 key_heads + value_heads) * 128] as the conv returns it (q, k
 // normalised). With norm_weight defined, returns the layer's gated RMSNorm w * rmsnorm(o) *
 // silu(z) as bf16 [tokens, value_heads * 128] (z: bf16 [tokens, value_heads, 128], any row
-// stride); without, o itself as fp32 [tokens, value_heads, 128].
+// stride); without, o itself as [tokens, value_heads, 128] in o_dtype: fp32, or bf16 (what FLA's
+// chunk_gated_delta_rule returns: the same values rounded).
 at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed, int64_t key_heads, int64_t value_heads, const GdnGates& gates,
                                  const GdnChunkPlan& plan, const at::Tensor& z = {}, const at::Tensor& norm_weight = {},
-                                 double eps = 1e-6, int state_columns = 64, float* stage_ms = nullptr);
+                                 double eps = 1e-6, int state_columns = 64, float* stage_ms = nullptr,
+                                 at::ScalarType o_dtype = at::kFloat);
 // stage_ms (profiling; synchronises): when given, receives the milliseconds of the three
 // kernels (prepare, state, output) of this call.
 

@@ -294,6 +294,27 @@ TEST(GatedDeltaNetKernels, MmaSyncStatePassMatchesTheReference) {
   EXPECT_LE(((fast - sync).norm() / sync.norm()).item<double>(), 1e-2);
 }
 
+// o in bf16 (FLA's output format) is o in fp32 rounded, from the same accumulators: the fused
+// kernel stages it through shared memory as whole rows, the mma.sync output kernel stores pairs.
+TEST(GatedDeltaNetKernels, Bf16OutputIsTheFp32OutputRounded) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(13);
+  const int64_t hk = 16, hv = 48;
+  const GdnInputs in = random_gdn_inputs({1000, 64, 1, 2031}, hk, hv, 0.5, at::kCUDA);
+  const GdnChunkPlan plan = make_gdn_chunk_plan(in.cu_seqlens, at::kCUDA);
+  const GdnGates gates = GdnGates::precomputed(in.g, in.beta);
+  for (const bool sync : {false, true}) {
+    if (sync) setenv("DFLASHD_GDN_MMA", "sync", 1);
+    const at::Tensor fp32 = gated_delta_rule_cuda(in.mixed, hk, hv, gates, plan);
+    const at::Tensor bf16 = gated_delta_rule_cuda(in.mixed, hk, hv, gates, plan, {}, {}, 1e-6, 64, nullptr, at::kBFloat16);
+    unsetenv("DFLASHD_GDN_MMA");
+    EXPECT_EQ(bf16.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(bf16.sizes(), fp32.sizes());
+    EXPECT_TRUE(at::equal(bf16, fp32.to(at::kBFloat16))) << (sync ? "mma.sync kernels" : "default kernels");
+  }
+  EXPECT_THROW(gated_delta_rule_cuda(in.mixed, hk, hv, gates, plan, {}, {}, 1e-6, 64, nullptr, at::kHalf), std::exception);
+}
+
 // The gates formed in the prepare kernel from the raw projections (strided rows, as a fused
 // [b | a] projection gives them) against the same gates computed by the reference ops.
 TEST(GatedDeltaNetKernels, GatesFromProjectionsMatchPrecomputedGates) {

@@ -617,7 +617,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
   const int seq_end = count > 0 ? a.chunks.start[first + count - 1] + a.chunks.length[first + count - 1] : 0;
   const int key_head = head / (a.value_heads / a.key_heads);
   const bf16* qkv = static_cast<const bf16*>(a.qkv);
-  const bool norm = a.out != nullptr;
+  const bool norm = a.out != nullptr, fp32_out = a.out_raw != nullptr;
+  bf16* const out_rows = static_cast<bf16*>(norm ? a.out : a.out_plain);  // bf16 o, normed or plain
   const int64_t tile_step = static_cast<int64_t>(a.value_heads);  // (chunk, head) tiles per chunk
 
   // The norm's exchange: this CTA writes its per-token partial sums into the peer's peer_partial
@@ -758,7 +759,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
         }
       }
       // Epilogue: tokens 8j + 2t4 (+1) of columns v0 + vw + g, + 8.
-      if (!norm) {
+      if (fp32_out) {
         float* out = a.out_raw + (static_cast<int64_t>(start) + 2 * t4) * row + head * D + v0 + vw + g;
 #pragma unroll
         for (int j = 0; j < 8; ++j, out += 8 * row) {
@@ -769,61 +770,69 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
         issue_after(n, chunks, bar, load);
         continue;
       }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float q0 = ot[j][0] * ot[j][0] + ot[j][2] * ot[j][2], q1 = ot[j][1] * ot[j][1] + ot[j][3] * ot[j][3];
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1) {
-          q0 += __shfl_xor_sync(0xffffffffu, q0, off);
-          q1 += __shfl_xor_sync(0xffffffffu, q1, off);
-        }
-        if (g == 0) s.squares[group][warp][8 * j + 2 * t4] = q0, s.squares[group][warp][8 * j + 2 * t4 + 1] = q1;
-      }
-      named_sync(bar, 128);
-      if (tid < C) {
-        // To the peer: st.async lands the value in its shared memory and counts its 4 bytes on the
-        // peer's mbarrier of this parity (no memory fence: a release at cluster scope would wait
-        // for this thread's output stores to reach global memory). The peer's buffer of this
-        // parity is free: it read it two of the group's chunks ago, before it sent the partial sums
-        // of the group's chunk in between, which this CTA has received.
-        const int parity = n & 1;
-        const uint32_t arrived = mma_tile::shared_address(&s.peer_written[group][parity]);
-        if (tid == 0) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(arrived), "r"(C * 4) : "memory");
-        const float own = s.squares[group][0][tid] + s.squares[group][1][tid] + s.squares[group][2][tid] + s.squares[group][3][tid];
-        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n" ::"r"(
-                         peer_partial + (parity * C + tid) * 4),
-                     "f"(own), "r"(peer_written + parity * 8)
-                     : "memory");
-        // The peer's partial sums of this chunk: the (n / 2)-th phase of this parity's mbarrier.
-        const uint32_t phase = (n >> 1) & 1;
-        uint32_t done = 0;
-        while (!done) {
-          asm volatile(
-              "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-              : "=r"(done)
-              : "r"(arrived), "r"(phase)
-              : "memory");
-        }
-        s.rstd[group][tid] = rsqrtf((own + s.peer_partial[group][parity][tid]) / D + a.eps);
-      }
-      named_sync(bar, 128);
-      // The gated norm in place of z (each element read and written by the same thread), then the
-      // chunk's 64 tokens x 64 columns out as whole 128-byte rows (16-byte stores; scattered 2-byte
-      // stores left every 32-byte sector half written).
+      // The chunk's 64 tokens x 64 columns of bf16 o (plain or normed) are staged in z's place and
+      // go out as whole 128-byte rows (16-byte stores; scattered 2-byte stores left every 32-byte
+      // sector half written).
       bf16* staged = s.z[buffer] + vw + g;
+      if (!norm) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int token = 8 * j + 2 * t4 + (e & 1), column = (e >> 1) * 8;
-          // As the reference: the weighted rmsnorm(o) rounded as HF does, then times silu(z) in fp32.
-          const float gate = __bfloat162float(staged[token * LDU + column]);
-          const float weighted = weighted_norm(ot[j][e] * s.rstd[group][token], e >> 1 ? weight1 : weight0, false);
-          staged[token * LDU + column] = __float2bfloat16(weighted * gate * sigmoid_approx(gate));
+          for (int e = 0; e < 4; ++e) staged[(8 * j + 2 * t4 + (e & 1)) * LDU + (e >> 1) * 8] = __float2bfloat16(ot[j][e]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          float q0 = ot[j][0] * ot[j][0] + ot[j][2] * ot[j][2], q1 = ot[j][1] * ot[j][1] + ot[j][3] * ot[j][3];
+#pragma unroll
+          for (int off = 4; off < 32; off <<= 1) {
+            q0 += __shfl_xor_sync(0xffffffffu, q0, off);
+            q1 += __shfl_xor_sync(0xffffffffu, q1, off);
+          }
+          if (g == 0) s.squares[group][warp][8 * j + 2 * t4] = q0, s.squares[group][warp][8 * j + 2 * t4 + 1] = q1;
+        }
+        named_sync(bar, 128);
+        if (tid < C) {
+          // To the peer: st.async lands the value in its shared memory and counts its 4 bytes on the
+          // peer's mbarrier of this parity (no memory fence: a release at cluster scope would wait
+          // for this thread's output stores to reach global memory). The peer's buffer of this
+          // parity is free: it read it two of the group's chunks ago, before it sent the partial sums
+          // of the group's chunk in between, which this CTA has received.
+          const int parity = n & 1;
+          const uint32_t arrived = mma_tile::shared_address(&s.peer_written[group][parity]);
+          if (tid == 0) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(arrived), "r"(C * 4) : "memory");
+          const float own = s.squares[group][0][tid] + s.squares[group][1][tid] + s.squares[group][2][tid] + s.squares[group][3][tid];
+          asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n" ::"r"(
+                           peer_partial + (parity * C + tid) * 4),
+                       "f"(own), "r"(peer_written + parity * 8)
+                       : "memory");
+          // The peer's partial sums of this chunk: the (n / 2)-th phase of this parity's mbarrier.
+          const uint32_t phase = (n >> 1) & 1;
+          uint32_t done = 0;
+          while (!done) {
+            asm volatile(
+                "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done)
+                : "r"(arrived), "r"(phase)
+                : "memory");
+          }
+          s.rstd[group][tid] = rsqrtf((own + s.peer_partial[group][parity][tid]) / D + a.eps);
+        }
+        named_sync(bar, 128);
+        // The gated norm in place of z (each element read and written by the same thread).
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int token = 8 * j + 2 * t4 + (e & 1), column = (e >> 1) * 8;
+            // As the reference: the weighted rmsnorm(o) rounded as HF does, then times silu(z) in fp32.
+            const float gate = __bfloat162float(staged[token * LDU + column]);
+            const float weighted = weighted_norm(ot[j][e] * s.rstd[group][token], e >> 1 ? weight1 : weight0, false);
+            staged[token * LDU + column] = __float2bfloat16(weighted * gate * sigmoid_approx(gate));
+          }
         }
       }
       named_sync(bar, 128);
-      bf16* out = static_cast<bf16*>(a.out) + static_cast<int64_t>(start) * row + head * D + v0;
+      bf16* out = out_rows + static_cast<int64_t>(start) * row + head * D + v0;
 #pragma unroll
       for (int j = 0; j < C * BV / 8 / 128; ++j) {
         const int c = tid + j * 128, r = c >> 3, k = (c & 7) * 8;
@@ -919,6 +928,14 @@ __global__ void __launch_bounds__(kOutputThreads) output_kernel(GdnForward a) {
       }
       continue;
     }
+    if (a.out_plain != nullptr) {
+      bf16* out = static_cast<bf16*>(a.out_plain) + (token * a.value_heads + head) * D;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        *reinterpret_cast<__nv_bfloat162*>(out + 8 * n + 2 * t4) = __floats2bfloat162_rn(acc[n][2 * half], acc[n][2 * half + 1]);
+      }
+      continue;
+    }
     const float rstd = rsqrtf(squares / D + a.eps);
     const bf16* z = static_cast<const bf16*>(a.z) + token * a.z_stride + head * D;
     const bf16* w = static_cast<const bf16*>(a.norm_weight);
@@ -1004,8 +1021,8 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
     throw std::invalid_argument("gated_delta_rule_forward: at most " + std::to_string(kMaxGroup) +
                                 " value heads per key head (got " + std::to_string(args.value_heads / args.key_heads) + ")");
   }
-  if ((args.out_raw == nullptr) == (args.out == nullptr)) {
-    throw std::invalid_argument("gated_delta_rule_forward: exactly one of out_raw and out");
+  if ((args.out_raw != nullptr) + (args.out_plain != nullptr) + (args.out != nullptr) != 1) {
+    throw std::invalid_argument("gated_delta_rule_forward: exactly one of out_raw, out_plain and out");
   }
   const dim3 per_chunk(args.chunks.num_chunks, args.value_heads);
   auto mark = [&](int i) {

@@ -94,7 +94,8 @@ struct GdnForward {
   // bytes per 16x16 block: 16-row block r major, then the 16-token step k.
   void* qk = nullptr;
   // Output, one of:
-  float* out_raw = nullptr;  // fp32 [tokens, value_heads, 128]: o itself (tests)
+  float* out_raw = nullptr;   // fp32 [tokens, value_heads, 128]: o itself (tests)
+  void* out_plain = nullptr;  // bf16 [tokens, value_heads * 128]: o itself, as FLA's kernels return it
   // or the gated RMSNorm: out bf16 [tokens, value_heads * 128] = w * rmsnorm(o) * silu(z),
   // z bf16 with row stride z_stride, norm_weight bf16 [128].
   void* out = nullptr;
