@@ -109,6 +109,10 @@ __device__ __forceinline__ void wait_for_prerequisite() {
 // The gates' scales are folded into T's columns when T becomes the A operand of W and U
 // (W = (T diag(beta e^gamma)) K, U = (T diag(beta)) V), so K stays shared and V is not
 // rewritten. W and U go out through shared memory as whole rows (16-byte coalesced stores).
+// Bound by latency, not bytes (at 4096 tokens: 0.100 ms with or without the W and U stores; DRAM
+// 32 % of peak, issue slots 42 % busy at 25 % occupancy). Tried, slower (0.218 against 0.212 for
+// the whole core): a column-oriented diagonal substitution, P formed beside it by warps 4-7, T's
+// fragments shared by W and U (more registers: 56 bytes of spills); a chunk-major grid 0.220.
 constexpr int kPrepareThreads = 256;
 constexpr int kMaxGroup = kGdnMaxGroup;
 constexpr int kSolveLd = 40;  // row stride of the solve's 32 x 32 intermediate (B-operand reads conflict-free)
@@ -543,7 +547,11 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
 // is issued 0.209; L2 prefetch of the operands 2 chunks ahead 0.210; W S formed as (T diag(beta
 // e^gamma)) (K S) from an 8 KB matrix instead of the 16 KB W, one more product on the chain,
 // 0.215-0.232. The norm's cost was its per-element math (0.13 ms of 0.36 with one output group;
-// the exchange 0.01).
+// the exchange 0.01). Later (two output groups, against 0.218): the output groups cost the kernel
+// 0.030 ms (0.088 when they only pass the hand-off back), the fp32 o stores 0.017 of it; the
+// state's decay in the (W S)^T product's shadow 0.218, U's fragments loaded before its wait 0.218,
+// the async-proxy fence before its wait 0.225; starting each chunk on a per-chunk ready flag from
+// prepare instead of after the whole prepare grid 0.229.
 constexpr int kOutputGroups = 2;
 constexpr int kFusedThreads = 128 * (1 + kOutputGroups);
 constexpr int kChainStages = 2;
