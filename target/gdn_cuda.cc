@@ -148,6 +148,7 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
     expect(g.numel() == tokens * value_heads && beta.numel() == tokens * value_heads, "g and beta must be [tokens, value_heads]");
   }
   expect(plan.table.defined() && plan.table.device() == mixed.device(), "the chunk plan must be on the input's device");
+  expect(o_dtype == at::kFloat || o_dtype == at::kBFloat16, "o_dtype must be float32 or bfloat16");
   const int64_t chunks = plan.num_chunks;
   const auto bf = mixed.options();
   const at::Tensor w = at::empty({chunks, value_heads, C, D}, bf), u = at::empty_like(w);
@@ -202,7 +203,6 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
     out = at::empty({tokens, value_heads, D}, bf);
     a.out_plain = out.data_ptr();
   } else {
-    expect(o_dtype == at::kFloat, "o_dtype must be float32 or bfloat16");
     out = at::empty({tokens, value_heads, D}, bf.dtype(at::kFloat));
     a.out_raw = out.data_ptr<float>();
   }
