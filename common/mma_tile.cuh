@@ -105,6 +105,19 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t address
                : "r"(address));
 }
 
+// The inverse of ldsm_x4_trans: four 8x8 b16 matrices from fragment registers, each stored
+// transposed; lanes 8i .. 8i + 7 give the addresses of matrix i's 8 rows in memory (stmatrix,
+// sm_90 and later).
+__device__ __forceinline__ void stsm_x4_trans(uint32_t address, const uint32_t (&r)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
