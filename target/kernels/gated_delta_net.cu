@@ -103,16 +103,26 @@ __device__ __forceinline__ void wait_for_prerequisite() {
 }
 
 // ---- 2. prepare: per (chunk, key head), for each of its value heads: gamma, A, T = (I + A)^-1, W, U, P
-// K K^T and Q K^T depend on the key head only: computed once per CTA (mma.sync, warps 0-3 and
-// 4-7, 16 rows each) and kept in registers; each value head then applies its own decay to them
-// there (A to shared memory for the solve, P straight to global memory in fragment order).
+// K K^T and Q K^T depend on the key head only (warps 0-3 and 4-7, 16 rows each); each value head
+// applies its own decay to them in registers (A to shared memory for the solve, P straight to
+// global memory in fragment order). On Hopper they are wgmma products (one per warpgroup),
+// formed again for each value head (cheaper than holding them in registers through the solve),
+// and W and U are one wgmma each (warpgroup 0 W, warpgroup 1 U, T's scaled rows as register A
+// operands); elsewhere mma.sync, the products formed once per CTA.
 // The gates' scales are folded into T's columns when T becomes the A operand of W and U
 // (W = (T diag(beta e^gamma)) K, U = (T diag(beta)) V), so K stays shared and V is not
 // rewritten. W and U go out through shared memory as whole rows (16-byte coalesced stores).
-// Bound by latency, not bytes (at 4096 tokens: 0.100 ms with or without the W and U stores; DRAM
-// 32 % of peak, issue slots 42 % busy at 25 % occupancy). Tried, slower (0.218 against 0.212 for
-// the whole core): a column-oriented diagonal substitution, P formed beside it by warps 4-7, T's
-// fragments shared by W and U (more registers: 56 bytes of spills); a chunk-major grid 0.220.
+// Bound by latency and shared-memory traffic, not DRAM (at 4096 tokens: 0.100 ms with or without
+// the W and U stores; DRAM 32 % of peak, issue slots 42 % busy at 25 % occupancy, shared/L1 69 %
+// busy). wgmma for the products and W / U (operands read once per warpgroup, not through ldmatrix
+// by every warp): shared/L1 57 % busy, whole core 0.214 -> 0.210 ms (o in bf16 0.199 -> 0.194).
+// Tried, slower (0.218 against 0.212 for the whole core): a column-oriented diagonal
+// substitution, P formed beside it by warps 4-7, T's fragments shared by W and U (more registers:
+// 56 bytes of spills); a chunk-major grid 0.220. Later (against 0.213 / 0.197 with o in bf16):
+// one CTA per (chunk, value head), 74 KB of shared memory and 80 registers for 3 CTAs per SM
+// 0.219 / 0.202 (0.213 / 0.197 with T's zero blocks skipped); the products and W / U skipping T's
+// and A's zero blocks (warp-uniform branches, 28 bytes of spills) 0.223 / 0.208; the diagonal
+// substitution with 4 partial sums 0.213 / 0.198.
 constexpr int kPrepareThreads = 256;
 constexpr int kMaxGroup = kGdnMaxGroup;
 constexpr int kSolveLd = 40;  // row stride of the solve's 32 x 32 intermediate (B-operand reads conflict-free)
@@ -255,10 +265,12 @@ __device__ __forceinline__ void store_rows(bf16* out, const mma_tile::Tile& tile
   }
 }
 
+template <bool kWgmma>
 __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward a) {
   dependents_may_launch();
-  extern __shared__ __align__(128) unsigned char smem[];
-  PrepareShared& s = *reinterpret_cast<PrepareShared*>(smem);
+  extern __shared__ __align__(16) unsigned char raw[];
+  // (wgmma's swizzled operands need 1024-byte aligned tiles; mma.sync's do not)
+  PrepareShared& s = kWgmma ? mma_tile::aligned_shared<PrepareShared>(raw) : *reinterpret_cast<PrepareShared*>(raw);
   const int chunk = blockIdx.x, key_head = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int start = a.chunks.start[chunk], length = a.chunks.length[chunk];
@@ -296,17 +308,24 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
     if (t >= 32) s.gamma[h][t] = gamma;  // (t < 32 reads only its own entry above)
   }
   __pipeline_wait_prior(0);
+  if (kWgmma) mma_tile::async_proxy_fence();
   __syncthreads();
 
-  // Warps 0-3: K K^T, warps 4-7: Q K^T, rows [16 (warp % 4), +16), all 64 columns.
+  // Warps 0-3 (warpgroup 0): K K^T, warps 4-7: Q K^T, rows [16 (warp % 4), +16), all 64 columns:
+  // once per CTA on mma.sync; on wgmma once per value head (so they are not held in registers
+  // through the solve and W and U, and Q stays: W is staged in A's place instead).
   const int row0 = (warp & 3) * 16;
   float product[8][4];
-  mma_tile::product_16x64(product, warp < 4 ? s.k : s.q, row0, s.k);
+  if constexpr (!kWgmma) mma_tile::product_16x64(product, warp < 4 ? s.k : s.q, row0, s.k);
 
   for (int h = 0; h < group; ++h) {
     const int head = head0 + h;
     const int64_t tile = static_cast<int64_t>(chunk) * a.value_heads + head;
     const float* gamma = s.gamma[h];
+    if constexpr (kWgmma) {
+      wgmma::issue_product(product, warp < 4 ? s.k : s.q, s.k);
+      wgmma::wait<0>(product);
+    }
     // The decay exp(gamma_r - gamma_c) on the products: A = strict_lower(diag(beta) K K^T o decay)
     // into shared memory; P = causal(scale Q K^T o decay) to global memory in fragment order
     // (see GdnForward::qk).
@@ -324,6 +343,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
         if (keep) decayed[j][e] = product[j][e] * exp_approx(gamma_row[e >> 1] - ((e & 1) ? gamma_col.y : gamma_col.x));
       }
     }
+    if (kWgmma && h > 0) __syncthreads();  // the previous head's W (staged in A's place) is copied out
     if (warp < 4) {
       const float beta0 = s.beta[h][row0 + g], beta1 = s.beta[h][row0 + g + 8];
 #pragma unroll
@@ -348,27 +368,43 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
     __pipeline_commit();
     solve_unit_lower(s);
     __pipeline_wait_prior(1);
+    if (kWgmma) mma_tile::async_proxy_fence();
     __syncthreads();
 
     // W = (T diag(beta e^gamma)) K into the Q tile, U = (T diag(beta)) V into V's own tile once
-    // every warp has read it; warp w computes rows 16 (w % 4), columns 64 (w / 4) + [0, 64).
-    const int col0 = (warp >> 2) * 64;
+    // every warp has read it. On wgmma: warpgroup 0 W, warpgroup 1 U, 16 rows x 128 columns per
+    // warp; on mma.sync: warp w rows 16 (w % 4), columns 64 (w / 4) + [0, 64) of both.
     mma_tile::Tile& v = s.v[h & 1];
-    float acc[8][4];
     uint32_t x[4][4];
+    if constexpr (kWgmma) {
+      const bool w_group = warp < 4;
+      float acc[16][4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    scaled_t_fragments(x, s.t, s.k_scale[h], row0);
-    mma_tile::accumulate_16xn<4>(acc, x, s.k, col0);
-    stage_rows(s.q, acc, row0, col0);
+      for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      scaled_t_fragments(x, s.t, w_group ? s.k_scale[h] : s.beta[h], row0);
+      wgmma::issue_accumulate(acc, x, w_group ? s.k : v);
+      wgmma::wait<0>(acc, x);
+      __syncthreads();
+      mma_tile::Tile& staged = w_group ? *reinterpret_cast<mma_tile::Tile*>(s.a) : v;
+      stage_rows(staged, reinterpret_cast<float(&)[8][4]>(acc[0]), row0, 0);
+      stage_rows(staged, reinterpret_cast<float(&)[8][4]>(acc[8]), row0, 64);
+    } else {
+      const int col0 = (warp >> 2) * 64;
+      float acc[8][4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    scaled_t_fragments(x, s.t, s.beta[h], row0);
-    mma_tile::accumulate_16xn<4>(acc, x, v, col0);
+      for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      scaled_t_fragments(x, s.t, s.k_scale[h], row0);
+      mma_tile::accumulate_16xn<4>(acc, x, s.k, col0);
+      stage_rows(s.q, acc, row0, col0);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      scaled_t_fragments(x, s.t, s.beta[h], row0);
+      mma_tile::accumulate_16xn<4>(acc, x, v, col0);
+      __syncthreads();
+      stage_rows(v, acc, row0, col0);
+    }
     __syncthreads();
-    stage_rows(v, acc, row0, col0);
-    __syncthreads();
-    store_rows(static_cast<bf16*>(a.w) + tile * C * D, s.q);
+    store_rows(static_cast<bf16*>(a.w) + tile * C * D, kWgmma ? *reinterpret_cast<const mma_tile::Tile*>(s.a) : s.q);
     store_rows(static_cast<bf16*>(a.u) + tile * C * D, v);
   }
 }
@@ -646,16 +682,22 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   cluster_sync();  // the peer's mbarriers exist before anyone arrives on them
-  wait_for_prerequisite();  // prepare's W, U, P and gamma
+  // Each warpgroup requests its first chunk's inputs from the layer's input (K; Q and z) before
+  // waiting for prepare (wait_for_prerequisite), and what prepare wrote (W, U, P, gamma) after
+  // (0.214 / 0.215 -> 0.213 / 0.213 ms at 4096 tokens, same run).
+  enum Parts { kInputs = 1, kPrepared = 2, kAll = 3 };
 
   if (threadIdx.x < 128) {
     // ---- the chain ----
-    auto load = [&](int index, int buffer) {
+    auto load = [&](int index, int buffer, int parts = kAll) {
       const int start = seq_start + index * C, length = min(C, seq_end - start);
       const int64_t tile = (first + index) * tile_step + head;
+      if (parts & kInputs) {
+        mma_tile::load_tile<128>(s.k[buffer], qkv + static_cast<int64_t>(start) * a.qkv_stride + (a.key_heads + key_head) * D,
+                                 a.qkv_stride, length, tid);
+      }
+      if (!(parts & kPrepared)) return;
       mma_tile::load_tile<128>(s.w[buffer], static_cast<const bf16*>(a.w) + tile * C * D, D, C, tid);
-      mma_tile::load_tile<128>(s.k[buffer], qkv + static_cast<int64_t>(start) * a.qkv_stride + (a.key_heads + key_head) * D,
-                               a.qkv_stride, length, tid);
       const bf16* u = static_cast<const bf16*>(a.u) + tile * C * D + v0;
 #pragma unroll
       for (int j = 0; j < C * BV / 8 / 128; ++j) {
@@ -668,10 +710,11 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
     float st[16][4];
 #pragma unroll
     for (int n = 0; n < 16; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
-    for (int i = 0; i + 1 < kChainStages; ++i) {
-      if (i < count) load(i, i);
-      __pipeline_commit();
-    }
+    static_assert(kChainStages == 2, "the chain loads one chunk ahead");
+    if (count > 0) load(0, 0, kInputs);
+    wait_for_prerequisite();
+    if (count > 0) load(0, 0, kPrepared);
+    __pipeline_commit();
     for (int i = 0; i < count; ++i) {
       wait_stage<kChainStages - 2>(kChainBarrier);
       if (i + kChainStages - 1 < count) load(i + kChainStages - 1, (i + kChainStages - 1) % kChainStages);
@@ -707,13 +750,15 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
     // ---- the output: this group's chunks i = group + n * kOutputGroups ----
     const int chunks = count > group ? (count - group + kOutputGroups - 1) / kOutputGroups : 0;
     const int bar = kOutputBarrier + group;
-    auto load = [&](int n) {
+    auto load = [&](int n, int parts = kAll) {
       const int index = group + n * kOutputGroups, buffer = group;
       const int start = seq_start + index * C, length = min(C, seq_end - start);
       const int64_t tile = (first + index) * tile_step + head;
-      mma_tile::load_tile<128>(s.q[buffer], qkv + static_cast<int64_t>(start) * a.qkv_stride + key_head * D, a.qkv_stride,
-                               length, tid);
-      if (norm) {
+      if (parts & kInputs) {
+        mma_tile::load_tile<128>(s.q[buffer], qkv + static_cast<int64_t>(start) * a.qkv_stride + key_head * D, a.qkv_stride,
+                                 length, tid);
+      }
+      if (norm && (parts & kInputs)) {
         const bf16* z = static_cast<const bf16*>(a.z) + static_cast<int64_t>(start) * a.z_stride + head * D + v0;
 #pragma unroll
         for (int j = 0; j < C * BV / 8 / 128; ++j) {
@@ -721,6 +766,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
           mma_tile::copy16(&s.z[buffer][r * LDU + c], z + r * a.z_stride + c, r < length);
         }
       }
+      if (!(parts & kPrepared)) return;
       const uint4* p = reinterpret_cast<const uint4*>(static_cast<const bf16*>(a.qk) + tile * C * C);
 #pragma unroll
       for (int j = 0; j < 16 * 32 / 128; ++j) mma_tile::copy16(&s.p[buffer][tid + j * 128], p + tid + j * 128);
@@ -734,7 +780,9 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
       weight1 = __bfloat162float(w[8]);
     }
     const int64_t row = static_cast<int64_t>(a.value_heads) * D;  // between tokens of the output
-    if (chunks > 0) load(0);
+    if (chunks > 0) load(0, kInputs);
+    wait_for_prerequisite();
+    if (chunks > 0) load(0, kPrepared);
     __pipeline_commit();
     for (int n = 0; n < chunks; ++n) {
       wait_stage<0>(bar);
@@ -1053,8 +1101,10 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
     if (args.stage_events != nullptr) cudaEventRecord(args.stage_events[i], stream);
   };
   mark(0);
-  allow_shared_memory(prepare_kernel, sizeof(PrepareShared), "GatedDeltaNet kernel prepare");
-  prepare_kernel<<<dim3(args.chunks.num_chunks, args.key_heads), kPrepareThreads, sizeof(PrepareShared), stream>>>(args);
+  const size_t prepare_bytes = sizeof(PrepareShared) + mma_tile::kSharedAlignment;
+  auto* prepare = warpgroup_kernels() ? prepare_kernel<true> : prepare_kernel<false>;
+  allow_shared_memory(prepare, prepare_bytes, "GatedDeltaNet kernel prepare");
+  prepare<<<dim3(args.chunks.num_chunks, args.key_heads), kPrepareThreads, prepare_bytes, stream>>>(args);
   check_cuda_launch("GatedDeltaNet kernel prepare");
   mark(1);
   if (gated_delta_rule_fuses_output(args.state_columns)) {
