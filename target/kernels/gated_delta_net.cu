@@ -102,6 +102,10 @@ __device__ __forceinline__ void wait_for_prerequisite() {
 #endif
 }
 
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ---- 2. prepare: per (chunk, key head), for each of its value heads: gamma, A, T = (I + A)^-1, W, U, P
 // K K^T and Q K^T depend on the key head only (warps 0-3 and 4-7, 16 rows each); each value head
 // applies its own decay to them in registers (A to shared memory for the solve, P straight to
@@ -116,6 +120,10 @@ __device__ __forceinline__ void wait_for_prerequisite() {
 // the W and U stores; DRAM 32 % of peak, issue slots 42 % busy at 25 % occupancy, shared/L1 69 %
 // busy). wgmma for the products and W / U (operands read once per warpgroup, not through ldmatrix
 // by every warp): shared/L1 57 % busy, whole core 0.214 -> 0.210 ms (o in bf16 0.199 -> 0.194).
+// Then each warpgroup stages (stmatrix) and copies out its own W or U between barriers of its
+// own, not the CTA's, and T's blocks above the diagonal are neither zeroed nor read: 0.211 /
+// 0.209 -> 0.205 / 0.206 (bf16 o 0.195 / 0.194 -> 0.191 / 0.190; same run); of that, the
+// warpgroup barriers alone 0.208 / 0.208, stmatrix alone or the zero blocks alone nothing.
 // Tried, slower (0.218 against 0.212 for the whole core): a column-oriented diagonal
 // substitution, P formed beside it by warps 4-7, T's fragments shared by W and U (more registers:
 // 56 bytes of spills); a chunk-major grid 0.220. Later (against 0.213 / 0.197 with o in bf16):
@@ -230,12 +238,18 @@ __device__ __forceinline__ void gates_at(const GdnForward& a, int head, int star
 }
 
 // A operand fragments (4 k-steps) of rows [row0, row0 + 16) of T diag(scale), from fp32 T.
+// kSkipUpper: T's blocks above the diagonal are not read but taken as zero (warp-uniform).
+template <bool kSkipUpper>
 __device__ __forceinline__ void scaled_t_fragments(uint32_t (&x)[4][4], const float* t, const float* scale, int row0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
+      if (kSkipUpper && 16 * kk > row0) {
+        x[kk][i] = 0u;
+        continue;
+      }
       const int row = row0 + g + 8 * (i & 1), col = 16 * kk + 2 * t4 + 8 * (i >> 1);
       const float2 v = *reinterpret_cast<const float2*>(t + row * LDA + col);
       const float2 f = *reinterpret_cast<const float2*>(scale + col);
@@ -257,9 +271,21 @@ __device__ __forceinline__ void stage_rows(mma_tile::Tile& tile, const float (&a
   }
 }
 
-// The whole tile to rows of D bf16 in global memory (16-byte stores).
-__device__ __forceinline__ void store_rows(bf16* out, const mma_tile::Tile& tile) {
-  for (int i = threadIdx.x; i < C * 16; i += kPrepareThreads) {
+// A warp's 16 rows [row0, row0 + 16) x 128 columns of accumulators into a tile (bf16) as 8x8
+// matrices (stmatrix, four per instruction: rows 0-7 and 8-15 of the n8 tiles j and j + 1).
+__device__ __forceinline__ void stage_rows(mma_tile::Tile& tile, const float (&acc)[16][4], int row0) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, row = row0 + (lane & 7) + 8 * (m & 1);
+#pragma unroll
+  for (int j = 0; j < 16; j += 2) {
+    const uint32_t r[4] = {mma_tile::pack(acc[j][0], acc[j][1]), mma_tile::pack(acc[j][2], acc[j][3]),
+                           mma_tile::pack(acc[j + 1][0], acc[j + 1][1]), mma_tile::pack(acc[j + 1][2], acc[j + 1][3])};
+    mma_tile::stsm_x4(mma_tile::shared_address(tile.v + mma_tile::swizzled(row, j + (m >> 1))), r);
+  }
+}
+
+// The whole tile to rows of D bf16 in global memory (16-byte stores), by `threads` threads.
+__device__ __forceinline__ void store_rows(bf16* out, const mma_tile::Tile& tile, int thread = threadIdx.x, int threads = kPrepareThreads) {
+  for (int i = thread; i < C * 16; i += threads) {
     *reinterpret_cast<uint4*>(out + (i >> 4) * D + (i & 15) * 8) =
         *reinterpret_cast<const uint4*>(tile.v + mma_tile::swizzled(i >> 4, i & 15));
   }
@@ -283,8 +309,17 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
   mma_tile::load_tile<kPrepareThreads>(s.k, qkv + (a.key_heads + key_head) * D, a.qkv_stride, length);
   load_v(0);
   __pipeline_commit();
-  // T's blocks above the diagonal blocks stay zero (solve_unit_lower never writes them).
-  for (int i = threadIdx.x; i < C * LDA; i += kPrepareThreads) s.t[i] = 0.0f;
+  // T's blocks above the diagonal blocks stay zero (solve_unit_lower never writes them); on
+  // wgmma only (0, 1) and (2, 3), which the solve reads as parts of its 32 x 32 blocks (the others
+  // are never read: scaled_t_fragments<true>).
+  if (kWgmma) {
+    for (int i = threadIdx.x; i < 2 * 16 * 16; i += kPrepareThreads) {
+      const int block = 32 * (i >> 8), r = (i >> 4) & 15, c = i & 15;
+      s.t[(block + r) * LDA + block + 16 + c] = 0.0f;
+    }
+  } else {
+    for (int i = threadIdx.x; i < C * LDA; i += kPrepareThreads) s.t[i] = 0.0f;
+  }
 
   // gamma: inclusive cumsum of g over the chunk (g = 0 past the end, so gamma stays at its last
   // value), two warps per value head; then beta e^gamma.
@@ -343,7 +378,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
         if (keep) decayed[j][e] = product[j][e] * exp_approx(gamma_row[e >> 1] - ((e & 1) ? gamma_col.y : gamma_col.x));
       }
     }
-    if (kWgmma && h > 0) __syncthreads();  // the previous head's W (staged in A's place) is copied out
+    if (kWgmma && h > 0 && warp < 4) named_sync(1, 128);  // the previous head's W (staged in A's place) is copied out
     if (warp < 4) {
       const float beta0 = s.beta[h][row0 + g], beta1 = s.beta[h][row0 + g + 8];
 #pragma unroll
@@ -381,31 +416,35 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
       float acc[16][4];
 #pragma unroll
       for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-      scaled_t_fragments(x, s.t, w_group ? s.k_scale[h] : s.beta[h], row0);
+      scaled_t_fragments<true>(x, s.t, w_group ? s.k_scale[h] : s.beta[h], row0);
       wgmma::issue_accumulate(acc, x, w_group ? s.k : v);
       wgmma::wait<0>(acc, x);
-      __syncthreads();
+      // Each warpgroup stages and copies out its own: W in A's place (dead since the solve), U in
+      // V's (read only by this warpgroup's product), between barriers of the warpgroup.
+      const int barrier = 1 + (warp >> 2);
       mma_tile::Tile& staged = w_group ? *reinterpret_cast<mma_tile::Tile*>(s.a) : v;
-      stage_rows(staged, reinterpret_cast<float(&)[8][4]>(acc[0]), row0, 0);
-      stage_rows(staged, reinterpret_cast<float(&)[8][4]>(acc[8]), row0, 64);
+      named_sync(barrier, 128);
+      stage_rows(staged, acc, row0);
+      named_sync(barrier, 128);
+      store_rows(static_cast<bf16*>(w_group ? a.w : a.u) + tile * C * D, staged, threadIdx.x & 127, 128);
     } else {
       const int col0 = (warp >> 2) * 64;
       float acc[8][4];
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-      scaled_t_fragments(x, s.t, s.k_scale[h], row0);
+      scaled_t_fragments<false>(x, s.t, s.k_scale[h], row0);
       mma_tile::accumulate_16xn<4>(acc, x, s.k, col0);
       stage_rows(s.q, acc, row0, col0);
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-      scaled_t_fragments(x, s.t, s.beta[h], row0);
+      scaled_t_fragments<false>(x, s.t, s.beta[h], row0);
       mma_tile::accumulate_16xn<4>(acc, x, v, col0);
       __syncthreads();
       stage_rows(v, acc, row0, col0);
+      __syncthreads();
+      store_rows(static_cast<bf16*>(a.w) + tile * C * D, s.q);
+      store_rows(static_cast<bf16*>(a.u) + tile * C * D, v);
     }
-    __syncthreads();
-    store_rows(static_cast<bf16*>(a.w) + tile * C * D, kWgmma ? *reinterpret_cast<const mma_tile::Tile*>(s.a) : s.q);
-    store_rows(static_cast<bf16*>(a.u) + tile * C * D, v);
   }
 }
 
@@ -621,9 +660,6 @@ struct FusedShared {
   uint64_t peer_written[kOutputGroups][2];
 };
 
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
