@@ -123,7 +123,8 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 // Then each warpgroup stages (stmatrix) and copies out its own W or U between barriers of its
 // own, not the CTA's, and T's blocks above the diagonal are neither zeroed nor read: 0.211 /
 // 0.209 -> 0.205 / 0.206 (bf16 o 0.195 / 0.194 -> 0.191 / 0.190; same run); of that, the
-// warpgroup barriers alone 0.208 / 0.208, stmatrix alone or the zero blocks alone nothing.
+// warpgroup barriers alone 0.208 / 0.208, stmatrix alone or the zero blocks alone nothing. V
+// loaded and waited for by warpgroup 1 alone: 0.206 / 0.207 / 0.206 -> 0.205 / 0.206 / 0.205.
 // Tried, slower (0.218 against 0.212 for the whole core): a column-oriented diagonal
 // substitution, P formed beside it by warps 4-7, T's fragments shared by W and U (more registers:
 // 56 bytes of spills); a chunk-major grid 0.220. Later (against 0.213 / 0.197 with o in bf16):
@@ -302,8 +303,14 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
   const int start = a.chunks.start[chunk], length = a.chunks.length[chunk];
   const int group = a.value_heads / a.key_heads, head0 = key_head * group;
   const bf16* qkv = static_cast<const bf16*>(a.qkv) + static_cast<int64_t>(start) * a.qkv_stride;
+  // V: on wgmma only warpgroup 1 reads it (U), so only it loads it and waits for it.
   auto load_v = [&](int h) {
-    mma_tile::load_tile<kPrepareThreads>(s.v[h & 1], qkv + (2 * a.key_heads + head0 + h) * D, a.qkv_stride, length);
+    const bf16* v = qkv + (2 * a.key_heads + head0 + h) * D;
+    if (!kWgmma) {
+      mma_tile::load_tile<kPrepareThreads>(s.v[h & 1], v, a.qkv_stride, length);
+    } else if (warp >= 4) {
+      mma_tile::load_tile<128>(s.v[h & 1], v, a.qkv_stride, length, threadIdx.x - 128);
+    }
   };
   mma_tile::load_tile<kPrepareThreads>(s.q, qkv + key_head * D, a.qkv_stride, length);
   mma_tile::load_tile<kPrepareThreads>(s.k, qkv + (a.key_heads + key_head) * D, a.qkv_stride, length);
@@ -402,9 +409,16 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
     if (h + 1 < group) load_v(h + 1);  // its buffer's last reader (head h - 1's copy-out) is done
     __pipeline_commit();
     solve_unit_lower(s);
-    __pipeline_wait_prior(1);
-    if (kWgmma) mma_tile::async_proxy_fence();
-    __syncthreads();
+    if constexpr (kWgmma) {
+      if (warp >= 4) {  // (T is complete: the solve ends with a barrier)
+        __pipeline_wait_prior(1);
+        mma_tile::async_proxy_fence();
+        named_sync(2, 128);
+      }
+    } else {
+      __pipeline_wait_prior(1);
+      __syncthreads();
+    }
 
     // W = (T diag(beta e^gamma)) K into the Q tile, U = (T diag(beta)) V into V's own tile once
     // every warp has read it. On wgmma: warpgroup 0 W, warpgroup 1 U, 16 rows x 128 columns per
