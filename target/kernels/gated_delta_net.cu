@@ -893,7 +893,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
         for (int j = 0; j < 8; j += 2) {
           const uint32_t o[4] = {mma_tile::pack(ot[j][0], ot[j][1]), mma_tile::pack(ot[j][2], ot[j][3]),
                                  mma_tile::pack(ot[j + 1][0], ot[j + 1][1]), mma_tile::pack(ot[j + 1][2], ot[j + 1][3])};
-          mma_tile::stsm_x4_trans(staged_rows(j), o);
+          mma_tile::stsm_x4<true>(staged_rows(j), o);
         }
       } else {
 #pragma unroll
@@ -950,7 +950,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
             const float w1 = weighted_norm(acc[1] * s.rstd[group][token + 1], weight, false);
             o[i] = mma_tile::pack(w0 * gate.x * sigmoid_approx(gate.x), w1 * gate.y * sigmoid_approx(gate.y));
           }
-          mma_tile::stsm_x4_trans(staged_rows(j), o);
+          mma_tile::stsm_x4<true>(staged_rows(j), o);
         }
       }
       named_sync(bar, 128);
