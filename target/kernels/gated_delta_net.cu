@@ -420,9 +420,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
       __syncthreads();
     }
 
-    // W = (T diag(beta e^gamma)) K into the Q tile, U = (T diag(beta)) V into V's own tile once
-    // every warp has read it. On wgmma: warpgroup 0 W, warpgroup 1 U, 16 rows x 128 columns per
-    // warp; on mma.sync: warp w rows 16 (w % 4), columns 64 (w / 4) + [0, 64) of both.
+    // W = (T diag(beta e^gamma)) K staged in the Q tile (on wgmma in A's place: the next value
+    // head's product reads Q again), U = (T diag(beta)) V in V's own tile once its readers are
+    // done. On wgmma: warpgroup 0 W, warpgroup 1 U, 16 rows x 128 columns per warp, each
+    // warpgroup staging and copying out its own; on mma.sync: warp w rows 16 (w % 4), columns
+    // 64 (w / 4) + [0, 64) of both.
     mma_tile::Tile& v = s.v[h & 1];
     uint32_t x[4][4];
     if constexpr (kWgmma) {
