@@ -105,22 +105,14 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t address
                : "r"(address));
 }
 
-// The inverse of ldsm_x4 (kTransposed: of ldsm_x4_trans): four 8x8 b16 matrices from fragment
-// registers (thread l holds row l / 4, columns 2 (l % 4) and + 1 of each), stored as they are or
+// The inverse of ldsm_x4_trans: four 8x8 b16 matrices from fragment registers, each stored
 // transposed; lanes 8i .. 8i + 7 give the addresses of matrix i's 8 rows in memory (stmatrix,
-// sm_90 and later).
-template <bool kTransposed = false>
-__device__ __forceinline__ void stsm_x4(uint32_t address, const uint32_t (&r)[4]) {
+// sm_90 and later). (The untransposed store of a whole A operand into a tile: store_a.)
+__device__ __forceinline__ void stsm_x4_trans(uint32_t address, const uint32_t (&r)[4]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (kTransposed) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(r[0]),
-                 "r"(r[1]), "r"(r[2]), "r"(r[3])
-                 : "memory");
-  } else {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(r[0]), "r"(r[1]),
-                 "r"(r[2]), "r"(r[3])
-                 : "memory");
-  }
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
 #else
   __trap();
 #endif

@@ -272,16 +272,13 @@ __device__ __forceinline__ void stage_rows(mma_tile::Tile& tile, const float (&a
   }
 }
 
-// A warp's 16 rows [row0, row0 + 16) x 128 columns of accumulators into a tile (bf16) as 8x8
-// matrices (stmatrix, four per instruction: rows 0-7 and 8-15 of the n8 tiles j and j + 1).
+// A warp's 16 rows [row0, row0 + 16) x 128 columns of accumulators into a tile (bf16), as the
+// A operands they are (stmatrix through store_a).
 __device__ __forceinline__ void stage_rows(mma_tile::Tile& tile, const float (&acc)[16][4], int row0) {
-  const int lane = threadIdx.x & 31, m = lane >> 3, row = row0 + (lane & 7) + 8 * (m & 1);
+  uint32_t rows[8][4];
+  mma_tile::to_a(rows, acc);
 #pragma unroll
-  for (int j = 0; j < 16; j += 2) {
-    const uint32_t r[4] = {mma_tile::pack(acc[j][0], acc[j][1]), mma_tile::pack(acc[j][2], acc[j][3]),
-                           mma_tile::pack(acc[j + 1][0], acc[j + 1][1]), mma_tile::pack(acc[j + 1][2], acc[j + 1][3])};
-    mma_tile::stsm_x4(mma_tile::shared_address(tile.v + mma_tile::swizzled(row, j + (m >> 1))), r);
-  }
+  for (int kk = 0; kk < 8; ++kk) mma_tile::store_a(tile, rows[kk], row0, 16 * kk);
 }
 
 // The whole tile to rows of D bf16 in global memory (16-byte stores), by `threads` threads.
@@ -897,7 +894,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
         for (int j = 0; j < 8; j += 2) {
           const uint32_t o[4] = {mma_tile::pack(ot[j][0], ot[j][1]), mma_tile::pack(ot[j][2], ot[j][3]),
                                  mma_tile::pack(ot[j + 1][0], ot[j + 1][1]), mma_tile::pack(ot[j + 1][2], ot[j + 1][3])};
-          mma_tile::stsm_x4<true>(staged_rows(j), o);
+          mma_tile::stsm_x4_trans(staged_rows(j), o);
         }
       } else {
 #pragma unroll
@@ -954,7 +951,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
             const float w1 = weighted_norm(acc[1] * s.rstd[group][token + 1], weight, false);
             o[i] = mma_tile::pack(w0 * gate.x * sigmoid_approx(gate.x), w1 * gate.y * sigmoid_approx(gate.y));
           }
-          mma_tile::stsm_x4<true>(staged_rows(j), o);
+          mma_tile::stsm_x4_trans(staged_rows(j), o);
         }
       }
       named_sync(bar, 128);
