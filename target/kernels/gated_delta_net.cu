@@ -680,14 +680,13 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// A warpgroup's software pipeline: wait_stage waits (cp.async) for the loads of iteration i,
-// leaving kPending later iterations' loads in flight, and publishes them to the warpgroup (and the
-// async proxy). The chain then issues the loads of iteration i + 1 into the other of its two
-// buffers (every thread of the warpgroup is past iteration i - 1, which used it); an output group,
-// with one buffer, issues its next loads once the whole group is done with it (issue_after).
-template <int kPending>
+// A warpgroup's software pipeline: wait_stage waits (cp.async) for the loads of iteration i (the
+// only ones in flight) and publishes them to the warpgroup (and the async proxy). The chain then
+// issues the loads of iteration i + 1 into the other of its two buffers (every thread of the
+// warpgroup is past iteration i - 1, which used it); an output group, with one buffer, issues its
+// next loads once the whole group is done with it (issue_after).
 __device__ __forceinline__ void wait_stage(int barrier) {
-  __pipeline_wait_prior(kPending);
+  __pipeline_wait_prior(0);
   mma_tile::async_proxy_fence();
   named_sync(barrier, 128);
 }
@@ -767,7 +766,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
     if (count > 0) load(0, 0, kPrepared);
     __pipeline_commit();
     for (int i = 0; i < count; ++i) {
-      wait_stage<kChainStages - 2>(kChainBarrier);
+      wait_stage(kChainBarrier);
       if (i + kChainStages - 1 < count) load(i + kChainStages - 1, (i + kChainStages - 1) % kChainStages);
       __pipeline_commit();
       const int buffer = i % kChainStages, slot = i % kHandoffs;
@@ -836,7 +835,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
     if (chunks > 0) load(0, kPrepared);
     __pipeline_commit();
     for (int n = 0; n < chunks; ++n) {
-      wait_stage<0>(bar);
+      wait_stage(bar);
       const int i = group + n * kOutputGroups, buffer = group, slot = i % kHandoffs;
       const int start = seq_start + i * C, length = min(C, seq_end - start);
       named_sync(kFullBarrier + slot, 256);  // S^T and V'^T of chunk i
