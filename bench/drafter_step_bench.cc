@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <random>
 
+#include "common/kernel_variants.h"
 #include "bench/kernel_profile.h"
 #include "drafter/block_attention.h"
 #include "drafter/loss.h"
@@ -123,14 +124,14 @@ int main(int argc, char** argv) {
   struct PathTime {
     const char* name;
     drafter::BlockAttentionPath path;
-    const char* mma = nullptr;  // DFLASHD_ATTENTION_MMA while timed
+    bool mma_sync = false;  // the mma.sync kernels forced while timed
     double forward = 0, both = 0;
   };
   std::vector<PathTime> paths{{"fused kernels", drafter::BlockAttentionPath::kernels},
-                              {"fused kernels, mma.sync (DFLASHD_ATTENTION_MMA=sync)", drafter::BlockAttentionPath::kernels, "sync"},
+                              {"fused kernels, mma.sync (forced)", drafter::BlockAttentionPath::kernels, true},
                               {"split path, memory-efficient kernels", drafter::BlockAttentionPath::efficient}};
   for (PathTime& p : paths) {
-    if (p.mma != nullptr) setenv("DFLASHD_ATTENTION_MMA", p.mma, 1);
+    force_mma_sync(MmaKernels::block_attention, p.mma_sync);
     drafter::BlockAttentionShape shape{16, 64, 0};
     shape.path = p.path;
     p.forward = timed([&] {
@@ -138,7 +139,7 @@ int main(int argc, char** argv) {
       drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape);
     }, 20, 3);
     p.both = timed([&] { drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape).backward(dout); }, 20, 3);
-    if (p.mma != nullptr) unsetenv("DFLASHD_ATTENTION_MMA");
+    force_mma_sync(MmaKernels::block_attention, false);
   }
   // The attention's model FLOPs (performance.md): 4 d per visible (row, key) pair forward, 2.5x that backward.
   // Each of a block's 16 rows per query head sees anchor + 16 keys.

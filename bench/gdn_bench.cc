@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "common/kernel_variants.h"
 #include "bench/kernel_profile.h"
 #include "pipeline/flops.h"
 #include "target/gated_delta_net.h"
@@ -92,7 +93,7 @@ int main(int argc, char** argv) {
               static_cast<long long>(hk), static_cast<long long>(hv));
   // ours: the default kernels (on an H200 the fused wgmma state + output kernel), o in fp32; bf16 o: the same with o
   // in bf16 (FLA's output); sync/64, /32, /128: the mma.sync state pass with 64, 32 or 128 value columns per CTA
-  // (DFLASHD_GDN_MMA=sync for sync/64). +norm: ours with the gated RMSNorm fused (z in, bf16 out), as the target
+  // (force_mma_sync for sync/64). +norm: ours with the gated RMSNorm fused (z in, bf16 out), as the target
   // model calls it.
   std::printf("%-14s %8s %8s %8s %8s %8s %8s %8s %10s %12s %10s\n", "batch", "tokens", "ours", "bf16 o", "+norm", "sync/64",
               "sync/32", "sync/128", "conv+l2", "reference", "ref/ours");
@@ -110,22 +111,18 @@ int main(int argc, char** argv) {
     for (int64_t l : lengths) n += l;
     const int copies = n >= 8192 ? 2 : 4;
     for (int i = 0; i < copies; ++i) sets.push_back(make_inputs(lengths, hk, hv));
-    // `variable`: an environment switch set to "sync" while timed.
-    auto core = [&](int columns, const char* variable = nullptr, at::ScalarType o_dtype = at::kFloat) {
-      if (variable != nullptr) setenv(variable, "sync", 1);
-      struct Unset {
-        const char* variable;
-        ~Unset() {
-          if (variable != nullptr) unsetenv(variable);
-        }
-      } unset{variable};
-      return cuda_ms(20, [&](int i) {
+    // `sync`: the mma.sync state pass forced while timed.
+    auto core = [&](int columns, bool sync = false, at::ScalarType o_dtype = at::kFloat) {
+      force_mma_sync(MmaKernels::gated_delta_net, sync);
+      const double ms = cuda_ms(20, [&](int i) {
         const Inputs& in = sets[i % copies];
         target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, {}, {}, 1e-6, columns,
                                       nullptr, o_dtype);
       });
+      force_mma_sync(MmaKernels::gated_delta_net, false);
+      return ms;
     };
-    const double ours = core(64), ours_bf16 = core(64, nullptr, at::kBFloat16), sync64 = core(64, "DFLASHD_GDN_MMA"), ours32 = core(32), ours128 = core(128);
+    const double ours = core(64), ours_bf16 = core(64, false, at::kBFloat16), sync64 = core(64, true), ours32 = core(32), ours128 = core(128);
     // With the gated RMSNorm fused (z read, bf16 out): what the target model runs per layer.
     const double normed = cuda_ms(20, [&](int i) {
       const Inputs& in = sets[i % copies];

@@ -10,6 +10,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/kernel_variants.h"
+
 namespace dflash {
 
 // Throws std::runtime_error("<what>: <error name> (<error text>)") unless error is cudaSuccess.
@@ -37,15 +39,14 @@ inline unsigned grid_stride_blocks(int64_t items, int threads) {
 }
 
 // Whether the current device has compute capability 9.0 (Hopper: the wgmma kernels built for
-// sm_90a run there) and the environment variable `switch_variable` does not say "sync" (which
-// forces a kernel set's mma.sync variant, to compare the two in one run).
-inline bool warpgroup_mma_on_current_device(const char* switch_variable) {
+// sm_90a run there) and no test has forced the kernel set's mma.sync variant
+// (kernel_variants.h).
+inline bool warpgroup_mma_on_current_device(MmaKernels set) {
   int device = 0, major = 0, minor = 0;
   check_cuda(cudaGetDevice(&device), "current device");
   check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
   check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "compute capability");
-  const char* forced = std::getenv(switch_variable);
-  return major == 9 && minor == 0 && !(forced != nullptr && std::string(forced) == "sync");
+  return major == 9 && minor == 0 && !mma_sync_forced(set);
 }
 
 // Empty when `kernel` has an image for the current device; otherwise the CUDA error text.

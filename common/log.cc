@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -106,6 +107,14 @@ void configure(const Options& options) {
   std::lock_guard lock(s.mutex);
   if (s.logger) s.logger->flush();
   s.logger = std::move(logger);
+  // A file is flushed by spdlog's periodic flusher every second (warnings and above at once):
+  // a SIGKILL or a crash loses at most the last second of the run's log. The flusher walks the
+  // registered loggers, so this one replaces the previous configuration's there.
+  spdlog::drop("dflashd");
+  if (!options.file.empty()) {
+    spdlog::register_logger(s.logger);
+    spdlog::flush_every(std::chrono::seconds(1));
+  }
   s.options = options;
   s.level.store(static_cast<int>(options.level));
 }

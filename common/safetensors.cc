@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "common/json_limits.h"
+
 namespace dflash {
 namespace {
 
@@ -96,6 +98,10 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
 
   // Duplicate names are rejected: nlohmann keeps the last silently, so watch the keys of the
   // top-level object as the parser reports them.
+  if (const std::string problem = json_text_problem({header, header_bytes});
+      !problem.empty()) {
+    fail(path, "corrupt header: " + problem);
+  }
   std::set<std::string> seen;
   std::string duplicate;
   nlohmann::json json;
@@ -154,13 +160,17 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
       fail(path, where + "data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
                      "] out of bounds of the " + std::to_string(buffer_bytes) + "-byte data buffer (truncated file?)");
     }
-    // product(shape) * size, with overflow checked
-    unsigned __int128 expected = dtype_size(entry.dtype);
-    for (int64_t d : entry.shape) expected *= static_cast<uint64_t>(d);
+    // product(shape) * size; a product past 2^64 bytes cannot match any data_offsets (and a
+    // wrapped product could: [2^32]^4 of 2-byte elements wraps to 0 in 128 bits).
+    uint64_t expected = dtype_size(entry.dtype);
+    bool overflow = false;
+    for (int64_t d : entry.shape) overflow = overflow || __builtin_mul_overflow(expected, static_cast<uint64_t>(d), &expected);
+    if (overflow) {
+      fail(path, where + "shape " + shape.dump() + " of " + dtype_name(entry.dtype) + " needs more than 2^64 bytes");
+    }
     if (expected != end - begin) {
       fail(path, where + "shape " + shape.dump() + " of " + dtype_name(entry.dtype) + " needs " +
-                     std::to_string(static_cast<uint64_t>(expected)) + " bytes but data_offsets give " +
-                     std::to_string(end - begin));
+                     std::to_string(expected) + " bytes but data_offsets give " + std::to_string(end - begin));
     }
     entry.data = buffer + begin;
     entry.bytes = static_cast<size_t>(end - begin);

@@ -3,10 +3,15 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "common/json_limits.h"
+
 namespace dflash {
 
 TokenSample parse_token_line(const std::string& text, const std::string& file, int64_t line) {
   const std::string where = file + ":" + std::to_string(line) + ": ";
+  if (const std::string problem = json_text_problem(text); !problem.empty()) {
+    throw TokenFileError(where + "invalid JSON: " + problem);
+  }
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);

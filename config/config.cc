@@ -94,6 +94,7 @@ void read_drafter(MapReader m, DrafterConfig* c) {
   m.field("num_attention_heads", &c->num_attention_heads, positive<int>());
   m.field("num_key_value_heads", &c->num_key_value_heads, positive<int>());
   m.field("head_dim", &c->head_dim, positive<int>());
+  m.choice("attention", &c->attention, {"auto", "kernels", "efficient", "math"});
   m.done();
 }
 
@@ -173,6 +174,7 @@ void read_workers(MapReader m, WorkerConfig* c) {
   m.field("stall_seconds", &c->stall_seconds, positive<double>());
   m.choice("on_failure", &c->on_failure, {"stop", "restart"});
   m.field("max_restarts", &c->max_restarts, at_least(0));
+  m.field("skip_sample_after_failures", &c->skip_sample_after_failures, at_least(0));
   m.done();
 }
 
@@ -256,6 +258,10 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
       d->add(at("drafter.block_size"), "train.loss_gamma has a recipe default only for block sizes 16, 10 and 8; "
                                        "set train.loss_gamma for block size " + std::to_string(b));
     }
+  }
+  if (c.gpus.device == "cpu" && (c.drafter.attention == "kernels" || c.drafter.attention == "efficient")) {
+    d->add(at("drafter.attention"), "drafter.attention: " + c.drafter.attention +
+                                        " needs a GPU (gpus.device: cuda); on the CPU use auto or math");
   }
   if (c.checkpoint.every_steps == 0 && c.checkpoint.every_minutes == 0) {
     d->add(at("checkpoint"), "checkpoint: every_steps and every_minutes are both 0: the run would never checkpoint");

@@ -70,6 +70,10 @@ struct DrafterConfig {
   std::optional<int> num_attention_heads;
   std::optional<int> num_key_value_heads;
   std::optional<int> head_dim;
+  // The block attention's implementation: "auto" (the fused kernels on a GPU, refused there when
+  // they cannot run; the portable split path on the CPU), "kernels", "efficient" (the split path on
+  // PyTorch's memory-efficient kernels, GPU) or "math" (the portable split path).
+  std::string attention = "auto";
 };
 
 struct GpuConfig {
@@ -151,6 +155,9 @@ struct WorkerConfig {
   double stall_seconds = 600;        // a worker silent this long is reported stalled
   std::string on_failure = "stop";   // "stop" (checkpoint and exit) or "restart"
   int max_restarts = 3;
+  // A sample whose processing raised this many exceptions (counted across restarts of the
+  // process: the counts live in the checkpoint) is skipped and counted; 0 never skips.
+  int skip_sample_after_failures = 2;
 };
 
 struct MetricsConfig {

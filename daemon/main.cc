@@ -12,6 +12,7 @@
 #include "daemon/inspect.h"
 #include "daemon/machine.h"
 #include "daemon/run.h"
+#include "pipeline/run_check.h"
 
 namespace {
 
@@ -55,10 +56,15 @@ it reports READY/STATUS/STOPPING and feeds the watchdog.
 
 constexpr const char* kValidateHelp = R"(Usage: dflashd validate (-c FILE | --default-config) [--offline]
 
-Parses the config strictly and checks it against this machine (GPU ids). Prints every
-problem as file:line:col: message and exits 3 if there is any; prints "OK" and exits 0 otherwise.
+Parses the config strictly; reads the target's config.json (not its weights) and checks its
+checkpoint files, the drafter's shape (and drafter.init's), the data files; prints the memory
+plan per GPU (target weights, drafter state, queued features, activations) and checks it, and
+the GPU ids, against this machine. Prints every problem as file:line:col: message (or file:
+message) and exits 3 if there is any; prints "OK" and exits 0 otherwise.
 
-  --offline   skip the checks against this machine (validating a config for another host)
+  --offline   skip the checks against this machine, its GPUs and its files (validating a
+              config for another host; the memory plan is printed where the target's
+              config.json can be read)
 )";
 
 constexpr const char* kDoctorHelp = R"(Usage: dflashd doctor
@@ -155,7 +161,7 @@ int command_run(const Args& args) {
   int status = exit_code::kOk;
   auto config = load_config(args, &status);
   if (!config) return status;
-  return daemon::run_service(*config, daemon::RunOptions{args.log_level});
+  return daemon::run_service(*config, daemon::RunOptions{args.log_level, pipeline::test_hooks_of_this_build()});
 }
 
 int command_validate(const Args& args) {
@@ -165,10 +171,16 @@ int command_validate(const Args& args) {
   auto config = load_config(args, &status);
   if (!config) return status;
   std::vector<config::Diagnostic> problems;
+  std::vector<int64_t> capacities;  // GPU memory: unknown offline
   if (!args.offline) {
     const auto machine = daemon::probe_basic();
     problems = config::check_machine(*config, config::Machine{machine.cuda_devices});
+    capacities = machine.gpu_memory_bytes;
   }
+  // The target, the drafter, the data files and the memory plan (no weights or data loaded).
+  const pipeline::RunCheck run = pipeline::check_run(*config, capacities, args.offline);
+  for (const std::string& p : run.problems) problems.push_back({config->source, {}, p});
+  if (!run.memory.empty()) std::cout << pipeline::format_memory_plan(run.memory) << "\n";
   for (const auto& d : problems) std::cerr << d.str() << "\n";
   if (!problems.empty()) {
     std::cerr << problems.size() << (problems.size() == 1 ? " error" : " errors") << " in " << config->source << "\n";

@@ -107,7 +107,7 @@ int run_service(const config::Config& config, const RunOptions& options) {
   std::unique_ptr<pipeline::Trainer> trainer;
   try {
     notifier.status("starting: loading the target and the data");
-    trainer = std::make_unique<pipeline::Trainer>(config, *registry, health);
+    trainer = std::make_unique<pipeline::Trainer>(config, *registry, health, options.hooks);
   } catch (const std::exception& e) {
     log::error("cannot start the run: {}", e.what());
     notifier.status(std::string("failed: ") + e.what());
@@ -163,6 +163,14 @@ int run_service(const config::Config& config, const RunOptions& options) {
   }
   notifier.status("stopping: writing the final checkpoint");
   const pipeline::Outcome outcome = trainer->wait();
+  if (trainer->abandoned()) {
+    // Worker threads are stuck (in a CUDA or NCCL call): neither joining them nor destroying
+    // what they use is possible. The checkpoint, if one could be written, is on disk.
+    log::error("run failed at step {}: {}; exiting with worker threads stuck", trainer->step(), trainer->failure());
+    log::flush();
+    notifier.status("failed: worker threads stuck");
+    std::_Exit(exit_code::kFailure);
+  }
   trainer->supervise();
   running.Set(0);
   stopping.Set(1);

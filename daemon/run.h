@@ -7,11 +7,13 @@
 
 #include "common/log.h"
 #include "config/config.h"
+#include "pipeline/test_hooks.h"
 
 namespace dflash::daemon {
 
 struct RunOptions {
   std::optional<log::Level> log_level;  // --log-level overrides logging.level
+  pipeline::TestHooks hooks;            // none in the shipped binary (pipeline/test_hooks.h)
 };
 
 // Returns the process exit code (exit_codes.h).

@@ -391,20 +391,7 @@ struct KernelBlockAttentionFunction : public torch::autograd::Function<KernelBlo
 };
 #endif
 
-BlockAttentionPath environment_path() {
-  static const BlockAttentionPath path = [] {
-    const char* v = std::getenv("DFLASHD_BLOCK_ATTENTION");
-    const std::string s = v ? v : "";
-    if (s == "math") return BlockAttentionPath::math;
-    if (s == "efficient") return BlockAttentionPath::efficient;
-    if (s == "kernels") return BlockAttentionPath::kernels;
-    return BlockAttentionPath::automatic;
-  }();
-  return path;
-}
-
 BlockAttentionPath choose_path(const at::Tensor& q, int64_t block_size, BlockAttentionPath asked) {
-  if (asked == BlockAttentionPath::automatic) asked = environment_path();
   if (asked == BlockAttentionPath::kernels) {
     if (auto why = block_attention_kernels_unavailable(q, block_size)) {
       throw std::invalid_argument("block_attention: the fused kernels cannot run: " + *why);
@@ -456,15 +443,20 @@ std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor&
 #endif
 }
 
-BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int64_t block_size) {
-  const BlockAttentionPath path = choose_path(like, block_size, BlockAttentionPath::automatic);
+BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int64_t block_size,
+                                                    BlockAttentionPath asked) {
   BlockAttentionPathInfo info;
-  if (path == BlockAttentionPath::kernels) return {"kernels", "fused CUDA kernels (dflashd DFlash block attention)"};
-  info.name = path == BlockAttentionPath::efficient ? "efficient" : "math";
-  info.description = path == BlockAttentionPath::efficient ? "split path on PyTorch's memory-efficient attention kernels"
-                                                           : "split path, portable math";
-  if (environment_path() != BlockAttentionPath::automatic) {
-    info.description += " (forced by DFLASHD_BLOCK_ATTENTION)";
+  info.path = choose_path(like, block_size, asked);
+  if (info.path == BlockAttentionPath::kernels) {
+    info.name = "kernels";
+    info.description = "fused CUDA kernels (dflashd DFlash block attention)";
+    return info;
+  }
+  info.name = info.path == BlockAttentionPath::efficient ? "efficient" : "math";
+  info.description = info.path == BlockAttentionPath::efficient ? "split path on PyTorch's memory-efficient attention kernels"
+                                                                : "split path, portable math";
+  if (asked != BlockAttentionPath::automatic) {
+    info.description += " (as configured)";
   } else if (auto why = block_attention_kernels_unavailable(like, block_size)) {
     info.description += "; the fused kernels do not run: " + *why;
   }

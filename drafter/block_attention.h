@@ -17,7 +17,7 @@
 // repeated. On GPUs with bf16/fp16 inputs the same parts run on PyTorch's fused
 // memory-efficient attention kernels (variable-length for the blocks, a staircase bias per
 // group; key-value heads repeated for them), which is 2.3x faster at the 27B drafter shape
-// (bench/RESULTS.md); DFLASHD_BLOCK_ATTENTION=math forces the math path. Precision of the math
+// (bench/RESULTS.md); BlockAttentionShape::path chooses. Precision of the math
 // path: fp32 inputs compute in fp32; bf16/fp16 inputs on a GPU keep their
 // precision as matmul operands (tensor cores) with fp32 accumulation, fp32 scores, softmax,
 // output and log-sum-exp, as flash attention does. This portable path is the reference for
@@ -35,9 +35,9 @@ namespace dflash::drafter {
 
 // Which implementation runs. automatic: the fused kernels where they can run (a CUDA GPU with
 // their image, bf16, head size 128, block size <= 16), else PyTorch's memory-efficient kernels
-// on a GPU with bf16/fp16, else the math path; the environment variable
-// DFLASHD_BLOCK_ATTENTION=kernels|efficient|math overrides `automatic` (benchmarks). Asking for
-// the kernels where they cannot run is an error that says why.
+// on a GPU with bf16/fp16, else the math path. Asking for the kernels where they cannot run is
+// an error that says why. (The daemon decides once at start, from drafter.attention, and refuses
+// `automatic` falling back from the kernels on a GPU.)
 enum class BlockAttentionPath { automatic, kernels, efficient, math };
 
 struct BlockAttentionShape {
@@ -51,13 +51,16 @@ struct BlockAttentionShape {
 // nullopt when they can.
 std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size);
 
-// The path `automatic` takes for queries like `like` (its device, dtype and head size) with
-// blocks of block_size: name "kernels" | "efficient" | "math" (metrics) and a description for
-// the startup log that says why the fused kernels do not run where they do not.
+// The path `asked` resolves to for queries like `like` (its device, dtype and head size) with
+// blocks of block_size: the path, its name "kernels" | "efficient" | "math" (metrics) and a
+// description for the startup log that says why the fused kernels do not run where they do not.
+// Throws std::invalid_argument where `asked` is kernels and they cannot run.
 struct BlockAttentionPathInfo {
+  BlockAttentionPath path = BlockAttentionPath::math;
   std::string name, description;
 };
-BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int64_t block_size);
+BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int64_t block_size,
+                                                    BlockAttentionPath asked = BlockAttentionPath::automatic);
 
 // q [M=N*B, Hq, d]; k_context, v_context [S, Hkv, d]; k_block, v_block [M, Hkv, d];
 // anchors int64 [N] on the CPU, ascending, each in [0, S). Returns [M, Hq, d] (q's dtype).

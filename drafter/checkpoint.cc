@@ -10,8 +10,10 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
+#include "common/json_limits.h"
 #include "common/safetensors.h"
 #include "drafter/tensor_io.h"
 
@@ -76,29 +78,47 @@ std::string read_text(const std::string& path) {
 
 }  // namespace
 
-std::string write_checkpoint(const std::string& root, int64_t step, const Drafter& drafter, const AdamW& optimizer,
-                             const std::string& trainer_state_json) {
+void CheckpointSnapshot::take(int64_t at_step, const Drafter& drafter, const AdamW& optimizer, std::string trainer_state) {
+  step = at_step;
+  optimizer_steps = optimizer.steps_taken();
+  shape = drafter.shape();
+  trainer_state_json = std::move(trainer_state);
+  // The master copies are the model (bf16 parameters are their rounding); the optimizer file
+  // holds the moments. Buffers of the previous take are reused when the names and shapes agree.
+  std::vector<std::pair<std::string, at::Tensor>> old_model = std::move(model), old_moments = std::move(moments);
+  std::map<std::string, at::Tensor> buffers;
+  for (auto& [n, t] : old_model) buffers.emplace(n, std::move(t));
+  for (auto& [n, t] : old_moments) buffers.emplace(n, std::move(t));
+  model.clear();
+  moments.clear();
+  for (const auto& [n, t] : optimizer.state_tensors()) {
+    const bool master = n.rfind("master.", 0) == 0;
+    const std::string name = master ? n.substr(7) : n;
+    at::Tensor& buffer = buffers[name];
+    if (!buffer.defined() || buffer.sizes() != t.sizes() || buffer.scalar_type() != t.scalar_type()) {
+      buffer = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).pinned_memory(t.is_cuda()));
+    }
+    buffer.copy_(t);  // synchronous: the optimizer may change t as soon as take() returns
+    (master ? model : moments).emplace_back(name, buffer);
+  }
+}
+
+std::string write_checkpoint(const std::string& root, const CheckpointSnapshot& snapshot) {
   make_directories(root);
-  const std::string name = step_name(step);
+  const std::string name = step_name(snapshot.step);
   const std::string partial = root + "/." + name + ".partial";
   const std::string final_dir = root + "/" + name;
   remove_tree(partial);  // a crash during an earlier write
   make_directories(partial);
-  write_file_atomically(partial + "/config.json", export_config_json(drafter.shape()));
-  // The fp32 master weights are the model (bf16 parameters are their rounding).
-  // The master copies are written once, as the model; the optimizer file holds the moments.
-  std::vector<std::pair<std::string, at::Tensor>> model, moments;
-  for (const auto& [n, t] : optimizer.state_tensors()) {
-    if (n.rfind("master.", 0) == 0) model.emplace_back(n.substr(7), t);
-    else moments.emplace_back(n, t);
-  }
-  write_tensors(partial + "/model.safetensors", model);
-  write_tensors(partial + "/optimizer.safetensors", moments);
-  nlohmann::json state_json = {{"format", "dflashd-checkpoint"},
-                               {"version", 1},
-                               {"step", step},
-                               {"optimizer_steps", optimizer.steps_taken()},
-                               {"trainer", nlohmann::json::parse(trainer_state_json.empty() ? "{}" : trainer_state_json)}};
+  write_file_atomically(partial + "/config.json", export_config_json(snapshot.shape));
+  write_tensors(partial + "/model.safetensors", snapshot.model);
+  write_tensors(partial + "/optimizer.safetensors", snapshot.moments);
+  nlohmann::json state_json = {
+      {"format", "dflashd-checkpoint"},
+      {"version", 1},
+      {"step", snapshot.step},
+      {"optimizer_steps", snapshot.optimizer_steps},
+      {"trainer", nlohmann::json::parse(snapshot.trainer_state_json.empty() ? "{}" : snapshot.trainer_state_json)}};
   write_file_atomically(partial + "/state.json", state_json.dump(2) + "\n");
   write_file_atomically(partial + "/COMMIT", name + "\n");
   if (exists(final_dir)) remove_tree(final_dir);  // rewriting the same step (after a resume)
@@ -107,6 +127,13 @@ std::string write_checkpoint(const std::string& root, int64_t step, const Drafte
   }
   fsync_dir(root);
   return final_dir;
+}
+
+std::string write_checkpoint(const std::string& root, int64_t step, const Drafter& drafter, const AdamW& optimizer,
+                             const std::string& trainer_state_json) {
+  CheckpointSnapshot snapshot;
+  snapshot.take(step, drafter, optimizer, trainer_state_json);
+  return write_checkpoint(root, snapshot);
 }
 
 std::vector<std::string> list_checkpoints(const std::string& root) {
@@ -130,9 +157,13 @@ void prune_checkpoints(const std::string& root, int keep_last) {
 
 LoadedCheckpoint read_checkpoint(const std::string& dir, Drafter* drafter, AdamW* optimizer) {
   if (!exists(dir + "/COMMIT")) throw CheckpointError(dir + ": not a complete checkpoint (no COMMIT marker)");
+  const std::string state_text = read_text(dir + "/state.json");
+  if (const std::string problem = json_text_problem(state_text); !problem.empty()) {
+    throw CheckpointError(dir + "/state.json: invalid JSON: " + problem);
+  }
   nlohmann::json state;
   try {
-    state = nlohmann::json::parse(read_text(dir + "/state.json"));
+    state = nlohmann::json::parse(state_text);
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError(dir + "/state.json: " + e.what());
   }

@@ -30,7 +30,25 @@ class CheckpointError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Writes step `step` under `root` (created if needed). Returns the checkpoint's directory.
+// What a checkpoint holds, copied off the drafter's device. take() runs on the drafter's thread
+// between steps and costs one device-to-host copy into buffers kept from the previous take()
+// (page-locked on a GPU, so the copy runs at bus speed); write_checkpoint() can then run on
+// another thread while training goes on, reading only these copies.
+struct CheckpointSnapshot {
+  int64_t step = 0;
+  int64_t optimizer_steps = 0;
+  DrafterShape shape;
+  std::vector<std::pair<std::string, at::Tensor>> model;    // fp32 master weights, export names (CPU)
+  std::vector<std::pair<std::string, at::Tensor>> moments;  // exp_avg.<name>, exp_avg_sq.<name> (CPU)
+  std::string trainer_state_json;
+
+  void take(int64_t at_step, const Drafter& drafter, const AdamW& optimizer, std::string trainer_state);
+};
+
+// Writes the snapshot as step snapshot.step under `root` (created if needed). Returns the
+// checkpoint's directory.
+std::string write_checkpoint(const std::string& root, const CheckpointSnapshot& snapshot);
+// The same, straight from the drafter and its optimizer (a snapshot taken and written at once).
 std::string write_checkpoint(const std::string& root, int64_t step, const Drafter& drafter, const AdamW& optimizer,
                              const std::string& trainer_state_json);
 // Complete checkpoints under root, oldest first ("" root or no checkpoints: empty).

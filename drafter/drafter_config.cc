@@ -1,7 +1,12 @@
 #include "drafter/drafter_config.h"
 
+#include <algorithm>
+#include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+
+#include "common/json_limits.h"
 
 namespace dflash::drafter {
 
@@ -24,6 +29,16 @@ DrafterShape shape_for_target(const target::ModelConfig& t, const config::Drafte
   s.num_attention_heads = c.num_attention_heads.value_or(t.num_attention_heads);
   s.num_key_value_heads = c.num_key_value_heads.value_or(t.num_key_value_heads);
   s.head_dim = c.head_dim.value_or(t.head_dim);
+  if (!c.num_attention_heads && !c.num_key_value_heads && !c.head_dim && t.head_dim > kRecipeHeadDim) {
+    // Targets with heads wider than 128 (Qwen3.5 / 3.6: 256) get the published drafters' attention:
+    // heads of 128 (the fused attention kernels' size), as many query heads as the largest power of
+    // two that fits the hidden size, a quarter as many key-value heads. Qwen3.5-27B (hidden 5120):
+    // 32 / 8; Qwen3.5-35B-A3B (hidden 2048): 16 / 4.
+    s.head_dim = kRecipeHeadDim;
+    s.num_attention_heads = 1;
+    while (2 * s.num_attention_heads * kRecipeHeadDim <= t.hidden_size) s.num_attention_heads *= 2;
+    s.num_key_value_heads = std::max<int64_t>(1, s.num_attention_heads / 4);
+  }
   // Hybrid targets have an MoE or a very wide MLP; the published drafters use the dense width.
   s.intermediate_size = c.intermediate_size.value_or(t.intermediate_size > 0 ? t.intermediate_size
                                                                               : 4 * t.hidden_size);
@@ -87,6 +102,9 @@ std::string export_config_json(const DrafterShape& s) {
 }
 
 DrafterShape parse_export_config(const std::string& json_text, const std::string& source) {
+  if (const std::string problem = json_text_problem(json_text); !problem.empty()) {
+    throw std::runtime_error(source + ": invalid JSON: " + problem);
+  }
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(json_text);
@@ -108,6 +126,45 @@ DrafterShape parse_export_config(const std::string& json_text, const std::string
     return s;
   } catch (const nlohmann::json::exception& e) {
     throw std::runtime_error(source + ": not a DFlash drafter config.json: " + e.what());
+  }
+}
+
+namespace {
+std::string text_of(int64_t v) { return std::to_string(v); }
+std::string text_of(const std::vector<int64_t>& ids) {
+  std::string out = "[";
+  for (size_t i = 0; i < ids.size(); ++i) out += (i ? ", " : "") + std::to_string(ids[i]);
+  return out + "]";
+}
+}  // namespace
+
+std::string shape_differences(const DrafterShape& saved, const DrafterShape& configured) {
+  std::string differences;
+  auto compare = [&](const char* field, const auto& there, const auto& here) {
+    if (there == here) return;
+    differences += std::string(differences.empty() ? "" : "; ") + field + " " + text_of(there) + " there, " +
+                   text_of(here) + " configured";
+  };
+  compare("hidden_size", saved.hidden_size, configured.hidden_size);
+  compare("num_hidden_layers", saved.num_layers, configured.num_layers);
+  compare("num_attention_heads", saved.num_attention_heads, configured.num_attention_heads);
+  compare("num_key_value_heads", saved.num_key_value_heads, configured.num_key_value_heads);
+  compare("head_dim", saved.head_dim, configured.head_dim);
+  compare("intermediate_size", saved.intermediate_size, configured.intermediate_size);
+  compare("block_size", saved.block_size, configured.block_size);
+  compare("mask_token_id", saved.mask_token_id, configured.mask_token_id);
+  compare("target_layer_ids", saved.target_layer_ids, configured.target_layer_ids);
+  return differences;
+}
+
+void check_drafter_init(const std::string& dir, const DrafterShape& configured) {
+  std::ifstream in(dir + "/config.json");
+  if (!in) throw std::runtime_error(dir + "/config.json: cannot read (is " + dir + " an exported drafter or a checkpoint?)");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string differences = shape_differences(parse_export_config(text, dir + "/config.json"), configured);
+  if (!differences.empty()) {
+    throw std::runtime_error(dir + "/config.json: this drafter does not fit the configured one (drafter.* and the "
+                             "target decide it): " + differences);
   }
 }
 

@@ -3,7 +3,10 @@
 //
 // A drafter has the target's hidden size and vocabulary (it borrows the target's embedding and
 // LM head), its own number of layers, and taps K target layers. By default it takes the
-// target's attention and MLP shape; the run config may override each.
+// target's attention and MLP shape, except for targets with heads wider than 128 (Qwen3.5 /
+// 3.6: 256), whose drafters get the published recipe's attention: heads of 128, query heads
+// the largest power of two with heads x 128 <= hidden size, a quarter as many key-value heads
+// (27B: 32 / 8, 35B-A3B: 16 / 4). The run config may override each.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +17,9 @@
 #include "target/model_config.h"
 
 namespace dflash::drafter {
+
+// The head size of the published drafters and of the fused attention kernels.
+inline constexpr int64_t kRecipeHeadDim = 128;
 
 struct DrafterShape {
   int64_t hidden_size = 0;
@@ -45,5 +51,12 @@ DrafterShape shape_for_target(const target::ModelConfig& target, const config::D
 std::string export_config_json(const DrafterShape& shape);
 // Reads an exported config.json back (for drafter.init); throws std::runtime_error naming the file.
 DrafterShape parse_export_config(const std::string& json_text, const std::string& source);
+// What keeps a saved drafter (an export or a checkpoint) from being loaded as `configured`:
+// every field that decides a tensor's shape or what the drafter computes, as "field SAVED there,
+// CONFIGURED configured" joined by "; ". Empty when they agree.
+std::string shape_differences(const DrafterShape& saved, const DrafterShape& configured);
+// drafter.init's directory: its config.json read and compared with `configured`; throws
+// std::runtime_error naming the file and every difference.
+void check_drafter_init(const std::string& dir, const DrafterShape& configured);
 
 }  // namespace dflash::drafter

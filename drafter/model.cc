@@ -104,25 +104,20 @@ void Drafter::load_tensors(const std::vector<std::pair<std::string, at::Tensor>>
 }
 
 void Drafter::load_export(const std::string& dir) {
-  std::ifstream in(dir + "/config.json");
-  if (!in) throw std::runtime_error(dir + "/config.json: cannot read (is " + dir + " an exported drafter?)");
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const DrafterShape theirs = parse_export_config(text, dir + "/config.json");
-  if (theirs.hidden_size != shape_.hidden_size || theirs.num_layers != shape_.num_layers ||
-      theirs.num_attention_heads != shape_.num_attention_heads || theirs.head_dim != shape_.head_dim ||
-      theirs.intermediate_size != shape_.intermediate_size || theirs.target_layer_ids != shape_.target_layer_ids) {
-    throw std::runtime_error(dir + "/config.json: its drafter shape differs from the configured one");
-  }
+  check_drafter_init(dir, shape_);
   NamedTensors tensors = read_named_tensors(dir + "/model.safetensors");
   for (auto& [name, t] : tensors) t = t.to(options_.device(), options_.dtype().toScalarType());
   load_tensors(tensors, dir + "/model.safetensors");
 }
 
-void Drafter::save_export(const std::string& dir) const {
+void write_export(const std::string& dir, const DrafterShape& shape,
+                  const std::vector<std::pair<std::string, at::Tensor>>& weights) {
   make_directories(dir);
-  write_named_tensors(dir + "/model.safetensors", parameters_, at::kBFloat16, {{"format", "pt"}});
-  write_file_atomically(dir + "/config.json", export_config_json(shape_));
+  write_named_tensors(dir + "/model.safetensors", weights, at::kBFloat16, {{"format", "pt"}});
+  write_file_atomically(dir + "/config.json", export_config_json(shape));
 }
+
+void Drafter::save_export(const std::string& dir) const { write_export(dir, shape_, parameters_); }
 
 at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, int64_t group_blocks) const {
   const DrafterShape& s = shape_;
@@ -152,7 +147,7 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
     c10::NoGradGuard frozen;  // the target's embedding is frozen
     x = at::embedding(embed, at::cat(ids)).to(options_.dtype());
   }
-  const BlockAttentionShape attention_shape{s.block_size, group_blocks, 0};
+  const BlockAttentionShape attention_shape{s.block_size, group_blocks, 0, attention_path_};
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const at::Tensor h = trained_rms_norm(x, param(layer_key(i, "input_layernorm.weight")), s.rms_norm_eps);
     const at::Tensor& wk = param(layer_key(i, "self_attn.k_proj.weight"));

@@ -35,6 +35,8 @@ class Drafter {
   Drafter(DrafterShape shape, at::TensorOptions options);
 
   const DrafterShape& shape() const { return shape_; }
+  // The block attention's implementation (default automatic: block_attention.h decides per call).
+  void set_attention_path(BlockAttentionPath path) { attention_path_ = path; }
   // Seeded initialisation like the HF init (normal 0.02 for matrices, ones for norms).
   void init_random(uint64_t seed);
   // Copies values into the parameters by name; throws naming the missing or misshapen one.
@@ -56,8 +58,14 @@ class Drafter {
   const at::Tensor& param(const std::string& name) const;
   DrafterShape shape_;
   at::TensorOptions options_;
+  BlockAttentionPath attention_path_ = BlockAttentionPath::automatic;
   std::vector<std::pair<std::string, at::Tensor>> parameters_;
 };
+
+// Writes DIR/config.json and DIR/model.safetensors (bf16) of a drafter of `shape` whose weights
+// are `weights` (export names, any dtype or device), atomically; creates DIR if needed.
+void write_export(const std::string& dir, const DrafterShape& shape,
+                  const std::vector<std::pair<std::string, at::Tensor>>& weights);
 
 // Block token ids for one sequence: per anchor [input_ids[a], mask, ..., mask] (dflash.md 4.3).
 at::Tensor block_token_ids(const at::Tensor& sequence_ids, const at::Tensor& anchors, int64_t block_size,

@@ -21,9 +21,7 @@ uint64_t mix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-namespace {
-
-std::vector<std::string> expand_paths(const std::vector<std::string>& paths) {
+std::vector<std::string> data_files(const std::vector<std::string>& paths) {
   std::vector<std::string> files;
   for (const auto& p : paths) {
     struct stat st {};
@@ -47,8 +45,19 @@ std::vector<std::string> expand_paths(const std::vector<std::string>& paths) {
   return files;
 }
 
+namespace {
+
 int64_t supervised(const TokenSample& s) {
   return std::count(s.loss_mask.begin(), s.loss_mask.end(), 1);
+}
+
+// Whether some position can anchor a block: it and the next token both supervised (the rule of
+// drafter::sample_anchors). A sample without one trains nothing.
+bool has_anchor(const TokenSample& s) {
+  for (size_t a = 0; a + 1 < s.loss_mask.size(); ++a) {
+    if (s.loss_mask[a] && s.loss_mask[a + 1]) return true;
+  }
+  return false;
 }
 
 }  // namespace
@@ -80,6 +89,10 @@ std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t
       ++d->skipped_short_;
       return;
     }
+    if (!has_anchor(truncated)) {
+      ++d->skipped_no_anchor_;
+      return;
+    }
     e.tokens = static_cast<int32_t>(tokens);
     d->tokens_per_epoch_ += tokens;
     d->index_.push_back(e);
@@ -89,7 +102,7 @@ std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t
       accept(synthetic_sample(i, config.synthetic, vocab_size, config.seed), Entry{-1, i, i, 0});
     }
   } else {
-    d->files_ = expand_paths(config.paths);
+    d->files_ = data_files(config.paths);
     for (int32_t f = 0; f < static_cast<int32_t>(d->files_.size()); ++f) {
       const std::string& path = d->files_[f];
       std::ifstream in(path, std::ios::binary);
@@ -121,7 +134,9 @@ std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t
   }
   if (d->index_.empty()) {
     throw std::runtime_error("data: no usable sample (" + std::to_string(d->skipped_short_) +
-                             " with too few supervised tokens, " + std::to_string(d->skipped_malformed_) + " malformed)");
+                             " with too few supervised tokens, " + std::to_string(d->skipped_no_anchor_) +
+                             " without two adjacent supervised tokens, " + std::to_string(d->skipped_malformed_) +
+                             " malformed)");
   }
   return d;
 }
@@ -143,6 +158,12 @@ TokenSample Dataset::load(int64_t index) const {
   s.input_ids.resize(e.tokens);
   s.loss_mask.resize(e.tokens);
   return s;
+}
+
+std::string Dataset::describe(int64_t index) const {
+  const Entry& e = index_.at(static_cast<size_t>(index));
+  if (e.file < 0) return "synthetic sample " + std::to_string(e.offset);
+  return files_[e.file] + ":" + std::to_string(e.line);
 }
 
 std::vector<int64_t> Dataset::epoch_order(int64_t epoch) const {

@@ -5,7 +5,8 @@
 // {"input_ids": [...], "loss_mask": [...]}; or synthetic sequences (tests, demo). At open()
 // every line is parsed once: malformed lines are an error naming file and line (or skipped
 // and counted, by config), samples longer than data.max_length are truncated, samples with
-// fewer than data.min_supervised_tokens supervised tokens are skipped and counted. The index
+// fewer than data.min_supervised_tokens supervised tokens, or without two adjacent supervised
+// tokens (no anchor for a block), are skipped and counted. The index
 // keeps (file, byte offset) per usable sample; load() re-reads one line.
 //
 // Order: epoch e visits the usable samples in a permutation seeded by (data.seed, e) (or in
@@ -25,6 +26,10 @@
 
 namespace dflash::pipeline {
 
+// The JSONL files of data.paths (a directory: its *.jsonl shards, sorted); throws naming the path
+// that does not exist or holds no shard.
+std::vector<std::string> data_files(const std::vector<std::string>& paths);
+
 // splitmix64: a stateless, well-spread hash for deriving seeds (sample order, anchors).
 uint64_t mix64(uint64_t x);
 
@@ -35,6 +40,8 @@ class Dataset {
 
   int64_t size() const { return static_cast<int64_t>(index_.size()); }
   int64_t skipped_short() const { return skipped_short_; }        // too few supervised tokens
+  // No two adjacent supervised tokens: no position can anchor a block (an alternating mask).
+  int64_t skipped_no_anchor() const { return skipped_no_anchor_; }
   int64_t skipped_malformed() const { return skipped_malformed_; }  // on_malformed: skip
   int64_t tokens_per_epoch() const { return tokens_per_epoch_; }
   // The usable sample at `index` (0 <= index < size()), truncated. Thread-safe.
@@ -42,6 +49,8 @@ class Dataset {
   // The sample index at `position` of epoch `epoch`.
   int64_t sample_at(int64_t epoch, int64_t position) const;
   int64_t tokens_of(int64_t index) const { return index_[index].tokens; }
+  // Where the sample at `index` comes from, for log lines: "FILE:LINE" or "synthetic sample N".
+  std::string describe(int64_t index) const;
 
  private:
   struct Entry {
@@ -55,7 +64,7 @@ class Dataset {
   int64_t vocab_size_ = 0;
   std::vector<std::string> files_;
   std::vector<Entry> index_;
-  int64_t skipped_short_ = 0, skipped_malformed_ = 0, tokens_per_epoch_ = 0;
+  int64_t skipped_short_ = 0, skipped_no_anchor_ = 0, skipped_malformed_ = 0, tokens_per_epoch_ = 0;
   mutable std::mutex order_mutex_;
   mutable int64_t cached_epoch_ = -1;
   mutable std::vector<int64_t> cached_order_;

@@ -2,6 +2,7 @@
 
 #ifdef DFLASHD_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime_api.h>
 #endif
 
 namespace dflash::pipeline {
@@ -18,6 +19,22 @@ std::vector<GpuMemory> gpu_memory(const std::vector<int>& devices) {
   }
 #else
   (void)devices;
+#endif
+  return out;
+}
+
+std::vector<int64_t> gpu_capacities() {
+  std::vector<int64_t> out;
+#ifdef DFLASHD_WITH_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return out;
+  }
+  for (int i = 0; i < count; ++i) {
+    cudaDeviceProp properties{};
+    out.push_back(cudaGetDeviceProperties(&properties, i) == cudaSuccess ? static_cast<int64_t>(properties.totalGlobalMem) : 0);
+  }
 #endif
   return out;
 }

@@ -20,5 +20,7 @@ struct GpuMemory {
 };
 
 std::vector<GpuMemory> gpu_memory(const std::vector<int>& devices);
+// Each CUDA device's memory in bytes, by device index (empty without CUDA).
+std::vector<int64_t> gpu_capacities();
 
 }  // namespace dflash::pipeline

@@ -6,6 +6,9 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
+#include <mutex>
+#include <shared_mutex>
 #include <stdexcept>
 #include <string>
 
@@ -20,8 +23,12 @@ namespace dflash::pipeline {
 
 #ifdef DFLASHD_NCCL
 struct NcclGradients::Impl {
-  std::vector<int> devices;
-  std::vector<ncclComm_t> comms;
+  std::vector<int> devices;                 // constant after construction
+  // sum() enqueues under a shared lock, abort() frees the communicators under the exclusive one:
+  // no all-reduce is enqueued on an aborted communicator.
+  std::shared_timed_mutex mutex;
+  std::vector<ncclComm_t> comms;            // guarded by mutex; null once aborted
+  bool aborted = false;                     // guarded by mutex
 };
 
 namespace {
@@ -70,6 +77,19 @@ NcclGradients::~NcclGradients() {
   }
 }
 
+void NcclGradients::abort() {
+  // An enqueue that never returns (a wedged proxy) must not keep the abort from happening.
+  std::unique_lock lock(impl_->mutex, std::defer_lock);
+  const bool locked = lock.try_lock_for(std::chrono::seconds(5));
+  if (impl_->aborted) return;
+  impl_->aborted = true;
+  for (ncclComm_t& c : impl_->comms) {
+    if (c) ncclCommAbort(c);
+    c = nullptr;
+  }
+  (void)locked;
+}
+
 void NcclGradients::sum(int replica, std::vector<at::Tensor>& tensors) {
   if (tensors.empty()) return;
   const int device = impl_->devices[replica];
@@ -79,6 +99,8 @@ void NcclGradients::sum(int replica, std::vector<at::Tensor>& tensors) {
   for (const at::Tensor& t : tensors) flat.push_back(t.reshape({-1}).to(at::kFloat));
   at::Tensor buffer = at::cat(flat);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  std::shared_lock lock(impl_->mutex);
+  if (impl_->aborted) throw std::runtime_error("gradient all-reduce on GPU " + std::to_string(device) + ": the run was aborted");
   check(ncclAllReduce(buffer.data_ptr(), buffer.data_ptr(), static_cast<size_t>(buffer.numel()), ncclFloat, ncclSum,
                       impl_->comms[replica], stream),
         "gradient all-reduce on GPU " + std::to_string(device));
@@ -97,6 +119,7 @@ NcclGradients::NcclGradients(const std::vector<int>&, NodeGroup*) {
 }
 NcclGradients::~NcclGradients() = default;
 void NcclGradients::sum(int, std::vector<at::Tensor>&) {}
+void NcclGradients::abort() {}
 #endif
 
 }  // namespace dflash::pipeline

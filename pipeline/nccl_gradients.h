@@ -24,7 +24,12 @@ class NcclGradients {
   NcclGradients(const std::vector<int>& devices, NodeGroup* nodes);
   ~NcclGradients();
   // In place: every replica's tensors become the sum over replicas (accumulated in fp32).
+  // Throws once abort() was called.
   void sum(int replica, std::vector<at::Tensor>& tensors);
+  // From any thread, once: aborts every communicator (ncclCommAbort), so that the replicas
+  // waiting for a peer that failed or hangs (their all-reduce kernels, the host calls behind
+  // them) return instead of waiting for ever. The destructor then destroys nothing.
+  void abort();
 
  private:
   struct Impl;

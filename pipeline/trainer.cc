@@ -10,6 +10,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <deque>
+#include <future>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -27,11 +28,15 @@
 #include "drafter/model.h"
 #include "drafter/optimizer.h"
 #include "pipeline/bounded_queue.h"
+#include "pipeline/checkpoint_writer.h"
 #include "pipeline/dataset.h"
+#include "pipeline/failed_samples.h"
 #include "pipeline/flops.h"
 #include "pipeline/gpu_memory.h"
+#include "pipeline/memory_plan.h"
 #include "pipeline/nccl_gradients.h"
 #include "pipeline/nodes.h"
+#include "pipeline/role_balance.h"
 #include "pipeline/streams.h"
 #include "target/model.h"
 
@@ -60,6 +65,35 @@ at::ScalarType dtype_of(const std::string& name) {
   return at::kFloat;
 }
 
+// drafter.attention, decided once per drafter GPU at start. `auto` takes the fused kernels on a
+// GPU and refuses to fall back from them there (the split paths are 2-3x slower: bench/RESULTS.md)
+// with the reason and the fixes; on the CPU it is the portable split path.
+drafter::BlockAttentionPathInfo attention_path_for(const config::Config& config, const drafter::DrafterShape& shape,
+                                                   at::Device device, at::ScalarType dtype) {
+  using drafter::BlockAttentionPath;
+  const std::string& asked = config.drafter.attention;
+  const BlockAttentionPath path = asked == "kernels"     ? BlockAttentionPath::kernels
+                                  : asked == "efficient" ? BlockAttentionPath::efficient
+                                  : asked == "math"      ? BlockAttentionPath::math
+                                                         : BlockAttentionPath::automatic;
+  const at::Tensor like =
+      at::empty({1, shape.num_attention_heads, shape.head_dim}, at::TensorOptions().device(device).dtype(dtype));
+  drafter::BlockAttentionPathInfo info;
+  try {
+    info = drafter::describe_block_attention_path(like, shape.block_size, path);
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error("drafter.attention: kernels: " + std::string(e.what()));
+  }
+  if (path == BlockAttentionPath::automatic && device.is_cuda() && info.path != BlockAttentionPath::kernels) {
+    throw std::runtime_error(
+        "drafter.attention: the fused block-attention kernels cannot run on GPU " + std::to_string(device.index()) +
+        " (" + info.description + "); the fallback is 2-3x slower. Give the drafter heads of 128 in bf16 "
+        "(drafter.num_attention_heads / num_key_value_heads / head_dim, target.dtype: bfloat16), or set "
+        "drafter.attention: efficient to accept the slower split path");
+  }
+  return info;
+}
+
 struct SampleItem {
   int64_t q = 0;  // sample number across epochs
   TokenSample sample;
@@ -71,6 +105,7 @@ struct FeatureItem {
   at::Tensor input_ids;  // [tokens] int64, same device
   std::vector<uint8_t> loss_mask;
   std::shared_ptr<ReadyEvent> ready;  // the target's work on them is done (GPU)
+  bool skipped() const { return !features.defined(); }  // the sample failed too often (FailedSamples)
 };
 
 struct Worker {
@@ -180,16 +215,14 @@ class LocalCollective {
 
 struct Trainer::Impl {
   config::Config config;
-  // Test hook: DFLASHD_TEST_FAULT="target:<sample>" makes the target worker throw once on that
-  // sample number ("target:<sample>:always": every time). Used by the failure-policy tests.
-  int64_t fault_sample = -1;
-  bool fault_always = false;
-  std::atomic<bool> fault_fired{false};
+  TestHooks hooks;  // tests only (test_hooks.h)
   std::shared_ptr<Health> health;
   target::ModelConfig target_config;
   drafter::DrafterShape shape;
   std::shared_ptr<Dataset> data;
   StepPlan plan;
+  std::unique_ptr<FailedSamples> failed_samples;  // counts restored from the checkpoint
+  int64_t data_index(int64_t q) const { return data->sample_at(q / plan.samples_per_epoch, q % plan.samples_per_epoch); }
   std::vector<std::unique_ptr<target::TargetModel>> targets;
   std::vector<std::unique_ptr<drafter::Drafter>> drafters;
   std::vector<std::unique_ptr<drafter::AdamW>> optimizers;
@@ -204,6 +237,25 @@ struct Trainer::Impl {
   int64_t local_replicas = 1;                   // drafter replicas of this node
   std::vector<std::unique_ptr<Worker>> workers;
   std::vector<std::thread> threads;
+  // Worker threads still inside their loops (wait() gives up on those stuck after a failure).
+  std::mutex exit_mutex;
+  std::condition_variable thread_exited;
+  int threads_running = 0;                   // guarded by exit_mutex
+  std::atomic<bool> drafter0_exited{false};  // replica 0's weights are no longer being changed
+  std::atomic<bool> abandoned{false};        // wait() left stuck threads behind
+
+  void spawn(std::function<void()> body) {
+    {
+      std::lock_guard lock(exit_mutex);
+      ++threads_running;
+    }
+    threads.emplace_back([this, body = std::move(body)] {
+      body();
+      std::lock_guard lock(exit_mutex);
+      --threads_running;
+      thread_exited.notify_all();
+    });
+  }
   std::vector<std::unique_ptr<StageClock>> target_clocks, drafter_clocks;  // per replica
   std::map<int, std::unique_ptr<std::mutex>> gpu_turns;  // GPUs that run both roles
   std::mutex* turn_of(at::Device device) {
@@ -229,10 +281,11 @@ struct Trainer::Impl {
     double flops;    // model FLOPs done so far
   };
   std::deque<Progress> token_window;
+  double snapshot_tau = 0;  // tau at the step of the snapshot in the writer's hands
   int64_t tokens_consumed = 0, samples_consumed = 0;
   double last_loss = 0, last_tau = 1, best_tau = 0, last_lr = 0, last_grad_norm = 0;
   std::vector<double> last_accuracy;
-  double target_busy_seconds = 0, drafter_busy_seconds = 0, flops_done = 0;
+  double flops_done = 0;
   Clock::time_point last_checkpoint_time = Clock::now();
   Clock::time_point last_log_time = Clock::now();
   // Stage totals at the last log line: the line reports the interval since, not the run's
@@ -246,9 +299,12 @@ struct Trainer::Impl {
 
   // Prometheus.
   prometheus::Counter *tokens_total, *samples_total, *steps_total, *nonfinite_total, *skipped_short_total,
+      *skipped_no_anchor_total, *skipped_failed_total, *empty_steps_total,
       *skipped_malformed_total, *worker_failures_total;
   prometheus::Gauge *tokens_per_second, *eta_seconds, *mfu, *loss, *tau, *learning_rate, *grad_norm, *checkpoint_time,
-      *checkpoint_duration, *bottleneck_target, *bottleneck_drafter, *suggested_target_gpus, *progress;
+      *checkpoint_duration, *snapshot_seconds, *bottleneck_target, *bottleneck_drafter, *suggested_target_gpus, *progress,
+      *busy_ratio_target, *busy_ratio_drafter;
+  std::unique_ptr<RoleBalance> balance;  // the supervisor's
   prometheus::Family<prometheus::Gauge>* accuracy_family;
   prometheus::Family<prometheus::Gauge>* queue_depth_family;
   prometheus::Family<prometheus::Gauge>* queue_capacity_family;
@@ -300,26 +356,56 @@ struct Trainer::Impl {
     stop_requested.store(true);
     health->set_unhealthy("pipeline", reason);
     collective->abort();
+    if (nccl) nccl->abort();  // replicas waiting in an all-reduce for a failed or stuck peer return
     sample_queue->close();
     for (auto& q : feature_queues) q->close();
   }
 
-  // Runs `work` with the restart policy. Returns false when the run must stop.
-  bool guarded(Worker& w, const std::string& what, const std::function<void()>& work) {
+  // Runs `work` with the restart policy. Returns false when the run must stop. `samples`: the
+  // data indices the work processes; each failure counts against them (FailedSamples). When one
+  // of them reaches workers.skip_sample_after_failures it is skipped: with `skipped` given (the
+  // unit of work is that one sample) guarded() returns true and sets *skipped; otherwise the
+  // work runs again, which leaves skipped samples out (only with one drafter replica: the
+  // others would be out of step in the collectives).
+  bool guarded(Worker& w, const std::string& what, const std::function<void()>& work,
+               const std::vector<int64_t>& samples = {}, bool* skipped = nullptr) {
+    bool retried = false;
     while (true) {
       try {
         work();
+        if (retried) {
+          // Healthy again once the retried unit of work is done; the restart stays counted in
+          // dflashd_worker_restarts_total.
+          health->set_healthy(w.name);
+          log::info("{} recovered: {} done after a restart", w.name, what);
+        }
         return true;
       } catch (const std::exception& e) {
         if (stop_requested.load() && failed.load()) return false;
         worker_failures_total->Increment();
         const std::string message = w.name + " failed on " + what + ": " + e.what();
+        const std::vector<int64_t> now_skipped = failed_samples->record(samples);
+        for (int64_t index : now_skipped) {
+          skipped_failed_total->Increment();
+          log::error("{}; skipping sample {} ({}) from now on: it failed {} times "
+                     "(workers.skip_sample_after_failures), counted in dflashd_samples_skipped_total{reason=\"failed\"}",
+                     message, index, data->describe(index), failed_samples->failures(index));
+        }
+        if (!now_skipped.empty() && (skipped != nullptr || plan.replicas == 1)) {
+          if (skipped != nullptr) {
+            *skipped = true;
+            return true;
+          }
+          retried = true;
+          continue;
+        }
         const bool retry = config.workers.on_failure == "restart" && w.restarts.load() < config.workers.max_restarts;
         if (!retry) {
           fail(message + (config.workers.on_failure == "restart" ? " (restarts exhausted)" : ""));
           return false;
         }
         w.restarts.fetch_add(1);
+        retried = true;
         if (w.restarts_counter) w.restarts_counter->Increment();
         log::warn("{}; retrying ({} of {})", message, w.restarts.load(), config.workers.max_restarts);
         health->set_unhealthy(w.name, "restarted after: " + std::string(e.what()));
@@ -384,11 +470,10 @@ struct Trainer::Impl {
       const int64_t drafter_replica = plan.replica_of(item->q) - node_rank * local_replicas;  // local index
       FeatureItem out;
       out.q = item->q;
-      const auto started = Clock::now();
-      const bool ok = guarded(w, "sample " + std::to_string(item->q), [&] {
-        if (item->q == fault_sample && (fault_always || !fault_fired.exchange(true))) {
-          throw std::runtime_error("injected fault (DFLASHD_TEST_FAULT)");
-        }
+      const int64_t index = data_index(item->q);
+      bool skipped = failed_samples->skipped(index);  // then `out` goes on without features
+      const bool ok = skipped || guarded(w, "sample " + std::to_string(item->q), [&] {
+        if (hooks.target_forward) hooks.target_forward(item->q);
         const at::Tensor ids = at::tensor(item->sample.input_ids, at::TensorOptions().dtype(at::kLong));
         const int64_t tokens = ids.size(0);
         auto tapped = model.forward(ids, {0, tokens}, layers);
@@ -400,14 +485,11 @@ struct Trainer::Impl {
         out.loss_mask = item->sample.loss_mask;
         out.ready = mark_ready(to);
         clock.lap("feature_handoff");
-      });
+      }, {index}, &skipped);
+      if (skipped) out = FeatureItem{item->q};
       w.busy.store(false);
       if (!ok) return;
       turn.reset();
-      {
-        std::lock_guard lock(metrics_mutex);
-        target_busy_seconds += std::chrono::duration<double>(Clock::now() - started).count();
-      }
       if (!feature_queues[drafter_replica]->push(std::move(out), [&] { w.beat(); })) return;
     }
   }
@@ -436,16 +518,18 @@ struct Trainer::Impl {
         }
       }
       w.busy.store(true);
-      const auto started = Clock::now();
       // The GPU's turn when a target shares it: taken once every replica holds its samples (after
       // the first collective below), so no replica waits with the GPU for a target that needs it.
       std::optional<GpuTurn> turn;
       drafter::LossStats stats;
       drafter::StepResult result;
+      bool empty_step = false;
       int64_t tokens = 0;
       double flops = 0;
       // A retried step starts from clean gradients. With several replicas a retry would put this
       // replica out of step with the others' collectives, so failures stop the run instead.
+      std::vector<int64_t> indices;  // the step's samples in data order, for FailedSamples
+      for (int64_t q : wanted) indices.push_back(data_index(q));
       const bool ok = guarded(w, "step " + std::to_string(step), [&] {
         if (w.restarts.load() > 0 && plan.replicas > 1) {
           throw std::runtime_error("a drafter step cannot be retried with several data-parallel replicas");
@@ -466,6 +550,7 @@ struct Trainer::Impl {
           batch.cu_seqlens = {0};
           for (size_t j = i; j < std::min(wanted.size(), i + static_cast<size_t>(m)); ++j) {
             const FeatureItem& item = waiting.at(wanted[j]);
+            if (item.skipped() || failed_samples->skipped(data_index(item.q))) continue;
             std::mt19937_64 rng(mix64(static_cast<uint64_t>(config.train.seed) ^ mix64(static_cast<uint64_t>(item.q))));
             batch.anchors.push_back(drafter::sample_anchors(item.loss_mask, config.train.anchors_per_sequence, rng));
             features.push_back(item.features);
@@ -477,6 +562,7 @@ struct Trainer::Impl {
             flops += target_flops(target_config, shape.target_layer_ids.back(), item.input_ids.size(0));
             tokens += item.input_ids.size(0);
           }
+          if (ids.empty()) continue;  // every sample of this micro-batch was skipped
           batch.features = at::cat(features);
           batch.input_ids = at::cat(ids);
           batch.loss_mask = at::tensor(mask, at::TensorOptions().dtype(at::kByte));
@@ -488,6 +574,7 @@ struct Trainer::Impl {
         const double global_weight = collective->sum(replica, local_weight);
         turn.emplace(turn_of(drafter_devices[replica]), drafter_devices[replica]);
         clock.start();
+        if (hooks.drafter_step) hooks.drafter_step(replica, step);
         for (size_t i = 0; i < micro.size(); ++i) {
           drafter::LossStats micro_stats;
           const at::Tensor hidden = model.forward(micro[i], embeds[replica]);
@@ -495,7 +582,8 @@ struct Trainer::Impl {
           const at::Tensor loss = drafter::dflash_loss(hidden, heads[replica], micro_targets[i], global_weight,
                                                        config.train.lm_head_chunk_blocks * block, block, &micro_stats);
           clock.lap("lm_head_loss");
-          loss.backward();
+          // A micro-batch without a block (its samples had no anchor) has nothing to differentiate.
+          if (loss.requires_grad()) loss.backward();
           clock.lap("backward");
           stats.add(micro_stats);
         }
@@ -530,9 +618,17 @@ struct Trainer::Impl {
           stats.count[k] = static_cast<int64_t>(global[3 + block + k]);
         }
         clock.lap("metrics_exchange");
-        result = optimizer.step();
+        if (global_weight > 0) {
+          result = optimizer.step();
+        } else {
+          // No replica had a supervised block in this step: no update (AdamW would still move the
+          // weights by its moments), the step counts as done.
+          optimizer.zero_grad();
+          result = drafter::StepResult{0, 0, true};
+          empty_step = true;
+        }
         clock.lap("optimizer");
-      });
+      }, indices);
       turn.reset();
       w.busy.store(false);
       if (!ok) return;
@@ -547,16 +643,20 @@ struct Trainer::Impl {
         }
         log::warn("{}: step skipped", message);
       }
+      if (empty_step && replica == 0) {
+        empty_steps_total->Increment();
+        log::warn("step {}: none of its samples has a block to train (every one was skipped or has no anchor): "
+                  "no update", step);
+      }
       completed_step.store(step + 1);
       if (replica != 0) continue;
-      const double step_seconds = std::chrono::duration<double>(Clock::now() - started).count();
-      record_step(step, stats, result, tokens, static_cast<int64_t>(wanted.size()) * plan.replicas, flops, step_seconds);
+      record_step(step, stats, result, tokens, static_cast<int64_t>(wanted.size()) * plan.replicas, flops);
       maybe_checkpoint(step + 1, false);
     }
   }
 
   void record_step(int64_t step, const drafter::LossStats& stats, const drafter::StepResult& result, int64_t tokens,
-                   int64_t samples, double flops, double step_seconds) {
+                   int64_t samples, double flops) {
     std::lock_guard lock(metrics_mutex);
     tokens_consumed += tokens;
     samples_consumed += samples;
@@ -564,7 +664,6 @@ struct Trainer::Impl {
     samples_total->Increment(static_cast<double>(samples));
     steps_total->Increment();
     flops_done += flops;
-    drafter_busy_seconds += step_seconds;
     last_loss = stats.weight_sum > 0 ? stats.loss_sum / stats.weight_sum : 0;
     last_tau = stats.tau();
     last_accuracy = stats.accuracy();
@@ -581,19 +680,29 @@ struct Trainer::Impl {
     progress->Set(static_cast<double>(step + 1) / static_cast<double>(plan.total_steps));
   }
 
+  // FailedSamples' counts as {"data index": failures} (JSON keys are strings).
+  nlohmann::json failures_json() const {
+    nlohmann::json j = nlohmann::json::object();
+    for (const auto& [index, failures] : failed_samples->counts()) j[std::to_string(index)] = failures;
+    return j;
+  }
+
   std::string trainer_state_json(int64_t step) {
     std::lock_guard lock(metrics_mutex);
     nlohmann::json j = {{"step", step},
                         {"tokens_consumed", tokens_consumed},
                         {"samples_consumed", samples_consumed},
                         {"best_tau", best_tau},
+                        {"sample_failures", failures_json()},
                         {"data", {{"next_sample", step < plan.total_steps ? plan.first_sample(step) : -1},
                                   {"samples_per_epoch", plan.samples_per_epoch},
                                   {"global_batch", plan.global_batch()}}}};
     return j.dump();
   }
 
-  // Replica 0's thread (or the owner at the end): by steps, by minutes, or forced.
+  // Replica 0's thread (or the owner at the end): by steps, by minutes, or forced. Here the
+  // snapshot is taken (a device-to-host copy); the writer's thread writes it. A forced one (the
+  // final checkpoint) is waited for.
   void maybe_checkpoint(int64_t step, bool force) {
     const auto& c = config.checkpoint;
     const bool by_steps = c.every_steps > 0 && step % c.every_steps == 0;
@@ -601,38 +710,104 @@ struct Trainer::Impl {
                          std::chrono::duration<double>(Clock::now() - last_checkpoint_time).count() >= c.every_minutes * 60;
     if (!force && !by_steps && !by_time) return;
     const auto started = Clock::now();
+    drafter::CheckpointSnapshot& snapshot = checkpoint_writer->acquire();
     try {
-      const std::string dir =
-          drafter::write_checkpoint(config.checkpoint_dir(), step, *drafters[0], *optimizers[0], trainer_state_json(step));
-      drafter::prune_checkpoints(config.checkpoint_dir(), c.keep_last);
+      snapshot.take(step, *drafters[0], *optimizers[0], trainer_state_json(step));
+    } catch (const std::exception& e) {
+      health->set_unhealthy("checkpoint", e.what());
+      log::error("checkpoint at step {}: taking the snapshot failed: {}", step, e.what());
+      return;
+    }
+    snapshot_seconds->Set(std::chrono::duration<double>(Clock::now() - started).count());
+    last_checkpoint_time = Clock::now();
+    {
+      std::lock_guard lock(metrics_mutex);
+      snapshot_tau = last_tau;
+    }
+    checkpoint_writer->submit();
+    if (force) checkpoint_writer->wait_idle();
+  }
+
+  // The writer's thread: the checkpoint, pruning, its metrics, and export/best when the tau of
+  // the snapshot's step is the best so far.
+  void write_snapshot(const drafter::CheckpointSnapshot& snapshot) {
+    const auto started = Clock::now();
+    try {
+      const std::string dir = drafter::write_checkpoint(config.checkpoint_dir(), snapshot);
+      drafter::prune_checkpoints(config.checkpoint_dir(), config.checkpoint.keep_last);
       const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
       checkpoint_time->Set(now_seconds());
       checkpoint_duration->Set(seconds);
-      last_checkpoint_time = Clock::now();
-      log::info("checkpoint {} written in {} s", dir, seconds);
-      double tau_now;
+      health->set_healthy("checkpoint");
+      log::info("checkpoint {} written in {} s", dir, fixed(seconds, 2));
+      double tau = 0;
+      bool best = false;
       {
         std::lock_guard lock(metrics_mutex);
-        tau_now = last_tau;
+        tau = snapshot_tau;
+        best = tau > best_tau;
+        if (best) best_tau = tau;
       }
-      if (tau_now > best_tau) {
-        best_tau = tau_now;
-        export_to(config.run.output_dir + "/export/best");
-      }
+      if (best) drafter::write_export(config.run.output_dir + "/export/best", snapshot.shape, snapshot.model);
     } catch (const std::exception& e) {
       // A failed checkpoint leaves the previous ones intact (atomic protocol); the run goes on.
       health->set_unhealthy("checkpoint", e.what());
-      log::error("checkpoint at step {} failed: {}", step, e.what());
+      log::error("checkpoint at step {} failed: {}", snapshot.step, e.what());
     }
   }
 
   void export_to(const std::string& dir) { drafters[0]->save_export(dir); }
+
+  bool threads_stopped() {
+    std::lock_guard lock(exit_mutex);
+    return threads_running == 0;
+  }
+
+  // Some worker threads did not leave after a failure. Replica 0's weights are those of the
+  // last complete step once its thread left (its optimizer runs after every collective of a
+  // step): then the checkpoint is written, bounded in time (a GPU shared with a stuck worker can
+  // block the copies; the COMMIT protocol keeps a cut-off write harmless). The stuck threads are
+  // detached: the caller ends the process without destroying what they use (Trainer::abandoned).
+  void abandon(int64_t step, std::chrono::duration<double> grace) {
+    abandoned.store(true);
+    int stuck = 0;
+    {
+      std::lock_guard lock(exit_mutex);
+      stuck = threads_running;
+    }
+    log::error("{} worker thread(s) did not stop within {} s of the failure (stuck in a CUDA or NCCL call?)", stuck,
+               fixed(grace.count(), 0));
+    if (drafter0_exited.load()) {
+      auto written = std::make_shared<std::promise<void>>();
+      std::future<void> done = written->get_future();
+      std::thread([this, step, written] {
+        maybe_checkpoint(step, /*force=*/true);
+        written->set_value();
+      }).detach();
+      if (done.wait_for(grace) != std::future_status::ready) {
+        log::error("the final checkpoint (step {}) did not finish within {} s; the newest complete one stays", step,
+                   fixed(grace.count(), 0));
+      }
+    } else {
+      log::error("no final checkpoint: drafter-0 is stuck mid-step; the newest complete checkpoint stays");
+    }
+    for (auto& t : threads) t.detach();
+    threads.clear();
+  }
+
+  // Last member, so destroyed first: its thread finishes the write in flight while everything
+  // write_snapshot() uses still exists.
+  std::unique_ptr<CheckpointWriter> checkpoint_writer;
 };
 
-Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, std::shared_ptr<Health> health)
+Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, std::shared_ptr<Health> health,
+                 TestHooks hooks)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.config = config;
+  s.hooks = std::move(hooks);
+  s.checkpoint_writer =
+      std::make_unique<CheckpointWriter>([&s](const drafter::CheckpointSnapshot& snapshot) { s.write_snapshot(snapshot); });
   s.health = std::move(health);
   // ---- metrics --------------------------------------------------------------------------
   auto counter = [&](const char* name, const char* help) -> prometheus::Counter& {
@@ -644,8 +819,17 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   s.tokens_total = &counter("dflashd_tokens_total", "Training tokens consumed (target forward + drafter step)");
   s.samples_total = &counter("dflashd_samples_total", "Training sequences consumed");
   s.steps_total = &counter("dflashd_optimizer_steps_total", "Optimizer steps completed (plan steps, skipped included)");
+  s.empty_steps_total = &counter("dflashd_steps_without_blocks_total",
+                                 "Steps none of whose samples had a block to train (no update)");
   s.nonfinite_total = &counter("dflashd_nonfinite_steps_total", "Steps whose gradient was not finite");
-  s.skipped_short_total = &counter("dflashd_samples_skipped_total", "Samples skipped: too few supervised tokens");
+  auto& skipped = prometheus::BuildCounter()
+                      .Name("dflashd_samples_skipped_total")
+                      .Help("Samples skipped, by reason: too_few_supervised (data.min_supervised_tokens), no_anchor "
+                            "(no two adjacent supervised tokens), failed (failed workers.skip_sample_after_failures times)")
+                      .Register(registry);
+  s.skipped_short_total = &skipped.Add({{"reason", "too_few_supervised"}});
+  s.skipped_no_anchor_total = &skipped.Add({{"reason", "no_anchor"}});
+  s.skipped_failed_total = &skipped.Add({{"reason", "failed"}});
   s.skipped_malformed_total = &counter("dflashd_samples_malformed_total", "Malformed samples skipped (data.on_malformed: skip)");
   s.worker_failures_total = &counter("dflashd_worker_failures_total", "Exceptions raised in pipeline workers");
   s.tokens_per_second = &gauge("dflashd_tokens_per_second", "Training tokens per second over the throughput window");
@@ -657,6 +841,9 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   s.grad_norm = &gauge("dflashd_grad_norm", "Gradient norm of the last step, before clipping");
   s.checkpoint_time = &gauge("dflashd_checkpoint_last_success_timestamp_seconds", "Unix time of the last checkpoint");
   s.checkpoint_duration = &gauge("dflashd_checkpoint_duration_seconds", "Duration of the last checkpoint");
+  s.snapshot_seconds = &gauge("dflashd_checkpoint_snapshot_seconds",
+                              "Time the drafter's replica 0 spent copying the last checkpoint off the GPU (the "
+                              "write itself runs on a thread of its own)");
   s.progress = &gauge("dflashd_progress_ratio", "Completed steps / planned steps");
   auto& bottleneck = prometheus::BuildGauge()
                          .Name("dflashd_bottleneck")
@@ -664,6 +851,16 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
                          .Register(registry);
   s.bottleneck_target = &bottleneck.Add({{"stage", "target"}});
   s.bottleneck_drafter = &bottleneck.Add({{"stage", "drafter"}});
+  auto& busy_ratio = prometheus::BuildGauge()
+                         .Name("dflashd_busy_ratio")
+                         .Help("Share of its GPUs' time a role worked over metrics.throughput_window_seconds "
+                               "(device seconds summed over its replicas / (window x its GPUs))")
+                         .Register(registry);
+  s.busy_ratio_target = &busy_ratio.Add({{"role", "target"}});
+  s.busy_ratio_drafter = &busy_ratio.Add({{"role", "drafter"}});
+  s.balance = std::make_unique<RoleBalance>(static_cast<int>(config.gpus.target.size()),
+                                            static_cast<int>(config.gpus.drafter.size()),
+                                            config.metrics.throughput_window_seconds);
   s.suggested_target_gpus = &gauge("dflashd_suggested_target_gpus",
                                    "Target GPUs of the current total that would balance the measured stage times");
   s.accuracy_family = &prometheus::BuildGauge().Name("dflashd_position_accuracy").Help("Accuracy per block position k of the last step").Register(registry);
@@ -684,14 +881,6 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     s.stage_seconds_family->Add({{"role", "drafter"}, {"stage", stage}});
   }
 
-  if (const char* fault = std::getenv("DFLASHD_TEST_FAULT")) {
-    const std::string f = fault;
-    if (f.rfind("target:", 0) == 0) {
-      s.fault_sample = std::stoll(f.substr(7));
-      s.fault_always = f.find(":always") != std::string::npos;
-      log::warn("DFLASHD_TEST_FAULT: the target worker will fail on sample {}", s.fault_sample);
-    }
-  }
   if (config.train.deterministic) {
     // Bit-identical reruns and resumes: deterministic kernels only (CPU math is deterministic
     // at a fixed thread count already).
@@ -705,6 +894,19 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     s.target_config = target::load_model_config(config.target.path);
   }
   s.shape = drafter::shape_for_target(s.target_config, config.drafter);
+  {
+    // The memory plan per GPU (what `dflashd validate` prints), refused before anything is
+    // loaded when it does not fit.
+    const std::vector<GpuMemoryPlan> memory =
+        plan_memory(config, s.target_config, s.shape, config.gpus.device == "cuda" ? gpu_capacities() : std::vector<int64_t>{});
+    log::info("{}", format_memory_plan(memory));
+    const std::vector<std::string> problems = memory_plan_problems(memory);
+    if (!problems.empty()) {
+      std::string text;
+      for (const std::string& p : problems) text += (text.empty() ? "" : "; ") + p;
+      throw std::runtime_error("the memory plan does not fit: " + text);
+    }
+  }
   const int64_t last_layer = s.shape.target_layer_ids.back();
   for (int id : config.gpus.target) {
     target::TargetOptions options{device_for(config.gpus, id), dtype, config.target.allow_slow_path};
@@ -727,12 +929,15 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
       s.gpu_turns.emplace(id, std::make_unique<std::mutex>());
     }
     s.drafters.back()->init_random(static_cast<uint64_t>(config.train.seed));
+    // drafter.init: an exported drafter or a checkpoint directory (both hold config.json and
+    // model.safetensors in the export names); the shape must be the configured one. A resumed
+    // checkpoint (below) replaces these weights again.
+    if (config.drafter.init != "random") s.drafters.back()->load_export(config.drafter.init);
+    const drafter::BlockAttentionPathInfo attention = attention_path_for(config, s.shape, device, dtype);
+    s.drafters.back()->set_attention_path(attention.path);
     if (r == 0) {
-      const auto path = drafter::describe_block_attention_path(
-          at::empty({1, s.shape.num_attention_heads, s.shape.head_dim}, at::TensorOptions().device(device).dtype(dtype)),
-          s.shape.block_size);
-      log::info("drafter attention: {}", path.description);
-      s.attention_path_family->Add({{"path", path.name}}).Set(1);
+      log::info("drafter attention: {}", attention.description);
+      s.attention_path_family->Add({{"path", attention.name}}).Set(1);
     }
     s.embeds.push_back(s.targets[0]->embed_tokens().to(device));
     s.heads.push_back(s.targets[0]->lm_head().to(device));
@@ -743,7 +948,9 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     s.gpu_ids.assign(distinct.begin(), distinct.end());
   }
   s.data = Dataset::open(config.data, s.target_config.vocab_size);
+  s.failed_samples = std::make_unique<FailedSamples>(config.workers.skip_sample_after_failures);
   s.skipped_short_total->Increment(static_cast<double>(s.data->skipped_short()));
+  s.skipped_no_anchor_total->Increment(static_cast<double>(s.data->skipped_no_anchor()));
   s.skipped_malformed_total->Increment(static_cast<double>(s.data->skipped_malformed()));
   const int64_t replicas = static_cast<int64_t>(config.gpus.drafter.size());
   const NodeInfo node_info = resolve_nodes(config.distributed);
@@ -780,6 +987,12 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
       s.tokens_consumed = state.value("tokens_consumed", int64_t{0});
       s.samples_consumed = state.value("samples_consumed", int64_t{0});
       s.best_tau = state.value("best_tau", 0.0);
+      std::map<int64_t, int> failures;
+      const nlohmann::json failures_state = state.value("sample_failures", nlohmann::json::object());
+      for (const auto& [index, count] : failures_state.items()) {
+        failures[std::stoll(index)] = count.get<int>();
+      }
+      s.failed_samples->restore(std::move(failures));
       const auto data_state = state.value("data", nlohmann::json::object());
       if (data_state.value("samples_per_epoch", s.plan.samples_per_epoch) != s.plan.samples_per_epoch ||
           data_state.value("global_batch", s.plan.global_batch()) != s.plan.global_batch()) {
@@ -792,6 +1005,10 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     s.tokens_total->Increment(static_cast<double>(s.tokens_consumed));
     s.samples_total->Increment(static_cast<double>(s.samples_consumed));
     log::info("resuming from {} at step {} of {}", resume_from, s.start_step, s.plan.total_steps);
+    if (const int64_t skipped = s.failed_samples->skipped_count(); skipped > 0) {
+      s.skipped_failed_total->Increment(static_cast<double>(skipped));
+      log::warn("{} sample(s) failed workers.skip_sample_after_failures times in earlier runs and are skipped", skipped);
+    }
   }
   if (s.nodes) {
     // Every node must resume from the same step (each reads its own output_dir).
@@ -803,6 +1020,11 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
                                std::to_string(s.start_step) + ", mean over nodes: " + std::to_string(mean) +
                                "); give every node the same checkpoints or checkpoint.resume: never");
     }
+  }
+  if (config.drafter.init != "random") {
+    log::info(resume_from.empty() ? "drafter initialised from {} (drafter.init)"
+                                  : "drafter.init ({}) applies to a fresh run only: the resumed checkpoint's weights are used",
+              config.drafter.init);
   }
   s.completed_step.store(s.start_step);
   s.collective = std::make_unique<LocalCollective>(static_cast<int>(replicas), s.nodes.get());
@@ -830,8 +1052,10 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
                              std::to_string(item_bytes) + " bytes exceed queues.feature_memory_budget_bytes (" +
                              std::to_string(config.queues.feature_memory_budget_bytes) + ")");
   }
-  log::info("data: {} samples ({} tokens) per epoch, {} skipped (too few supervised tokens), {} malformed skipped",
-            s.data->size(), s.data->tokens_per_epoch(), s.data->skipped_short(), s.data->skipped_malformed());
+  log::info("data: {} samples ({} tokens) per epoch; skipped: {} with too few supervised tokens, {} without two adjacent "
+            "supervised tokens (no anchor), {} malformed",
+            s.data->size(), s.data->tokens_per_epoch(), s.data->skipped_short(), s.data->skipped_no_anchor(),
+            s.data->skipped_malformed());
   log::info("plan: {} steps ({} per epoch), global batch {} sequences on {} drafter replica(s); drafter {} layers, {} parameters",
             s.plan.total_steps, s.plan.steps_per_epoch, s.plan.global_batch(), replicas, s.shape.num_layers,
             s.shape.parameter_count());
@@ -853,7 +1077,7 @@ void Trainer::start() {
     return;
   }
   Worker& reader = s.add_worker("reader");
-  s.threads.emplace_back([&s, &reader] {
+  s.spawn([&s, &reader] {
     s.contained(reader, [&] { s.reader_loop(reader); });
     s.sample_queue->close();  // no more samples: target workers drain and exit
   });
@@ -861,7 +1085,7 @@ void Trainer::start() {
   for (size_t t = 0; t < s.targets.size(); ++t) target_workers.push_back(&s.add_worker("target-" + std::to_string(t)));
   auto targets_left = std::make_shared<std::atomic<int>>(static_cast<int>(s.targets.size()));
   for (size_t t = 0; t < s.targets.size(); ++t) {
-    s.threads.emplace_back([&s, w = target_workers[t], t, targets_left] {
+    s.spawn([&s, w = target_workers[t], t, targets_left] {
       s.contained(*w, [&] { s.target_loop(*w, t); });
       if (targets_left->fetch_sub(1) == 1) {
         for (auto& q : s.feature_queues) q->close();
@@ -871,8 +1095,9 @@ void Trainer::start() {
   s.drafters_running.store(static_cast<int>(s.drafters.size()));
   for (size_t r = 0; r < s.drafters.size(); ++r) {
     Worker& w = s.add_worker("drafter-" + std::to_string(r));
-    s.threads.emplace_back([&s, &w, r] {
+    s.spawn([&s, &w, r] {
       s.contained(w, [&] { s.drafter_loop(w, static_cast<int>(r)); });
+      if (r == 0) s.drafter0_exited.store(true);
       if (s.drafters_running.fetch_sub(1) == 1) {
         // All drafters are done: stop the producers.
         s.stop_requested.store(true);
@@ -894,8 +1119,14 @@ void Trainer::supervise() {
     s.worker_stalled_family->Add({{"worker", w->name}}).Set(stalled ? 1 : 0);
     if (stalled && !w->stalled.exchange(true)) {
       const std::string reason = "no heartbeat for " + std::to_string(static_cast<int64_t>(age)) + " s";
-      log::error("{} stalled: {}", w->name, reason);
       s.health->set_unhealthy(w->name, "stalled: " + reason);
+      log::error("{} stalled: {}", w->name, reason);
+      // A worker stuck in a CUDA or NCCL call cannot be restarted: the run stops (wait() writes
+      // the last complete step's checkpoint where it can, and gives up on stuck threads).
+      if (!s.failed.load()) {
+        s.fail(w->name + " stalled: " + reason + " (workers.stall_seconds: " +
+               fixed(s.config.workers.stall_seconds, 0) + "); stopping the run");
+      }
     } else if (!stalled && w->stalled.exchange(false)) {
       s.health->set_healthy(w->name);
     }
@@ -903,15 +1134,12 @@ void Trainer::supervise() {
   s.queue_depth_family->Add({{"queue", "samples"}}).Set(static_cast<double>(s.sample_queue->depth()));
   s.advance(s.queue_blocked_family, {{"queue", "samples"}}, s.sample_queue->producer_blocked_seconds());
   s.advance(s.queue_starved_family, {{"queue", "samples"}}, s.sample_queue->consumer_starved_seconds());
-  double drafter_starved = 0, target_blocked = 0;
   for (size_t r = 0; r < s.feature_queues.size(); ++r) {
     const auto& q = *s.feature_queues[r];
     const std::string name = "features-" + std::to_string(r);
     s.queue_depth_family->Add({{"queue", name}}).Set(static_cast<double>(q.depth()));
     s.advance(s.queue_blocked_family, {{"queue", name}}, q.producer_blocked_seconds());
     s.advance(s.queue_starved_family, {{"queue", name}}, q.consumer_starved_seconds());
-    drafter_starved += q.consumer_starved_seconds();
-    target_blocked += q.producer_blocked_seconds();
   }
   if (!s.gpu_ids.empty()) {
     for (const GpuMemory& m : gpu_memory(s.gpu_ids)) {
@@ -927,16 +1155,7 @@ void Trainer::supervise() {
       }
     }
   }
-  // The stage that waits less is the bottleneck; the split that balances the measured busy
-  // times is the suggestion.
-  s.bottleneck_target->Set(drafter_starved > target_blocked ? 1 : 0);
-  s.bottleneck_drafter->Set(drafter_starved > target_blocked ? 0 : 1);
   std::lock_guard lock(s.metrics_mutex);
-  const double total_gpus = static_cast<double>(s.config.gpus.target.size() + s.config.gpus.drafter.size());
-  if (s.target_busy_seconds + s.drafter_busy_seconds > 0) {
-    const double target_share = s.target_busy_seconds / (s.target_busy_seconds + s.drafter_busy_seconds);
-    s.suggested_target_gpus->Set(std::max(1.0, std::round(total_gpus * target_share)));
-  }
   // Throughput, ETA and MFU over the window (the steps since startup would hide a recent change).
   while (s.token_window.size() > 1 && now - s.token_window.front().time > s.config.metrics.throughput_window_seconds) {
     s.token_window.pop_front();
@@ -965,8 +1184,21 @@ void Trainer::supervise() {
   int64_t target_iterations = 0, drafter_iterations = 0;
   const auto target_stages = Impl::stage_totals(s.target_clocks, &target_iterations);
   const auto drafter_stages = Impl::stage_totals(s.drafter_clocks, &drafter_iterations);
-  for (const auto& [role, stages] : {std::pair{"target", &target_stages}, std::pair{"drafter", &drafter_stages}}) {
-    for (const auto& [stage, seconds] : *stages) s.advance(s.stage_seconds_family, {{"role", role}, {"stage", stage}}, seconds);
+  double busy[2] = {0, 0};  // target, drafter: device seconds summed over replicas
+  for (const auto& [role, stages, total] :
+       {std::tuple{"target", &target_stages, &busy[0]}, std::tuple{"drafter", &drafter_stages, &busy[1]}}) {
+    for (const auto& [stage, seconds] : *stages) {
+      s.advance(s.stage_seconds_family, {{"role", role}, {"stage", stage}}, seconds);
+      *total += seconds;
+    }
+  }
+  s.balance->observe(now, busy[0], busy[1]);
+  if (const RoleBalance::Advice advice = s.balance->advice(); advice.known) {
+    s.busy_ratio_target->Set(advice.target_busy_ratio);
+    s.busy_ratio_drafter->Set(advice.drafter_busy_ratio);
+    s.bottleneck_target->Set(advice.bottleneck == "target" ? 1 : 0);
+    s.bottleneck_drafter->Set(advice.bottleneck == "drafter" ? 1 : 0);
+    s.suggested_target_gpus->Set(advice.suggested_target_gpus);
   }
   const double since_log = std::chrono::duration<double>(Clock::now() - s.last_log_time).count();
   if (since_log >= s.config.metrics.log_every_seconds) {
@@ -1005,15 +1237,33 @@ void Trainer::request_stop() {
   if (!s.stop_requested.exchange(true)) log::info("stop requested: finishing the step in flight");
 }
 
-bool Trainer::done() const { return impl_->finished.load() || (impl_->failed.load() && impl_->drafters_running.load() == 0); }
+bool Trainer::done() const { return impl_->finished.load() || impl_->failed.load(); }
+
+bool Trainer::abandoned() const { return impl_->abandoned.load(); }
 
 Outcome Trainer::wait() {
   Impl& s = *impl_;
+  // After a failure the workers have been told to leave (queues closed, collectives aborted); one
+  // stuck in a CUDA or NCCL call never does: give them a bounded time.
+  const auto grace = std::chrono::duration<double>(std::min(60.0, s.config.workers.stall_seconds));
+  {
+    std::unique_lock lock(s.exit_mutex);
+    auto all_left = [&] { return s.threads_running == 0; };
+    if (s.failed.load()) {
+      s.thread_exited.wait_for(lock, grace, all_left);
+    } else {
+      s.thread_exited.wait(lock, all_left);
+    }
+  }
+  const int64_t step = s.completed_step.load();
+  if (s.failed.load() && !s.threads_stopped()) {
+    s.abandon(step, grace);
+    return Outcome::failed;
+  }
   for (auto& t : s.threads) {
     if (t.joinable()) t.join();
   }
   s.threads.clear();
-  const int64_t step = s.completed_step.load();
   if (s.failed.load()) {
     s.maybe_checkpoint(step, /*force=*/true);  // weights are those of the last completed step
     return Outcome::failed;

@@ -18,7 +18,10 @@
 // and the sample or step, counted, shown on /healthz, and handled by workers.on_failure:
 // "restart" retries the same unit of work up to workers.max_restarts times, "stop" (or running
 // out of restarts) stops the run with a checkpoint of the last completed step. A worker whose
-// heartbeat is older than workers.stall_seconds is reported stalled. Non-finite gradients skip
+// heartbeat is older than workers.stall_seconds is stalled: the run stops as after a failure
+// (NCCL communicators aborted, the last complete step checkpointed where possible, exit 1, see
+// wait()). A sample that failed workers.skip_sample_after_failures times (counted across
+// restarts, in the checkpoint) is skipped and counted. Non-finite gradients skip
 // the step (counted) or stop the run (train.on_nonfinite).
 //
 // Lifecycle: start() spawns the threads; the owner calls supervise() periodically from its own
@@ -35,6 +38,7 @@
 
 #include "common/health.h"
 #include "config/config.h"
+#include "pipeline/test_hooks.h"
 
 namespace dflash::pipeline {
 
@@ -44,15 +48,24 @@ class Trainer {
  public:
   // Loads the target, builds the drafter replicas, opens the data, resumes from a checkpoint
   // (checkpoint.resume). Throws std::runtime_error with a clear message on bad input.
-  Trainer(const config::Config& config, prometheus::Registry& registry, std::shared_ptr<Health> health);
+  // `hooks`: test hooks (none in the shipped daemon).
+  Trainer(const config::Config& config, prometheus::Registry& registry, std::shared_ptr<Health> health,
+          TestHooks hooks = {});
   ~Trainer();
 
   void start();
   // Call every few hundred milliseconds from the owner's thread.
   void supervise();
   void request_stop();
+  // True once the run finished or failed: then call wait().
   bool done() const;
+  // Joins the workers and writes the final checkpoint. After a failure, workers that do not
+  // leave within min(workers.stall_seconds, 60 s) (stuck in a CUDA or NCCL call) are given up:
+  // the checkpoint is written if replica 0 left, and abandoned() turns true.
   Outcome wait();
+  // wait() left stuck worker threads running: the owner must end the process (std::_Exit)
+  // without destroying the Trainer, which they still use.
+  bool abandoned() const;
   std::string failure() const;   // why the run failed ("" otherwise)
   std::string status() const;    // a one-line summary (for systemd STATUS=)
   int64_t step() const;          // completed plan steps

@@ -6,6 +6,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/json_limits.h"
+
 namespace dflash::target {
 namespace {
 
@@ -76,6 +78,7 @@ int64_t ModelConfig::default_mask_token_id() const {
 }
 
 ModelConfig parse_model_config(const std::string& json_text, const std::string& source) {
+  if (const std::string problem = json_text_problem(json_text); !problem.empty()) fail(source, "invalid JSON: " + problem);
   json root;
   try {
     root = json::parse(json_text);

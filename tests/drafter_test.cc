@@ -3,6 +3,8 @@
 // section 4, thread safety, optimizer, checkpoints and the exported serving format.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
+#include "common/kernel_variants.h"
 #include <torch/csrc/autograd/autograd.h>
 
 #include <atomic>
@@ -231,9 +233,9 @@ TEST(BlockAttention, GpuFusedKernelsMatchTheFp32Reference) {
 // The mma.sync kernels (the only ones on GPUs other than Hopper), forced where wgmma would run.
 TEST(BlockAttention, GpuFusedMmaSyncKernelsMatchTheFp32Reference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  setenv("DFLASHD_ATTENTION_MMA", "sync", 1);
+  force_mma_sync(MmaKernels::block_attention, true);
   check_fused_kernels();
-  unsetenv("DFLASHD_ATTENTION_MMA");
+  force_mma_sync(MmaKernels::block_attention, false);
 }
 
 TEST(BlockAttention, AskingForTheFusedKernelsWhereTheyCannotRunSaysWhy) {

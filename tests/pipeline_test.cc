@@ -17,12 +17,15 @@
 #include "pipeline/nccl_gradients.h"
 #include "pipeline/streams.h"
 #include "pipeline/dataset.h"
+#include "tests/run_dir.h"
 #include "tests/test_util.h"
 
 namespace dflash::pipeline {
 namespace {
 
 const std::string kBinary = std::getenv("DFLASHD_BINARY") ? std::getenv("DFLASHD_BINARY") : DFLASHD_BINARY;
+// The same program with the test hooks read from its environment (tests/faulty_daemon_hooks.cc).
+const std::string kFaulty = DFLASHD_FAULTY_BINARY;
 
 TEST(StepPlan, EveryEpochSampleExactlyOnceAcrossStepsAndReplicas) {
   const StepPlan plan = StepPlan::make(/*samples*/ 23, /*replicas*/ 2, /*m*/ 2, /*accumulation*/ 3, /*epochs*/ 2.0, 0);
@@ -157,45 +160,11 @@ TEST(StageClock, AttributesTimeToStagesPerIterationOnTheCpu) {
 
 // ---- The real binary --------------------------------------------------------------------------
 
-struct RunDir {
-  std::string dir, config;
-};
-
-RunDir make_run(const std::string& tag, const std::string& extra = "", int port = 0) {
-  RunDir r;
-  r.dir = test::make_temp_dir(tag);
-  r.config = r.dir + "/run.yaml";
-  std::ofstream(r.config) << "run: {output_dir: " << r.dir << "/out}\n"
-                          << "target: {preset: tiny-qwen3_5, weights: random, dtype: float32}\n"
-                          << "drafter: {num_layers: 1, block_size: 8, mask_token_id: 511}\n"
-                          << "gpus: {device: cpu}\n"
-                          << "data: {synthetic: {sequences: 64, min_length: 24, max_length: 48}}\n"
-                          << "metrics: {listen: \"" << (port ? "127.0.0.1:" + std::to_string(port) : "")
-                          << "\", log_every_seconds: 1}\n"
-                          << extra;
-  return r;
-}
-
-std::string final_weights(const RunDir& r, const std::string& step) {
-  return test::read_file(r.dir + "/out/checkpoints/step-" + step + "/model.safetensors");
-}
-
-bool exists(const std::string& p) {
-  struct stat st {};
-  return ::stat(p.c_str(), &st) == 0;
-}
-
-std::vector<std::string> drafter_checkpoints(const RunDir& r) {
-  std::vector<std::string> out;
-  if (DIR* dir = ::opendir((r.dir + "/out/checkpoints").c_str())) {
-    while (dirent* e = ::readdir(dir)) {
-      const std::string n = e->d_name;
-      if (n.rfind("step-", 0) == 0 && exists(r.dir + "/out/checkpoints/" + n + "/COMMIT")) out.push_back(n);
-    }
-    ::closedir(dir);
-  }
-  return out;
-}
+using test::drafter_checkpoints;
+using test::exists;
+using test::final_weights;
+using test::make_run;
+using test::RunDir;
 
 TEST(PipelineRun, TrainsToTheEndCheckpointsAndExports) {
   const RunDir r = make_run("run", "train: {max_steps: 24, learning_rate: 0.003, deterministic: true}\n"
@@ -375,19 +344,26 @@ TEST(PipelineRun, SigtermFinishesTheStepCheckpointsAndExitsZero) {
 }
 
 TEST(PipelineRun, WorkerFailureStopsWithReasonOrIsRetried) {
+  // The shipped binary reads no fault injection from its environment.
+  const RunDir shipped = make_run("fail-shipped", "train: {max_steps: 10}\n");
+  test::Process s({kBinary, "run", "-c", shipped.config}, {"DFLASHD_TEST_FAULT=target:5:always"}, shipped.dir);
+  EXPECT_EQ(s.wait(120000), 0) << s.err();
+  EXPECT_EQ(s.err().find("injected fault"), std::string::npos) << s.err();
+
   const RunDir stop = make_run("fail-stop", "train: {max_steps: 30}\n");
-  test::Process p({kBinary, "run", "-c", stop.config}, {"DFLASHD_TEST_FAULT=target:5"}, stop.dir);
+  test::Process p({kFaulty, "run", "-c", stop.config}, {"DFLASHD_TEST_FAULT=target:5"}, stop.dir);
   EXPECT_EQ(p.wait(120000), 1) << p.err();
   EXPECT_NE(p.err().find("target-0 failed on sample 5: injected fault"), std::string::npos) << p.err();
   EXPECT_NE(p.err().find("run failed at step"), std::string::npos) << p.err();
 
   const RunDir retry = make_run("fail-retry", "train: {max_steps: 30}\nworkers: {on_failure: restart, max_restarts: 2}\n");
-  test::Process q({kBinary, "run", "-c", retry.config}, {"DFLASHD_TEST_FAULT=target:5"}, retry.dir);
+  test::Process q({kFaulty, "run", "-c", retry.config}, {"DFLASHD_TEST_FAULT=target:5"}, retry.dir);
   EXPECT_EQ(q.wait(120000), 0) << q.err();
   EXPECT_NE(q.err().find("retrying (1 of 2)"), std::string::npos) << q.err();
 
-  const RunDir exhausted = make_run("fail-exhausted", "train: {max_steps: 30}\nworkers: {on_failure: restart, max_restarts: 2}\n");
-  test::Process x({kBinary, "run", "-c", exhausted.config}, {"DFLASHD_TEST_FAULT=target:5:always"}, exhausted.dir);
+  const RunDir exhausted = make_run("fail-exhausted", "train: {max_steps: 30}\n"
+                                                     "workers: {on_failure: restart, max_restarts: 2, skip_sample_after_failures: 0}\n");
+  test::Process x({kFaulty, "run", "-c", exhausted.config}, {"DFLASHD_TEST_FAULT=target:5:always"}, exhausted.dir);
   EXPECT_EQ(x.wait(120000), 1) << x.err();
   EXPECT_NE(x.err().find("(restarts exhausted)"), std::string::npos) << x.err();
 }

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "common/safetensors.h"
+#include "common/token_file.h"
 #include "tests/test_util.h"
 
 namespace dflash {
@@ -112,6 +113,13 @@ TEST(Safetensors, CorruptInputsAreClearErrors) {
        "corrupt header: tensor 'w': data_offsets must be [begin, end]"},
       {"negative_shape", R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", eight, -1,
        "is not a list of sizes"},
+      // 2^32 x 2^32 x 2^32 x 2^32 two-byte elements: 2^129 bytes, which wrapped to 0 in 128 bits.
+      {"size_overflow",
+       R"({"w":{"dtype":"BF16","shape":[4294967296,4294967296,4294967296,4294967296],"data_offsets":[0,0]}})", "", -1,
+       "needs more than 2^64 bytes"},
+      {"deep", "{\"__metadata__\":" + std::string(100000, '[') + std::string(100000, ']') + "}", "", -1,
+       "corrupt header: nested deeper than 64 levels"},
+      {"nul", ok_header + std::string(1, '\0') + "garbage", eight, -1, "corrupt header: a NUL byte at offset"},
   };
   for (const Case& c : cases) {
     std::string path;
@@ -126,6 +134,37 @@ TEST(Safetensors, CorruptInputsAreClearErrors) {
     EXPECT_NE(error.find(c.expected), std::string::npos) << c.name << ": " << error;
   }
   EXPECT_NE(open_error(dir + "/absent").find(dir + "/absent: cannot open"), std::string::npos);
+}
+
+// Data lines and token files as a new user's data may have them: bounded nesting (a line nested
+// 100,000 deep overflowed the stack while the error message was printed), no NUL byte (the
+// parser took it for the end of the line and accepted what came before).
+TEST(TokenFile, DeepNestingAndNulBytesAreClearErrors) {
+  const std::string deep = "{\"input_ids\": " + std::string(100000, '[') + std::string(100000, ']') + "}";
+  try {
+    parse_token_line(deep, "train.jsonl", 3);
+    FAIL() << "accepted";
+  } catch (const TokenFileError& e) {
+    EXPECT_NE(std::string(e.what()).find("train.jsonl:3: invalid JSON: nested deeper than 64 levels"), std::string::npos)
+        << e.what();
+  }
+  const std::string nul = std::string("{\"input_ids\": [1, 2], \"loss_mask\": [0, 1]}") + '\0' + "garbage";
+  try {
+    parse_token_line(nul, "train.jsonl", 4);
+    FAIL() << "accepted";
+  } catch (const TokenFileError& e) {
+    EXPECT_NE(std::string(e.what()).find("train.jsonl:4: invalid JSON: a NUL byte at offset 42"), std::string::npos)
+        << e.what();
+  }
+  // Brackets inside strings do not count as nesting; a real line still parses.
+  try {
+    parse_token_line("{\"x\": \"" + std::string(1000, '[') + "\"}", "f", 1);
+    FAIL() << "accepted";
+  } catch (const TokenFileError& e) {
+    EXPECT_NE(std::string(e.what()).find("expected an object with an \"input_ids\" list"), std::string::npos) << e.what();
+  }
+  const TokenSample ok = parse_token_line(R"({"note": "[[[[", "input_ids": [5, 6], "loss_mask": [0, 1]})", "f", 1);
+  EXPECT_EQ(ok.input_ids, (std::vector<int64_t>{5, 6}));
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "common/kernel_variants.h"
+
 #include <cstdlib>
 #include <fstream>
 
@@ -277,16 +279,16 @@ TEST(GatedDeltaNetKernels, MatchTheReferenceAtSeveralShapes) {
 }
 
 // On Hopper the state pass runs on wgmma by default: the mma.sync state pass (every other GPU's,
-// forced by DFLASHD_GDN_MMA=sync) must stay correct there too.
+// forced by force_mma_sync) must stay correct there too.
 TEST(GatedDeltaNetKernels, MmaSyncStatePassMatchesTheReference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(11);
   const GdnInputs in = random_gdn_inputs({1000, 64, 1, 2031}, 16, 48, 0.5, at::kCUDA);
   at::Tensor fast, sync;
   const double fast_error = gdn_kernel_error(in, 16, 48, &fast);
-  setenv("DFLASHD_GDN_MMA", "sync", 1);
+  force_mma_sync(MmaKernels::gated_delta_net, true);
   const double sync_error = gdn_kernel_error(in, 16, 48, &sync);
-  unsetenv("DFLASHD_GDN_MMA");
+  force_mma_sync(MmaKernels::gated_delta_net, false);
   EXPECT_LE(fast_error, 1e-2);
   EXPECT_LE(sync_error, 1e-2);
   EXPECT_TRUE(at::isfinite(sync).all().item<bool>());
@@ -304,10 +306,10 @@ TEST(GatedDeltaNetKernels, Bf16OutputIsTheFp32OutputRounded) {
   const GdnChunkPlan plan = make_gdn_chunk_plan(in.cu_seqlens, at::kCUDA);
   const GdnGates gates = GdnGates::precomputed(in.g, in.beta);
   for (const bool sync : {false, true}) {
-    if (sync) setenv("DFLASHD_GDN_MMA", "sync", 1);
+    force_mma_sync(MmaKernels::gated_delta_net, sync);
     const at::Tensor fp32 = gated_delta_rule_cuda(in.mixed, hk, hv, gates, plan);
     const at::Tensor bf16 = gated_delta_rule_cuda(in.mixed, hk, hv, gates, plan, {}, {}, 1e-6, 64, nullptr, at::kBFloat16);
-    unsetenv("DFLASHD_GDN_MMA");
+    force_mma_sync(MmaKernels::gated_delta_net, false);
     EXPECT_EQ(bf16.scalar_type(), at::kBFloat16);
     EXPECT_EQ(bf16.sizes(), fp32.sizes());
     EXPECT_TRUE(at::equal(bf16, fp32.to(at::kBFloat16))) << (sync ? "mma.sync kernels" : "default kernels");

@@ -610,11 +610,11 @@ __global__ void __launch_bounds__(kSumThreads) sum_partials_kernel(PartialSums a
   }
 }
 
-// The wgmma kernels on compute capability 9.0 when built for sm_90a, the mma.sync ones elsewhere;
-// DFLASHD_ATTENTION_MMA=sync forces the mma.sync kernels (to compare the two in one run).
+// The wgmma kernels on compute capability 9.0 when built for sm_90a, the mma.sync ones elsewhere
+// (and where a test forces them: kernel_variants.h).
 bool warpgroup_kernels() {
 #ifdef DFLASHD_CUDA_SM90A
-  return warpgroup_mma_on_current_device("DFLASHD_ATTENTION_MMA");
+  return warpgroup_mma_on_current_device(MmaKernels::block_attention);
 #else
   return false;
 #endif

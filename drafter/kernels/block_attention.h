@@ -10,7 +10,7 @@
 // cores, fp32 scores, softmax and accumulation. Two kernel sets, same fragments and results to
 // rounding: mma.sync m16n8k16 per warp (sm_80 and newer), and on Hopper (built for sm_90a)
 // wgmma per warpgroup with its products issued asynchronously while the warps compute the
-// exponentials (DFLASHD_ATTENTION_MMA=sync forces the first set).
+// exponentials (force_mma_sync in common/kernel_variants.h forces the first set).
 //   forward   one CTA per (block, key-value head, row tile): O and the log-sum-exp.
 //   backward  dq kernel, one CTA per (block, key-value head, row tile): D = rowsum(dO o O), dQ,
 //             and the gradients of the block's own keys and values (only this tile reads them);

@@ -1093,11 +1093,11 @@ void conv1d_silu_l2norm(const void* x, int64_t x_stride, const void* weight, int
 }
 
 // The fused wgmma state + output kernel on compute capability 9.0 when built for sm_90a (64 value
-// columns per CTA), the mma.sync kernels elsewhere; DFLASHD_GDN_MMA=sync forces mma.sync (to
-// compare the two in one run).
+// columns per CTA), the mma.sync kernels elsewhere (and where a test forces them:
+// kernel_variants.h).
 bool warpgroup_kernels() {
 #ifdef DFLASHD_CUDA_SM90A
-  return warpgroup_mma_on_current_device("DFLASHD_GDN_MMA");
+  return warpgroup_mma_on_current_device(MmaKernels::gated_delta_net);
 #else
   return false;
 #endif

@@ -27,7 +27,7 @@
 //   chunk and hands each chunk's S^T and V'^T through shared memory to one of two output
 //   warpgroups, which compute the output and the gated norm (the two CTAs' per-token sums of
 //   squares exchanged through distributed shared memory), so neither the per-chunk states nor
-//   V' go through global memory (DFLASHD_GDN_MMA=sync forces the mma.sync kernels above).
+//   V' go through global memory (force_mma_sync in common/kernel_variants.h forces the mma.sync kernels above).
 // Variable-length batches: the chunk table never lets a chunk cross a sequence boundary.
 #pragma once
 

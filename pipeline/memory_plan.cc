@@ -1,0 +1,137 @@
+#include "pipeline/memory_plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <set>
+
+namespace dflash::pipeline {
+namespace {
+
+int64_t dtype_bytes(const std::string& dtype) { return dtype == "float32" ? 4 : 2; }
+
+// Parameters of the target's layers 0..last_layer (every expert of an MoE layer is resident).
+int64_t target_layer_parameters(const target::ModelConfig& c, int64_t last_layer) {
+  const int64_t h = c.hidden_size;
+  int64_t params = 0;
+  for (int64_t i = 0; i <= last_layer && i < c.num_layers; ++i) {
+    if (c.layer_types[i] == target::LayerKind::full_attention) {
+      const int64_t q = c.num_attention_heads * c.head_dim * (c.gated_attention ? 2 : 1);
+      params += h * (q + 2 * c.num_key_value_heads * c.head_dim) + c.num_attention_heads * c.head_dim * h;
+    } else {
+      const int64_t key = c.linear_num_key_heads * c.linear_key_head_dim;
+      const int64_t value = c.linear_num_value_heads * c.linear_value_head_dim;
+      params += h * (2 * key + 2 * value + 2 * c.linear_num_value_heads) + value * h +
+                (2 * key + value) * c.linear_conv_kernel_dim;
+    }
+    if (c.layer_is_moe(i)) {
+      params += h * c.num_experts + 3 * h * c.moe_intermediate_size * c.num_experts +
+                3 * h * c.shared_expert_intermediate_size + h;
+    } else {
+      params += 3 * h * c.intermediate_size;
+    }
+    params += 2 * h;  // the layer's norms
+  }
+  return params;
+}
+
+// The widest intermediate a target layer makes per token (elements).
+int64_t target_widest_per_token(const target::ModelConfig& c) {
+  int64_t widest = 2 * c.intermediate_size;  // gate and up
+  widest = std::max(widest, c.num_attention_heads * c.head_dim * 2 + 2 * c.num_key_value_heads * c.head_dim);
+  widest = std::max(widest, 2 * c.linear_num_key_heads * c.linear_key_head_dim +
+                                2 * c.linear_num_value_heads * c.linear_value_head_dim);
+  // MoE: each token's top-k experts' gate and up rows, plus the shared expert's.
+  widest = std::max(widest, 2 * c.moe_intermediate_size * c.num_experts_per_tok + 2 * c.shared_expert_intermediate_size);
+  return widest;
+}
+
+std::string gb(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f", static_cast<double>(bytes) / 1e9);
+  return text;
+}
+
+}  // namespace
+
+std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const target::ModelConfig& target,
+                                       const drafter::DrafterShape& shape, const std::vector<int64_t>& capacities) {
+  const int64_t bytes = dtype_bytes(config.target.dtype);
+  const int64_t h = target.hidden_size, v = target.vocab_size, tokens = config.data.max_length;
+  const int64_t head_and_embedding = (target.tie_word_embeddings ? 1 : 2) * v * h * bytes;
+  const int64_t last_layer = shape.target_layer_ids.empty() ? 0 : shape.target_layer_ids.back();
+
+  const int64_t target_weights = target_layer_parameters(target, last_layer) * bytes + head_and_embedding;
+  const int64_t target_activations =
+      tokens * (3 * std::max(target_widest_per_token(target), 4 * h) + shape.num_features() * h) * bytes;
+
+  const int64_t p = shape.parameter_count();
+  const int64_t drafter_state = p * (2 * bytes + (bytes == 4 ? 0 : 4) + 8);
+  const int64_t item = tokens * shape.num_features() * h * bytes;
+  const int64_t queued = (config.queues.features + config.train.sequences_per_step) * item;
+  const int64_t rows = static_cast<int64_t>(config.train.anchors_per_sequence) * shape.block_size *
+                       config.train.sequences_per_step;
+  const int64_t q_width = shape.num_attention_heads * shape.head_dim;
+  const int64_t kv_width = 2 * shape.num_key_value_heads * shape.head_dim;
+  // Saved for backward per layer: the layer input, norms, q / k / v, attention output and
+  // statistics, o_proj input, MLP gate / up / product; the context's keys and values.
+  const int64_t per_layer = rows * (4 * h + 2 * q_width + kv_width + 3 * shape.intermediate_size) * bytes +
+                            tokens * kv_width * bytes;
+  const int64_t chunk_rows = std::min<int64_t>(rows, static_cast<int64_t>(config.train.lm_head_chunk_blocks) * shape.block_size);
+  const int64_t drafter_activations = shape.num_layers * per_layer + tokens * h * bytes * 2 + 2 * chunk_rows * v * 4;
+
+  std::set<int> ids(config.gpus.target.begin(), config.gpus.target.end());
+  ids.insert(config.gpus.drafter.begin(), config.gpus.drafter.end());
+  std::vector<GpuMemoryPlan> plan;
+  for (int id : ids) {
+    GpuMemoryPlan g;
+    g.gpu = id;
+    g.target = std::count(config.gpus.target.begin(), config.gpus.target.end(), id) > 0;
+    g.drafter = std::count(config.gpus.drafter.begin(), config.gpus.drafter.end(), id) > 0;
+    if (g.target) {
+      g.target_weights = target_weights;
+      g.target_activations = target_activations;
+    }
+    if (g.drafter) {
+      g.drafter_state = drafter_state + (g.target ? 0 : head_and_embedding);
+      g.queued_features = queued;
+      g.drafter_activations = drafter_activations;
+    }
+    if (config.gpus.device == "cuda" && id >= 0 && id < static_cast<int>(capacities.size())) g.capacity = capacities[id];
+    plan.push_back(g);
+  }
+  return plan;
+}
+
+std::string format_memory_plan(const std::vector<GpuMemoryPlan>& plan) {
+  std::string out = "memory plan (GB, estimated): gpu  roles           target weights  target act.  drafter state  "
+                    "features  drafter act.  total / capacity\n";
+  for (const GpuMemoryPlan& g : plan) {
+    char line[256];
+    const std::string roles = g.target && g.drafter ? "target+drafter" : g.target ? "target" : "drafter";
+    std::snprintf(line, sizeof(line), "%33d  %-14s  %14s  %11s  %13s  %8s  %12s  %s / %s\n", g.gpu, roles.c_str(),
+                  gb(g.target_weights).c_str(), gb(g.target_activations).c_str(), gb(g.drafter_state).c_str(),
+                  gb(g.queued_features).c_str(), gb(g.drafter_activations).c_str(), gb(g.total()).c_str(),
+                  g.capacity > 0 ? gb(g.capacity).c_str() : "?");
+    out += line;
+  }
+  if (!out.empty()) out.pop_back();
+  return out;
+}
+
+std::vector<std::string> memory_plan_problems(const std::vector<GpuMemoryPlan>& plan) {
+  std::vector<std::string> problems;
+  for (const GpuMemoryPlan& g : plan) {
+    if (g.capacity <= 0 || g.total() <= static_cast<int64_t>(kHeadroom * static_cast<double>(g.capacity))) continue;
+    std::string advice;
+    if (g.target && g.drafter) advice = "give the target and the drafter separate GPUs (gpus.target, gpus.drafter), ";
+    problems.push_back("GPU " + std::to_string(g.gpu) + ": the run needs about " + gb(g.total()) + " GB (target weights " +
+                       gb(g.target_weights) + ", target activations " + gb(g.target_activations) + ", drafter state " +
+                       gb(g.drafter_state) + ", queued features " + gb(g.queued_features) + ", drafter activations " +
+                       gb(g.drafter_activations) + ") but " + gb(static_cast<int64_t>(kHeadroom * g.capacity)) +
+                       " GB of its " + gb(g.capacity) + " GB are usable; " + advice +
+                       "lower data.max_length, queues.features or train.anchors_per_sequence");
+  }
+  return problems;
+}
+
+}  // namespace dflash::pipeline

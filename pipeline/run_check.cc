@@ -1,0 +1,61 @@
+#include "pipeline/run_check.h"
+
+#include <sys/stat.h>
+
+#include <fstream>
+
+#include "drafter/drafter_config.h"
+#include "pipeline/dataset.h"
+#include "target/model_config.h"
+
+namespace dflash::pipeline {
+namespace {
+
+bool is_file(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+}  // namespace
+
+RunCheck check_run(const config::Config& config, const std::vector<int64_t>& capacities, bool offline) {
+  RunCheck check;
+  auto problem = [&](const std::string& message) { check.problems.push_back(message); };
+  if (offline && config.target.preset.empty() && !is_file(config.target.path + "/config.json")) return check;
+  target::ModelConfig target;
+  drafter::DrafterShape shape;
+  bool shaped = false;
+  try {
+    target = config.target.preset.empty()
+                 ? target::load_model_config(config.target.path)
+                 : target::parse_model_config(target::preset_config_json(config.target.preset), config.target.preset);
+    if (!offline && config.target.preset.empty() && config.target.weights == "checkpoint" &&
+        !is_file(config.target.path + "/model.safetensors") && !is_file(config.target.path + "/model.safetensors.index.json")) {
+      problem("target.path: " + config.target.path + " has neither model.safetensors nor model.safetensors.index.json "
+              "(target.weights: random runs without them)");
+    }
+    shape = drafter::shape_for_target(target, config.drafter);
+    shaped = true;
+    if (config.drafter.init != "random" && !(offline && !is_file(config.drafter.init + "/config.json"))) {
+      drafter::check_drafter_init(config.drafter.init, shape);
+    }
+  } catch (const std::exception& e) {
+    problem(e.what());
+  }
+  if (config.data.synthetic.sequences == 0 && !offline) {
+    try {
+      for (const std::string& file : data_files(config.data.paths)) {
+        if (!std::ifstream(file)) problem("data.paths: " + file + ": cannot read");
+      }
+    } catch (const std::exception& e) {
+      problem(e.what());
+    }
+  }
+  if (shaped) {
+    check.memory = plan_memory(config, target, shape, capacities);
+    for (std::string& p : memory_plan_problems(check.memory)) problem(std::move(p));
+  }
+  return check;
+}
+
+}  // namespace dflash::pipeline
