@@ -6,15 +6,30 @@
 # go to $OUT when set. Phases: step (default), gdn, e2e 27b|8b, pipeline.
 set -uo pipefail
 out="${OUT:-/tmp/dflashd-bench}"; mkdir -p "$out"
-B=$(ls -d dist/dflashd-*/ | head -1)
+B="${B:-$(ls -d dist/dflashd-*/ | head -1)}"
 T=$(python3 -c 'import os,torch;print(os.path.dirname(torch.__file__))')
 export LD_LIBRARY_PATH="$B/lib:$T/lib:$T/../nvidia/cu13/lib:$T/../nvidia/nccl/lib"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # As deploy/systemd/dflashd@.service runs the daemon (the allocator setting included).
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
 phase="${1:-step}"
-if [ "$phase" = step ]; then
+if [ "$phase" = ops ]; then
+  # Operations (issue 20): the kernels' GPU tests (the mma.sync variants now forced by a test
+  # hook, not the environment), NCCL abort, the attention refusal on a GPU, and what a 27B
+  # drafter checkpoint costs the drafter's thread before and after the writer thread.
+  "$B/tests/target_test" --gtest_filter='*Gpu*:GatedDelta*:FusedOps*:TargetRandom*' 2>&1 | grep -E "^\[ +(OK|FAILED|SKIPPED) |Failure|Expected|Which" | tee "$out/target_gpu_tests.txt"
+  "$B/tests/drafter_test" --gtest_filter='*Gpu*:BlockAttention.*' 2>&1 | grep -E "^\[ +(OK|FAILED|SKIPPED) |Failure|Expected|Which" | tee "$out/drafter_gpu_tests.txt"
+  DFLASHD_BINARY="$B/bin/dflashd" "$B/tests/pipeline_test" --gtest_filter='*Gpu*:NcclGradients.*' 2>&1 | grep -E "^\[ +(OK|FAILED|SKIPPED) |Failure|Expected|Which" | tee "$out/pipeline_gpu_tests.txt"
+  DFLASHD_EXEC=checkpoint_bench "$B/bin/dflashd" /tmp/dflashd-checkpoint-bench 2>&1 | tee "$out/checkpoint_bench.txt"
+  rm -rf /tmp/dflashd-checkpoint-bench
+  echo "==== ops summary"
+  cat "$out"/*_gpu_tests.txt | grep -cE "^\[ +OK" | sed 's/^/GPU tests passed: /'
+  cat "$out"/*_gpu_tests.txt | grep -E "FAILED|SKIPPED" || true
+  tail -5 "$out/checkpoint_bench.txt"
+elif [ "$phase" = step ]; then
   "$B/bin/dflashd" doctor | tee "$out/doctor.txt"
   "$B/tests/drafter_test" --gtest_filter='BlockAttention.*' 2>&1 | grep -E "OK|FAILED|Failure|Expected|Which|rel|grad" | tee "$out/gpu_tests.txt"
   timeout 200 env DFLASHD_EXEC=drafter_step_bench "$B/bin/dflashd" 5 2>&1 | tee "$out/drafter_step.txt"

@@ -141,6 +141,19 @@ TEST(NcclGradients, SumsAcrossTheGpusOfThisProcess) {
   }
 }
 
+// A failed run aborts the communicators: later sums throw instead of waiting for a peer, and
+// the destructor destroys nothing twice.
+TEST(NcclGradients, AbortMakesLaterSumsThrow) {
+  const int gpus = at::detail::getCUDAHooks().isBuilt() && at::hasCUDA() ? at::detail::getCUDAHooks().deviceCount() : 0;
+  if (gpus == 0 || !NcclGradients::available()) GTEST_SKIP() << "needs a CUDA GPU and NCCL";
+  NcclGradients nccl({0}, nullptr);
+  std::vector<at::Tensor> grads{at::ones({4}, at::TensorOptions().device(at::kCUDA, 0))};
+  nccl.sum(0, grads);
+  nccl.abort();
+  nccl.abort();  // once is enough; again is harmless
+  EXPECT_THROW(nccl.sum(0, grads), std::runtime_error);
+}
+
 TEST(StageClock, AttributesTimeToStagesPerIterationOnTheCpu) {
   StageClock clock(at::kCPU);
   for (int i = 0; i < 3; ++i) {
@@ -366,6 +379,26 @@ TEST(PipelineRun, WorkerFailureStopsWithReasonOrIsRetried) {
   test::Process x({kFaulty, "run", "-c", exhausted.config}, {"DFLASHD_TEST_FAULT=target:5:always"}, exhausted.dir);
   EXPECT_EQ(x.wait(120000), 1) << x.err();
   EXPECT_NE(x.err().find("(restarts exhausted)"), std::string::npos) << x.err();
+}
+
+// drafter.attention: auto refuses to fall back from the fused kernels on a GPU (here: fp32, which
+// they do not take), naming the fix; asking for the split path explicitly runs.
+TEST(PipelineRun, GpuAttentionFallbackIsRefusedUnlessAsked) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const RunDir r = make_run("gpu-attention", "train: {max_steps: 2}\n");
+  test::set_section(r, "gpus", "gpus: {device: cuda, target: [0], drafter: [0]}");
+  test::set_section(r, "target", "target: {preset: tiny-qwen3, weights: random, dtype: float32}");
+  test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
+  EXPECT_EQ(p.wait(120000), 4) << p.err();
+  EXPECT_NE(p.err().find("drafter.attention: the fused block-attention kernels cannot run on GPU 0"), std::string::npos)
+      << p.err();
+  EXPECT_NE(p.err().find("set drafter.attention: efficient"), std::string::npos) << p.err();
+  std::string text = test::read_file(r.config);
+  text.replace(text.find("drafter: {"), 10, "drafter: {attention: math, ");
+  std::ofstream(r.config) << text;
+  test::Process q({kBinary, "run", "-c", r.config}, {}, r.dir);
+  EXPECT_EQ(q.wait(120000), 0) << q.err();
+  EXPECT_NE(q.err().find("drafter attention: split path, portable math (as configured)"), std::string::npos) << q.err();
 }
 
 TEST(PipelineRun, MalformedDataLineIsAStartupErrorNamingFileAndLine) {
