@@ -29,6 +29,21 @@ if [ "$phase" = ops ]; then
   cat "$out"/*_gpu_tests.txt | grep -cE "^\[ +OK" | sed 's/^/GPU tests passed: /'
   cat "$out"/*_gpu_tests.txt | grep -E "FAILED|SKIPPED" || true
   tail -5 "$out/checkpoint_bench.txt"
+elif [ "$phase" = moe ]; then
+  # MoE targets (issue 21): the MoE GPU tests, then the target forward of Qwen3.5-35B-A3B and one
+  # MoE block of 35B-A3B, Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B (whose weights do not fit one
+  # GPU: the block only) against its floor. `run_h200.sh e2e 35b-a3b` puts dflashd beside Python.
+  "$B/tests/moe_test" 2>&1 | grep -E "^\[ +(OK|FAILED|SKIPPED) |Failure|Expected|Which" | tee "$out/moe_tests.txt"
+  "$B/tests/target_test" --gtest_filter='TargetRandom.*:GatedDeltaNetKernels.WholeTargetMatchesTheReferencePath' 2>&1 | grep -E "^\[ +(OK|FAILED|SKIPPED) |Failure|Expected|Which" | tee -a "$out/moe_tests.txt"
+  for c in qwen3_5-35b-a3b:auto qwen3-next-80b-a3b:-1 qwen3_5-397b-a17b:-1; do
+    cfg="${c%%:*}" last="${c##*:}"
+    [ "$last" = auto ] && last=""
+    DFLASHD_EXEC=target_bench "$B/bin/dflashd" "bench/configs/$cfg" $last 2>&1 | tee "$out/target_bench_$cfg.txt"
+  done
+  echo "==== moe summary"
+  grep -cE "^\[ +OK" "$out/moe_tests.txt" | sed 's/^/GPU tests passed: /'
+  grep -E "FAILED" "$out/moe_tests.txt" || true
+  grep -hE "^target forward|^one MoE|grouped|reference|floor" "$out"/target_bench_*.txt
 elif [ "$phase" = step ]; then
   "$B/bin/dflashd" doctor | tee "$out/doctor.txt"
   "$B/tests/drafter_test" --gtest_filter='BlockAttention.*' 2>&1 | grep -E "OK|FAILED|Failure|Expected|Which|rel|grad" | tee "$out/gpu_tests.txt"

@@ -10,6 +10,7 @@
 #include "target/fused_ops.h"
 #include "target/gated_delta_net.h"
 #include "target/gdn_cuda.h"
+#include "target/moe.h"
 
 namespace dflash::target {
 namespace {
@@ -38,9 +39,7 @@ struct GatedDeltaNet {
 
 struct Mlp {
   Linear gate_up, down;  // dense SwiGLU: gate_proj and up_proj concatenated at load (one GEMM)
-  // MoE: router [E, H]; experts fused [E, 2I, H] and [E, H, I]; shared expert + its gate.
-  at::Tensor router, experts_gate_up, experts_down;
-  Linear shared_gate, shared_up, shared_down, shared_expert_gate;
+  MoeWeights experts;    // MoE layers (moe.h): router, experts in the grouped layout, shared expert
   bool moe = false;
 };
 
@@ -167,41 +166,15 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
   return p.out(gated.reshape({tokens, hv * dv}));
 }
 
-at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x) {
+at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x, bool grouped_moe) {
   if (!p.moe) {
     const at::Tensor gate_up = p.gate_up(x);
     const int64_t inner = gate_up.size(-1) / 2;
     return p.down(silu_mul(gate_up.narrow(-1, 0, inner), gate_up.narrow(-1, inner, inner)));
   }
-  const int64_t experts = c.num_experts, top_k = c.num_experts_per_tok, inner = c.moe_intermediate_size;
-  const at::Tensor probabilities = at::softmax(at::linear(x, p.router).to(at::kFloat), -1);  // router in fp32
-  auto [weights, indices] = at::topk(probabilities, top_k, -1);
-  if (c.norm_topk_prob) weights = weights / weights.sum(-1, true);
-  weights = weights.to(x.scalar_type());
-  at::Tensor out = at::zeros_like(x);
-  // Tokens grouped by expert: one host iteration per expert that has tokens (not per token).
-  const at::Tensor flat_expert = indices.reshape({-1});
-  const at::Tensor order = at::argsort(flat_expert);
-  const at::Tensor counts = at::bincount(flat_expert, {}, experts).cpu();
-  const int64_t* count = counts.data_ptr<int64_t>();
-  const at::Tensor token_of = at::div(order, top_k, "floor");
-  const at::Tensor weight_of = weights.reshape({-1}).index_select(0, order);
-  int64_t offset = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    if (count[e] == 0) continue;
-    const at::Tensor tokens = token_of.narrow(0, offset, count[e]);
-    const at::Tensor h = x.index_select(0, tokens);
-    const at::Tensor gate_up = at::linear(h, p.experts_gate_up[e]);
-    const at::Tensor act = at::silu(gate_up.narrow(-1, 0, inner)) * gate_up.narrow(-1, inner, inner);
-    const at::Tensor y = at::linear(act, p.experts_down[e]) * weight_of.narrow(0, offset, count[e]).unsqueeze(1);
-    out.index_add_(0, tokens, y);
-    offset += count[e];
-  }
-  if (p.shared_down.weight.defined()) {
-    const at::Tensor shared = p.shared_down(silu_mul(p.shared_gate(x), p.shared_up(x)));
-    out = out + at::sigmoid(p.shared_expert_gate(x)) * shared;
-  }
-  return out;
+  const MoeShape shape{c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
+                       c.shared_expert_intermediate_size};
+  return grouped_moe ? moe_grouped(shape, p.experts, x) : moe_reference(shape, p.experts, x);
 }
 
 }  // namespace
@@ -275,34 +248,55 @@ TargetModel::TargetModel(ModelConfig config, WeightSource& w, int64_t last_layer
     if (c.layer_is_moe(i)) {
       m.moe = true;
       const int64_t e = c.num_experts, inner = c.moe_intermediate_size;
-      m.router = w.get(p + "gate.weight", {e, h}, opts);
-      if (w.contains(p + "experts.gate_up_proj")) {  // transformers 5 fused layout
-        m.experts_gate_up = w.get(p + "experts.gate_up_proj", {e, 2 * inner, h}, opts);
-        m.experts_down = w.get(p + "experts.down_proj", {e, h, inner}, opts);
-      } else {  // the released checkpoints: one module per expert
-        std::vector<at::Tensor> gate_up, down;
+      const at::Tensor router = w.get(p + "gate.weight", {e, h}, opts);
+      at::Tensor gate_up, down;
+      if (w.contains(p + "experts.gate_up_proj")) {  // transformers 5 fused layout: already grouped
+        gate_up = w.get(p + "experts.gate_up_proj", {e, 2 * inner, h}, opts);
+        down = w.get(p + "experts.down_proj", {e, h, inner}, opts);
+      } else {  // the released checkpoints: one module per expert, copied into the grouped layout
+        gate_up = at::empty({e, 2 * inner, h}, opts);
+        down = at::empty({e, h, inner}, opts);
         for (int64_t x = 0; x < e; ++x) {
           const std::string ep = p + "experts." + std::to_string(x) + ".";
-          gate_up.push_back(at::cat({w.get(ep + "gate_proj.weight", {inner, h}, opts),
-                                     w.get(ep + "up_proj.weight", {inner, h}, opts)}, 0));
-          down.push_back(w.get(ep + "down_proj.weight", {h, inner}, opts));
+          gate_up[x].narrow(0, 0, inner).copy_(w.get(ep + "gate_proj.weight", {inner, h}, opts));
+          gate_up[x].narrow(0, inner, inner).copy_(w.get(ep + "up_proj.weight", {inner, h}, opts));
+          down[x].copy_(w.get(ep + "down_proj.weight", {h, inner}, opts));
         }
-        m.experts_gate_up = at::stack(gate_up);
-        m.experts_down = at::stack(down);
       }
+      at::Tensor shared_gate, shared_up, shared_down, shared_expert_gate;
       if (c.shared_expert_intermediate_size > 0) {
         const int64_t s = c.shared_expert_intermediate_size;
-        m.shared_gate = linear(p + "shared_expert.gate_proj", s, h);
-        m.shared_up = linear(p + "shared_expert.up_proj", s, h);
-        m.shared_down = linear(p + "shared_expert.down_proj", h, s);
-        m.shared_expert_gate = linear(p + "shared_expert_gate", 1, h);
+        shared_gate = linear(p + "shared_expert.gate_proj", s, h).weight;
+        shared_up = linear(p + "shared_expert.up_proj", s, h).weight;
+        shared_down = linear(p + "shared_expert.down_proj", h, s).weight;
+        shared_expert_gate = linear(p + "shared_expert_gate", 1, h).weight;
       }
+      m.experts = MoeWeights::make(router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate);
     } else {
       m.gate_up.weight = at::cat({linear(p + "gate_proj", c.intermediate_size, h).weight,
                                   linear(p + "up_proj", c.intermediate_size, h).weight}, 0);
       m.down = linear(p + "down_proj", h, c.intermediate_size);
     }
     impl_->layers.push_back(std::move(layer));
+  }
+
+  // The MoE layers: grouped on a GPU; the reference host loop on the GPU only when allowed.
+  int64_t first_moe = -1;
+  for (int64_t i = 0; i <= last_layer && first_moe < 0; ++i) {
+    if (c.layer_is_moe(i)) first_moe = i;
+  }
+  if (first_moe >= 0) {
+    using Path = TargetOptions::MoePath;
+    const std::optional<std::string> why = options.moe_path == Path::reference
+                                               ? std::optional<std::string>("the reference path was asked for")
+                                               : moe_grouped_unavailable(options.device, options.dtype);
+    grouped_moe_ = options.moe_path == Path::grouped || (options.moe_path == Path::automatic && options.device.is_cuda());
+    if (why && !options.device.is_cpu() && !options.allow_slow_path) {
+      throw SlowPathRefused("target layer " + std::to_string(first_moe) + " (MoE) on " + options.device.str() +
+                            " would run a slow path (a host loop over the experts with a device-to-host copy per layer, "
+                            "about 5x slower than the grouped GEMMs): " + *why +
+                            ". Set target.allow_slow_path: true to accept the slow path knowingly.");
+    }
   }
 
   // No silent slow path: the GatedDeltaNet layers run the CUDA kernels where they can; the
@@ -343,6 +337,7 @@ std::map<std::string, std::string> TargetModel::kernel_paths() const {
   for (const Layer& l : impl_->layers) {
     if (l.kind == LayerKind::full_attention) paths["full_attention"] = "sdpa";
     else paths["linear_attention"] = gdn_kernels_ ? kGdnKernelPath : "reference (libtorch ops, chunked)";
+    if (l.mlp.moe) paths["moe"] = grouped_moe_ ? kMoeGroupedPath : kMoeReferencePath;
   }
   return paths;
 }
@@ -395,7 +390,7 @@ std::vector<at::Tensor> TargetModel::forward(const at::Tensor& input_ids, const 
     pending = layer.kind == LayerKind::full_attention
                   ? attention_forward(c, layer.attention, normed, cos, sin, cu_seqlens)
                   : gdn_forward(c, layer.gdn, normed, positions, cu_seqlens, plan ? &*plan : nullptr);
-    pending = mlp_forward(c, layer.mlp, add_and_norm(layer.post_attention_norm));
+    pending = mlp_forward(c, layer.mlp, add_and_norm(layer.post_attention_norm), grouped_moe_);
     if (next < layers.size() && layers[next] == i) {
       x = x + pending;
       pending = at::Tensor();

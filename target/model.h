@@ -34,6 +34,11 @@ struct TargetOptions {
   // reference path on a GPU still needs allow_slow_path.
   enum class GdnPath { automatic, kernels, reference };
   GdnPath gdn_path = GdnPath::automatic;
+  // Which MoE implementation (moe.h): grouped GEMMs with device routing on a GPU, the reference
+  // host loop on the CPU (automatic); grouped or reference forces one (tests, benchmarks). The
+  // reference path on a GPU (about 5x slower at 35B-A3B shapes) still needs allow_slow_path.
+  enum class MoePath { automatic, grouped, reference };
+  MoePath moe_path = MoePath::automatic;
 };
 
 // Raised when a layer would run a path the options do not allow; names the layer and the fix.
@@ -61,7 +66,8 @@ class TargetModel {
   const at::Tensor& lm_head() const;            // [vocab, hidden] (the embedding when tied)
   const at::Tensor& final_norm_weight() const;  // [hidden]
   // Which implementation each layer kind runs ("full_attention" -> "sdpa",
-  // "linear_attention" -> "reference (libtorch ops, chunked)" or a kernel name).
+  // "linear_attention" -> "reference (libtorch ops, chunked)" or a kernel name, "moe" ->
+  // kMoeGroupedPath or kMoeReferencePath).
   std::map<std::string, std::string> kernel_paths() const;
 
  private:
@@ -69,6 +75,7 @@ class TargetModel {
   ModelConfig config_;
   TargetOptions options_;
   bool gdn_kernels_ = false;  // the GatedDeltaNet layers run the CUDA kernels
+  bool grouped_moe_ = false;  // the MoE layers run moe_grouped
   std::unique_ptr<Impl> impl_;
 };
 

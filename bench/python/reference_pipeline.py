@@ -6,8 +6,15 @@ flex_attention with its compiled block mask, decay-weighted CE over a chunked LM
 fused torch AdamW step. Whether transformers finds FLA's GatedDeltaNet kernels depends on the
 PYTHONPATH the caller gives (the seed's slow path is the run without them).
 
+MoE targets (qwen3_5_moe, qwen3_next) run transformers' experts implementation named by
+DFLASHD_BENCH_EXPERTS (default grouped_mm: ATen's grouped GEMM, transformers' fastest; "eager" is
+its per-expert loop).
+
 Usage: reference_pipeline.py CONFIG_DIR LABEL [STEPS]    (3072-token sequences, 512 anchors, block 16,
-5-layer drafter of the target's shape, taps by the DFlash rule). Prints one line of results.
+taps by the DFlash rule; the drafter as dflashd's benches configure it: 5 layers of the target's
+MLP width for dense targets, 8 layers of inner 3 x hidden for MoE targets; heads of 128, query heads
+the largest power of two with heads x 128 <= hidden, a quarter as many key-value heads). Prints
+one line of results.
 """
 import importlib.util
 import os
@@ -37,7 +44,13 @@ def build_target(config_dir):
         text.layer_types = text.layer_types[: text.num_hidden_layers]
     text._attn_implementation = "sdpa"
     text.use_cache = False
-    if text.model_type.startswith("qwen3_5"):
+    if getattr(text, "num_experts", 0):
+        text._experts_implementation = os.environ.get("DFLASHD_BENCH_EXPERTS", "grouped_mm")
+    if text.model_type.startswith("qwen3_5_moe"):
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel as Model
+    elif text.model_type.startswith("qwen3_next"):
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextModel as Model
+    elif text.model_type.startswith("qwen3_5"):
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel as Model
     else:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3Model as Model
@@ -52,10 +65,16 @@ def build_drafter(text, layer_ids):
     dflash, family = import_specforge()
     H, V = text.hidden_size, text.vocab_size
     mask_id = 248070 if V > 248070 else 151669
-    config = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=text.intermediate_size,
-                         num_hidden_layers=DRAFT_LAYERS, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    moe = bool(getattr(text, "num_experts", 0))
+    layers = 8 if moe else DRAFT_LAYERS
+    inner = 3 * H if moe else text.intermediate_size
+    heads = 1
+    while 2 * heads * 128 <= H:
+        heads *= 2
+    config = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=inner,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=128,
                          rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e7},
-                         max_position_embeddings=40960, layer_types=["full_attention"] * DRAFT_LAYERS)
+                         max_position_embeddings=40960, layer_types=["full_attention"] * layers)
     config.block_size = BLOCK
     config.num_target_layers = layer_ids[-1] + 1
     config.dflash_config = {"mask_token_id": mask_id, "target_layer_ids": layer_ids}
@@ -85,7 +104,7 @@ def main():
     fla = importlib.util.find_spec("fla") is not None
     target_times, drafter_times = [], []
     for i in range(steps + 3):  # the first three compile and warm up
-        ids = torch.randint(0, text.vocab_size - 1000, (1, S), device=DEVICE)
+        ids = torch.randint(0, max(2, text.vocab_size - 1000), (1, S), device=DEVICE)
         mask = torch.ones(1, S, device=DEVICE)
         mask[:, :64] = 0
         sync()

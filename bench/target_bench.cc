@@ -1,0 +1,111 @@
+// target_bench: the target forward of any config on a GPU, and one MoE layer against its floor.
+//   1. the bf16 matmul rate of this GPU (8192^3), the floor's denominator;
+//   2. the whole target forward (random weights, bf16, up to the deepest tapped layer by the
+//      DFlash rule, or to LAST_LAYER), 3072 tokens: seconds, tokens/s, MFU;
+//   3. one MoE block at the config's expert shapes, 3072 tokens: the grouped path (moe.h), the
+//      reference host loop (what ran before), and the floor: its FLOPs (router, top-k experts'
+//      SwiGLU, shared expert) at the measured matmul rate.
+// Usage: target_bench CONFIG_DIR [LAST_LAYER]   (LAST_LAYER -1: no whole forward, the MoE block only)
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "bench/kernel_profile.h"
+#include "pipeline/flops.h"
+#include "target/model.h"
+#include "target/moe.h"
+
+using namespace dflash;
+
+namespace {
+
+// Median milliseconds of `repeats` calls after one warm-up, by CUDA events around each call.
+double median_ms(int repeats, const std::function<void()>& f) {
+  f();
+  c10::cuda::device_synchronize();
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    at::cuda::CUDAEvent start(cudaEventDefault), end(cudaEventDefault);
+    start.record();
+    f();
+    end.record();
+    end.synchronize();
+    ms.push_back(start.elapsed_time(end));
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !at::hasCUDA()) {
+    std::fprintf(stderr, "usage: target_bench CONFIG_DIR [LAST_LAYER] (needs a GPU)\n");
+    return 2;
+  }
+  c10::InferenceMode inference;
+  const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const at::Tensor a = at::randn({8192, 8192}, bf16), b = at::randn({8192, 8192}, bf16);
+  const double mm = median_ms(10, [&] { at::mm(a, b); });
+  const double rate = 2.0 * 8192.0 * 8192.0 * 8192.0 / (mm * 1e-3);
+  std::printf("bf16 matmul 8192^3: %.3f ms = %.0f TFLOP/s\n", mm, rate / 1e12);
+
+  const target::ModelConfig config = target::load_model_config(argv[1]);
+  const int64_t tokens = 3072;
+  const int64_t last = argc > 2 ? std::atoll(argv[2]) : config.default_tapped_layers(5).back();
+  if (last >= 0) {
+    target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+    auto model = target::random_target(config, last, options, 1);
+    const at::Tensor ids = at::randint(0, config.vocab_size, {tokens}, at::TensorOptions().dtype(at::kLong));
+    const double ms = median_ms(5, [&] { model->forward(ids, {0, tokens}, {last}); });
+    const double flops = pipeline::target_flops(config, last, tokens);
+    std::printf("target forward %s, layers 0..%lld, %lld tokens: %.4f s, %.0f tokens/s, MFU %.1f%%\n", argv[1],
+                static_cast<long long>(last), static_cast<long long>(tokens), ms / 1e3, tokens / (ms / 1e3),
+                100.0 * flops / (ms / 1e3) / rate);
+    for (const auto& [kind, path] : model->kernel_paths()) std::printf("  %s: %s\n", kind.c_str(), path.c_str());
+  }
+  if (config.num_experts > 0) {
+    const int64_t h = config.hidden_size, e = config.num_experts, k = config.num_experts_per_tok;
+    const int64_t inner = config.moe_intermediate_size, shared = config.shared_expert_intermediate_size;
+    at::Tensor shared_gate, shared_up, shared_down, shared_expert_gate;
+    if (shared > 0) {
+      shared_gate = at::randn({shared, h}, bf16) * 0.02;
+      shared_up = at::randn({shared, h}, bf16) * 0.02;
+      shared_down = at::randn({h, shared}, bf16) * 0.02;
+      shared_expert_gate = at::randn({1, h}, bf16) * 0.02;
+    }
+    const target::MoeWeights w = target::MoeWeights::make(
+        at::randn({e, h}, bf16) * 0.02, at::randn({e, 2 * inner, h}, bf16) * 0.02, at::randn({e, h, inner}, bf16) * 0.02,
+        shared_gate, shared_up, shared_down, shared_expert_gate);
+    const target::MoeShape shape{e, k, inner, config.norm_topk_prob, shared};
+    const at::Tensor x = at::randn({tokens, h}, bf16);
+    const double grouped = median_ms(20, [&] { target::moe_grouped(shape, w, x); });
+    const double reference = median_ms(5, [&] { target::moe_reference(shape, w, x); });
+    const double flops = 2.0 * tokens * (h * e + 3.0 * h * inner * k + 3.0 * h * shared + h);
+    const double floor_ms = flops / rate * 1e3;
+    std::printf("one MoE block, %lld experts top-%lld, inner %lld, shared %lld, hidden %lld, %lld tokens (%.1f GFLOP)\n",
+                static_cast<long long>(e), static_cast<long long>(k), static_cast<long long>(inner),
+                static_cast<long long>(shared), static_cast<long long>(h), static_cast<long long>(tokens), flops / 1e9);
+    std::printf("  %-40s %9s %10s\n", "", "ms", "x floor");
+    std::printf("  %-40s %9.3f %10.2f\n", "floor (FLOPs at the matmul rate)", floor_ms, 1.0);
+    std::printf("  %-40s %9.3f %10.2f\n", "grouped (device routing, grouped GEMMs)", grouped, grouped / floor_ms);
+    std::printf("  %-40s %9.3f %10.2f\n", "reference (host loop over experts)", reference, reference / floor_ms);
+    // DFLASHD_PROFILE=1: the grouped block's kernels by GPU time (10 calls).
+    if (std::getenv("DFLASHD_PROFILE") != nullptr) {
+      bench::print_kernel_profile("MoE block, grouped, 10 calls", [&] {
+        for (int i = 0; i < 10; ++i) target::moe_grouped(shape, w, x);
+        c10::cuda::device_synchronize();
+      });
+    }
+  }
+  return 0;
+}
