@@ -8,8 +8,14 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#include <fstream>
+#include <map>
+#include <regex>
+
+#include "common/safetensors.h"
 #include "target/model.h"
 #include "target/moe.h"
+#include "tests/test_util.h"
 
 namespace dflash::target {
 namespace {
@@ -134,6 +140,53 @@ TEST(Moe, GpuGroupedMatchesTheReferenceWithTheSameRouting) {
   const MoeWeights w16 = m.weights(bf16);
   const at::Tensor x16 = x.to(at::kBFloat16);
   EXPECT_LE(relative_error(moe_grouped(m.shape, w16, x16), moe_reference(m.shape, w16, x16)), 1e-2);
+}
+
+// Both checkpoint layouts of the experts load into the grouped layout: the released
+// checkpoints' one module per expert (what transformers writes: the reference model), and
+// transformers 5's fused experts.gate_up_proj [E, 2I, H] / experts.down_proj [E, H, I], written
+// here from the same tensors. The two targets' tapped states are identical.
+TEST(Moe, PerExpertAndFusedCheckpointLayoutsLoadTheSameModel) {
+  const std::string source = std::string(DFLASHD_TARGET_REFERENCE_DIR) + "/qwen3_5_moe";
+  const auto file = SafetensorsFile::open(source + "/model.safetensors");
+  std::map<std::string, at::Tensor> tensors;
+  for (const TensorEntry& e : file->tensors()) {
+    ASSERT_EQ(e.dtype, DType::F32) << e.name;
+    tensors[e.name] = at::from_blob(const_cast<std::byte*>(e.data), e.shape, at::TensorOptions().dtype(at::kFloat)).clone();
+  }
+  // layers.L.mlp.experts.X.{gate,up,down}_proj.weight -> layers.L.mlp.experts.{gate_up_proj,down_proj}
+  const std::regex per_expert(R"((.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight)");
+  std::map<std::string, std::map<int64_t, std::map<std::string, at::Tensor>>> experts;
+  std::map<std::string, at::Tensor> fused;
+  for (const auto& [name, t] : tensors) {
+    std::smatch m;
+    if (std::regex_match(name, m, per_expert)) experts[m[1]][std::stoll(m[2])][m[3]] = t;
+    else fused[name] = t;
+  }
+  ASSERT_FALSE(experts.empty()) << "the reference checkpoint has per-expert tensors";
+  for (const auto& [prefix, by_expert] : experts) {
+    std::vector<at::Tensor> gate_up, down;
+    for (const auto& [x, parts] : by_expert) {
+      gate_up.push_back(at::cat({parts.at("gate"), parts.at("up")}, 0));
+      down.push_back(parts.at("down"));
+    }
+    fused[prefix + ".gate_up_proj"] = at::stack(gate_up).contiguous();
+    fused[prefix + ".down_proj"] = at::stack(down).contiguous();
+  }
+  const std::string dir = test::make_temp_dir("moe-fused-layout");
+  std::vector<TensorToWrite> out;
+  for (const auto& [name, t] : fused) {
+    out.push_back({name, DType::F32, t.sizes().vec(), t.data_ptr(), static_cast<size_t>(t.numel() * 4)});
+  }
+  write_safetensors(dir + "/model.safetensors", out);
+  std::ofstream(dir + "/config.json") << test::read_file(source + "/config.json");
+
+  const ModelConfig config = load_model_config(source);
+  const int64_t last = config.num_layers - 1;
+  auto a = load_target(source, last, TargetOptions{});
+  auto b = load_target(dir, last, TargetOptions{});
+  const at::Tensor ids = at::randint(0, config.vocab_size, {29}, at::TensorOptions().dtype(at::kLong));
+  EXPECT_TRUE(at::equal(a->forward(ids, {0, 29}, {last})[0], b->forward(ids, {0, 29}, {last})[0]));
 }
 
 // The fused router kernel against ATen's softmax / top-k / renormalisation on the same bf16
