@@ -13,8 +13,6 @@
 namespace dflash::target {
 namespace {
 
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) { return silu_mul(gate, up); }
-
 // Whether the fused kernels take x's projections: bf16 on a GPU, rows 16-byte aligned.
 bool kernels_apply(const at::Tensor& projected, int64_t hidden) {
 #ifdef DFLASHD_WITH_CUDA
@@ -30,7 +28,7 @@ bool kernels_apply(const at::Tensor& projected, int64_t hidden) {
 at::Tensor shared_expert(const MoeShape& s, const MoeWeights& w, const at::Tensor& projected) {
   if (s.shared == 0) return {};
   const at::Tensor gate = projected.narrow(1, s.experts, s.shared), up = projected.narrow(1, s.experts + s.shared, s.shared);
-  return at::linear(swiglu(gate, up), w.shared_down);
+  return at::linear(silu_mul(gate, up), w.shared_down);
 }
 
 // The shared expert gated and added to the routed experts' sum, as HF rounds it.
@@ -106,7 +104,7 @@ at::Tensor moe_grouped(const MoeShape& s, const MoeWeights& w, const at::Tensor&
   const at::Tensor offsets = at::searchsorted(sorted, ends, /*out_int32=*/true, /*right=*/false);
   const at::Tensor rows = x.index_select(0, at::div(order, k, "floor"));  // [pairs, H]
   const at::Tensor gate_up = at::_grouped_mm(rows, w.experts_gate_up.transpose(1, 2), offsets);  // [pairs, 2I]
-  const at::Tensor hidden_rows = swiglu(gate_up.narrow(1, 0, s.inner), gate_up.narrow(1, s.inner, s.inner));
+  const at::Tensor hidden_rows = silu_mul(gate_up.narrow(1, 0, s.inner), gate_up.narrow(1, s.inner, s.inner));
   const at::Tensor down = at::_grouped_mm(hidden_rows, w.experts_down.transpose(1, 2), offsets);  // [pairs, H]
   // Where each pair's row went: pair order[p] is row p.
   const at::Tensor position = at::empty_like(order).index_put_({order}, at::arange(order.size(0), order.options()));

@@ -84,7 +84,7 @@ void expect_bottleneck(int n, const std::string& slow_role) {
   test::set_section(r, "metrics", "metrics: {listen: \"127.0.0.1:" + std::to_string(port) +
                                       "\", log_every_seconds: 1, throughput_window_seconds: 3}");
   test::Process p({kFaulty, "run", "-c", r.config},
-                  {"DFLASHD_TEST_SLOW=" + slow_role + ":" + (slow_role == "target" ? "150" : "300")}, r.dir);
+                  {"DFLASHD_TEST_SLOW=" + slow_role + ":400"}, r.dir);
   httplib::Client client("127.0.0.1", port);
   std::string page;
   Clock::time_point first_step{};
@@ -106,13 +106,13 @@ void expect_bottleneck(int n, const std::string& slow_role) {
   EXPECT_EQ(metric(page, "dflashd_bottleneck{stage=\"" + other + "\"}"), 0) << page;
   if (slow_role == "target") {
     EXPECT_GT(target_busy, 0.7) << page;
-    EXPECT_GT(target_busy, 2 * drafter_busy) << page;
+    EXPECT_GT(target_busy, drafter_busy) << page;
     // More GPUs to the target (the exact split depends on how busy this machine's cores are).
     if (n == 1) EXPECT_EQ(suggested, 1) << page;
     else EXPECT_GT(suggested, n) << page;
   } else {
     EXPECT_GT(drafter_busy, 0.7) << page;
-    EXPECT_GT(drafter_busy, 2 * target_busy) << page;
+    EXPECT_GT(drafter_busy, target_busy) << page;
     if (n == 1) EXPECT_EQ(suggested, 1) << page;
     else EXPECT_LT(suggested, n) << page;  // more GPUs to the drafter
   }
