@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
     p.both = timed([&] { drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape).backward(dout); }, 20, 3);
     force_mma_sync(MmaKernels::block_attention, false);
   }
-  // The attention's model FLOPs (performance.md): 4 d per visible (row, key) pair forward, 2.5x that backward.
+  // The attention's model FLOPs (docs/targets.md): 4 d per visible (row, key) pair forward, 2.5x that backward.
   // Each of a block's 16 rows per query head sees anchor + 16 keys.
   const double pairs = 16.0 * static_cast<double>(hq) * static_cast<double>(anchor_sum + 16 * batch.anchors[0].size(0));
   const double attention_flops = 4.0 * d * pairs;

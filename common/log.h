@@ -2,7 +2,7 @@
 //
 // Why a facade: the torch wheel bundles fmt 12 headers and torch headers include them, while
 // Debian's spdlog is built against fmt 9; a translation unit that sees both does not compile
-// (design.md). So spdlog lives only in log.cc, and this header has no fmt and no spdlog: a
+// (docs/architecture.md). So spdlog lives only in log.cc, and this header has no fmt and no spdlog: a
 // message is formatted here with `{}` placeholders filled through operator<<.
 //
 // Thread-safety: every function may be called from any thread at any time, including

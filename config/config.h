@@ -6,7 +6,7 @@
 // `file:line:col: message` (1-based), never only the first. A value the user must give (the
 // target model, the data) has no default; everything else has a documented one.
 //
-// This library depends on nothing of the project (design.md: config is read by all).
+// This library depends on nothing of the project (docs/architecture.md: config is read by all).
 // Thread-safety: a Config is a value; parse once, then share it read-only.
 #pragma once
 
@@ -62,7 +62,7 @@ struct DrafterConfig {
   std::string init = "random";        // "random" or a directory of an exported drafter
   int num_layers = 5;
   int block_size = 16;
-  std::vector<int> target_layer_ids;  // empty: the default rule of dflash.md (5 ids spread evenly)
+  std::vector<int> target_layer_ids;  // empty: the default rule of docs/recipe.md (5 ids spread evenly)
   int num_target_features = 5;        // K, when target_layer_ids is empty
   std::optional<int64_t> mask_token_id;  // default: the target family's (Qwen3 151669, Qwen3.5 248070)
   std::optional<double> rope_theta;      // default: the target's

@@ -2,7 +2,7 @@
 //
 // Why not prometheus-cpp's Exposer: it runs on civetweb, whose distribution builds use 100 KB
 // thread stacks, and in a process that loads the CUDA build of libtorch pthread_create fails
-// for such stacks (static TLS of the CUDA libraries), so the Exposer dies at start (design.md).
+// for such stacks (static TLS of the CUDA libraries), so the Exposer dies at start (docs/architecture.md).
 // We keep prometheus-cpp's registry and TextSerializer and serve them with cpp-httplib, whose
 // threads have the default stack size.
 //

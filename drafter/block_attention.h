@@ -3,7 +3,7 @@
 //
 // One sequence: N blocks of B query rows; block n (anchor a_n) sees the context keys
 // j < a_n (strictly: the anchor's own target state does not exist at serving time) and all
-// B keys of its own block, nothing else (dflash.md section 3).
+// B keys of its own block, nothing else (docs/recipe.md).
 //
 // The "split" path: keys are split into parts that need no (or only a small) mask, each part
 // gives a partial output and its log-sum-exp, and the parts merge through the log-sum-exp.
@@ -70,7 +70,7 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, con
                            const BlockAttentionShape& shape);
 
 // The correctness reference: one SDPA over [context ; blocks] with the dense boolean mask of
-// dflash.md section 3 (what the Python trainers build). Differentiable through autograd.
+// docs/recipe.md (what the Python trainers build). Differentiable through autograd.
 at::Tensor block_attention_dense_reference(const at::Tensor& q, const at::Tensor& k_context,
                                            const at::Tensor& v_context, const at::Tensor& k_block,
                                            const at::Tensor& v_block, const at::Tensor& anchors,

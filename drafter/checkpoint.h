@@ -2,7 +2,7 @@
 //
 // On-disk format (version 1), one directory per checkpoint under the checkpoint root:
 //   step-<12 digits>/
-//     config.json            the drafter's serving config (dflash.md section 5)
+//     config.json            the drafter's serving config (docs/recipe.md)
 //     model.safetensors      fp32 weights (the optimizer's master copy), export names
 //     optimizer.safetensors  fp32 AdamW moments: exp_avg.<name>, exp_avg_sq.<name> (the master
 //                            weights are model.safetensors)

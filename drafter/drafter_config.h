@@ -1,4 +1,4 @@
-// drafter_config.h: the shape of a DFlash drafter and its serving config.json (dflash.md
+// drafter_config.h: the shape of a DFlash drafter and its serving config.json (docs/recipe.md
 // section 5), without torch.
 //
 // A drafter has the target's hidden size and vocabulary (it borrows the target's embedding and

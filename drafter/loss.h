@@ -1,4 +1,4 @@
-// loss.h: the DFlash training objective (dflash.md section 2) and its metrics.
+// loss.h: the DFlash training objective (docs/recipe.md) and its metrics.
 //
 // Block n (anchor a), offset k = 1..B-1 predicts token a + k (same-position labels); offset 0
 // carries no loss, nor do labels past the sequence end or outside the loss mask. Weighted

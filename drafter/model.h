@@ -1,4 +1,4 @@
-// model.h: the DFlash drafter (dflash.md section 1) and its batch.
+// model.h: the DFlash drafter (docs/recipe.md) and its batch.
 //
 // Parameters (trainable): fc [H, K*H], hidden_norm [H], per layer the Qwen3 decoder layer
 // (input/post-attention norms, q/k/v/o projections, q_norm/k_norm over head_dim, SwiGLU MLP),
@@ -7,7 +7,7 @@
 // (k_norm on both), Q from the block only; attention is block_attention.h's.
 //
 // A Drafter is owned by one worker thread; replicas in different threads share nothing.
-// Parameter names are the export names (dflash.md section 5).
+// Parameter names are the export names (docs/recipe.md).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -67,10 +67,10 @@ class Drafter {
 void write_export(const std::string& dir, const DrafterShape& shape,
                   const std::vector<std::pair<std::string, at::Tensor>>& weights);
 
-// Block token ids for one sequence: per anchor [input_ids[a], mask, ..., mask] (dflash.md 4.3).
+// Block token ids for one sequence: per anchor [input_ids[a], mask, ..., mask] (docs/recipe.md).
 at::Tensor block_token_ids(const at::Tensor& sequence_ids, const at::Tensor& anchors, int64_t block_size,
                            int64_t mask_token_id);
-// Absolute positions of block rows: anchor .. anchor + B - 1 per block (dflash.md 4.4).
+// Absolute positions of block rows: anchor .. anchor + B - 1 per block (docs/recipe.md).
 at::Tensor block_positions(const at::Tensor& anchors, int64_t block_size);
 
 }  // namespace dflash::drafter

@@ -1,7 +1,7 @@
 // bounded_queue.h: a bounded multi-producer multi-consumer queue with backpressure.
 //
 // moodycamel's BlockingConcurrentQueue never refuses an item (try_enqueue grows it), so the
-// bound is a counting semaphore of free slots (design.md): push() waits for a slot, pop()
+// bound is a counting semaphore of free slots (docs/architecture.md): push() waits for a slot, pop()
 // returns one. Waiting is done in short timed slices so that close() wakes everybody and the
 // caller can beat its heartbeat; the time producers spent blocked and consumers spent starved
 // is accumulated for the metrics.

@@ -14,7 +14,7 @@ double target_flops(const target::ModelConfig& c, int64_t last_layer, int64_t to
     } else {
       const double key = c.linear_num_key_heads * c.linear_key_head_dim, value = c.linear_num_value_heads * c.linear_value_head_dim;
       params += h * (2 * key + 2 * value + 2.0 * c.linear_num_value_heads) + value * h;
-      // Chunked recurrence, chunk 64: about 11.5 MFLOP per 64-token chunk-head at d = 128 (kernels.md),
+      // Chunked recurrence, chunk 64: about 11.5 MFLOP per 64-token chunk-head at d = 128 (docs/targets.md),
       // i.e. ~ 2 * 64 * d * 7 per token and value head.
       cores += n * c.linear_num_value_heads * 2.0 * 64 * c.linear_key_head_dim * 7;
     }

@@ -1,4 +1,4 @@
-// flops.h: model FLOPs of the pipeline's work, for MFU (performance.md accounting: matmuls at
+// flops.h: model FLOPs of the pipeline's work, for MFU (docs/targets.md accounting: matmuls at
 // 2 FLOP per multiply-add, attention cores at their exact masked size, LM head forward plus the
 // backward to the hidden state only).
 #pragma once

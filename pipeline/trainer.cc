@@ -478,7 +478,7 @@ struct Trainer::Impl {
         const int64_t tokens = ids.size(0);
         auto tapped = model.forward(ids, {0, tokens}, layers);
         clock.lap("target_forward");
-        // fc input: the tapped layers concatenated in ascending id order (dflash.md 4.5).
+        // fc input: the tapped layers concatenated in ascending id order (docs/recipe.md).
         const at::Device to = drafter_devices[drafter_replica];
         out.features = at::cat(tapped, -1).to(to, /*non_blocking=*/false, /*copy=*/false);
         out.input_ids = ids.to(to);

@@ -1,4 +1,4 @@
-// trainer.h: the training pipeline (design.md "Data flow"):
+// trainer.h: the training pipeline (docs/architecture.md "Data flow"):
 //
 //   reader thread -> [sample queue] -> target workers (one per target replica)
 //                 -> [feature queue per drafter replica] -> drafter workers (one per replica,

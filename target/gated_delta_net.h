@@ -1,7 +1,7 @@
 // gated_delta_net.h: the GatedDeltaNet pieces of the hybrid targets (Qwen3.5, Qwen3-Next) as
 // plain libtorch ops: the CPU path, and the correctness reference for the CUDA kernels.
 //
-// Math (targets.md): per value head, state S (dk x dv, fp32) from 0 at each sequence start:
+// Math (docs/targets.md): per value head, state S (dk x dv, fp32) from 0 at each sequence start:
 //   S = exp(g_t) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
 // computed in the chunked WY form (chunk C = 64): every intra-chunk quantity for all chunks of
 // a sequence at once, then one pass over chunks for the state. No per-token or per-row host

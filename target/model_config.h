@@ -70,7 +70,7 @@ struct ModelConfig {
   std::vector<int64_t> mlp_only_layers;
 
   bool layer_is_moe(int64_t layer) const;
-  // The default tapped layers of dflash.md: K ids spread from 1 to L-3.
+  // The default tapped layers of docs/recipe.md: K ids spread from 1 to L-3.
   std::vector<int64_t> default_tapped_layers(int count) const;
   // The mask token the DFlash recipe uses for this family, or -1 if it has none.
   int64_t default_mask_token_id() const;

@@ -1,4 +1,4 @@
-// moe.h: the sparse mixture-of-experts MLP of the Qwen3.5-MoE / Qwen3-Next targets (targets.md):
+// moe.h: the sparse mixture-of-experts MLP of the Qwen3.5-MoE / Qwen3-Next targets (docs/targets.md):
 // router softmax(x W_r^T) in fp32, the top-k experts per token, their weights renormalised
 // (norm_topk_prob), each expert a SwiGLU of moe_intermediate_size, plus a shared expert SwiGLU
 // scaled by sigmoid(shared_expert_gate(x)).

@@ -1,5 +1,5 @@
 // End-to-end tests of the real dflashd binary (which loads the CUDA build of libtorch): the
-// metrics endpoint works with torch loaded (design.md: civetweb's Exposer did not), the
+// metrics endpoint works with torch loaded (docs/architecture.md: civetweb's Exposer did not), the
 // systemd protocol, signals, exit codes, validate and doctor.
 #include <gtest/gtest.h>
 #include <httplib.h>

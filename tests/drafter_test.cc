@@ -1,5 +1,5 @@
 // Drafter tests: parity of loss and gradients with SpecForge's published DFlash training step,
-// the split block attention against the dense-mask reference, each invariant of dflash.md
+// the split block attention against the dense-mask reference, each invariant of docs/recipe.md
 // section 4, thread safety, optimizer, checkpoints and the exported serving format.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -414,7 +414,7 @@ TEST(Validate, ChecksTargetDrafterDataAndPrintsTheMemoryPlan) {
 TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNumbers) {
   auto root = nlohmann::json::parse(target::preset_config_json("tiny-qwen3_5"));
   auto& j = root["text_config"];
-  // Qwen3.5-27B's shapes (targets.md).
+  // Qwen3.5-27B's shapes (docs/targets.md).
   j["hidden_size"] = 5120, j["num_hidden_layers"] = 64, j["intermediate_size"] = 17408, j["vocab_size"] = 248320;
   j["num_attention_heads"] = 24, j["num_key_value_heads"] = 4, j["head_dim"] = 256;
   j["linear_num_key_heads"] = 16, j["linear_num_value_heads"] = 48, j["linear_key_head_dim"] = 128;

@@ -3,7 +3,7 @@ dflashd's fused kernels (bench/drafter_step_bench.cc prints ours in the same run
 
 Shape: the Qwen3.5-27B drafter (32 query / 8 key-value heads of 128), context 3072, 512 anchors
 drawn uniformly without replacement from [64, 3071), blocks of 16, bf16. The mask is the one the
-Python trainers build (dflash.md section 3): query row r of block n = r // 16 sees context key j
+Python trainers build (docs/recipe.md): query row r of block n = r // 16 sees context key j
 when j < anchor[n], and the 16 keys of its own block. Keys are [context ; blocks].
 Prints the median forward and forward+backward time of 20 runs after warm-up (compile excluded).
 """

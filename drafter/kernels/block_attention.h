@@ -1,7 +1,7 @@
 // block_attention.h: the DFlash drafter's block attention as fused CUDA kernels (no torch in this
 // interface; drafter/block_attention.cc wraps them for autograd).
 //
-// The mask (dflash.md section 3): block n (anchor a_n, B query rows) sees the context keys
+// The mask (docs/recipe.md): block n (anchor a_n, B query rows) sees the context keys
 // j < a_n and the B keys of its own block. With grouped-query attention the rep = Hq / Hkv query
 // heads of one key-value head read the same keys, so one tile of 64 query rows is (block n,
 // key-value head h, up to 64 of its rep * B (head, row) pairs): every row of a tile has the same

@@ -3,7 +3,7 @@
 //
 // Head size 128 (keys and values), chunk 64, bf16 operands, fp32 state and accumulation,
 // tensor cores through mma.sync (sm_80 and newer; the solve's merges in TF32). The math is the chunked WY form of
-// targets.md, as in target/gated_delta_net.h (the reference these kernels are tested against):
+// docs/targets.md, as in target/gated_delta_net.h (the reference these kernels are tested against):
 //   1. conv1d_silu_l2norm: causal depthwise conv + SiLU over all channels of the packed
 //      [tokens, q|k|v] projection, with the L2 normalisation of every q and k head fused in.
 //   2. prepare (grid chunks x key heads; each CTA takes the key head's value heads in turn, at most 8,
