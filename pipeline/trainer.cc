@@ -29,6 +29,7 @@
 #include "drafter/optimizer.h"
 #include "pipeline/bounded_queue.h"
 #include "pipeline/checkpoint_writer.h"
+#include "pipeline/collective.h"
 #include "pipeline/dataset.h"
 #include "pipeline/failed_samples.h"
 #include "pipeline/flops.h"
@@ -120,97 +121,6 @@ struct Worker {
   void beat() { heartbeat.store(now_seconds()); }
 };
 
-// Sums across the drafter replicas: those living in threads of this process, in replica
-// order (so the result does not depend on thread timing), then, in a multi-node run, across
-// the nodes (replica 0's thread exchanges the node's sum; every node adds in node order).
-// Every replica calls each operation once per step, in the same sequence. A failed run
-// releases waiters (abort()).
-class LocalCollective {
- public:
-  LocalCollective(int replicas, NodeGroup* nodes)
-      : replicas_(replicas), nodes_(nodes), scalars_(replicas), tensors_(replicas) {}
-
-  double sum(int replica, double value) { return sum(replica, std::vector<double>{value})[0]; }
-
-  // Element-wise sums of equally long vectors, one per replica.
-  std::vector<double> sum(int replica, std::vector<double> values) {
-    if (replicas_ == 1) return nodes_ ? nodes_->sum(values) : values;
-    scalars_[replica] = std::move(values);
-    wait_for_all();
-    std::vector<double> total(scalars_[0].size(), 0.0);
-    for (const auto& v : scalars_) {
-      for (size_t i = 0; i < total.size(); ++i) total[i] += v[i];
-    }
-    if (nodes_) {
-      if (replica == 0) node_scalars_ = nodes_->sum(total);
-      wait_for_all();
-      total = node_scalars_;
-    }
-    wait_for_all();
-    return total;
-  }
-
-  // Replaces each tensor of `values` by the sum over replicas (on its own device).
-  void sum(int replica, std::vector<at::Tensor>& values) {
-    if (replicas_ == 1) {
-      if (nodes_) nodes_->sum(values);
-      return;
-    }
-    tensors_[replica] = &values;
-    wait_for_all();
-    std::vector<at::Tensor> totals;
-    for (size_t i = 0; i < values.size(); ++i) {
-      at::Tensor total = (*tensors_[0])[i].to(values[i].device(), /*non_blocking=*/false, /*copy=*/true);
-      for (int r = 1; r < replicas_; ++r) total.add_((*tensors_[r])[i].to(values[i].device()));
-      totals.push_back(total);
-    }
-    if (nodes_) {
-      if (replica == 0) {
-        nodes_->sum(totals);
-        node_tensors_ = totals;
-      }
-      wait_for_all();
-      for (size_t i = 0; i < totals.size(); ++i) totals[i] = node_tensors_[i].to(values[i].device(), false, true);
-    }
-    wait_for_all();
-    values = std::move(totals);
-  }
-
-  void abort() {
-    std::lock_guard lock(mutex_);
-    aborted_ = true;
-    cv_.notify_all();
-  }
-
- private:
-  bool barrier() {
-    std::unique_lock lock(mutex_);
-    const int64_t generation = generation_;
-    if (++arrived_ == replicas_) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
-      return !aborted_;
-    }
-    cv_.wait(lock, [&] { return generation_ != generation || aborted_; });
-    return !aborted_;
-  }
-  void wait_for_all() {
-    if (!barrier()) throw std::runtime_error("run aborted while waiting for the other drafter replicas");
-  }
-  const int replicas_;
-  NodeGroup* nodes_;  // null: one node
-  std::vector<std::vector<double>> scalars_;
-  std::vector<std::vector<at::Tensor>*> tensors_;
-  std::vector<double> node_scalars_;     // written by replica 0 between barriers
-  std::vector<at::Tensor> node_tensors_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  int arrived_ = 0;
-  int64_t generation_ = 0;
-  bool aborted_ = false;
-};
-
 }  // namespace
 
 struct Trainer::Impl {
@@ -230,8 +140,7 @@ struct Trainer::Impl {
   std::vector<at::Device> drafter_devices;
   std::unique_ptr<BoundedQueue<SampleItem>> sample_queue;
   std::vector<std::unique_ptr<BoundedQueue<FeatureItem>>> feature_queues;
-  std::unique_ptr<LocalCollective> collective;  // scalars (and gradients on CPU) through host memory
-  std::unique_ptr<NcclGradients> nccl;          // gradients across GPU replicas
+  std::unique_ptr<Collective> collective;        // the replicas' sums (collective.h)
   std::unique_ptr<NodeGroup> nodes;             // multi-node runs: the other processes
   int node_rank = 0;
   int64_t local_replicas = 1;                   // drafter replicas of this node
@@ -356,7 +265,6 @@ struct Trainer::Impl {
     stop_requested.store(true);
     health->set_unhealthy("pipeline", reason);
     collective->abort();
-    if (nccl) nccl->abort();  // replicas waiting in an all-reduce for a failed or stuck peer return
     sample_queue->close();
     for (auto& q : feature_queues) q->close();
   }
@@ -593,11 +501,7 @@ struct Trainer::Impl {
         for (const auto& [name, p] : model.parameters()) {
           grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
         }
-        if (nccl) {
-          nccl->sum(replica, grads);
-        } else {
-          collective->sum(replica, grads);
-        }
+        collective->sum_gradients(replica, grads);
         size_t g = 0;
         for (const auto& [name, p] : model.parameters()) p.mutable_grad() = grads[g++];
         clock.lap("gradient_allreduce");
@@ -1027,12 +931,13 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
               config.drafter.init);
   }
   s.completed_step.store(s.start_step);
-  s.collective = std::make_unique<LocalCollective>(static_cast<int>(replicas), s.nodes.get());
+  std::unique_ptr<NcclGradients> nccl;
   if (config.gpus.device == "cuda" && replicas * node_info.nodes > 1) {
-    s.nccl = std::make_unique<NcclGradients>(config.gpus.drafter, s.nodes.get());
+    nccl = std::make_unique<NcclGradients>(config.gpus.drafter, s.nodes.get());
     log::info("data-parallel gradients: NCCL all-reduce over {} GPUs on {} node(s)", replicas * node_info.nodes,
               node_info.nodes);
   }
+  s.collective = std::make_unique<Collective>(static_cast<int>(replicas), s.nodes.get(), std::move(nccl));
   s.sample_queue = std::make_unique<BoundedQueue<SampleItem>>(config.queues.samples);
   s.queue_capacity_family->Add({{"queue", "samples"}}).Set(static_cast<double>(config.queues.samples));
   s.queue_blocked_family->Add({{"queue", "samples"}});
