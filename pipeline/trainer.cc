@@ -31,6 +31,7 @@
 #include "pipeline/checkpoint_writer.h"
 #include "pipeline/collective.h"
 #include "pipeline/dataset.h"
+#include "pipeline/drafter_step.h"
 #include "pipeline/failed_samples.h"
 #include "pipeline/flops.h"
 #include "pipeline/gpu_memory.h"
@@ -138,6 +139,8 @@ struct Trainer::Impl {
   std::vector<std::unique_ptr<drafter::AdamW>> optimizers;
   std::vector<at::Tensor> embeds, heads;  // per drafter replica (frozen, on its device)
   std::vector<at::Device> drafter_devices;
+  std::vector<DrafterReplica> replicas;  // what each drafter replica brings to drafter_step()
+  StepSettings step_settings;
   std::unique_ptr<BoundedQueue<SampleItem>> sample_queue;
   std::vector<std::unique_ptr<BoundedQueue<FeatureItem>>> feature_queues;
   std::unique_ptr<Collective> collective;        // the replicas' sums (collective.h)
@@ -394,7 +397,10 @@ struct Trainer::Impl {
         out.ready = mark_ready(to);
         clock.lap("feature_handoff");
       }, {index}, &skipped);
-      if (skipped) out = FeatureItem{item->q};
+      if (skipped) {
+        out = FeatureItem{};  // no features: the drafter leaves the sample out
+        out.q = item->q;
+      }
       w.busy.store(false);
       if (!ok) return;
       turn.reset();
@@ -404,14 +410,9 @@ struct Trainer::Impl {
 
   // ---- drafter worker ----------------------------------------------------------------------
   void drafter_loop(Worker& w, int replica) {
-    drafter::Drafter& model = *drafters[replica];
-    drafter::AdamW& optimizer = *optimizers[replica];
     BoundedQueue<FeatureItem>& queue = *feature_queues[replica];
     const WorkerStream stream(drafter_devices[replica]);
-    StageClock& clock = *drafter_clocks[replica];
     std::map<int64_t, FeatureItem> waiting;  // reorder buffer: items arrive in any order
-    const int64_t block = shape.block_size;
-    const double gamma = config.loss_gamma();
     for (int64_t step = start_step; step < plan.total_steps; ++step) {
       w.beat();
       // Every replica agrees to stop at the same step boundary.
@@ -426,120 +427,31 @@ struct Trainer::Impl {
         }
       }
       w.busy.store(true);
-      // The GPU's turn when a target shares it: taken once every replica holds its samples (after
-      // the first collective below), so no replica waits with the GPU for a target that needs it.
-      std::optional<GpuTurn> turn;
-      drafter::LossStats stats;
-      drafter::StepResult result;
-      bool empty_step = false;
-      int64_t tokens = 0;
-      double flops = 0;
-      // A retried step starts from clean gradients. With several replicas a retry would put this
-      // replica out of step with the others' collectives, so failures stop the run instead.
+      StepOutput out;
       std::vector<int64_t> indices;  // the step's samples in data order, for FailedSamples
       for (int64_t q : wanted) indices.push_back(data_index(q));
       const bool ok = guarded(w, "step " + std::to_string(step), [&] {
+        // A retried step starts from clean gradients. With several replicas a retry would put this
+        // replica out of step with the others' collectives, so failures stop the run instead.
         if (w.restarts.load() > 0 && plan.replicas > 1) {
           throw std::runtime_error("a drafter step cannot be retried with several data-parallel replicas");
         }
-        optimizer.zero_grad();
-        stats = drafter::LossStats{};
-        tokens = 0;
-        flops = 0;
-        // Micro-batches of sequences_per_step sequences; anchors redrawn per sample number.
-        std::vector<drafter::DrafterBatch> micro;
-        std::vector<drafter::BlockTargets> micro_targets;
-        double local_weight = 0;
-        const int64_t m = config.train.sequences_per_step;
-        for (size_t i = 0; i < wanted.size(); i += static_cast<size_t>(m)) {
-          drafter::DrafterBatch batch;
-          std::vector<at::Tensor> features, ids;
-          std::vector<uint8_t> mask;
-          batch.cu_seqlens = {0};
-          for (size_t j = i; j < std::min(wanted.size(), i + static_cast<size_t>(m)); ++j) {
-            const FeatureItem& item = waiting.at(wanted[j]);
-            if (item.skipped() || failed_samples->skipped(data_index(item.q))) continue;
-            std::mt19937_64 rng(mix64(static_cast<uint64_t>(config.train.seed) ^ mix64(static_cast<uint64_t>(item.q))));
-            batch.anchors.push_back(drafter::sample_anchors(item.loss_mask, config.train.anchors_per_sequence, rng));
-            features.push_back(item.features);
-            ids.push_back(item.input_ids);
-            mask.insert(mask.end(), item.loss_mask.begin(), item.loss_mask.end());
-            batch.cu_seqlens.push_back(batch.cu_seqlens.back() + item.input_ids.size(0));
-            const int64_t rows = batch.anchors.back().size(0) * block;
-            flops += drafter_flops(shape, item.input_ids.size(0), rows, batch.anchors.back().sum().item<int64_t>());
-            flops += target_flops(target_config, shape.target_layer_ids.back(), item.input_ids.size(0));
-            tokens += item.input_ids.size(0);
-          }
-          if (ids.empty()) continue;  // every sample of this micro-batch was skipped
-          batch.features = at::cat(features);
-          batch.input_ids = at::cat(ids);
-          batch.loss_mask = at::tensor(mask, at::TensorOptions().dtype(at::kByte));
-          micro_targets.push_back(drafter::make_block_targets(batch, block, gamma, drafter_devices[replica]));
-          local_weight += micro_targets.back().weight_sum;
-          micro.push_back(std::move(batch));
+        std::vector<StepSample> samples;
+        for (int64_t q : wanted) {
+          const FeatureItem& item = waiting.at(q);
+          if (item.skipped() || failed_samples->skipped(data_index(q))) continue;
+          samples.push_back({q, item.features, item.input_ids, &item.loss_mask});
         }
-        // The global denominator: all replicas, all micro-steps (known before any forward).
-        const double global_weight = collective->sum(replica, local_weight);
-        turn.emplace(turn_of(drafter_devices[replica]), drafter_devices[replica]);
-        clock.start();
-        if (hooks.drafter_step) hooks.drafter_step(replica, step);
-        for (size_t i = 0; i < micro.size(); ++i) {
-          drafter::LossStats micro_stats;
-          const at::Tensor hidden = model.forward(micro[i], embeds[replica]);
-          clock.lap("drafter_forward");
-          const at::Tensor loss = drafter::dflash_loss(hidden, heads[replica], micro_targets[i], global_weight,
-                                                       config.train.lm_head_chunk_blocks * block, block, &micro_stats);
-          clock.lap("lm_head_loss");
-          // A micro-batch without a block (its samples had no anchor) has nothing to differentiate.
-          if (loss.requires_grad()) loss.backward();
-          clock.lap("backward");
-          stats.add(micro_stats);
-        }
-        // Gradients summed across replicas (each replica's loss is already divided by the
-        // global denominator, so the sum is the gradient of the global loss).
-        std::vector<at::Tensor> grads;
-        for (const auto& [name, p] : model.parameters()) {
-          grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
-        }
-        collective->sum_gradients(replica, grads);
-        size_t g = 0;
-        for (const auto& [name, p] : model.parameters()) p.mutable_grad() = grads[g++];
-        clock.lap("gradient_allreduce");
-        // Metrics across replicas in one exchange: loss sum, tokens, FLOPs, per-position
-        // correct and count.
-        stats.correct.resize(block, 0);
-        stats.count.resize(block, 0);
-        std::vector<double> local{stats.loss_sum, static_cast<double>(tokens), flops};
-        local.insert(local.end(), stats.correct.begin(), stats.correct.end());
-        local.insert(local.end(), stats.count.begin(), stats.count.end());
-        const std::vector<double> global = collective->sum(replica, std::move(local));
-        stats.loss_sum = global[0];
-        stats.weight_sum = global_weight;
-        tokens = static_cast<int64_t>(global[1]);
-        flops = global[2];
-        for (int64_t k = 0; k < block; ++k) {
-          stats.correct[k] = static_cast<int64_t>(global[3 + k]);
-          stats.count[k] = static_cast<int64_t>(global[3 + block + k]);
-        }
-        clock.lap("metrics_exchange");
-        if (global_weight > 0) {
-          result = optimizer.step();
-        } else {
-          // No replica had a supervised block in this step: no update (AdamW would still move the
-          // weights by its moments), the step counts as done.
-          optimizer.zero_grad();
-          result = drafter::StepResult{0, 0, true};
-          empty_step = true;
-        }
-        clock.lap("optimizer");
+        out = drafter_step(replicas[replica], step_settings, samples, *collective, [&] {
+          if (hooks.drafter_step) hooks.drafter_step(replica, step);
+        });
       }, indices);
-      turn.reset();
       w.busy.store(false);
       if (!ok) return;
       for (int64_t q : wanted) waiting.erase(q);
-      if (!result.applied) {
+      if (!out.result.applied) {
         nonfinite_total->Increment();
-        const std::string message = "non-finite gradient (norm " + std::to_string(result.grad_norm) + ") at step " +
+        const std::string message = "non-finite gradient (norm " + std::to_string(out.result.grad_norm) + ") at step " +
                                     std::to_string(step);
         if (config.train.on_nonfinite == "stop") {
           if (replica == 0) fail(message + "; stopping (train.on_nonfinite: stop)");
@@ -547,14 +459,14 @@ struct Trainer::Impl {
         }
         log::warn("{}: step skipped", message);
       }
-      if (empty_step && replica == 0) {
+      if (out.empty && replica == 0) {
         empty_steps_total->Increment();
         log::warn("step {}: none of its samples has a block to train (every one was skipped or has no anchor): "
                   "no update", step);
       }
       completed_step.store(step + 1);
       if (replica != 0) continue;
-      record_step(step, stats, result, tokens, static_cast<int64_t>(wanted.size()) * plan.replicas, flops);
+      record_step(step, out.stats, out.result, out.tokens, static_cast<int64_t>(wanted.size()) * plan.replicas, out.flops);
       maybe_checkpoint(step + 1, false);
     }
   }
@@ -874,6 +786,17 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   settings.weight_decay = config.train.weight_decay;
   settings.grad_clip_norm = config.train.grad_clip_norm;
   for (auto& d : s.drafters) s.optimizers.push_back(std::make_unique<drafter::AdamW>(d->parameters(), settings));
+  s.step_settings = {s.shape,
+                     s.target_config,
+                     config.loss_gamma(),
+                     static_cast<uint64_t>(config.train.seed),
+                     config.train.anchors_per_sequence,
+                     config.train.sequences_per_step,
+                     static_cast<int64_t>(config.train.lm_head_chunk_blocks) * s.shape.block_size};
+  for (size_t r = 0; r < s.drafters.size(); ++r) {
+    s.replicas.push_back({static_cast<int>(r), s.drafters[r].get(), s.optimizers[r].get(), s.embeds[r], s.heads[r],
+                          s.drafter_devices[r], s.drafter_clocks[r].get(), s.turn_of(s.drafter_devices[r])});
+  }
 
   // ---- resume -------------------------------------------------------------------------------
   std::string resume_from;
