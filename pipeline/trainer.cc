@@ -38,7 +38,7 @@
 #include "pipeline/memory_plan.h"
 #include "pipeline/nccl_gradients.h"
 #include "pipeline/nodes.h"
-#include "pipeline/role_balance.h"
+#include "pipeline/run_metrics.h"
 #include "pipeline/streams.h"
 #include "target/model.h"
 
@@ -46,16 +46,6 @@ namespace dflash::pipeline {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-std::string fixed(double value, int digits) {
-  char buffer[64];
-  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, value);
-  return buffer;
-}
 
 at::Device device_for(const config::GpuConfig& gpus, int id) {
   return gpus.device == "cuda" ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(id)) : at::Device(at::kCPU);
@@ -119,7 +109,7 @@ struct Worker {
   prometheus::Gauge* heartbeat_gauge = nullptr;
   prometheus::Gauge* busy_seconds = nullptr;  // not used as gauge of state; see metrics
   prometheus::Counter* restarts_counter = nullptr;
-  void beat() { heartbeat.store(now_seconds()); }
+  void beat() { heartbeat.store(unix_seconds()); }
 };
 
 }  // namespace
@@ -185,66 +175,13 @@ struct Trainer::Impl {
   std::string failure_reason;
   Outcome outcome = Outcome::finished;
 
-  // Metrics state (replica 0 writes, supervise() reads; guarded by metrics_mutex).
-  std::mutex metrics_mutex;
-  struct Progress {
-    double time;
-    int64_t tokens;  // consumed so far
-    double flops;    // model FLOPs done so far
-  };
-  std::deque<Progress> token_window;
+  std::unique_ptr<RunMetrics> metrics;  // registration, step records, the supervisor's observations
+  // Checkpoint cadence and the best export: replica 0's thread and the writer's, guarded by
+  // checkpoint_mutex.
+  std::mutex checkpoint_mutex;
+  double best_tau = 0;      // the best training tau a checkpoint was written at
   double snapshot_tau = 0;  // tau at the step of the snapshot in the writer's hands
-  int64_t tokens_consumed = 0, samples_consumed = 0;
-  double last_loss = 0, last_tau = 1, best_tau = 0, last_lr = 0, last_grad_norm = 0;
-  std::vector<double> last_accuracy;
-  double flops_done = 0;
-  Clock::time_point last_checkpoint_time = Clock::now();
-  Clock::time_point last_log_time = Clock::now();
-  // Stage totals at the last log line: the line reports the interval since, not the run's
-  // average (which the first steps' warm-up would skew).
-  struct StageMark {
-    std::map<std::string, double> seconds;
-    int64_t iterations = 0;
-  };
-  StageMark logged_target, logged_drafter;
-  double start_time = now_seconds();
-
-  // Prometheus.
-  prometheus::Counter *tokens_total, *samples_total, *steps_total, *nonfinite_total, *skipped_short_total,
-      *skipped_no_anchor_total, *skipped_failed_total, *empty_steps_total,
-      *skipped_malformed_total, *worker_failures_total;
-  prometheus::Gauge *tokens_per_second, *eta_seconds, *mfu, *loss, *tau, *learning_rate, *grad_norm, *checkpoint_time,
-      *checkpoint_duration, *snapshot_seconds, *bottleneck_target, *bottleneck_drafter, *suggested_target_gpus, *progress,
-      *busy_ratio_target, *busy_ratio_drafter;
-  std::unique_ptr<RoleBalance> balance;  // the supervisor's
-  prometheus::Family<prometheus::Gauge>* accuracy_family;
-  prometheus::Family<prometheus::Gauge>* queue_depth_family;
-  prometheus::Family<prometheus::Gauge>* queue_capacity_family;
-  prometheus::Family<prometheus::Counter>* queue_blocked_family;
-  prometheus::Family<prometheus::Counter>* queue_starved_family;
-  std::map<std::string, double> counted;  // what each cumulative counter already holds
-
-  // Cumulative totals kept elsewhere (queue wait seconds, stage seconds, allocator retries) are
-  // followed by counter increments. Returns the increment (0 when the total did not grow).
-  double advance(prometheus::Family<prometheus::Counter>* family, const prometheus::Labels& labels, double total) {
-    std::string key = family->GetName();
-    for (const auto& [name, value] : labels) key += "/" + name + "=" + value;
-    double& held = counted[key];
-    const double increment = total > held ? total - held : 0.0;
-    auto& counter = family->Add(labels);
-    if (increment > 0) counter.Increment(increment);
-    held = std::max(held, total);
-    return increment;
-  }
-  prometheus::Family<prometheus::Gauge>* memory_family;
-  prometheus::Family<prometheus::Counter>* allocator_retries_family;
-  prometheus::Family<prometheus::Gauge>* kernel_path_family;
-  prometheus::Family<prometheus::Gauge>* attention_path_family;
-  prometheus::Family<prometheus::Gauge>* worker_heartbeat_family;
-  prometheus::Family<prometheus::Gauge>* worker_stalled_family;
-  prometheus::Family<prometheus::Counter>* worker_restarts_family;
-  prometheus::Family<prometheus::Counter>* stage_seconds_family;
-  std::vector<int> gpu_ids;  // the distinct GPUs of both groups (CUDA runs): a GPU running both roles once
+  Clock::time_point last_checkpoint_time = Clock::now();  // replica 0's thread only
 
   // Seconds per stage summed over the replicas of a role.
   static std::map<std::string, double> stage_totals(const std::vector<std::unique_ptr<StageClock>>& clocks,
@@ -293,11 +230,11 @@ struct Trainer::Impl {
         return true;
       } catch (const std::exception& e) {
         if (stop_requested.load() && failed.load()) return false;
-        worker_failures_total->Increment();
+        metrics->worker_failures_total->Increment();
         const std::string message = w.name + " failed on " + what + ": " + e.what();
         const std::vector<int64_t> now_skipped = failed_samples->record(samples);
         for (int64_t index : now_skipped) {
-          skipped_failed_total->Increment();
+          metrics->skipped_failed_total->Increment();
           log::error("{}; skipping sample {} ({}) from now on: it failed {} times "
                      "(workers.skip_sample_after_failures), counted in dflashd_samples_skipped_total{reason=\"failed\"}",
                      message, index, data->describe(index), failed_samples->failures(index));
@@ -340,9 +277,9 @@ struct Trainer::Impl {
     Worker& w = *workers.back();
     w.name = name;
     w.beat();
-    w.heartbeat_gauge = &worker_heartbeat_family->Add({{"worker", name}});
-    w.restarts_counter = &worker_restarts_family->Add({{"worker", name}});
-    worker_stalled_family->Add({{"worker", name}});
+    w.heartbeat_gauge = &metrics->worker_heartbeat_family->Add({{"worker", name}});
+    w.restarts_counter = &metrics->worker_restarts_family->Add({{"worker", name}});
+    metrics->worker_stalled_family->Add({{"worker", name}});
     health->set_healthy(name);
     return w;
   }
@@ -450,7 +387,7 @@ struct Trainer::Impl {
       if (!ok) return;
       for (int64_t q : wanted) waiting.erase(q);
       if (!out.result.applied) {
-        nonfinite_total->Increment();
+        metrics->nonfinite_total->Increment();
         const std::string message = "non-finite gradient (norm " + std::to_string(out.result.grad_norm) + ") at step " +
                                     std::to_string(step);
         if (config.train.on_nonfinite == "stop") {
@@ -460,40 +397,17 @@ struct Trainer::Impl {
         log::warn("{}: step skipped", message);
       }
       if (out.empty && replica == 0) {
-        empty_steps_total->Increment();
+        metrics->empty_steps_total->Increment();
         log::warn("step {}: none of its samples has a block to train (every one was skipped or has no anchor): "
                   "no update", step);
       }
       completed_step.store(step + 1);
       if (replica != 0) continue;
-      record_step(step, out.stats, out.result, out.tokens, static_cast<int64_t>(wanted.size()) * plan.replicas, out.flops);
+      metrics->record_step({step, out.stats.weight_sum > 0 ? out.stats.loss_sum / out.stats.weight_sum : 0, out.stats.tau(),
+                            out.result.learning_rate, out.result.grad_norm, out.stats.accuracy(), out.tokens,
+                            static_cast<int64_t>(wanted.size()) * plan.replicas, out.flops});
       maybe_checkpoint(step + 1, false);
     }
-  }
-
-  void record_step(int64_t step, const drafter::LossStats& stats, const drafter::StepResult& result, int64_t tokens,
-                   int64_t samples, double flops) {
-    std::lock_guard lock(metrics_mutex);
-    tokens_consumed += tokens;
-    samples_consumed += samples;
-    tokens_total->Increment(static_cast<double>(tokens));
-    samples_total->Increment(static_cast<double>(samples));
-    steps_total->Increment();
-    flops_done += flops;
-    last_loss = stats.weight_sum > 0 ? stats.loss_sum / stats.weight_sum : 0;
-    last_tau = stats.tau();
-    last_accuracy = stats.accuracy();
-    last_lr = result.learning_rate;
-    last_grad_norm = result.grad_norm;
-    loss->Set(last_loss);
-    tau->Set(last_tau);
-    learning_rate->Set(last_lr);
-    grad_norm->Set(last_grad_norm);
-    for (size_t k = 1; k < last_accuracy.size(); ++k) {
-      accuracy_family->Add({{"position", std::to_string(k)}}).Set(last_accuracy[k]);
-    }
-    token_window.push_back({now_seconds(), tokens_consumed, flops_done});
-    progress->Set(static_cast<double>(step + 1) / static_cast<double>(plan.total_steps));
   }
 
   // FailedSamples' counts as {"data index": failures} (JSON keys are strings).
@@ -504,10 +418,11 @@ struct Trainer::Impl {
   }
 
   std::string trainer_state_json(int64_t step) {
-    std::lock_guard lock(metrics_mutex);
+    const RunMetrics::Totals totals = metrics->totals();
+    std::lock_guard lock(checkpoint_mutex);
     nlohmann::json j = {{"step", step},
-                        {"tokens_consumed", tokens_consumed},
-                        {"samples_consumed", samples_consumed},
+                        {"tokens_consumed", totals.tokens},
+                        {"samples_consumed", totals.samples},
                         {"best_tau", best_tau},
                         {"sample_failures", failures_json()},
                         {"data", {{"next_sample", step < plan.total_steps ? plan.first_sample(step) : -1},
@@ -534,11 +449,12 @@ struct Trainer::Impl {
       log::error("checkpoint at step {}: taking the snapshot failed: {}", step, e.what());
       return;
     }
-    snapshot_seconds->Set(std::chrono::duration<double>(Clock::now() - started).count());
+    metrics->snapshot_seconds->Set(std::chrono::duration<double>(Clock::now() - started).count());
     last_checkpoint_time = Clock::now();
     {
-      std::lock_guard lock(metrics_mutex);
-      snapshot_tau = last_tau;
+      const double tau = metrics->totals().tau;
+      std::lock_guard lock(checkpoint_mutex);
+      snapshot_tau = tau;
     }
     checkpoint_writer->submit();
     if (force) checkpoint_writer->wait_idle();
@@ -552,14 +468,14 @@ struct Trainer::Impl {
       const std::string dir = drafter::write_checkpoint(config.checkpoint_dir(), snapshot);
       drafter::prune_checkpoints(config.checkpoint_dir(), config.checkpoint.keep_last);
       const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
-      checkpoint_time->Set(now_seconds());
-      checkpoint_duration->Set(seconds);
+      metrics->checkpoint_time->Set(unix_seconds());
+      metrics->checkpoint_duration->Set(seconds);
       health->set_healthy("checkpoint");
       log::info("checkpoint {} written in {} s", dir, fixed(seconds, 2));
       double tau = 0;
       bool best = false;
       {
-        std::lock_guard lock(metrics_mutex);
+        std::lock_guard lock(checkpoint_mutex);
         tau = snapshot_tau;
         best = tau > best_tau;
         if (best) best_tau = tau;
@@ -625,78 +541,7 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   s.checkpoint_writer =
       std::make_unique<CheckpointWriter>([&s](const drafter::CheckpointSnapshot& snapshot) { s.write_snapshot(snapshot); });
   s.health = std::move(health);
-  // ---- metrics --------------------------------------------------------------------------
-  auto counter = [&](const char* name, const char* help) -> prometheus::Counter& {
-    return prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({});
-  };
-  auto gauge = [&](const char* name, const char* help) -> prometheus::Gauge& {
-    return prometheus::BuildGauge().Name(name).Help(help).Register(registry).Add({});
-  };
-  s.tokens_total = &counter("dflashd_tokens_total", "Training tokens consumed (target forward + drafter step)");
-  s.samples_total = &counter("dflashd_samples_total", "Training sequences consumed");
-  s.steps_total = &counter("dflashd_optimizer_steps_total", "Optimizer steps completed (plan steps, skipped included)");
-  s.empty_steps_total = &counter("dflashd_steps_without_blocks_total",
-                                 "Steps none of whose samples had a block to train (no update)");
-  s.nonfinite_total = &counter("dflashd_nonfinite_steps_total", "Steps whose gradient was not finite");
-  auto& skipped = prometheus::BuildCounter()
-                      .Name("dflashd_samples_skipped_total")
-                      .Help("Samples skipped, by reason: too_few_supervised (data.min_supervised_tokens), no_anchor "
-                            "(no two adjacent supervised tokens), failed (failed workers.skip_sample_after_failures times)")
-                      .Register(registry);
-  s.skipped_short_total = &skipped.Add({{"reason", "too_few_supervised"}});
-  s.skipped_no_anchor_total = &skipped.Add({{"reason", "no_anchor"}});
-  s.skipped_failed_total = &skipped.Add({{"reason", "failed"}});
-  s.skipped_malformed_total = &counter("dflashd_samples_malformed_total", "Malformed samples skipped (data.on_malformed: skip)");
-  s.worker_failures_total = &counter("dflashd_worker_failures_total", "Exceptions raised in pipeline workers");
-  s.tokens_per_second = &gauge("dflashd_tokens_per_second", "Training tokens per second over the throughput window");
-  s.eta_seconds = &gauge("dflashd_eta_seconds", "Estimated seconds until the run's last step");
-  s.mfu = &gauge("dflashd_mfu_ratio", "Model FLOPs utilisation: model FLOPs per second / (GPUs x peak)");
-  s.loss = &gauge("dflashd_loss", "Training loss of the last step (decay-weighted cross entropy)");
-  s.tau = &gauge("dflashd_expected_acceptance_length", "Expected acceptance length tau of the last step");
-  s.learning_rate = &gauge("dflashd_learning_rate", "Learning rate of the last step");
-  s.grad_norm = &gauge("dflashd_grad_norm", "Gradient norm of the last step, before clipping");
-  s.checkpoint_time = &gauge("dflashd_checkpoint_last_success_timestamp_seconds", "Unix time of the last checkpoint");
-  s.checkpoint_duration = &gauge("dflashd_checkpoint_duration_seconds", "Duration of the last checkpoint");
-  s.snapshot_seconds = &gauge("dflashd_checkpoint_snapshot_seconds",
-                              "Time the drafter's replica 0 spent copying the last checkpoint off the GPU (the "
-                              "write itself runs on a thread of its own)");
-  s.progress = &gauge("dflashd_progress_ratio", "Completed steps / planned steps");
-  auto& bottleneck = prometheus::BuildGauge()
-                         .Name("dflashd_bottleneck")
-                         .Help("1 for the stage that limits throughput (the other one waits for it)")
-                         .Register(registry);
-  s.bottleneck_target = &bottleneck.Add({{"stage", "target"}});
-  s.bottleneck_drafter = &bottleneck.Add({{"stage", "drafter"}});
-  auto& busy_ratio = prometheus::BuildGauge()
-                         .Name("dflashd_busy_ratio")
-                         .Help("Share of its GPUs' time a role worked over metrics.throughput_window_seconds "
-                               "(device seconds summed over its replicas / (window x its GPUs))")
-                         .Register(registry);
-  s.busy_ratio_target = &busy_ratio.Add({{"role", "target"}});
-  s.busy_ratio_drafter = &busy_ratio.Add({{"role", "drafter"}});
-  s.balance = std::make_unique<RoleBalance>(static_cast<int>(config.gpus.target.size()),
-                                            static_cast<int>(config.gpus.drafter.size()),
-                                            config.metrics.throughput_window_seconds);
-  s.suggested_target_gpus = &gauge("dflashd_suggested_target_gpus",
-                                   "Target GPUs of the current total that would balance the measured stage times");
-  s.accuracy_family = &prometheus::BuildGauge().Name("dflashd_position_accuracy").Help("Accuracy per block position k of the last step").Register(registry);
-  s.queue_depth_family = &prometheus::BuildGauge().Name("dflashd_queue_depth").Help("Items waiting in a queue").Register(registry);
-  s.queue_capacity_family = &prometheus::BuildGauge().Name("dflashd_queue_capacity").Help("Capacity of a queue in items").Register(registry);
-  s.queue_blocked_family = &prometheus::BuildCounter().Name("dflashd_queue_producer_blocked_seconds_total").Help("Seconds producers waited on a full queue").Register(registry);
-  s.queue_starved_family = &prometheus::BuildCounter().Name("dflashd_queue_consumer_starved_seconds_total").Help("Seconds consumers waited on an empty queue").Register(registry);
-  s.memory_family = &prometheus::BuildGauge().Name("dflashd_gpu_memory_bytes").Help("GPU memory of the caching allocator (kind: allocated, reserved)").Register(registry);
-  s.allocator_retries_family = &prometheus::BuildCounter().Name("dflashd_gpu_allocator_retries_total").Help("Times the CUDA caching allocator emptied its cache and retried an allocation (memory near the limit; each one stalls the GPU)").Register(registry);
-  s.kernel_path_family = &prometheus::BuildGauge().Name("dflashd_target_kernel_path").Help("1 for the implementation each target layer kind runs").Register(registry);
-  s.attention_path_family = &prometheus::BuildGauge().Name("dflashd_drafter_attention_path").Help("1 for the implementation of the drafter's block attention (kernels, efficient or math)").Register(registry);
-  s.worker_heartbeat_family = &prometheus::BuildGauge().Name("dflashd_worker_last_heartbeat_timestamp_seconds").Help("Unix time of a worker's last heartbeat").Register(registry);
-  s.worker_stalled_family = &prometheus::BuildGauge().Name("dflashd_worker_stalled").Help("1 while a worker's heartbeat is older than workers.stall_seconds").Register(registry);
-  s.worker_restarts_family = &prometheus::BuildCounter().Name("dflashd_worker_restarts_total").Help("Restarts of a worker after a failure").Register(registry);
-  s.stage_seconds_family = &prometheus::BuildCounter().Name("dflashd_stage_seconds_total").Help("Device seconds per stage of the workers' loops (CUDA events on a GPU, wall clock on the CPU), summed over a role's replicas").Register(registry);
-  for (const char* stage : {"target_forward", "feature_handoff"}) s.stage_seconds_family->Add({{"role", "target"}, {"stage", stage}});
-  for (const char* stage : {"drafter_forward", "lm_head_loss", "backward", "gradient_allreduce", "metrics_exchange", "optimizer"}) {
-    s.stage_seconds_family->Add({{"role", "drafter"}, {"stage", stage}});
-  }
-
+  s.metrics = std::make_unique<RunMetrics>(config, registry);
   if (config.train.deterministic) {
     // Bit-identical reruns and resumes: deterministic kernels only (CPU math is deterministic
     // at a fixed thread count already).
@@ -733,7 +578,7 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     }
     s.target_clocks.push_back(std::make_unique<StageClock>(options.device));
   }
-  for (const auto& [kind, path] : s.targets[0]->kernel_paths()) s.kernel_path_family->Add({{"layer_type", kind}, {"path", path}}).Set(1);
+  for (const auto& [kind, path] : s.targets[0]->kernel_paths()) s.metrics->kernel_path_family->Add({{"layer_type", kind}, {"path", path}}).Set(1);
   for (size_t r = 0; r < config.gpus.drafter.size(); ++r) {
     const at::Device device = device_for(config.gpus, config.gpus.drafter[r]);
     s.drafter_devices.push_back(device);
@@ -753,21 +598,17 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     s.drafters.back()->set_attention_path(attention.path);
     if (r == 0) {
       log::info("drafter attention: {}", attention.description);
-      s.attention_path_family->Add({{"path", attention.name}}).Set(1);
+      s.metrics->attention_path_family->Add({{"path", attention.name}}).Set(1);
     }
     s.embeds.push_back(s.targets[0]->embed_tokens().to(device));
     s.heads.push_back(s.targets[0]->lm_head().to(device));
   }
-  if (config.gpus.device == "cuda") {
-    std::set<int> distinct(config.gpus.target.begin(), config.gpus.target.end());
-    distinct.insert(config.gpus.drafter.begin(), config.gpus.drafter.end());
-    s.gpu_ids.assign(distinct.begin(), distinct.end());
-  }
+
   s.data = Dataset::open(config.data, s.target_config.vocab_size);
   s.failed_samples = std::make_unique<FailedSamples>(config.workers.skip_sample_after_failures);
-  s.skipped_short_total->Increment(static_cast<double>(s.data->skipped_short()));
-  s.skipped_no_anchor_total->Increment(static_cast<double>(s.data->skipped_no_anchor()));
-  s.skipped_malformed_total->Increment(static_cast<double>(s.data->skipped_malformed()));
+  s.metrics->skipped_short_total->Increment(static_cast<double>(s.data->skipped_short()));
+  s.metrics->skipped_no_anchor_total->Increment(static_cast<double>(s.data->skipped_no_anchor()));
+  s.metrics->skipped_malformed_total->Increment(static_cast<double>(s.data->skipped_malformed()));
   const int64_t replicas = static_cast<int64_t>(config.gpus.drafter.size());
   const NodeInfo node_info = resolve_nodes(config.distributed);
   s.node_rank = node_info.rank;
@@ -806,13 +647,14 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   } else if (config.checkpoint.resume != "never") {
     resume_from = config.checkpoint.resume;
   }
+  int64_t resumed_tokens = 0, resumed_samples = 0;
   if (!resume_from.empty()) {
     for (size_t r = 0; r < s.drafters.size(); ++r) {
       const auto loaded = drafter::read_checkpoint(resume_from, s.drafters[r].get(), s.optimizers[r].get());
       s.start_step = loaded.step;
       const auto state = nlohmann::json::parse(loaded.trainer_state_json);
-      s.tokens_consumed = state.value("tokens_consumed", int64_t{0});
-      s.samples_consumed = state.value("samples_consumed", int64_t{0});
+      resumed_tokens = state.value("tokens_consumed", int64_t{0});
+      resumed_samples = state.value("samples_consumed", int64_t{0});
       s.best_tau = state.value("best_tau", 0.0);
       std::map<int64_t, int> failures;
       const nlohmann::json failures_state = state.value("sample_failures", nlohmann::json::object());
@@ -829,11 +671,10 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
                                  " now); resuming would not be exact. Use checkpoint.resume: never to start over");
       }
     }
-    s.tokens_total->Increment(static_cast<double>(s.tokens_consumed));
-    s.samples_total->Increment(static_cast<double>(s.samples_consumed));
+    s.metrics->restore(resumed_tokens, resumed_samples);
     log::info("resuming from {} at step {} of {}", resume_from, s.start_step, s.plan.total_steps);
     if (const int64_t skipped = s.failed_samples->skipped_count(); skipped > 0) {
-      s.skipped_failed_total->Increment(static_cast<double>(skipped));
+      s.metrics->skipped_failed_total->Increment(static_cast<double>(skipped));
       log::warn("{} sample(s) failed workers.skip_sample_after_failures times in earlier runs and are skipped", skipped);
     }
   }
@@ -862,15 +703,11 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   }
   s.collective = std::make_unique<Collective>(static_cast<int>(replicas), s.nodes.get(), std::move(nccl));
   s.sample_queue = std::make_unique<BoundedQueue<SampleItem>>(config.queues.samples);
-  s.queue_capacity_family->Add({{"queue", "samples"}}).Set(static_cast<double>(config.queues.samples));
-  s.queue_blocked_family->Add({{"queue", "samples"}});
-  s.queue_starved_family->Add({{"queue", "samples"}});
+  s.metrics->add_queue("samples", config.queues.samples);
   for (int64_t r = 0; r < replicas; ++r) {
     s.feature_queues.push_back(std::make_unique<BoundedQueue<FeatureItem>>(config.queues.features));
     const std::string name = "features-" + std::to_string(r);
-    s.queue_capacity_family->Add({{"queue", name}}).Set(static_cast<double>(config.queues.features));
-    s.queue_blocked_family->Add({{"queue", name}});
-    s.queue_starved_family->Add({{"queue", name}});
+    s.metrics->add_queue(name, config.queues.features);
   }
   // Feature memory: capacity x (longest sample x K x H x dtype) must fit the budget.
   const int64_t item_bytes = static_cast<int64_t>(config.data.max_length) * s.shape.num_features() * s.shape.hidden_size *
@@ -939,12 +776,12 @@ void Trainer::start() {
 
 void Trainer::supervise() {
   Impl& s = *impl_;
-  const double now = now_seconds();
+  const double now = unix_seconds();
   for (auto& w : s.workers) {
     const double age = now - w->heartbeat.load();
     w->heartbeat_gauge->Set(w->heartbeat.load());
     const bool stalled = age > s.config.workers.stall_seconds;
-    s.worker_stalled_family->Add({{"worker", w->name}}).Set(stalled ? 1 : 0);
+    s.metrics->worker_stalled_family->Add({{"worker", w->name}}).Set(stalled ? 1 : 0);
     if (stalled && !w->stalled.exchange(true)) {
       const std::string reason = "no heartbeat for " + std::to_string(static_cast<int64_t>(age)) + " s";
       s.health->set_unhealthy(w->name, "stalled: " + reason);
@@ -959,105 +796,24 @@ void Trainer::supervise() {
       s.health->set_healthy(w->name);
     }
   }
-  s.queue_depth_family->Add({{"queue", "samples"}}).Set(static_cast<double>(s.sample_queue->depth()));
-  s.advance(s.queue_blocked_family, {{"queue", "samples"}}, s.sample_queue->producer_blocked_seconds());
-  s.advance(s.queue_starved_family, {{"queue", "samples"}}, s.sample_queue->consumer_starved_seconds());
+  RunMetrics::Observation o;
+  o.queues.push_back({"samples", s.sample_queue->depth(), s.sample_queue->capacity(),
+                      s.sample_queue->producer_blocked_seconds(), s.sample_queue->consumer_starved_seconds()});
   for (size_t r = 0; r < s.feature_queues.size(); ++r) {
     const auto& q = *s.feature_queues[r];
-    const std::string name = "features-" + std::to_string(r);
-    s.queue_depth_family->Add({{"queue", name}}).Set(static_cast<double>(q.depth()));
-    s.advance(s.queue_blocked_family, {{"queue", name}}, q.producer_blocked_seconds());
-    s.advance(s.queue_starved_family, {{"queue", name}}, q.consumer_starved_seconds());
+    o.queues.push_back({"features-" + std::to_string(r), q.depth(), q.capacity(), q.producer_blocked_seconds(),
+                        q.consumer_starved_seconds()});
   }
-  if (!s.gpu_ids.empty()) {
-    for (const GpuMemory& m : gpu_memory(s.gpu_ids)) {
-      s.memory_family->Add({{"gpu", std::to_string(m.device)}, {"kind", "allocated"}}).Set(static_cast<double>(m.allocated_bytes));
-      s.memory_family->Add({{"gpu", std::to_string(m.device)}, {"kind", "reserved"}}).Set(static_cast<double>(m.reserved_bytes));
-      const double retries = s.advance(s.allocator_retries_family, {{"gpu", std::to_string(m.device)}},
-                                       static_cast<double>(m.alloc_retries));
-      if (retries > 0) {
-        log::warn("GPU {}: the CUDA caching allocator emptied its cache and retried {} time(s) since the last check "
-                  "({} GB reserved): memory is near the limit and every retry stalls the GPU; lower "
-                  "queues.features or data.max_length, or give the target and the drafter separate GPUs",
-                  m.device, static_cast<int64_t>(retries), m.reserved_bytes / 1000000000);
-      }
-    }
-  }
-  std::lock_guard lock(s.metrics_mutex);
-  // Throughput, ETA and MFU over the window (the steps since startup would hide a recent change).
-  while (s.token_window.size() > 1 && now - s.token_window.front().time > s.config.metrics.throughput_window_seconds) {
-    s.token_window.pop_front();
-  }
-  double rate = 0, flops_rate = 0;
-  if (s.token_window.size() > 1) {
-    const double span = s.token_window.back().time - s.token_window.front().time;
-    if (span > 0) {
-      rate = (s.token_window.back().tokens - s.token_window.front().tokens) / span;
-      flops_rate = (s.token_window.back().flops - s.token_window.front().flops) / span;
-    }
-  }
-  s.tokens_per_second->Set(rate);
-  const int64_t steps_left = s.plan.total_steps - s.completed_step.load();
-  const double tokens_per_step = s.plan.samples_per_epoch > 0
-                                     ? static_cast<double>(s.data->tokens_per_epoch()) / s.plan.steps_per_epoch
-                                     : 0;
-  s.eta_seconds->Set(rate > 0 ? steps_left * tokens_per_step / rate : 0);
-  const double elapsed = now - s.start_time;
-  const double gpus = s.gpu_ids.empty() ? 1.0 : static_cast<double>(s.gpu_ids.size());
-  if (s.token_window.size() > 1) {
-    s.mfu->Set(flops_rate / (gpus * s.config.metrics.peak_flops_per_gpu));
-  } else if (elapsed > 0) {
-    s.mfu->Set(s.flops_done / elapsed / (gpus * s.config.metrics.peak_flops_per_gpu));
-  }
-  int64_t target_iterations = 0, drafter_iterations = 0;
-  const auto target_stages = Impl::stage_totals(s.target_clocks, &target_iterations);
-  const auto drafter_stages = Impl::stage_totals(s.drafter_clocks, &drafter_iterations);
-  double busy[2] = {0, 0};  // target, drafter: device seconds summed over replicas
-  for (const auto& [role, stages, total] :
-       {std::tuple{"target", &target_stages, &busy[0]}, std::tuple{"drafter", &drafter_stages, &busy[1]}}) {
-    for (const auto& [stage, seconds] : *stages) {
-      s.advance(s.stage_seconds_family, {{"role", role}, {"stage", stage}}, seconds);
-      *total += seconds;
-    }
-  }
-  s.balance->observe(now, busy[0], busy[1]);
-  if (const RoleBalance::Advice advice = s.balance->advice(); advice.known) {
-    s.busy_ratio_target->Set(advice.target_busy_ratio);
-    s.busy_ratio_drafter->Set(advice.drafter_busy_ratio);
-    s.bottleneck_target->Set(advice.bottleneck == "target" ? 1 : 0);
-    s.bottleneck_drafter->Set(advice.bottleneck == "drafter" ? 1 : 0);
-    s.suggested_target_gpus->Set(advice.suggested_target_gpus);
-  }
-  const double since_log = std::chrono::duration<double>(Clock::now() - s.last_log_time).count();
-  if (since_log >= s.config.metrics.log_every_seconds) {
-    s.last_log_time = Clock::now();
-    // Per role over the interval: device ms per iteration by stage, and the share of the
-    // interval its GPUs spent on them (the rest: waiting for the other role, a queue, the GPU).
-    std::string breakdown;
-    for (const auto& [role, stages, iterations, mark, replicas] :
-         {std::tuple{"target", &target_stages, target_iterations, &s.logged_target, s.target_clocks.size()},
-          std::tuple{"drafter", &drafter_stages, drafter_iterations, &s.logged_drafter, s.drafter_clocks.size()}}) {
-      const int64_t n = iterations - mark->iterations;
-      if (n <= 0) continue;
-      std::string part;
-      double busy = 0;
-      for (const auto& [stage, seconds] : *stages) {
-        const double delta = seconds - mark->seconds[stage];
-        busy += delta;
-        part += " " + stage + " " + fixed(1e3 * delta / static_cast<double>(n), 1);
-      }
-      breakdown += (breakdown.empty() ? "" : " | ") + std::string(role) + " (busy " +
-                   fixed(100.0 * busy / (since_log * static_cast<double>(std::max<size_t>(1, replicas))), 0) + " %)" + part;
-      mark->seconds = *stages;
-      mark->iterations = iterations;
-    }
-    if (!breakdown.empty()) log::info("ms per sequence (target) and per step (drafter), by stage: {}", breakdown);
-    log::info("step {}/{}  loss {}  tau {}  lr {}  tok/s {}  ETA {} s  queues samples {}/{} features {}/{}",
-              s.completed_step.load(), s.plan.total_steps, fixed(s.last_loss, 4), fixed(s.last_tau, 3),
-              fixed(s.last_lr, 6), fixed(rate, 1),
-              static_cast<int64_t>(rate > 0 ? steps_left * tokens_per_step / rate : 0), s.sample_queue->depth(),
-              s.sample_queue->capacity(), s.feature_queues[0]->depth(), s.feature_queues[0]->capacity());
-  }
+  o.target.stage_seconds = Impl::stage_totals(s.target_clocks, &o.target.iterations);
+  o.target.replicas = s.target_clocks.size();
+  o.drafter.stage_seconds = Impl::stage_totals(s.drafter_clocks, &o.drafter.iterations);
+  o.drafter.replicas = s.drafter_clocks.size();
+  o.completed_steps = s.completed_step.load();
+  o.total_steps = s.plan.total_steps;
+  o.tokens_per_step = s.plan.samples_per_epoch > 0
+                          ? static_cast<double>(s.data->tokens_per_epoch()) / static_cast<double>(s.plan.steps_per_epoch)
+                          : 0;
+  s.metrics->observe(o);
 }
 
 void Trainer::request_stop() {
