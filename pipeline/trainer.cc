@@ -38,6 +38,7 @@
 #include "pipeline/memory_plan.h"
 #include "pipeline/nccl_gradients.h"
 #include "pipeline/nodes.h"
+#include "pipeline/replicas.h"
 #include "pipeline/run_metrics.h"
 #include "pipeline/streams.h"
 #include "target/model.h"
@@ -46,45 +47,6 @@ namespace dflash::pipeline {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-at::Device device_for(const config::GpuConfig& gpus, int id) {
-  return gpus.device == "cuda" ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(id)) : at::Device(at::kCPU);
-}
-
-at::ScalarType dtype_of(const std::string& name) {
-  if (name == "bfloat16") return at::kBFloat16;
-  if (name == "float16") return at::kHalf;
-  return at::kFloat;
-}
-
-// drafter.attention, decided once per drafter GPU at start. `auto` takes the fused kernels on a
-// GPU and refuses to fall back from them there (the split paths are 2-3x slower: bench/RESULTS.md)
-// with the reason and the fixes; on the CPU it is the portable split path.
-drafter::BlockAttentionPathInfo attention_path_for(const config::Config& config, const drafter::DrafterShape& shape,
-                                                   at::Device device, at::ScalarType dtype) {
-  using drafter::BlockAttentionPath;
-  const std::string& asked = config.drafter.attention;
-  const BlockAttentionPath path = asked == "kernels"     ? BlockAttentionPath::kernels
-                                  : asked == "efficient" ? BlockAttentionPath::efficient
-                                  : asked == "math"      ? BlockAttentionPath::math
-                                                         : BlockAttentionPath::automatic;
-  const at::Tensor like =
-      at::empty({1, shape.num_attention_heads, shape.head_dim}, at::TensorOptions().device(device).dtype(dtype));
-  drafter::BlockAttentionPathInfo info;
-  try {
-    info = drafter::describe_block_attention_path(like, shape.block_size, path);
-  } catch (const std::invalid_argument& e) {
-    throw std::runtime_error("drafter.attention: kernels: " + std::string(e.what()));
-  }
-  if (path == BlockAttentionPath::automatic && device.is_cuda() && info.path != BlockAttentionPath::kernels) {
-    throw std::runtime_error(
-        "drafter.attention: the fused block-attention kernels cannot run on GPU " + std::to_string(device.index()) +
-        " (" + info.description + "); the fallback is 2-3x slower. Give the drafter heads of 128 in bf16 "
-        "(drafter.num_attention_heads / num_key_value_heads / head_dim, target.dtype: bfloat16), or set "
-        "drafter.attention: efficient to accept the slower split path");
-  }
-  return info;
-}
 
 struct SampleItem {
   int64_t q = 0;  // sample number across epochs
@@ -124,12 +86,7 @@ struct Trainer::Impl {
   StepPlan plan;
   std::unique_ptr<FailedSamples> failed_samples;  // counts restored from the checkpoint
   int64_t data_index(int64_t q) const { return data->sample_at(q / plan.samples_per_epoch, q % plan.samples_per_epoch); }
-  std::vector<std::unique_ptr<target::TargetModel>> targets;
-  std::vector<std::unique_ptr<drafter::Drafter>> drafters;
-  std::vector<std::unique_ptr<drafter::AdamW>> optimizers;
-  std::vector<at::Tensor> embeds, heads;  // per drafter replica (frozen, on its device)
-  std::vector<at::Device> drafter_devices;
-  std::vector<DrafterReplica> replicas;  // what each drafter replica brings to drafter_step()
+  std::unique_ptr<Replicas> models;  // the target and drafter replicas on their devices
   StepSettings step_settings;
   std::unique_ptr<BoundedQueue<SampleItem>> sample_queue;
   std::vector<std::unique_ptr<BoundedQueue<FeatureItem>>> feature_queues;
@@ -158,13 +115,6 @@ struct Trainer::Impl {
       thread_exited.notify_all();
     });
   }
-  std::vector<std::unique_ptr<StageClock>> target_clocks, drafter_clocks;  // per replica
-  std::map<int, std::unique_ptr<std::mutex>> gpu_turns;  // GPUs that run both roles
-  std::mutex* turn_of(at::Device device) {
-    const auto it = device.is_cuda() ? gpu_turns.find(device.index()) : gpu_turns.end();
-    return it == gpu_turns.end() ? nullptr : it->second.get();
-  }
-
   int64_t start_step = 0;
   std::atomic<int64_t> completed_step{0};
   std::atomic<bool> stop_requested{false};
@@ -305,15 +255,15 @@ struct Trainer::Impl {
   // ---- target worker -----------------------------------------------------------------------
   void target_loop(Worker& w, size_t replica) {
     c10::InferenceMode inference;
-    const target::TargetModel& model = *targets[replica];
+    const target::TargetModel& model = *models->targets[replica];
     const WorkerStream stream(model.options().device);
-    StageClock& clock = *target_clocks[replica];
+    StageClock& clock = *models->target_clocks[replica];
     const std::vector<int64_t> layers(shape.target_layer_ids.begin(), shape.target_layer_ids.end());
     while (auto item = sample_queue->pop([&] { w.beat(); })) {
       w.beat();
       w.busy.store(true);
       std::optional<GpuTurn> turn;  // released before the push: a full queue must not hold the GPU
-      turn.emplace(turn_of(model.options().device), model.options().device);
+      turn.emplace(models->turn_of(model.options().device), model.options().device);
       clock.start();
       const int64_t drafter_replica = plan.replica_of(item->q) - node_rank * local_replicas;  // local index
       FeatureItem out;
@@ -327,7 +277,7 @@ struct Trainer::Impl {
         auto tapped = model.forward(ids, {0, tokens}, layers);
         clock.lap("target_forward");
         // fc input: the tapped layers concatenated in ascending id order (docs/recipe.md).
-        const at::Device to = drafter_devices[drafter_replica];
+        const at::Device to = models->drafter_devices[drafter_replica];
         out.features = at::cat(tapped, -1).to(to, /*non_blocking=*/false, /*copy=*/false);
         out.input_ids = ids.to(to);
         out.loss_mask = item->sample.loss_mask;
@@ -348,7 +298,7 @@ struct Trainer::Impl {
   // ---- drafter worker ----------------------------------------------------------------------
   void drafter_loop(Worker& w, int replica) {
     BoundedQueue<FeatureItem>& queue = *feature_queues[replica];
-    const WorkerStream stream(drafter_devices[replica]);
+    const WorkerStream stream(models->drafter_devices[replica]);
     std::map<int64_t, FeatureItem> waiting;  // reorder buffer: items arrive in any order
     for (int64_t step = start_step; step < plan.total_steps; ++step) {
       w.beat();
@@ -379,7 +329,7 @@ struct Trainer::Impl {
           if (item.skipped() || failed_samples->skipped(data_index(q))) continue;
           samples.push_back({q, item.features, item.input_ids, &item.loss_mask});
         }
-        out = drafter_step(replicas[replica], step_settings, samples, *collective, [&] {
+        out = drafter_step(models->drafter[replica], step_settings, samples, *collective, [&] {
           if (hooks.drafter_step) hooks.drafter_step(replica, step);
         });
       }, indices);
@@ -443,7 +393,7 @@ struct Trainer::Impl {
     const auto started = Clock::now();
     drafter::CheckpointSnapshot& snapshot = checkpoint_writer->acquire();
     try {
-      snapshot.take(step, *drafters[0], *optimizers[0], trainer_state_json(step));
+      snapshot.take(step, *models->drafters[0], *models->optimizers[0], trainer_state_json(step));
     } catch (const std::exception& e) {
       health->set_unhealthy("checkpoint", e.what());
       log::error("checkpoint at step {}: taking the snapshot failed: {}", step, e.what());
@@ -488,7 +438,7 @@ struct Trainer::Impl {
     }
   }
 
-  void export_to(const std::string& dir) { drafters[0]->save_export(dir); }
+  void export_to(const std::string& dir) { models->drafters[0]->save_export(dir); }
 
   bool threads_stopped() {
     std::lock_guard lock(exit_mutex);
@@ -548,7 +498,7 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
   }
   // ---- models and data --------------------------------------------------------------------
-  const at::ScalarType dtype = dtype_of(config.target.dtype);
+  const at::ScalarType dtype = model_dtype(config.target.dtype);
   if (!config.target.preset.empty()) {
     s.target_config = target::parse_model_config(target::preset_config_json(config.target.preset), config.target.preset);
   } else {
@@ -568,41 +518,12 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
       throw std::runtime_error("the memory plan does not fit: " + text);
     }
   }
-  const int64_t last_layer = s.shape.target_layer_ids.back();
-  for (int id : config.gpus.target) {
-    target::TargetOptions options{device_for(config.gpus, id), dtype, config.target.allow_slow_path};
-    if (config.target.weights == "random" || !config.target.preset.empty()) {
-      s.targets.push_back(target::random_target(s.target_config, last_layer, options, 0x7a11 ^ config.train.seed));
-    } else {
-      s.targets.push_back(target::load_target(config.target.path, last_layer, options));
-    }
-    s.target_clocks.push_back(std::make_unique<StageClock>(options.device));
+  s.models = build_replicas(config, s.target_config, s.shape);
+  for (const auto& [kind, path] : s.models->targets[0]->kernel_paths()) {
+    s.metrics->kernel_path_family->Add({{"layer_type", kind}, {"path", path}}).Set(1);
   }
-  for (const auto& [kind, path] : s.targets[0]->kernel_paths()) s.metrics->kernel_path_family->Add({{"layer_type", kind}, {"path", path}}).Set(1);
-  for (size_t r = 0; r < config.gpus.drafter.size(); ++r) {
-    const at::Device device = device_for(config.gpus, config.gpus.drafter[r]);
-    s.drafter_devices.push_back(device);
-    s.drafters.push_back(std::make_unique<drafter::Drafter>(s.shape, at::TensorOptions().device(device).dtype(dtype)));
-    s.drafter_clocks.push_back(std::make_unique<StageClock>(device));
-    const int id = config.gpus.drafter[r];
-    if (device.is_cuda() && config.gpus.shared_gpu == "turns" &&
-        std::count(config.gpus.target.begin(), config.gpus.target.end(), id) > 0) {
-      s.gpu_turns.emplace(id, std::make_unique<std::mutex>());
-    }
-    s.drafters.back()->init_random(static_cast<uint64_t>(config.train.seed));
-    // drafter.init: an exported drafter or a checkpoint directory (both hold config.json and
-    // model.safetensors in the export names); the shape must be the configured one. A resumed
-    // checkpoint (below) replaces these weights again.
-    if (config.drafter.init != "random") s.drafters.back()->load_export(config.drafter.init);
-    const drafter::BlockAttentionPathInfo attention = attention_path_for(config, s.shape, device, dtype);
-    s.drafters.back()->set_attention_path(attention.path);
-    if (r == 0) {
-      log::info("drafter attention: {}", attention.description);
-      s.metrics->attention_path_family->Add({{"path", attention.name}}).Set(1);
-    }
-    s.embeds.push_back(s.targets[0]->embed_tokens().to(device));
-    s.heads.push_back(s.targets[0]->lm_head().to(device));
-  }
+  log::info("drafter attention: {}", s.models->attention_description);
+  s.metrics->attention_path_family->Add({{"path", s.models->attention_name}}).Set(1);
 
   s.data = Dataset::open(config.data, s.target_config.vocab_size);
   s.failed_samples = std::make_unique<FailedSamples>(config.workers.skip_sample_after_failures);
@@ -616,17 +537,7 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   if (node_info.nodes > 1) s.nodes = std::make_unique<NodeGroup>(node_info);
   s.plan = StepPlan::make(s.data->size(), replicas * node_info.nodes, config.train.sequences_per_step,
                           config.train.grad_accumulation_steps, config.train.epochs, config.train.max_steps);
-  drafter::OptimizerSettings settings;
-  settings.learning_rate = config.train.learning_rate;
-  settings.min_learning_rate = config.train.min_learning_rate;
-  settings.total_steps = s.plan.total_steps;
-  settings.warmup_steps = static_cast<int64_t>(std::ceil(config.train.warmup_ratio * static_cast<double>(s.plan.total_steps)));
-  settings.beta1 = config.train.adam_beta1;
-  settings.beta2 = config.train.adam_beta2;
-  settings.epsilon = config.train.adam_epsilon;
-  settings.weight_decay = config.train.weight_decay;
-  settings.grad_clip_norm = config.train.grad_clip_norm;
-  for (auto& d : s.drafters) s.optimizers.push_back(std::make_unique<drafter::AdamW>(d->parameters(), settings));
+  add_optimizers(*s.models, config.train, s.plan.total_steps);
   s.step_settings = {s.shape,
                      s.target_config,
                      config.loss_gamma(),
@@ -634,10 +545,6 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
                      config.train.anchors_per_sequence,
                      config.train.sequences_per_step,
                      static_cast<int64_t>(config.train.lm_head_chunk_blocks) * s.shape.block_size};
-  for (size_t r = 0; r < s.drafters.size(); ++r) {
-    s.replicas.push_back({static_cast<int>(r), s.drafters[r].get(), s.optimizers[r].get(), s.embeds[r], s.heads[r],
-                          s.drafter_devices[r], s.drafter_clocks[r].get(), s.turn_of(s.drafter_devices[r])});
-  }
 
   // ---- resume -------------------------------------------------------------------------------
   std::string resume_from;
@@ -649,8 +556,8 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   }
   int64_t resumed_tokens = 0, resumed_samples = 0;
   if (!resume_from.empty()) {
-    for (size_t r = 0; r < s.drafters.size(); ++r) {
-      const auto loaded = drafter::read_checkpoint(resume_from, s.drafters[r].get(), s.optimizers[r].get());
+    for (size_t r = 0; r < s.models->drafters.size(); ++r) {
+      const auto loaded = drafter::read_checkpoint(resume_from, s.models->drafters[r].get(), s.models->optimizers[r].get());
       s.start_step = loaded.step;
       const auto state = nlohmann::json::parse(loaded.trainer_state_json);
       resumed_tokens = state.value("tokens_consumed", int64_t{0});
@@ -747,9 +654,9 @@ void Trainer::start() {
     s.sample_queue->close();  // no more samples: target workers drain and exit
   });
   std::vector<Worker*> target_workers;
-  for (size_t t = 0; t < s.targets.size(); ++t) target_workers.push_back(&s.add_worker("target-" + std::to_string(t)));
-  auto targets_left = std::make_shared<std::atomic<int>>(static_cast<int>(s.targets.size()));
-  for (size_t t = 0; t < s.targets.size(); ++t) {
+  for (size_t t = 0; t < s.models->targets.size(); ++t) target_workers.push_back(&s.add_worker("target-" + std::to_string(t)));
+  auto targets_left = std::make_shared<std::atomic<int>>(static_cast<int>(s.models->targets.size()));
+  for (size_t t = 0; t < s.models->targets.size(); ++t) {
     s.spawn([&s, w = target_workers[t], t, targets_left] {
       s.contained(*w, [&] { s.target_loop(*w, t); });
       if (targets_left->fetch_sub(1) == 1) {
@@ -757,8 +664,8 @@ void Trainer::start() {
       }
     });
   }
-  s.drafters_running.store(static_cast<int>(s.drafters.size()));
-  for (size_t r = 0; r < s.drafters.size(); ++r) {
+  s.drafters_running.store(static_cast<int>(s.models->drafters.size()));
+  for (size_t r = 0; r < s.models->drafters.size(); ++r) {
     Worker& w = s.add_worker("drafter-" + std::to_string(r));
     s.spawn([&s, &w, r] {
       s.contained(w, [&] { s.drafter_loop(w, static_cast<int>(r)); });
@@ -804,10 +711,10 @@ void Trainer::supervise() {
     o.queues.push_back({"features-" + std::to_string(r), q.depth(), q.capacity(), q.producer_blocked_seconds(),
                         q.consumer_starved_seconds()});
   }
-  o.target.stage_seconds = Impl::stage_totals(s.target_clocks, &o.target.iterations);
-  o.target.replicas = s.target_clocks.size();
-  o.drafter.stage_seconds = Impl::stage_totals(s.drafter_clocks, &o.drafter.iterations);
-  o.drafter.replicas = s.drafter_clocks.size();
+  o.target.stage_seconds = Impl::stage_totals(s.models->target_clocks, &o.target.iterations);
+  o.target.replicas = s.models->target_clocks.size();
+  o.drafter.stage_seconds = Impl::stage_totals(s.models->drafter_clocks, &o.drafter.iterations);
+  o.drafter.replicas = s.models->drafter_clocks.size();
   o.completed_steps = s.completed_step.load();
   o.total_steps = s.plan.total_steps;
   o.tokens_per_step = s.plan.samples_per_epoch > 0
