@@ -28,7 +28,7 @@
 #include "drafter/model.h"
 #include "drafter/optimizer.h"
 #include "pipeline/bounded_queue.h"
-#include "pipeline/checkpoint_writer.h"
+#include "pipeline/checkpointer.h"
 #include "pipeline/collective.h"
 #include "pipeline/dataset.h"
 #include "pipeline/drafter_step.h"
@@ -126,13 +126,6 @@ struct Trainer::Impl {
   Outcome outcome = Outcome::finished;
 
   std::unique_ptr<RunMetrics> metrics;  // registration, step records, the supervisor's observations
-  // Checkpoint cadence and the best export: replica 0's thread and the writer's, guarded by
-  // checkpoint_mutex.
-  std::mutex checkpoint_mutex;
-  double best_tau = 0;      // the best training tau a checkpoint was written at
-  double snapshot_tau = 0;  // tau at the step of the snapshot in the writer's hands
-  Clock::time_point last_checkpoint_time = Clock::now();  // replica 0's thread only
-
   // Seconds per stage summed over the replicas of a role.
   static std::map<std::string, double> stage_totals(const std::vector<std::unique_ptr<StageClock>>& clocks,
                                                     int64_t* iterations) {
@@ -356,86 +349,13 @@ struct Trainer::Impl {
       metrics->record_step({step, out.stats.weight_sum > 0 ? out.stats.loss_sum / out.stats.weight_sum : 0, out.stats.tau(),
                             out.result.learning_rate, out.result.grad_norm, out.stats.accuracy(), out.tokens,
                             static_cast<int64_t>(wanted.size()) * plan.replicas, out.flops});
-      maybe_checkpoint(step + 1, false);
+      checkpoints->maybe_checkpoint(step + 1, false, *models->drafters[0], *models->optimizers[0]);
     }
   }
 
-  // FailedSamples' counts as {"data index": failures} (JSON keys are strings).
-  nlohmann::json failures_json() const {
-    nlohmann::json j = nlohmann::json::object();
-    for (const auto& [index, failures] : failed_samples->counts()) j[std::to_string(index)] = failures;
-    return j;
-  }
-
-  std::string trainer_state_json(int64_t step) {
-    const RunMetrics::Totals totals = metrics->totals();
-    std::lock_guard lock(checkpoint_mutex);
-    nlohmann::json j = {{"step", step},
-                        {"tokens_consumed", totals.tokens},
-                        {"samples_consumed", totals.samples},
-                        {"best_tau", best_tau},
-                        {"sample_failures", failures_json()},
-                        {"data", {{"next_sample", step < plan.total_steps ? plan.first_sample(step) : -1},
-                                  {"samples_per_epoch", plan.samples_per_epoch},
-                                  {"global_batch", plan.global_batch()}}}};
-    return j.dump();
-  }
-
-  // Replica 0's thread (or the owner at the end): by steps, by minutes, or forced. Here the
-  // snapshot is taken (a device-to-host copy); the writer's thread writes it. A forced one (the
-  // final checkpoint) is waited for.
-  void maybe_checkpoint(int64_t step, bool force) {
-    const auto& c = config.checkpoint;
-    const bool by_steps = c.every_steps > 0 && step % c.every_steps == 0;
-    const bool by_time = c.every_minutes > 0 &&
-                         std::chrono::duration<double>(Clock::now() - last_checkpoint_time).count() >= c.every_minutes * 60;
-    if (!force && !by_steps && !by_time) return;
-    const auto started = Clock::now();
-    drafter::CheckpointSnapshot& snapshot = checkpoint_writer->acquire();
-    try {
-      snapshot.take(step, *models->drafters[0], *models->optimizers[0], trainer_state_json(step));
-    } catch (const std::exception& e) {
-      health->set_unhealthy("checkpoint", e.what());
-      log::error("checkpoint at step {}: taking the snapshot failed: {}", step, e.what());
-      return;
-    }
-    metrics->snapshot_seconds->Set(std::chrono::duration<double>(Clock::now() - started).count());
-    last_checkpoint_time = Clock::now();
-    {
-      const double tau = metrics->totals().tau;
-      std::lock_guard lock(checkpoint_mutex);
-      snapshot_tau = tau;
-    }
-    checkpoint_writer->submit();
-    if (force) checkpoint_writer->wait_idle();
-  }
-
-  // The writer's thread: the checkpoint, pruning, its metrics, and export/best when the tau of
-  // the snapshot's step is the best so far.
-  void write_snapshot(const drafter::CheckpointSnapshot& snapshot) {
-    const auto started = Clock::now();
-    try {
-      const std::string dir = drafter::write_checkpoint(config.checkpoint_dir(), snapshot);
-      drafter::prune_checkpoints(config.checkpoint_dir(), config.checkpoint.keep_last);
-      const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
-      metrics->checkpoint_time->Set(unix_seconds());
-      metrics->checkpoint_duration->Set(seconds);
-      health->set_healthy("checkpoint");
-      log::info("checkpoint {} written in {} s", dir, fixed(seconds, 2));
-      double tau = 0;
-      bool best = false;
-      {
-        std::lock_guard lock(checkpoint_mutex);
-        tau = snapshot_tau;
-        best = tau > best_tau;
-        if (best) best_tau = tau;
-      }
-      if (best) drafter::write_export(config.run.output_dir + "/export/best", snapshot.shape, snapshot.model);
-    } catch (const std::exception& e) {
-      // A failed checkpoint leaves the previous ones intact (atomic protocol); the run goes on.
-      health->set_unhealthy("checkpoint", e.what());
-      log::error("checkpoint at step {} failed: {}", snapshot.step, e.what());
-    }
+  // The final or failure checkpoint of the last complete step, waited for.
+  void checkpoint_now(int64_t step) {
+    checkpoints->maybe_checkpoint(step, /*force=*/true, *models->drafters[0], *models->optimizers[0]);
   }
 
   void export_to(const std::string& dir) { models->drafters[0]->save_export(dir); }
@@ -463,7 +383,7 @@ struct Trainer::Impl {
       auto written = std::make_shared<std::promise<void>>();
       std::future<void> done = written->get_future();
       std::thread([this, step, written] {
-        maybe_checkpoint(step, /*force=*/true);
+        checkpoint_now(step);
         written->set_value();
       }).detach();
       if (done.wait_for(grace) != std::future_status::ready) {
@@ -477,9 +397,9 @@ struct Trainer::Impl {
     threads.clear();
   }
 
-  // Last member, so destroyed first: its thread finishes the write in flight while everything
-  // write_snapshot() uses still exists.
-  std::unique_ptr<CheckpointWriter> checkpoint_writer;
+  // Last member, so destroyed first: its writer thread finishes the write in flight while
+  // everything it uses still exists.
+  std::unique_ptr<Checkpointer> checkpoints;
 };
 
 Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, std::shared_ptr<Health> health,
@@ -488,8 +408,6 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   Impl& s = *impl_;
   s.config = config;
   s.hooks = std::move(hooks);
-  s.checkpoint_writer =
-      std::make_unique<CheckpointWriter>([&s](const drafter::CheckpointSnapshot& snapshot) { s.write_snapshot(snapshot); });
   s.health = std::move(health);
   s.metrics = std::make_unique<RunMetrics>(config, registry);
   if (config.train.deterministic) {
@@ -547,44 +465,8 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
                      static_cast<int64_t>(config.train.lm_head_chunk_blocks) * s.shape.block_size};
 
   // ---- resume -------------------------------------------------------------------------------
-  std::string resume_from;
-  if (config.checkpoint.resume == "auto") {
-    const auto found = drafter::list_checkpoints(config.checkpoint_dir());
-    if (!found.empty()) resume_from = found.back();
-  } else if (config.checkpoint.resume != "never") {
-    resume_from = config.checkpoint.resume;
-  }
-  int64_t resumed_tokens = 0, resumed_samples = 0;
-  if (!resume_from.empty()) {
-    for (size_t r = 0; r < s.models->drafters.size(); ++r) {
-      const auto loaded = drafter::read_checkpoint(resume_from, s.models->drafters[r].get(), s.models->optimizers[r].get());
-      s.start_step = loaded.step;
-      const auto state = nlohmann::json::parse(loaded.trainer_state_json);
-      resumed_tokens = state.value("tokens_consumed", int64_t{0});
-      resumed_samples = state.value("samples_consumed", int64_t{0});
-      s.best_tau = state.value("best_tau", 0.0);
-      std::map<int64_t, int> failures;
-      const nlohmann::json failures_state = state.value("sample_failures", nlohmann::json::object());
-      for (const auto& [index, count] : failures_state.items()) {
-        failures[std::stoll(index)] = count.get<int>();
-      }
-      s.failed_samples->restore(std::move(failures));
-      const auto data_state = state.value("data", nlohmann::json::object());
-      if (data_state.value("samples_per_epoch", s.plan.samples_per_epoch) != s.plan.samples_per_epoch ||
-          data_state.value("global_batch", s.plan.global_batch()) != s.plan.global_batch()) {
-        throw std::runtime_error(resume_from + ": the data or batch shape changed since this checkpoint (" +
-                                 std::to_string(data_state.value("samples_per_epoch", int64_t{0})) +
-                                 " samples per epoch then, " + std::to_string(s.plan.samples_per_epoch) +
-                                 " now); resuming would not be exact. Use checkpoint.resume: never to start over");
-      }
-    }
-    s.metrics->restore(resumed_tokens, resumed_samples);
-    log::info("resuming from {} at step {} of {}", resume_from, s.start_step, s.plan.total_steps);
-    if (const int64_t skipped = s.failed_samples->skipped_count(); skipped > 0) {
-      s.metrics->skipped_failed_total->Increment(static_cast<double>(skipped));
-      log::warn("{} sample(s) failed workers.skip_sample_after_failures times in earlier runs and are skipped", skipped);
-    }
-  }
+  s.checkpoints = std::make_unique<Checkpointer>(s.config, s.plan, *s.metrics, *s.health, *s.failed_samples);
+  s.start_step = s.checkpoints->resume(s.models->drafters, s.models->optimizers);
   if (s.nodes) {
     // Every node must resume from the same step (each reads its own output_dir).
     const std::vector<double> agreed = s.nodes->sum({static_cast<double>(s.start_step),
@@ -597,7 +479,7 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
     }
   }
   if (config.drafter.init != "random") {
-    log::info(resume_from.empty() ? "drafter initialised from {} (drafter.init)"
+    log::info(s.checkpoints->resumed_from().empty() ? "drafter initialised from {} (drafter.init)"
                                   : "drafter.init ({}) applies to a fresh run only: the resumed checkpoint's weights are used",
               config.drafter.init);
   }
@@ -756,10 +638,10 @@ Outcome Trainer::wait() {
   }
   s.threads.clear();
   if (s.failed.load()) {
-    s.maybe_checkpoint(step, /*force=*/true);  // weights are those of the last completed step
+    s.checkpoint_now(step);  // weights are those of the last completed step
     return Outcome::failed;
   }
-  s.maybe_checkpoint(step, /*force=*/true);
+  s.checkpoint_now(step);
   if (step >= s.plan.total_steps) {
     s.export_to(s.config.run.output_dir + "/export/final");
     log::info("run complete: {} steps; drafter exported to {}/export/final (best by training tau: {}/export/best)",
