@@ -41,6 +41,7 @@
 #include "pipeline/replicas.h"
 #include "pipeline/run_metrics.h"
 #include "pipeline/streams.h"
+#include "pipeline/workers.h"
 #include "target/model.h"
 
 namespace dflash::pipeline {
@@ -60,18 +61,6 @@ struct FeatureItem {
   std::vector<uint8_t> loss_mask;
   std::shared_ptr<ReadyEvent> ready;  // the target's work on them is done (GPU)
   bool skipped() const { return !features.defined(); }  // the sample failed too often (FailedSamples)
-};
-
-struct Worker {
-  std::string name;
-  std::atomic<double> heartbeat{0};
-  std::atomic<int> restarts{0};
-  std::atomic<bool> busy{false};
-  std::atomic<bool> stalled{false};
-  prometheus::Gauge* heartbeat_gauge = nullptr;
-  prometheus::Gauge* busy_seconds = nullptr;  // not used as gauge of state; see metrics
-  prometheus::Counter* restarts_counter = nullptr;
-  void beat() { heartbeat.store(unix_seconds()); }
 };
 
 }  // namespace
@@ -94,27 +83,10 @@ struct Trainer::Impl {
   std::unique_ptr<NodeGroup> nodes;             // multi-node runs: the other processes
   int node_rank = 0;
   int64_t local_replicas = 1;                   // drafter replicas of this node
-  std::vector<std::unique_ptr<Worker>> workers;
-  std::vector<std::thread> threads;
-  // Worker threads still inside their loops (wait() gives up on those stuck after a failure).
-  std::mutex exit_mutex;
-  std::condition_variable thread_exited;
-  int threads_running = 0;                   // guarded by exit_mutex
+  std::unique_ptr<WorkerPool> workers;        // the worker threads and their heartbeats
   std::atomic<bool> drafter0_exited{false};  // replica 0's weights are no longer being changed
   std::atomic<bool> abandoned{false};        // wait() left stuck threads behind
 
-  void spawn(std::function<void()> body) {
-    {
-      std::lock_guard lock(exit_mutex);
-      ++threads_running;
-    }
-    threads.emplace_back([this, body = std::move(body)] {
-      body();
-      std::lock_guard lock(exit_mutex);
-      --threads_running;
-      thread_exited.notify_all();
-    });
-  }
   int64_t start_step = 0;
   std::atomic<int64_t> completed_step{0};
   std::atomic<bool> stop_requested{false};
@@ -215,17 +187,7 @@ struct Trainer::Impl {
     }
   }
 
-  Worker& add_worker(const std::string& name) {
-    workers.push_back(std::make_unique<Worker>());
-    Worker& w = *workers.back();
-    w.name = name;
-    w.beat();
-    w.heartbeat_gauge = &metrics->worker_heartbeat_family->Add({{"worker", name}});
-    w.restarts_counter = &metrics->worker_restarts_family->Add({{"worker", name}});
-    metrics->worker_stalled_family->Add({{"worker", name}});
-    health->set_healthy(name);
-    return w;
-  }
+
 
   // ---- reader ----------------------------------------------------------------------------
   void reader_loop(Worker& w) {
@@ -254,7 +216,6 @@ struct Trainer::Impl {
     const std::vector<int64_t> layers(shape.target_layer_ids.begin(), shape.target_layer_ids.end());
     while (auto item = sample_queue->pop([&] { w.beat(); })) {
       w.beat();
-      w.busy.store(true);
       std::optional<GpuTurn> turn;  // released before the push: a full queue must not hold the GPU
       turn.emplace(models->turn_of(model.options().device), model.options().device);
       clock.start();
@@ -281,7 +242,6 @@ struct Trainer::Impl {
         out = FeatureItem{};  // no features: the drafter leaves the sample out
         out.q = item->q;
       }
-      w.busy.store(false);
       if (!ok) return;
       turn.reset();
       if (!feature_queues[drafter_replica]->push(std::move(out), [&] { w.beat(); })) return;
@@ -306,7 +266,6 @@ struct Trainer::Impl {
           waiting.emplace(item->q, std::move(*item));
         }
       }
-      w.busy.store(true);
       StepOutput out;
       std::vector<int64_t> indices;  // the step's samples in data order, for FailedSamples
       for (int64_t q : wanted) indices.push_back(data_index(q));
@@ -326,7 +285,6 @@ struct Trainer::Impl {
           if (hooks.drafter_step) hooks.drafter_step(replica, step);
         });
       }, indices);
-      w.busy.store(false);
       if (!ok) return;
       for (int64_t q : wanted) waiting.erase(q);
       if (!out.result.applied) {
@@ -360,10 +318,7 @@ struct Trainer::Impl {
 
   void export_to(const std::string& dir) { models->drafters[0]->save_export(dir); }
 
-  bool threads_stopped() {
-    std::lock_guard lock(exit_mutex);
-    return threads_running == 0;
-  }
+
 
   // Some worker threads did not leave after a failure. Replica 0's weights are those of the
   // last complete step once its thread left (its optimizer runs after every collective of a
@@ -372,11 +327,7 @@ struct Trainer::Impl {
   // detached: the caller ends the process without destroying what they use (Trainer::abandoned).
   void abandon(int64_t step, std::chrono::duration<double> grace) {
     abandoned.store(true);
-    int stuck = 0;
-    {
-      std::lock_guard lock(exit_mutex);
-      stuck = threads_running;
-    }
+    const int stuck = workers->running();
     log::error("{} worker thread(s) did not stop within {} s of the failure (stuck in a CUDA or NCCL call?)", stuck,
                fixed(grace.count(), 0));
     if (drafter0_exited.load()) {
@@ -393,8 +344,7 @@ struct Trainer::Impl {
     } else {
       log::error("no final checkpoint: drafter-0 is stuck mid-step; the newest complete checkpoint stays");
     }
-    for (auto& t : threads) t.detach();
-    threads.clear();
+    workers->detach();
   }
 
   // Last member, so destroyed first: its writer thread finishes the write in flight while
@@ -410,6 +360,7 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   s.hooks = std::move(hooks);
   s.health = std::move(health);
   s.metrics = std::make_unique<RunMetrics>(config, registry);
+  s.workers = std::make_unique<WorkerPool>(*s.metrics, *s.health);
   if (config.train.deterministic) {
     // Bit-identical reruns and resumes: deterministic kernels only (CPU math is deterministic
     // at a fixed thread count already).
@@ -516,7 +467,7 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
 }
 
 Trainer::~Trainer() {
-  if (!impl_->threads.empty()) {
+  if (impl_->workers && impl_->workers->started()) {
     request_stop();
     wait();
   }
@@ -530,16 +481,16 @@ void Trainer::start() {
     s.finished.store(true);
     return;
   }
-  Worker& reader = s.add_worker("reader");
-  s.spawn([&s, &reader] {
+  Worker& reader = s.workers->add("reader");
+  s.workers->spawn([&s, &reader] {
     s.contained(reader, [&] { s.reader_loop(reader); });
     s.sample_queue->close();  // no more samples: target workers drain and exit
   });
   std::vector<Worker*> target_workers;
-  for (size_t t = 0; t < s.models->targets.size(); ++t) target_workers.push_back(&s.add_worker("target-" + std::to_string(t)));
+  for (size_t t = 0; t < s.models->targets.size(); ++t) target_workers.push_back(&s.workers->add("target-" + std::to_string(t)));
   auto targets_left = std::make_shared<std::atomic<int>>(static_cast<int>(s.models->targets.size()));
   for (size_t t = 0; t < s.models->targets.size(); ++t) {
-    s.spawn([&s, w = target_workers[t], t, targets_left] {
+    s.workers->spawn([&s, w = target_workers[t], t, targets_left] {
       s.contained(*w, [&] { s.target_loop(*w, t); });
       if (targets_left->fetch_sub(1) == 1) {
         for (auto& q : s.feature_queues) q->close();
@@ -548,8 +499,8 @@ void Trainer::start() {
   }
   s.drafters_running.store(static_cast<int>(s.models->drafters.size()));
   for (size_t r = 0; r < s.models->drafters.size(); ++r) {
-    Worker& w = s.add_worker("drafter-" + std::to_string(r));
-    s.spawn([&s, &w, r] {
+    Worker& w = s.workers->add("drafter-" + std::to_string(r));
+    s.workers->spawn([&s, &w, r] {
       s.contained(w, [&] { s.drafter_loop(w, static_cast<int>(r)); });
       if (r == 0) s.drafter0_exited.store(true);
       if (s.drafters_running.fetch_sub(1) == 1) {
@@ -566,23 +517,11 @@ void Trainer::start() {
 void Trainer::supervise() {
   Impl& s = *impl_;
   const double now = unix_seconds();
-  for (auto& w : s.workers) {
-    const double age = now - w->heartbeat.load();
-    w->heartbeat_gauge->Set(w->heartbeat.load());
-    const bool stalled = age > s.config.workers.stall_seconds;
-    s.metrics->worker_stalled_family->Add({{"worker", w->name}}).Set(stalled ? 1 : 0);
-    if (stalled && !w->stalled.exchange(true)) {
-      const std::string reason = "no heartbeat for " + std::to_string(static_cast<int64_t>(age)) + " s";
-      s.health->set_unhealthy(w->name, "stalled: " + reason);
-      log::error("{} stalled: {}", w->name, reason);
-      // A worker stuck in a CUDA or NCCL call cannot be restarted: the run stops (wait() writes
-      // the last complete step's checkpoint where it can, and gives up on stuck threads).
-      if (!s.failed.load()) {
-        s.fail(w->name + " stalled: " + reason + " (workers.stall_seconds: " +
-               fixed(s.config.workers.stall_seconds, 0) + "); stopping the run");
-      }
-    } else if (!stalled && w->stalled.exchange(false)) {
-      s.health->set_healthy(w->name);
+  // A worker stuck in a CUDA or NCCL call cannot be restarted: the run stops (wait() writes the
+  // last complete step's checkpoint where it can, and gives up on stuck threads).
+  for (const std::string& stall : s.workers->check_heartbeats(now, s.config.workers.stall_seconds)) {
+    if (!s.failed.load()) {
+      s.fail(stall + " (workers.stall_seconds: " + fixed(s.config.workers.stall_seconds, 0) + "); stopping the run");
     }
   }
   RunMetrics::Observation o;
@@ -619,24 +558,13 @@ Outcome Trainer::wait() {
   // After a failure the workers have been told to leave (queues closed, collectives aborted); one
   // stuck in a CUDA or NCCL call never does: give them a bounded time.
   const auto grace = std::chrono::duration<double>(std::min(60.0, s.config.workers.stall_seconds));
-  {
-    std::unique_lock lock(s.exit_mutex);
-    auto all_left = [&] { return s.threads_running == 0; };
-    if (s.failed.load()) {
-      s.thread_exited.wait_for(lock, grace, all_left);
-    } else {
-      s.thread_exited.wait(lock, all_left);
-    }
-  }
+  const bool all_left = s.workers->wait_for_exit(s.failed.load() ? std::optional(grace) : std::nullopt);
   const int64_t step = s.completed_step.load();
-  if (s.failed.load() && !s.threads_stopped()) {
+  if (!all_left) {
     s.abandon(step, grace);
     return Outcome::failed;
   }
-  for (auto& t : s.threads) {
-    if (t.joinable()) t.join();
-  }
-  s.threads.clear();
+  s.workers->join();
   if (s.failed.load()) {
     s.checkpoint_now(step);  // weights are those of the last completed step
     return Outcome::failed;
