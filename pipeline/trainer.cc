@@ -1,30 +1,18 @@
 #include "pipeline/trainer.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
-#include <prometheus/counter.h>
-#include <prometheus/gauge.h>
 
 #include <algorithm>
-#include <cmath>
 #include <condition_variable>
-#include <deque>
 #include <future>
 #include <map>
 #include <mutex>
-#include <nlohmann/json.hpp>
-#include <cstdlib>
 #include <optional>
-#include <random>
-#include <set>
 #include <thread>
-#include <tuple>
 
 #include "common/log.h"
-#include "drafter/block_attention.h"
 #include "drafter/checkpoint.h"
-#include "drafter/loss.h"
 #include "drafter/model.h"
 #include "drafter/optimizer.h"
 #include "pipeline/bounded_queue.h"
@@ -33,7 +21,6 @@
 #include "pipeline/dataset.h"
 #include "pipeline/drafter_step.h"
 #include "pipeline/failed_samples.h"
-#include "pipeline/flops.h"
 #include "pipeline/gpu_memory.h"
 #include "pipeline/memory_plan.h"
 #include "pipeline/nccl_gradients.h"
@@ -66,6 +53,7 @@ struct FeatureItem {
 }  // namespace
 
 struct Trainer::Impl {
+  // ---- Constant after construction ---------------------------------------------------------
   config::Config config;
   TestHooks hooks;  // tests only (test_hooks.h)
   std::shared_ptr<Health> health;
@@ -73,31 +61,37 @@ struct Trainer::Impl {
   drafter::DrafterShape shape;
   std::shared_ptr<Dataset> data;
   StepPlan plan;
-  std::unique_ptr<FailedSamples> failed_samples;  // counts restored from the checkpoint
-  int64_t data_index(int64_t q) const { return data->sample_at(q / plan.samples_per_epoch, q % plan.samples_per_epoch); }
-  std::unique_ptr<Replicas> models;  // the target and drafter replicas on their devices
   StepSettings step_settings;
-  std::unique_ptr<BoundedQueue<SampleItem>> sample_queue;
-  std::vector<std::unique_ptr<BoundedQueue<FeatureItem>>> feature_queues;
-  std::unique_ptr<Collective> collective;        // the replicas' sums (collective.h)
-  std::unique_ptr<NodeGroup> nodes;             // multi-node runs: the other processes
   int node_rank = 0;
-  int64_t local_replicas = 1;                   // drafter replicas of this node
-  std::unique_ptr<WorkerPool> workers;        // the worker threads and their heartbeats
+  int64_t local_replicas = 1;  // drafter replicas of this node
+  int64_t start_step = 0;      // the resumed checkpoint's step, or 0
+
+  // ---- Components, thread-safe as their headers say (declared in the order they are built;
+  // destroyed in reverse, so each outlives those that use it) ----------------------------------
+  std::unique_ptr<RunMetrics> metrics;            // registration, step records, observations
+  std::unique_ptr<WorkerPool> workers;            // the worker threads and their heartbeats
+  std::unique_ptr<Replicas> models;               // each replica used by its own worker's thread
+  std::unique_ptr<FailedSamples> failed_samples;  // counts restored from the checkpoint
+  std::unique_ptr<NodeGroup> nodes;               // multi-node runs: the other processes
+  std::unique_ptr<Collective> collective;         // the drafter replicas' sums
+  std::unique_ptr<BoundedQueue<SampleItem>> sample_queue;                 // reader -> target workers
+  std::vector<std::unique_ptr<BoundedQueue<FeatureItem>>> feature_queues;  // -> drafter replica r
+
+  // ---- Run state every thread reads and writes (atomics) -------------------------------------
+  std::atomic<int64_t> completed_step{0};    // the highest step every local replica finished
+  std::atomic<bool> stop_requested{false};   // SIGTERM, a failure, or the drafters are done
+  std::atomic<bool> failed{false};
+  std::atomic<int> drafters_running{0};
+  std::atomic<bool> finished{false};         // every drafter left its loop
   std::atomic<bool> drafter0_exited{false};  // replica 0's weights are no longer being changed
   std::atomic<bool> abandoned{false};        // wait() left stuck threads behind
 
-  int64_t start_step = 0;
-  std::atomic<int64_t> completed_step{0};
-  std::atomic<bool> stop_requested{false};
-  std::atomic<bool> failed{false};
-  std::atomic<int> drafters_running{0};
-  std::atomic<bool> finished{false};
+  // ---- Guarded by failure_mutex ---------------------------------------------------------------
   mutable std::mutex failure_mutex;
-  std::string failure_reason;
-  Outcome outcome = Outcome::finished;
+  std::string failure_reason;  // the first failure's
 
-  std::unique_ptr<RunMetrics> metrics;  // registration, step records, the supervisor's observations
+  int64_t data_index(int64_t q) const { return data->sample_at(q / plan.samples_per_epoch, q % plan.samples_per_epoch); }
+
   // Seconds per stage summed over the replicas of a role.
   static std::map<std::string, double> stage_totals(const std::vector<std::unique_ptr<StageClock>>& clocks,
                                                     int64_t* iterations) {
@@ -187,8 +181,6 @@ struct Trainer::Impl {
     }
   }
 
-
-
   // ---- reader ----------------------------------------------------------------------------
   void reader_loop(Worker& w) {
     const int64_t first = plan.first_sample(start_step);
@@ -199,7 +191,7 @@ struct Trainer::Impl {
       SampleItem item;
       item.q = q;
       if (!guarded(w, "sample " + std::to_string(q), [&] {
-            item.sample = data->load(data->sample_at(q / plan.samples_per_epoch, q % plan.samples_per_epoch));
+            item.sample = data->load(data_index(q));
           })) {
         return;
       }

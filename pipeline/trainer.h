@@ -11,8 +11,12 @@
 //
 // Threads and ordering: samples and features cross threads only through the bounded queues
 // (push happens-before pop). Features computed on a target GPU are copied to the drafter
-// replica's device on the default stream of each device; the consumer's kernels, issued later
-// on the same default stream, are ordered after the copy by the stream itself.
+// replica's device on the target worker's stream and marked with a CUDA event; the drafter's
+// stream waits for that event before its kernels read them (streams.h).
+//
+// The pieces, one concern each: replicas.h (the models on their devices), drafter_step.h (one
+// optimizer step), collective.h (the replicas' sums), run_metrics.h (metrics and log lines),
+// checkpointer.h (cadence, state, resume), workers.h (threads, heartbeats), failed_samples.h.
 //
 // Failures: an exception in a worker (including CUDA out-of-memory) is logged with the worker
 // and the sample or step, counted, shown on /healthz, and handled by workers.on_failure:
