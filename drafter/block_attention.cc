@@ -206,7 +206,7 @@ struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionF
 // log-sum-exp; the parts merge through the log-sum-exp, and each part's backward kernel is
 // given the merged output and log-sum-exp (split-KV identity). The kernels are not GQA-native:
 // key-value heads are repeated for them (the math path above is GQA-native).
-struct FusedBlockAttentionFunction : public torch::autograd::Function<FusedBlockAttentionFunction> {
+struct EfficientBlockAttentionFunction : public torch::autograd::Function<EfficientBlockAttentionFunction> {
   static at::Tensor expand_heads(const at::Tensor& t, int64_t rep) {
     return rep == 1 ? t.contiguous() : t.repeat_interleave(rep, 1).contiguous();
   }
@@ -476,7 +476,7 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, con
       return KernelBlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size, scale);
 #endif
     case BlockAttentionPath::efficient:
-      return FusedBlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size,
+      return EfficientBlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size,
                                                 shape.group_blocks, scale);
     default:
       break;

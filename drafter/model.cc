@@ -17,17 +17,22 @@
 namespace dflash::drafter {
 namespace {
 
-// x [tokens, heads, d]; positions [tokens] int64.
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& positions, double theta) {
-  const int64_t d = x.size(-1);
+// The rotary embedding's cos and sin at `positions` ([tokens] int64), [tokens, 1, d] in dtype:
+// computed once per forward and shared by every layer's q, block k and context k.
+struct RopeTables {
+  at::Tensor cos, sin;
+};
+RopeTables rope_tables(const at::Tensor& positions, int64_t d, double theta, at::ScalarType dtype, at::Device device) {
   const at::Tensor inv_freq =
       1.0 / at::pow(theta, at::arange(0, d, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) / static_cast<double>(d))
-                .to(x.device());
-  const at::Tensor freqs = positions.to(x.device()).to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
+                .to(device);
+  const at::Tensor freqs = positions.to(device).to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
   const at::Tensor emb = at::cat({freqs, freqs}, -1);
-  const at::Tensor cos = emb.cos().to(x.scalar_type()).unsqueeze(1), sin = emb.sin().to(x.scalar_type()).unsqueeze(1);
-  return x * cos + rotate_half(x) * sin;
+  return {emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)};
 }
+
+// x [tokens, heads, d].
+at::Tensor apply_rope(const at::Tensor& x, const RopeTables& t) { return x * t.cos + rotate_half(x) * t.sin; }
 
 std::string layer_key(int64_t i, const char* rest) { return "layers." + std::to_string(i) + "." + rest; }
 
@@ -148,6 +153,9 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
     x = at::embedding(embed, at::cat(ids)).to(options_.dtype());
   }
   const BlockAttentionShape attention_shape{s.block_size, group_blocks, 0, attention_path_};
+  const at::ScalarType dtype = options_.dtype().toScalarType();
+  const RopeTables block_rope = rope_tables(all_block_pos, d, s.rope_theta, dtype, device);
+  const RopeTables context_rope = rope_tables(all_context_pos, d, s.rope_theta, dtype, device);
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const at::Tensor h = trained_rms_norm(x, param(layer_key(i, "input_layernorm.weight")), s.rms_norm_eps);
     const at::Tensor& wk = param(layer_key(i, "self_attn.k_proj.weight"));
@@ -157,12 +165,12 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
     const int64_t rows = h.size(0), tokens = context.size(0);
     const at::Tensor q = apply_rope(
         trained_rms_norm(at::linear(h, param(layer_key(i, "self_attn.q_proj.weight"))).view({rows, hq, d}), q_norm, s.rms_norm_eps),
-        all_block_pos, s.rope_theta);
-    const at::Tensor k_block = apply_rope(trained_rms_norm(at::linear(h, wk).view({rows, hkv, d}), k_norm, s.rms_norm_eps),
-                                          all_block_pos, s.rope_theta);
+        block_rope);
+    const at::Tensor k_block =
+        apply_rope(trained_rms_norm(at::linear(h, wk).view({rows, hkv, d}), k_norm, s.rms_norm_eps), block_rope);
     const at::Tensor v_block = at::linear(h, wv).view({rows, hkv, d});
     const at::Tensor k_context = apply_rope(
-        trained_rms_norm(at::linear(context, wk).view({tokens, hkv, d}), k_norm, s.rms_norm_eps), all_context_pos, s.rope_theta);
+        trained_rms_norm(at::linear(context, wk).view({tokens, hkv, d}), k_norm, s.rms_norm_eps), context_rope);
     const at::Tensor v_context = at::linear(context, wv).view({tokens, hkv, d});
     std::vector<at::Tensor> attended;
     for (int64_t q_index = 0; q_index < sequences; ++q_index) {
