@@ -53,33 +53,30 @@ at::Tensor block_positions(const at::Tensor& anchors, int64_t block_size) {
 Drafter::Drafter(DrafterShape shape, at::TensorOptions options) : shape_(std::move(shape)), options_(options) {
   const DrafterShape& s = shape_;
   const int64_t h = s.hidden_size, d = s.head_dim;
-  auto add = [&](const std::string& name, std::vector<int64_t> dims) {
+  // Each parameter under its export name (docs/recipe.md), in a fixed order.
+  auto add = [&](const std::string& name, std::vector<int64_t> dims) -> at::Tensor {
     parameters_.emplace_back(name, at::empty(dims, options).requires_grad_(true));
+    return parameters_.back().second;
   };
-  add("fc.weight", {h, s.num_features() * h});
-  add("hidden_norm.weight", {h});
+  fc_ = add("fc.weight", {h, s.num_features() * h});
+  hidden_norm_ = add("hidden_norm.weight", {h});
   for (int64_t i = 0; i < s.num_layers; ++i) {
-    add(layer_key(i, "input_layernorm.weight"), {h});
-    add(layer_key(i, "post_attention_layernorm.weight"), {h});
-    add(layer_key(i, "self_attn.q_proj.weight"), {s.num_attention_heads * d, h});
-    add(layer_key(i, "self_attn.k_proj.weight"), {s.num_key_value_heads * d, h});
-    add(layer_key(i, "self_attn.v_proj.weight"), {s.num_key_value_heads * d, h});
-    add(layer_key(i, "self_attn.o_proj.weight"), {h, s.num_attention_heads * d});
-    add(layer_key(i, "self_attn.q_norm.weight"), {d});
-    add(layer_key(i, "self_attn.k_norm.weight"), {d});
-    add(layer_key(i, "mlp.gate_proj.weight"), {s.intermediate_size, h});
-    add(layer_key(i, "mlp.up_proj.weight"), {s.intermediate_size, h});
-    add(layer_key(i, "mlp.down_proj.weight"), {h, s.intermediate_size});
+    Layer l;
+    l.input_norm = add(layer_key(i, "input_layernorm.weight"), {h});
+    l.post_attention_norm = add(layer_key(i, "post_attention_layernorm.weight"), {h});
+    l.q_proj = add(layer_key(i, "self_attn.q_proj.weight"), {s.num_attention_heads * d, h});
+    l.k_proj = add(layer_key(i, "self_attn.k_proj.weight"), {s.num_key_value_heads * d, h});
+    l.v_proj = add(layer_key(i, "self_attn.v_proj.weight"), {s.num_key_value_heads * d, h});
+    l.o_proj = add(layer_key(i, "self_attn.o_proj.weight"), {h, s.num_attention_heads * d});
+    l.q_norm = add(layer_key(i, "self_attn.q_norm.weight"), {d});
+    l.k_norm = add(layer_key(i, "self_attn.k_norm.weight"), {d});
+    l.gate_proj = add(layer_key(i, "mlp.gate_proj.weight"), {s.intermediate_size, h});
+    l.up_proj = add(layer_key(i, "mlp.up_proj.weight"), {s.intermediate_size, h});
+    l.down_proj = add(layer_key(i, "mlp.down_proj.weight"), {h, s.intermediate_size});
+    layers_.push_back(std::move(l));
   }
-  add("norm.weight", {h});
+  norm_ = add("norm.weight", {h});
 }
-
-at::Tensor& Drafter::param(const std::string& name) {
-  for (auto& [n, t] : parameters_)
-    if (n == name) return t;
-  throw std::logic_error("drafter has no parameter " + name);
-}
-const at::Tensor& Drafter::param(const std::string& name) const { return const_cast<Drafter*>(this)->param(name); }
 
 void Drafter::init_random(uint64_t seed) {
   c10::NoGradGuard no_grad;
@@ -145,8 +142,8 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
   const at::Tensor all_context_pos = at::cat(context_pos).to(device);
 
   // Fused target context, once per sequence: hidden_norm(fc(concat(h_ids ascending))).
-  const at::Tensor context = trained_rms_norm(at::linear(batch.features.to(options_.dtype()), param("fc.weight")),
-                                      param("hidden_norm.weight"), s.rms_norm_eps);
+  const at::Tensor context =
+      trained_rms_norm(at::linear(batch.features.to(options_.dtype()), fc_), hidden_norm_, s.rms_norm_eps);
   at::Tensor x;
   {
     c10::NoGradGuard frozen;  // the target's embedding is frozen
@@ -157,14 +154,15 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
   const RopeTables block_rope = rope_tables(all_block_pos, d, s.rope_theta, dtype, device);
   const RopeTables context_rope = rope_tables(all_context_pos, d, s.rope_theta, dtype, device);
   for (int64_t i = 0; i < s.num_layers; ++i) {
-    const at::Tensor h = trained_rms_norm(x, param(layer_key(i, "input_layernorm.weight")), s.rms_norm_eps);
-    const at::Tensor& wk = param(layer_key(i, "self_attn.k_proj.weight"));
-    const at::Tensor& wv = param(layer_key(i, "self_attn.v_proj.weight"));
-    const at::Tensor& q_norm = param(layer_key(i, "self_attn.q_norm.weight"));
-    const at::Tensor& k_norm = param(layer_key(i, "self_attn.k_norm.weight"));
+    const Layer& l = layers_[i];
+    const at::Tensor h = trained_rms_norm(x, l.input_norm, s.rms_norm_eps);
+    const at::Tensor& wk = l.k_proj;
+    const at::Tensor& wv = l.v_proj;
+    const at::Tensor& q_norm = l.q_norm;
+    const at::Tensor& k_norm = l.k_norm;
     const int64_t rows = h.size(0), tokens = context.size(0);
     const at::Tensor q = apply_rope(
-        trained_rms_norm(at::linear(h, param(layer_key(i, "self_attn.q_proj.weight"))).view({rows, hq, d}), q_norm, s.rms_norm_eps),
+        trained_rms_norm(at::linear(h, l.q_proj).view({rows, hq, d}), q_norm, s.rms_norm_eps),
         block_rope);
     const at::Tensor k_block =
         apply_rope(trained_rms_norm(at::linear(h, wk).view({rows, hkv, d}), k_norm, s.rms_norm_eps), block_rope);
@@ -182,13 +180,11 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
                                          v_block.narrow(0, row0, nrows), batch.anchors[q_index], attention_shape));
     }
     const at::Tensor attention = at::cat(attended).reshape({rows, hq * d});
-    x = x + at::linear(attention, param(layer_key(i, "self_attn.o_proj.weight")));
-    const at::Tensor m = trained_rms_norm(x, param(layer_key(i, "post_attention_layernorm.weight")), s.rms_norm_eps);
-    x = x + at::linear(trained_silu_mul(at::linear(m, param(layer_key(i, "mlp.gate_proj.weight"))),
-                                        at::linear(m, param(layer_key(i, "mlp.up_proj.weight")))),
-                       param(layer_key(i, "mlp.down_proj.weight")));
+    x = x + at::linear(attention, l.o_proj);
+    const at::Tensor m = trained_rms_norm(x, l.post_attention_norm, s.rms_norm_eps);
+    x = x + at::linear(trained_silu_mul(at::linear(m, l.gate_proj), at::linear(m, l.up_proj)), l.down_proj);
   }
-  return trained_rms_norm(x, param("norm.weight"), s.rms_norm_eps);
+  return trained_rms_norm(x, norm_, s.rms_norm_eps);
 }
 
 }  // namespace dflash::drafter

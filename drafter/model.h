@@ -54,8 +54,14 @@ class Drafter {
   at::Tensor forward(const DrafterBatch& batch, const at::Tensor& embed, int64_t group_blocks = 64) const;
 
  private:
-  at::Tensor& param(const std::string& name);
-  const at::Tensor& param(const std::string& name) const;
+  // The parameters by role (handles to the same tensors as parameters_, typed as the target's
+  // layers are): built once at construction.
+  struct Layer {
+    at::Tensor input_norm, post_attention_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, gate_proj, up_proj,
+        down_proj;
+  };
+  at::Tensor fc_, hidden_norm_, norm_;
+  std::vector<Layer> layers_;
   DrafterShape shape_;
   at::TensorOptions options_;
   BlockAttentionPath attention_path_ = BlockAttentionPath::automatic;
