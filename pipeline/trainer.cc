@@ -64,6 +64,7 @@ struct Trainer::Impl {
   StepSettings step_settings;
   int node_rank = 0;
   int64_t local_replicas = 1;  // drafter replicas of this node
+  int nodes_in_run = 1;        // processes of the run (distributed.nodes)
   int64_t start_step = 0;      // the resumed checkpoint's step, or 0
 
   // ---- Components, thread-safe as their headers say (declared in the order they are built;
@@ -72,6 +73,7 @@ struct Trainer::Impl {
   std::unique_ptr<WorkerPool> workers;            // the worker threads and their heartbeats
   std::unique_ptr<Replicas> models;               // each replica used by its own worker's thread
   std::unique_ptr<FailedSamples> failed_samples;  // counts restored from the checkpoint
+  std::unique_ptr<FailurePolicy> failure_policy;  // retries, skips, stops (workers.*)
   std::unique_ptr<NodeGroup> nodes;               // multi-node runs: the other processes
   std::unique_ptr<Collective> collective;         // the drafter replicas' sums
   std::unique_ptr<BoundedQueue<SampleItem>> sample_queue;                 // reader -> target workers
@@ -89,6 +91,12 @@ struct Trainer::Impl {
   // ---- Guarded by failure_mutex ---------------------------------------------------------------
   mutable std::mutex failure_mutex;
   std::string failure_reason;  // the first failure's
+
+  // The constructor's steps, in order.
+  void load_models();
+  void open_data();
+  void resume();
+  void connect();
 
   int64_t data_index(int64_t q) const { return data->sample_at(q / plan.samples_per_epoch, q % plan.samples_per_epoch); }
 
@@ -118,58 +126,6 @@ struct Trainer::Impl {
     for (auto& q : feature_queues) q->close();
   }
 
-  // Runs `work` with the restart policy. Returns false when the run must stop. `samples`: the
-  // data indices the work processes; each failure counts against them (FailedSamples). When one
-  // of them reaches workers.skip_sample_after_failures it is skipped: with `skipped` given (the
-  // unit of work is that one sample) guarded() returns true and sets *skipped; otherwise the
-  // work runs again, which leaves skipped samples out (only with one drafter replica: the
-  // others would be out of step in the collectives).
-  bool guarded(Worker& w, const std::string& what, const std::function<void()>& work,
-               const std::vector<int64_t>& samples = {}, bool* skipped = nullptr) {
-    bool retried = false;
-    while (true) {
-      try {
-        work();
-        if (retried) {
-          // Healthy again once the retried unit of work is done; the restart stays counted in
-          // dflashd_worker_restarts_total.
-          health->set_healthy(w.name);
-          log::info("{} recovered: {} done after a restart", w.name, what);
-        }
-        return true;
-      } catch (const std::exception& e) {
-        if (stop_requested.load() && failed.load()) return false;
-        metrics->worker_failures_total->Increment();
-        const std::string message = w.name + " failed on " + what + ": " + e.what();
-        const std::vector<int64_t> now_skipped = failed_samples->record(samples);
-        for (int64_t index : now_skipped) {
-          metrics->skipped_failed_total->Increment();
-          log::error("{}; skipping sample {} ({}) from now on: it failed {} times "
-                     "(workers.skip_sample_after_failures), counted in dflashd_samples_skipped_total{reason=\"failed\"}",
-                     message, index, data->describe(index), failed_samples->failures(index));
-        }
-        if (!now_skipped.empty() && (skipped != nullptr || plan.replicas == 1)) {
-          if (skipped != nullptr) {
-            *skipped = true;
-            return true;
-          }
-          retried = true;
-          continue;
-        }
-        const bool retry = config.workers.on_failure == "restart" && w.restarts.load() < config.workers.max_restarts;
-        if (!retry) {
-          fail(message + (config.workers.on_failure == "restart" ? " (restarts exhausted)" : ""));
-          return false;
-        }
-        w.restarts.fetch_add(1);
-        retried = true;
-        if (w.restarts_counter) w.restarts_counter->Increment();
-        log::warn("{}; retrying ({} of {})", message, w.restarts.load(), config.workers.max_restarts);
-        health->set_unhealthy(w.name, "restarted after: " + std::string(e.what()));
-      }
-    }
-  }
-
   // No exception ever leaves a worker thread (that would terminate the process): what escapes
   // the guarded units (a collective aborted by another worker's failure, a bug) ends the run
   // with a reason.
@@ -190,7 +146,7 @@ struct Trainer::Impl {
       if (plan.replica_of(q) / local_replicas != node_rank) continue;  // another node's sample
       SampleItem item;
       item.q = q;
-      if (!guarded(w, "sample " + std::to_string(q), [&] {
+      if (!failure_policy->run(w, "sample " + std::to_string(q), [&] {
             item.sample = data->load(data_index(q));
           })) {
         return;
@@ -216,7 +172,7 @@ struct Trainer::Impl {
       out.q = item->q;
       const int64_t index = data_index(item->q);
       bool skipped = failed_samples->skipped(index);  // then `out` goes on without features
-      const bool ok = skipped || guarded(w, "sample " + std::to_string(item->q), [&] {
+      const bool ok = skipped || failure_policy->run(w, "sample " + std::to_string(item->q), [&] {
         if (hooks.target_forward) hooks.target_forward(item->q);
         const at::Tensor ids = at::tensor(item->sample.input_ids, at::TensorOptions().dtype(at::kLong));
         const int64_t tokens = ids.size(0);
@@ -261,7 +217,7 @@ struct Trainer::Impl {
       StepOutput out;
       std::vector<int64_t> indices;  // the step's samples in data order, for FailedSamples
       for (int64_t q : wanted) indices.push_back(data_index(q));
-      const bool ok = guarded(w, "step " + std::to_string(step), [&] {
+      const bool ok = failure_policy->run(w, "step " + std::to_string(step), [&] {
         // A retried step starts from clean gradients. With several replicas a retry would put this
         // replica out of step with the others' collectives, so failures stop the run instead.
         if (w.restarts.load() > 0 && plan.replicas > 1) {
@@ -344,22 +300,11 @@ struct Trainer::Impl {
   std::unique_ptr<Checkpointer> checkpoints;
 };
 
-Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, std::shared_ptr<Health> health,
-                 TestHooks hooks)
-    : impl_(std::make_unique<Impl>()) {
-  Impl& s = *impl_;
-  s.config = config;
-  s.hooks = std::move(hooks);
-  s.health = std::move(health);
-  s.metrics = std::make_unique<RunMetrics>(config, registry);
-  s.workers = std::make_unique<WorkerPool>(*s.metrics, *s.health);
-  if (config.train.deterministic) {
-    // Bit-identical reruns and resumes: deterministic kernels only (CPU math is deterministic
-    // at a fixed thread count already).
-    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
-  }
-  // ---- models and data --------------------------------------------------------------------
-  const at::ScalarType dtype = model_dtype(config.target.dtype);
+// The target config, the drafter shape, the memory plan (refused before anything is loaded when
+// it does not fit), the replicas on their devices and their kernel paths.
+void Trainer::Impl::load_models() {
+  Impl& s = *this;
+  const config::Config& config = s.config;
   if (!config.target.preset.empty()) {
     s.target_config = target::parse_model_config(target::preset_config_json(config.target.preset), config.target.preset);
   } else {
@@ -386,18 +331,30 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   log::info("drafter attention: {}", s.models->attention_description);
   s.metrics->attention_path_family->Add({{"path", s.models->attention_name}}).Set(1);
 
+}
+
+// The data, the plan of steps, the nodes, the failure policy, the optimizers.
+void Trainer::Impl::open_data() {
+  Impl& s = *this;
+  const config::Config& config = s.config;
   s.data = Dataset::open(config.data, s.target_config.vocab_size);
   s.failed_samples = std::make_unique<FailedSamples>(config.workers.skip_sample_after_failures);
+
   s.metrics->skipped_short_total->Increment(static_cast<double>(s.data->skipped_short()));
   s.metrics->skipped_no_anchor_total->Increment(static_cast<double>(s.data->skipped_no_anchor()));
   s.metrics->skipped_malformed_total->Increment(static_cast<double>(s.data->skipped_malformed()));
   const int64_t replicas = static_cast<int64_t>(config.gpus.drafter.size());
   const NodeInfo node_info = resolve_nodes(config.distributed);
+  s.nodes_in_run = node_info.nodes;
   s.node_rank = node_info.rank;
   s.local_replicas = replicas;
   if (node_info.nodes > 1) s.nodes = std::make_unique<NodeGroup>(node_info);
   s.plan = StepPlan::make(s.data->size(), replicas * node_info.nodes, config.train.sequences_per_step,
                           config.train.grad_accumulation_steps, config.train.epochs, config.train.max_steps);
+  s.failure_policy = std::make_unique<FailurePolicy>(FailurePolicy::Context{
+      s.config.workers, *s.metrics, *s.health, *s.failed_samples,
+      [&s](int64_t index) { return s.data->describe(index); }, s.plan.replicas == 1,
+      [&s](const std::string& reason) { s.fail(reason); }, [&s] { return s.stop_requested.load() && s.failed.load(); }});
   add_optimizers(*s.models, config.train, s.plan.total_steps);
   s.step_settings = {s.shape,
                      s.target_config,
@@ -407,14 +364,19 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
                      config.train.sequences_per_step,
                      static_cast<int64_t>(config.train.lm_head_chunk_blocks) * s.shape.block_size};
 
-  // ---- resume -------------------------------------------------------------------------------
+}
+
+// The newest complete checkpoint (checkpoint.resume), which every node must agree on.
+void Trainer::Impl::resume() {
+  Impl& s = *this;
+  const config::Config& config = s.config;
   s.checkpoints = std::make_unique<Checkpointer>(s.config, s.plan, *s.metrics, *s.health, *s.failed_samples);
   s.start_step = s.checkpoints->resume(s.models->drafters, s.models->optimizers);
   if (s.nodes) {
     // Every node must resume from the same step (each reads its own output_dir).
     const std::vector<double> agreed = s.nodes->sum({static_cast<double>(s.start_step),
                                                      static_cast<double>(s.start_step) * static_cast<double>(s.start_step)});
-    const double n = node_info.nodes, mean = agreed[0] / n;
+    const double n = s.nodes_in_run, mean = agreed[0] / n;
     if (agreed[1] / n - mean * mean > 0.25) {
       throw std::runtime_error("distributed: the nodes would resume from different steps (this node: " +
                                std::to_string(s.start_step) + ", mean over nodes: " + std::to_string(mean) +
@@ -426,12 +388,19 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
                                   : "drafter.init ({}) applies to a fresh run only: the resumed checkpoint's weights are used",
               config.drafter.init);
   }
+}
+
+// The collectives and the queues between the threads (the feature queue within its budget).
+void Trainer::Impl::connect() {
+  Impl& s = *this;
+  const config::Config& config = s.config;
   s.completed_step.store(s.start_step);
+  const int64_t replicas = s.local_replicas;
   std::unique_ptr<NcclGradients> nccl;
-  if (config.gpus.device == "cuda" && replicas * node_info.nodes > 1) {
+  if (config.gpus.device == "cuda" && replicas * s.nodes_in_run > 1) {
     nccl = std::make_unique<NcclGradients>(config.gpus.drafter, s.nodes.get());
-    log::info("data-parallel gradients: NCCL all-reduce over {} GPUs on {} node(s)", replicas * node_info.nodes,
-              node_info.nodes);
+    log::info("data-parallel gradients: NCCL all-reduce over {} GPUs on {} node(s)", replicas * s.nodes_in_run,
+              s.nodes_in_run);
   }
   s.collective = std::make_unique<Collective>(static_cast<int>(replicas), s.nodes.get(), std::move(nccl));
   s.sample_queue = std::make_unique<BoundedQueue<SampleItem>>(config.queues.samples);
@@ -443,7 +412,7 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
   }
   // Feature memory: capacity x (longest sample x K x H x dtype) must fit the budget.
   const int64_t item_bytes = static_cast<int64_t>(config.data.max_length) * s.shape.num_features() * s.shape.hidden_size *
-                             static_cast<int64_t>(c10::elementSize(dtype));
+                             static_cast<int64_t>(c10::elementSize(model_dtype(config.target.dtype)));
   if (item_bytes * config.queues.features > config.queues.feature_memory_budget_bytes) {
     throw std::runtime_error("queues.features: " + std::to_string(config.queues.features) + " items of up to " +
                              std::to_string(item_bytes) + " bytes exceed queues.feature_memory_budget_bytes (" +
@@ -455,8 +424,28 @@ Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, s
             s.data->skipped_malformed());
   log::info("plan: {} steps ({} per epoch), global batch {} sequences on {} drafter replica(s); drafter {} layers, {} parameters",
             s.plan.total_steps, s.plan.steps_per_epoch, s.plan.global_batch(), replicas, s.shape.num_layers,
-            s.shape.parameter_count());
+            s.shape.parameter_count());}
+
+Trainer::Trainer(const config::Config& config, prometheus::Registry& registry, std::shared_ptr<Health> health,
+                 TestHooks hooks)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.config = config;
+  s.hooks = std::move(hooks);
+  s.health = std::move(health);
+  s.metrics = std::make_unique<RunMetrics>(config, registry);
+  s.workers = std::make_unique<WorkerPool>(*s.metrics, *s.health);
+  if (config.train.deterministic) {
+    // Bit-identical reruns and resumes: deterministic kernels only (CPU math is deterministic
+    // at a fixed thread count already).
+    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  }
+  s.load_models();
+  s.open_data();
+  s.resume();
+  s.connect();
 }
+
 
 Trainer::~Trainer() {
   if (impl_->workers && impl_->workers->started()) {

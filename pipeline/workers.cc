@@ -73,4 +73,50 @@ void WorkerPool::detach() {
   threads_.clear();
 }
 
+bool FailurePolicy::run(Worker& w, const std::string& what, const std::function<void()>& work,
+                        const std::vector<int64_t>& samples, bool* skipped) const {
+  bool retried = false;
+  while (true) {
+    try {
+      work();
+      if (retried) {
+        // Healthy again once the retried unit of work is done; the restart stays counted in
+        // dflashd_worker_restarts_total.
+        c_.health.set_healthy(w.name);
+        log::info("{} recovered: {} done after a restart", w.name, what);
+      }
+      return true;
+    } catch (const std::exception& e) {
+      if (c_.run_failed()) return false;
+      c_.metrics.worker_failures_total->Increment();
+      const std::string message = w.name + " failed on " + what + ": " + e.what();
+      const std::vector<int64_t> now_skipped = c_.failed_samples.record(samples);
+      for (int64_t index : now_skipped) {
+        c_.metrics.skipped_failed_total->Increment();
+        log::error("{}; skipping sample {} ({}) from now on: it failed {} times "
+                   "(workers.skip_sample_after_failures), counted in dflashd_samples_skipped_total{reason=\"failed\"}",
+                   message, index, c_.describe_sample(index), c_.failed_samples.failures(index));
+      }
+      if (!now_skipped.empty() && (skipped != nullptr || c_.single_replica)) {
+        if (skipped != nullptr) {
+          *skipped = true;
+          return true;
+        }
+        retried = true;
+        continue;
+      }
+      const bool restart = c_.config.on_failure == "restart";
+      if (!restart || w.restarts.load() >= c_.config.max_restarts) {
+        c_.stop_run(message + (restart ? " (restarts exhausted)" : ""));
+        return false;
+      }
+      w.restarts.fetch_add(1);
+      retried = true;
+      if (w.restarts_counter) w.restarts_counter->Increment();
+      log::warn("{}; retrying ({} of {})", message, w.restarts.load(), c_.config.max_restarts);
+      c_.health.set_unhealthy(w.name, "restarted after: " + std::string(e.what()));
+    }
+  }
+}
+
 }  // namespace dflash::pipeline

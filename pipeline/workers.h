@@ -24,6 +24,8 @@
 #include <vector>
 
 #include "common/health.h"
+#include "config/config.h"
+#include "pipeline/failed_samples.h"
 #include "pipeline/run_metrics.h"
 
 namespace dflash::pipeline {
@@ -66,6 +68,36 @@ class WorkerPool {
   mutable std::mutex mutex_;                      // guards running_
   std::condition_variable exited_;
   int running_ = 0;
+};
+
+// What a worker does when its unit of work throws (workers.on_failure, max_restarts,
+// skip_sample_after_failures): count it, retry it, skip the sample that keeps failing, or stop
+// the run. Shared by every worker thread (its state lives in the Worker and FailedSamples).
+class FailurePolicy {
+ public:
+  struct Context {
+    const config::WorkerConfig& config;
+    RunMetrics& metrics;
+    Health& health;
+    FailedSamples& failed_samples;
+    std::function<std::string(int64_t)> describe_sample;  // "FILE:LINE" of a data index
+    bool single_replica = true;                            // a drafter step may be retried alone
+    std::function<void(const std::string&)> stop_run;      // fails the run with a reason
+    std::function<bool()> run_failed;                      // another worker already failed it
+  };
+  explicit FailurePolicy(Context context) : c_(std::move(context)) {}
+
+  // Runs `work` under the policy. Returns false when the run must stop. `samples`: the data
+  // indices the work processes; each failure counts against them. When one of them reaches
+  // workers.skip_sample_after_failures it is skipped: with `skipped` given (the unit of work is
+  // that one sample) run() returns true and sets *skipped; otherwise the work runs again, which
+  // leaves skipped samples out (only with one drafter replica: the others would be out of step in
+  // the collectives).
+  bool run(Worker& w, const std::string& what, const std::function<void()>& work,
+           const std::vector<int64_t>& samples = {}, bool* skipped = nullptr) const;
+
+ private:
+  Context c_;
 };
 
 }  // namespace dflash::pipeline
