@@ -127,7 +127,7 @@ struct Trainer::Impl {
   }
 
   // No exception ever leaves a worker thread (that would terminate the process): what escapes
-  // the guarded units (a collective aborted by another worker's failure, a bug) ends the run
+  // the units run under the failure policy (a collective aborted by another worker's failure, a bug) ends the run
   // with a reason.
   void contained(Worker& w, const std::function<void()>& loop) {
     try {
