@@ -127,8 +127,8 @@ struct Trainer::Impl {
   }
 
   // No exception ever leaves a worker thread (that would terminate the process): what escapes
-  // the units run under the failure policy (a collective aborted by another worker's failure, a bug) ends the run
-  // with a reason.
+  // the units run under the failure policy (a collective aborted by another worker's failure, a
+  // bug) ends the run with a reason.
   void contained(Worker& w, const std::function<void()>& loop) {
     try {
       loop();
@@ -265,8 +265,6 @@ struct Trainer::Impl {
   }
 
   void export_to(const std::string& dir) { models->drafters[0]->save_export(dir); }
-
-
 
   // Some worker threads did not leave after a failure. Replica 0's weights are those of the
   // last complete step once its thread left (its optimizer runs after every collective of a
