@@ -99,10 +99,10 @@ void read_drafter(MapReader m, DrafterConfig* c) {
 }
 
 void read_gpus(MapReader m, GpuConfig* c) {
-  m.choice("device", &c->device, {"cuda", "cpu"});
+  m.choice<Device>("device", &c->device, {{"cuda", Device::cuda}, {"cpu", Device::cpu}});
   m.field("target", &c->target, non_negative_ids());
   m.field("drafter", &c->drafter, non_negative_ids());
-  m.choice("shared_gpu", &c->shared_gpu, {"turns", "concurrent"});
+  m.choice<SharedGpu>("shared_gpu", &c->shared_gpu, {{"turns", SharedGpu::turns}, {"concurrent", SharedGpu::concurrent}});
   m.done();
 }
 
@@ -134,7 +134,7 @@ void read_data(MapReader m, DataConfig* c) {
   m.field("min_supervised_tokens", &c->min_supervised_tokens, at_least(2));
   m.field("shuffle", &c->shuffle);
   m.field("seed", &c->seed);
-  m.choice("on_malformed", &c->on_malformed, {"error", "skip"});
+  m.choice<OnMalformed>("on_malformed", &c->on_malformed, {{"error", OnMalformed::error}, {"skip", OnMalformed::skip}});
   m.done();
 }
 
@@ -156,7 +156,7 @@ void read_train(MapReader m, TrainConfig* c) {
   m.field("lm_head_chunk_blocks", &c->lm_head_chunk_blocks, between(1, 65536));
   m.field("seed", &c->seed);
   m.field("deterministic", &c->deterministic);
-  m.choice("on_nonfinite", &c->on_nonfinite, {"skip", "stop"});
+  m.choice<OnNonfinite>("on_nonfinite", &c->on_nonfinite, {{"skip", OnNonfinite::skip}, {"stop", OnNonfinite::stop}});
   m.done();
 }
 
@@ -172,7 +172,7 @@ void read_checkpoint(MapReader m, CheckpointConfig* c) {
 
 void read_workers(MapReader m, WorkerConfig* c) {
   m.field("stall_seconds", &c->stall_seconds, positive<double>());
-  m.choice("on_failure", &c->on_failure, {"stop", "restart"});
+  m.choice<OnFailure>("on_failure", &c->on_failure, {{"stop", OnFailure::stop}, {"restart", OnFailure::restart}});
   m.field("max_restarts", &c->max_restarts, at_least(0));
   m.field("skip_sample_after_failures", &c->skip_sample_after_failures, at_least(0));
   m.done();
@@ -259,7 +259,7 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
                                        "set train.loss_gamma for block size " + std::to_string(b));
     }
   }
-  if (c.gpus.device == "cpu" && (c.drafter.attention == "kernels" || c.drafter.attention == "efficient")) {
+  if (c.gpus.device == Device::cpu && (c.drafter.attention == "kernels" || c.drafter.attention == "efficient")) {
     d->add(at("drafter.attention"), "drafter.attention: " + c.drafter.attention +
                                         " needs a GPU (gpus.device: cuda); on the CPU use auto or math");
   }
@@ -273,6 +273,8 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
 
 ConfigError::ConfigError(std::vector<Diagnostic> diagnostics)
     : std::runtime_error(join_messages(diagnostics)), diagnostics_(std::move(diagnostics)) {}
+
+const char* name_of(Device device) { return device == Device::cuda ? "cuda" : "cpu"; }
 
 Position Config::position_of(const std::string& key_path) const {
   // The value itself, else the nearest enclosing section that was given.
@@ -369,7 +371,7 @@ Config load_default() { return parse(default_yaml(), "<embedded default>"); }
 
 std::vector<Diagnostic> check_machine(const Config& config, const Machine& machine) {
   std::vector<Diagnostic> out;
-  if (config.gpus.device != "cuda") return out;
+  if (config.gpus.device != Device::cuda) return out;
   for (const char* group : {"target", "drafter"}) {
     const std::vector<int>& ids = std::string(group) == "target" ? config.gpus.target : config.gpus.drafter;
     for (size_t i = 0; i < ids.size(); ++i) {

@@ -43,6 +43,15 @@ class ConfigError : public std::runtime_error {
   std::vector<Diagnostic> diagnostics_;
 };
 
+// The choices the code branches on, as enumerations (the config file's words in comments;
+// name_of gives them back for messages and labels).
+enum class Device { cuda, cpu };
+enum class SharedGpu { turns, concurrent };    // a GPU in both groups: one role at a time, or overlapped
+enum class OnFailure { stop, restart };        // workers.on_failure
+enum class OnNonfinite { skip, stop };         // train.on_nonfinite
+enum class OnMalformed { error, skip };        // data.on_malformed
+const char* name_of(Device device);
+
 struct RunConfig {
   std::string name = "dflashd";
   std::string output_dir = "./dflashd-run";  // checkpoints and exports go below it
@@ -77,13 +86,13 @@ struct DrafterConfig {
 };
 
 struct GpuConfig {
-  std::string device = "cuda";     // "cuda" or "cpu" (tests, demo: ids are then replica numbers)
+  Device device = Device::cuda;    // cuda, or cpu (tests, demo: ids are then replica numbers)
   std::vector<int> target{0};
   std::vector<int> drafter{0};
   // A GPU in both groups: "turns" runs one role at a time (each role's stage times are its own;
   // measured 3.5 % fewer tokens/s at the 27B shapes on an H200), "concurrent" lets both roles'
   // kernels overlap (stage times then include the contention).
-  std::string shared_gpu = "turns";
+  SharedGpu shared_gpu = SharedGpu::turns;
 };
 
 // Several processes, one per node, train one drafter: every node runs its own target and
@@ -118,7 +127,7 @@ struct DataConfig {
   int min_supervised_tokens = 2;   // samples with fewer loss-mask positions are skipped (counted)
   bool shuffle = true;
   int64_t seed = 0;
-  std::string on_malformed = "error";  // "error" or "skip"
+  OnMalformed on_malformed = OnMalformed::error;
 };
 
 struct TrainConfig {
@@ -139,7 +148,7 @@ struct TrainConfig {
   int lm_head_chunk_blocks = 128;
   int64_t seed = 0;
   bool deterministic = false;
-  std::string on_nonfinite = "skip";  // "skip" the step or "stop" with a checkpoint
+  OnNonfinite on_nonfinite = OnNonfinite::skip;  // skip the step, or stop with a checkpoint
 };
 
 struct CheckpointConfig {
@@ -153,7 +162,7 @@ struct CheckpointConfig {
 
 struct WorkerConfig {
   double stall_seconds = 600;        // a worker silent this long is reported stalled
-  std::string on_failure = "stop";   // "stop" (checkpoint and exit) or "restart"
+  OnFailure on_failure = OnFailure::stop;  // stop (checkpoint and exit), or restart
   int max_restarts = 3;
   // A sample whose processing raised this many exceptions (counted across restarts of the
   // process: the counts live in the checkpoint) is skipped and counted; 0 never skips.

@@ -59,6 +59,20 @@ class MapReader {
   void required(const char* key, T* out, Check<T> check = {});
   // A string field restricted to a set of values.
   void choice(const char* key, std::string* out, const std::vector<std::string>& allowed);
+  // The same, read into an enumeration: `allowed` pairs each word of the file with its value.
+  template <class E>
+  void choice(const char* key, E* out, const std::vector<std::pair<std::string, E>>& allowed) {
+    std::vector<std::string> words;
+    std::string word;
+    for (const auto& [w, value] : allowed) {
+      words.push_back(w);
+      if (value == *out) word = w;  // the default's word
+    }
+    choice(key, &word, words);
+    for (const auto& [w, value] : allowed) {
+      if (w == word) *out = value;
+    }
+  }
   // A sub-mapping; absent gives a reader over nothing (defaults).
   MapReader map(const char* key);
   bool has(const char* key) const;

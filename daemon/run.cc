@@ -67,7 +67,7 @@ int run_service(const config::Config& config, const RunOptions& options) {
       {"torch_version", machine.torch_version},
       {"cuda_version", machine.cuda_runtime_version.empty() ? "none" : machine.cuda_runtime_version},
       {"cuda_kernels", machine.cuda_kernels_built ? "true" : "false"},
-      {"device", config.gpus.device}});
+      {"device", config::name_of(config.gpus.device)}});
   auto& state_family = prometheus::BuildGauge()
                            .Name("dflashd_state")
                            .Help("1 for the daemon's current lifecycle state (starting, running, stopping)")

@@ -125,7 +125,7 @@ std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t
           }
           accept(s, Entry{f, offset, line, 0});
         } catch (const TokenFileError& e) {
-          if (config.on_malformed == "error") throw;
+          if (config.on_malformed == config::OnMalformed::error) throw;
           ++d->skipped_malformed_;
           log::warn("skipping malformed sample: {}", e.what());
         }

@@ -96,7 +96,7 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
       g.queued_features = queued;
       g.drafter_activations = drafter_activations;
     }
-    if (config.gpus.device == "cuda" && id >= 0 && id < static_cast<int>(capacities.size())) g.capacity = capacities[id];
+    if (config.gpus.device == config::Device::cuda && id >= 0 && id < static_cast<int>(capacities.size())) g.capacity = capacities[id];
     plan.push_back(g);
   }
   return plan;

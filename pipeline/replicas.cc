@@ -13,7 +13,7 @@ namespace dflash::pipeline {
 namespace {
 
 at::Device device_for(const config::GpuConfig& gpus, int id) {
-  return gpus.device == "cuda" ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(id)) : at::Device(at::kCPU);
+  return gpus.device == config::Device::cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(id)) : at::Device(at::kCPU);
 }
 
 // drafter.attention, decided once per drafter GPU. `auto` takes the fused kernels on a GPU and
@@ -79,7 +79,7 @@ std::unique_ptr<Replicas> build_replicas(const config::Config& config, const tar
     r->drafter_devices.push_back(device);
     r->drafters.push_back(std::make_unique<drafter::Drafter>(shape, at::TensorOptions().device(device).dtype(dtype)));
     r->drafter_clocks.push_back(std::make_unique<StageClock>(device));
-    if (device.is_cuda() && config.gpus.shared_gpu == "turns" &&
+    if (device.is_cuda() && config.gpus.shared_gpu == config::SharedGpu::turns &&
         std::count(config.gpus.target.begin(), config.gpus.target.end(), id) > 0) {
       r->gpu_turns.emplace(id, std::make_unique<std::mutex>());
     }

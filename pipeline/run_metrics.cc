@@ -12,7 +12,7 @@ namespace dflash::pipeline {
 namespace {
 
 std::vector<int> distinct_gpus(const config::GpuConfig& gpus) {
-  if (gpus.device != "cuda") return {};
+  if (gpus.device != config::Device::cuda) return {};
   std::set<int> ids(gpus.target.begin(), gpus.target.end());
   ids.insert(gpus.drafter.begin(), gpus.drafter.end());
   return {ids.begin(), ids.end()};

@@ -239,7 +239,7 @@ struct Trainer::Impl {
         metrics->nonfinite_total->Increment();
         const std::string message = "non-finite gradient (norm " + std::to_string(out.result.grad_norm) + ") at step " +
                                     std::to_string(step);
-        if (config.train.on_nonfinite == "stop") {
+        if (config.train.on_nonfinite == config::OnNonfinite::stop) {
           if (replica == 0) fail(message + "; stopping (train.on_nonfinite: stop)");
           return;
         }
@@ -313,7 +313,7 @@ void Trainer::Impl::load_models() {
     // The memory plan per GPU (what `dflashd validate` prints), refused before anything is
     // loaded when it does not fit.
     const std::vector<GpuMemoryPlan> memory =
-        plan_memory(config, s.target_config, s.shape, config.gpus.device == "cuda" ? gpu_capacities() : std::vector<int64_t>{});
+        plan_memory(config, s.target_config, s.shape, config.gpus.device == config::Device::cuda ? gpu_capacities() : std::vector<int64_t>{});
     log::info("{}", format_memory_plan(memory));
     const std::vector<std::string> problems = memory_plan_problems(memory);
     if (!problems.empty()) {
@@ -395,7 +395,7 @@ void Trainer::Impl::connect() {
   s.completed_step.store(s.start_step);
   const int64_t replicas = s.local_replicas;
   std::unique_ptr<NcclGradients> nccl;
-  if (config.gpus.device == "cuda" && replicas * s.nodes_in_run > 1) {
+  if (config.gpus.device == config::Device::cuda && replicas * s.nodes_in_run > 1) {
     nccl = std::make_unique<NcclGradients>(config.gpus.drafter, s.nodes.get());
     log::info("data-parallel gradients: NCCL all-reduce over {} GPUs on {} node(s)", replicas * s.nodes_in_run,
               s.nodes_in_run);

@@ -105,7 +105,7 @@ bool FailurePolicy::run(Worker& w, const std::string& what, const std::function<
         retried = true;
         continue;
       }
-      const bool restart = c_.config.on_failure == "restart";
+      const bool restart = c_.config.on_failure == config::OnFailure::restart;
       if (!restart || w.restarts.load() >= c_.config.max_restarts) {
         c_.stop_run(message + (restart ? " (restarts exhausted)" : ""));
         return false;

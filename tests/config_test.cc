@@ -42,7 +42,7 @@ TEST(Config, MinimalConfigGetsDocumentedDefaults) {
   EXPECT_EQ(c.drafter.block_size, 16);
   EXPECT_EQ(c.drafter.num_layers, 5);
   EXPECT_FALSE(c.drafter.mask_token_id.has_value());
-  EXPECT_EQ(c.gpus.device, "cuda");
+  EXPECT_EQ(c.gpus.device, Device::cuda);
   EXPECT_EQ(c.gpus.target, std::vector<int>{0});
   EXPECT_EQ(c.train.anchors_per_sequence, 512);
   EXPECT_DOUBLE_EQ(c.train.learning_rate, 6e-4);
@@ -65,7 +65,7 @@ TEST(Config, LossGammaFollowsBlockSize) {
 TEST(Config, EmbeddedDefaultParsesAndIsCpuTinySynthetic) {
   const Config c = load_default();
   EXPECT_EQ(c.source, "<embedded default>");
-  EXPECT_EQ(c.gpus.device, "cpu");
+  EXPECT_EQ(c.gpus.device, Device::cpu);
   EXPECT_EQ(c.target.preset, "tiny-qwen3_5");
   EXPECT_EQ(c.target.weights, "random");
   EXPECT_GT(c.data.synthetic.sequences, 0);
@@ -267,9 +267,9 @@ TEST(Config, CpuDeviceSkipsGpuChecksAndAllowsReplicaIds) {
 TEST(Config, OverlappingGroupsAreAllowed) {
   const Config c = parse(std::string(kMinimal) + "gpus:\n  target: [0, 1]\n  drafter: [1, 2]\n", "r");
   EXPECT_TRUE(check_machine(c, Machine{3}).empty());
-  EXPECT_EQ(c.gpus.shared_gpu, "turns");
+  EXPECT_EQ(c.gpus.shared_gpu, SharedGpu::turns);
   EXPECT_EQ(parse(std::string(kMinimal) + "gpus: {target: [0], drafter: [0], shared_gpu: concurrent}\n", "r").gpus.shared_gpu,
-            "concurrent");
+            SharedGpu::concurrent);
   try {
     parse(std::string(kMinimal) + "gpus: {shared_gpu: sometimes}\n", "r");
     FAIL() << "expected a ConfigError";

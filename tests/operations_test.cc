@@ -421,7 +421,7 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
   j["linear_value_head_dim"] = 128;
   const target::ModelConfig target = target::parse_model_config(root.dump(), "27b.json");
   config::Config c = config::load_default();
-  c.gpus.device = "cuda";
+  c.gpus.device = config::Device::cuda;
   c.target.dtype = "bfloat16";
   c.drafter.num_layers = 5;
   c.drafter.mask_token_id.reset();

@@ -85,7 +85,7 @@ TEST(Dataset, MalformedLinesErrorWithFileAndLineOrAreSkipped) {
   } catch (const TokenFileError& e) {
     EXPECT_EQ(std::string(e.what()), dir + "/a.jsonl:2: loss_mask has 2 entries for 3 input_ids");
   }
-  c.on_malformed = "skip";
+  c.on_malformed = config::OnMalformed::skip;
   auto d = Dataset::open(c, 100);
   EXPECT_EQ(d->size(), 2);
   EXPECT_EQ(d->skipped_malformed(), 1);
