@@ -116,22 +116,9 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 // The gates' scales are folded into T's columns when T becomes the A operand of W and U
 // (W = (T diag(beta e^gamma)) K, U = (T diag(beta)) V), so K stays shared and V is not
 // rewritten. W and U go out through shared memory as whole rows (16-byte coalesced stores).
-// Bound by latency and shared-memory traffic, not DRAM (at 4096 tokens: 0.100 ms with or without
-// the W and U stores; DRAM 32 % of peak, issue slots 42 % busy at 25 % occupancy, shared/L1 69 %
-// busy). wgmma for the products and W / U (operands read once per warpgroup, not through ldmatrix
-// by every warp): shared/L1 57 % busy, whole core 0.214 -> 0.210 ms (o in bf16 0.199 -> 0.194).
-// Then each warpgroup stages (stmatrix) and copies out its own W or U between barriers of its
-// own, not the CTA's, and T's blocks above the diagonal are neither zeroed nor read: 0.211 /
-// 0.209 -> 0.205 / 0.206 (bf16 o 0.195 / 0.194 -> 0.191 / 0.190; same run); of that, the
-// warpgroup barriers alone 0.208 / 0.208, stmatrix alone or the zero blocks alone nothing. V
-// loaded and waited for by warpgroup 1 alone: 0.206 / 0.207 / 0.206 -> 0.205 / 0.206 / 0.205.
-// Tried, slower (0.218 against 0.212 for the whole core): a column-oriented diagonal
-// substitution, P formed beside it by warps 4-7, T's fragments shared by W and U (more registers:
-// 56 bytes of spills); a chunk-major grid 0.220. Later (against 0.213 / 0.197 with o in bf16):
-// one CTA per (chunk, value head), 74 KB of shared memory and 80 registers for 3 CTAs per SM
-// 0.219 / 0.202 (0.213 / 0.197 with T's zero blocks skipped); the products and W / U skipping T's
-// and A's zero blocks (warp-uniform branches, 28 bytes of spills) 0.223 / 0.208; the diagonal
-// substitution with 4 partial sums 0.213 / 0.198.
+// Bound by latency and shared-memory traffic, not DRAM; wgmma, per-warpgroup staging and barriers
+// took the whole core from 0.214 to 0.205 ms at 4096 tokens (bench/RESULTS.md: what was measured
+// and tried).
 constexpr int kPrepareThreads = 256;
 constexpr int kMaxGroup = kGdnMaxGroup;
 constexpr int kSolveLd = 40;  // row stride of the solve's 32 x 32 intermediate (B-operand reads conflict-free)
@@ -468,9 +455,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
 // trips of S. A pair of warps owns 16 value columns; each warp of the pair holds half of the key
 // dims, computes its half of (W S)^T's sum (the two halves are added through shared memory: a+b
 // in one warp, b+a in the other, the same bits) and its half of the update. The pass is
-// latency-bound (one chain per value-column block); the pair split measured about even with one
-// warp per 16 columns (0.232 against 0.235 ms at 4096 tokens, before the fragment-order stores).
-// Loads run kStateStages - 1 chunks ahead (2 / 3 / 4 stages measured 0.243 / 0.235 / 0.233 ms).
+// latency-bound (one chain per value-column block). Loads run kStateStages - 1 chunks ahead
+// (3 stages: bench/RESULTS.md has the pair split and the stage counts measured).
 constexpr int kStateStages = 3;
 
 template <int kPairs>
@@ -627,22 +613,8 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
 // Each output group has its own hand-off slot between named barriers (full: chain -> group;
 // empty: group -> chain) and its own buffers; each warpgroup loads its own operands (cp.async)
 // and synchronises on its own named barrier. No per-chunk states or V' in global memory.
-// Measured at 4096 tokens on the H200 (whole core with fp32 o / with the gated norm, bf16 out):
-// one warpgroup for the chain and the output 0.240 / 0.509 ms; chain and one output group 0.207
-// / 0.356 (the chain alone 0.087 of it); two output groups 0.216 / 0.280. Tried and not kept (one
-// output group, core at 4096 against 0.204): 3 chain stages 0.216; 2 hand-off slots 0.206; (Q
-// S)^T on mma.sync from the hand-off (no async-proxy fence) 0.219; the hand-off after the update
-// is issued 0.209; L2 prefetch of the operands 2 chunks ahead 0.210; W S formed as (T diag(beta
-// e^gamma)) (K S) from an 8 KB matrix instead of the 16 KB W, one more product on the chain,
-// 0.215-0.232. The norm's cost was its per-element math (0.13 ms of 0.36 with one output group;
-// the exchange 0.01). Later (two output groups, against 0.218): the output groups cost the kernel
-// 0.030 ms (0.088 when they only pass the hand-off back), the fp32 o stores 0.017 of it; the
-// state's decay in the (W S)^T product's shadow 0.218, U's fragments loaded before its wait 0.218,
-// the async-proxy fence before its wait 0.225; starting each chunk on a per-chunk ready flag from
-// prepare instead of after the whole prepare grid 0.229. The bf16 output staged in and out of
-// shared memory as transposed 8x8 matrices (stmatrix / ldmatrix .trans, 4 + 4 instructions per
-// thread per chunk instead of 32 two-byte loads and 32 two-byte stores): with the gated norm
-// 0.277 -> 0.245 ms at 4096 tokens, 1.052 -> 0.940 at 16384; plain bf16 o unchanged (0.197).
+// Two output groups per chain: 0.240 -> 0.216 ms at 4096 tokens (with the gated norm 0.509 ->
+// 0.280) against one warpgroup doing both (bench/RESULTS.md: the variants measured and tried).
 constexpr int kOutputGroups = 2;
 constexpr int kFusedThreads = 128 * (1 + kOutputGroups);
 constexpr int kChainStages = 2;
@@ -732,7 +704,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
   cluster_sync();  // the peer's mbarriers exist before anyone arrives on them
   // Each warpgroup requests its first chunk's inputs from the layer's input (K; Q and z) before
   // waiting for prepare (wait_for_prerequisite), and what prepare wrote (W, U, P, gamma) after
-  // (0.214 / 0.215 -> 0.213 / 0.213 ms at 4096 tokens, same run). The layer's input is complete
+  // (-0.001 ms at 4096 tokens). The layer's input is complete
   // by then: prepare, the kernel this one depends on programmatically, was launched in stream
   // order after the kernels that wrote it.
   enum Parts { kInputs = 1, kPrepared = 2, kAll = 3 };
