@@ -83,12 +83,6 @@ MachineFacts probe_basic() {
   }
   f.cuda_devices = count;
   if (count == 0 && f.cuda_unavailable_reason.empty()) f.cuda_unavailable_reason = "no CUDA device";
-  for (int i = 0; i < count; ++i) {
-    cudaDeviceProp properties{};
-    f.gpu_memory_bytes.push_back(cudaGetDeviceProperties(&properties, i) == cudaSuccess
-                                     ? static_cast<int64_t>(properties.totalGlobalMem)
-                                     : 0);
-  }
 #else
   f.cuda_devices = hooks.isBuilt() && hooks.hasCUDA() ? hooks.deviceCount() : 0;
   if (f.cuda_devices == 0) {

@@ -34,7 +34,6 @@ struct MachineFacts {
   std::string cudnn_version;
   std::string nccl_version;
   int cuda_devices = 0;
-  std::vector<int64_t> gpu_memory_bytes;  // per device index (from its properties: no context)
   std::string cuda_unavailable_reason;  // why cuda_devices is 0, if it is
   std::vector<GpuFacts> gpus;
   std::vector<std::vector<int>> peer_access;  // [from][to] 1 = direct peer copies possible

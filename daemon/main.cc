@@ -12,6 +12,7 @@
 #include "daemon/inspect.h"
 #include "daemon/machine.h"
 #include "daemon/run.h"
+#include "pipeline/gpu_memory.h"
 #include "pipeline/run_check.h"
 
 namespace {
@@ -175,7 +176,7 @@ int command_validate(const Args& args) {
   if (!args.offline) {
     const auto machine = daemon::probe_basic();
     problems = config::check_machine(*config, config::Machine{machine.cuda_devices});
-    capacities = machine.gpu_memory_bytes;
+    capacities = pipeline::gpu_capacities();
   }
   // The target, the drafter, the data files and the memory plan (no weights or data loaded).
   const pipeline::RunCheck run = pipeline::check_run(*config, capacities, args.offline);

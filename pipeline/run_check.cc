@@ -18,6 +18,11 @@ bool is_file(const std::string& path) {
 
 }  // namespace
 
+target::ModelConfig target_model_config(const config::TargetConfig& target) {
+  return target.preset.empty() ? target::load_model_config(target.path)
+                               : target::parse_model_config(target::preset_config_json(target.preset), target.preset);
+}
+
 RunCheck check_run(const config::Config& config, const std::vector<int64_t>& capacities, bool offline) {
   RunCheck check;
   auto problem = [&](const std::string& message) { check.problems.push_back(message); };
@@ -26,9 +31,7 @@ RunCheck check_run(const config::Config& config, const std::vector<int64_t>& cap
   drafter::DrafterShape shape;
   bool shaped = false;
   try {
-    target = config.target.preset.empty()
-                 ? target::load_model_config(config.target.path)
-                 : target::parse_model_config(target::preset_config_json(config.target.preset), config.target.preset);
+    target = target_model_config(config.target);
     if (!offline && config.target.preset.empty() && config.target.weights == "checkpoint" &&
         !is_file(config.target.path + "/model.safetensors") && !is_file(config.target.path + "/model.safetensors.index.json")) {
       problem("target.path: " + config.target.path + " has neither model.safetensors nor model.safetensors.index.json "

@@ -11,6 +11,7 @@
 
 #include "config/config.h"
 #include "pipeline/memory_plan.h"
+#include "target/model_config.h"
 
 namespace dflash::pipeline {
 
@@ -18,6 +19,10 @@ struct RunCheck {
   std::vector<GpuMemoryPlan> memory;  // empty when the target or drafter could not be read
   std::vector<std::string> problems;  // each names the file, key or GPU
 };
+
+// The target's architecture: target.path's config.json, or the built-in preset's. Throws
+// naming the file and the key.
+target::ModelConfig target_model_config(const config::TargetConfig& target);
 
 // `capacities`: bytes per CUDA device index; empty when unknown (no GPU). `offline`: the config is
 // for another host, whose files are not here: a target, data or drafter.init path that cannot be

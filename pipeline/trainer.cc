@@ -26,6 +26,7 @@
 #include "pipeline/nccl_gradients.h"
 #include "pipeline/nodes.h"
 #include "pipeline/replicas.h"
+#include "pipeline/run_check.h"
 #include "pipeline/run_metrics.h"
 #include "pipeline/streams.h"
 #include "pipeline/workers.h"
@@ -303,11 +304,7 @@ struct Trainer::Impl {
 void Trainer::Impl::load_models() {
   Impl& s = *this;
   const config::Config& config = s.config;
-  if (!config.target.preset.empty()) {
-    s.target_config = target::parse_model_config(target::preset_config_json(config.target.preset), config.target.preset);
-  } else {
-    s.target_config = target::load_model_config(config.target.path);
-  }
+  s.target_config = target_model_config(config.target);
   s.shape = drafter::shape_for_target(s.target_config, config.drafter);
   {
     // The memory plan per GPU (what `dflashd validate` prints), refused before anything is

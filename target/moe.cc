@@ -13,13 +13,12 @@
 namespace dflash::target {
 namespace {
 
-// Whether the fused kernels take x's projections: bf16 on a GPU, rows 16-byte aligned.
-bool kernels_apply(const at::Tensor& projected, int64_t hidden) {
+// Whether the fused kernels take rows of t: bf16 on a GPU, a row stride of whole 16 bytes.
+bool kernels_apply(const at::Tensor& t) {
 #ifdef DFLASHD_WITH_CUDA
-  return projected.is_cuda() && projected.scalar_type() == at::kBFloat16 && projected.stride(0) % 8 == 0 &&
-         hidden % 8 == 0;
+  return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.stride(0) % 8 == 0;
 #else
-  (void)projected, (void)hidden;
+  (void)t;
   return false;
 #endif
 }
@@ -59,7 +58,7 @@ MoeWeights MoeWeights::make(const at::Tensor& router, at::Tensor experts_gate_up
 MoeRouting moe_route(const MoeShape& s, const at::Tensor& logits) {
   MoeRouting r;
 #ifdef DFLASHD_WITH_CUDA
-  if (kernels_apply(logits, 8) && s.experts <= kernels::kMoeMaxExperts && s.top_k <= kernels::kMoeMaxTopK) {
+  if (kernels_apply(logits) && s.experts <= kernels::kMoeMaxExperts && s.top_k <= kernels::kMoeMaxTopK) {
     const int64_t tokens = logits.size(0);
     r.weights = at::empty({tokens, s.top_k}, logits.options().dtype(at::kFloat));
     r.experts = at::empty({tokens, s.top_k}, logits.options().dtype(at::kLong));
@@ -110,7 +109,7 @@ at::Tensor moe_grouped(const MoeShape& s, const MoeWeights& w, const at::Tensor&
   const at::Tensor position = at::empty_like(order).index_put_({order}, at::arange(order.size(0), order.options()));
   const at::Tensor shared = shared_expert(s, w, projected);
 #ifdef DFLASHD_WITH_CUDA
-  if (kernels_apply(projected, hidden) && down.is_contiguous()) {
+  if (kernels_apply(projected) && hidden % 8 == 0 && down.is_contiguous()) {
     at::Tensor out = at::empty_like(x);
     kernels::moe_combine(down.data_ptr(), position.data_ptr<int64_t>(), routing.weights.data_ptr<float>(),
                          static_cast<int>(tokens), static_cast<int>(k), static_cast<int>(hidden),
