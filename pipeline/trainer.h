@@ -17,6 +17,7 @@
 // The pieces, one concern each: replicas.h (the models on their devices), drafter_step.h (one
 // optimizer step), collective.h (the replicas' sums), run_metrics.h (metrics and log lines),
 // checkpointer.h (cadence, state, resume), workers.h (threads, heartbeats), failed_samples.h.
+// The Trainer itself: trainer_impl.h (its state), trainer_setup.cc, trainer_stages.cc, trainer.cc.
 //
 // Failures: an exception in a worker (including CUDA out-of-memory) is logged with the worker
 // and the sample or step, counted, shown on /healthz, and handled by workers.on_failure:

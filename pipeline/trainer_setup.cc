@@ -1,0 +1,152 @@
+// The constructor's steps (trainer_impl.h): models, data, resume, connections.
+#include <ATen/ATen.h>
+
+#include "common/log.h"
+#include "drafter/optimizer.h"
+#include "pipeline/gpu_memory.h"
+#include "pipeline/memory_plan.h"
+#include "pipeline/nccl_gradients.h"
+#include "pipeline/run_check.h"
+#include "pipeline/trainer_impl.h"
+#include "target/model.h"
+
+namespace dflash::pipeline {
+
+// The target config, the drafter shape, the memory plan (refused before
+// anything is loaded when it does not fit), the replicas on their devices and
+// their kernel paths.
+void Trainer::Impl::load_models() {
+  Impl &s = *this;
+  const config::Config &config = s.config;
+  s.target_config = target_model_config(config.target);
+  s.shape = drafter::shape_for_target(s.target_config, config.drafter);
+  {
+    // The memory plan per GPU (what `dflashd validate` prints), refused before
+    // anything is loaded when it does not fit.
+    const std::vector<GpuMemoryPlan> memory =
+        plan_memory(config, s.target_config, s.shape,
+                    config.gpus.device == config::Device::cuda ? gpu_capacities() : std::vector<int64_t>{});
+    log::info("{}", format_memory_plan(memory));
+    const std::vector<std::string> problems = memory_plan_problems(memory);
+    if (!problems.empty()) {
+      std::string text;
+      for (const std::string &p : problems) text += (text.empty() ? "" : "; ") + p;
+      throw std::runtime_error("the memory plan does not fit: " + text);
+    }
+  }
+  s.models = build_replicas(config, s.target_config, s.shape);
+  for (const auto &[kind, path] : s.models->targets[0]->kernel_paths()) {
+    s.metrics->kernel_path_family->Add({{"layer_type", kind}, {"path", path}}).Set(1);
+  }
+  log::info("drafter attention: {}", s.models->attention_description);
+  s.metrics->attention_path_family->Add({{"path", s.models->attention_name}}).Set(1);
+}
+
+// The data, the plan of steps, the nodes, the failure policy, the optimizers.
+void Trainer::Impl::open_data() {
+  Impl &s = *this;
+  const config::Config &config = s.config;
+  s.data = Dataset::open(config.data, s.target_config.vocab_size);
+  s.failed_samples = std::make_unique<FailedSamples>(config.workers.skip_sample_after_failures);
+
+  s.metrics->skipped_short_total->Increment(static_cast<double>(s.data->skipped_short()));
+  s.metrics->skipped_no_anchor_total->Increment(static_cast<double>(s.data->skipped_no_anchor()));
+  s.metrics->skipped_malformed_total->Increment(static_cast<double>(s.data->skipped_malformed()));
+  const int64_t replicas = static_cast<int64_t>(config.gpus.drafter.size());
+  const NodeInfo node_info = resolve_nodes(config.distributed);
+  s.nodes_in_run = node_info.nodes;
+  s.node_rank = node_info.rank;
+  s.local_replicas = replicas;
+  if (node_info.nodes > 1) s.nodes = std::make_unique<NodeGroup>(node_info);
+  s.plan = StepPlan::make(s.data->size(), replicas * node_info.nodes, config.train.sequences_per_step,
+                          config.train.grad_accumulation_steps, config.train.epochs, config.train.max_steps);
+  s.failure_policy = std::make_unique<FailurePolicy>(
+      FailurePolicy::Context{s.config.workers, *s.metrics, *s.health, *s.failed_samples,
+                             [&s](int64_t index) { return s.data->describe(index); }, s.plan.replicas == 1,
+                             [&s](const std::string &reason) { s.fail(reason); },
+                             [&s] { return s.stop_requested.load() && s.failed.load(); }});
+  add_optimizers(*s.models, config.train, s.plan.total_steps);
+  s.step_settings = {s.shape,
+                     s.target_config,
+                     config.loss_gamma(),
+                     static_cast<uint64_t>(config.train.seed),
+                     config.train.anchors_per_sequence,
+                     config.train.sequences_per_step,
+                     static_cast<int64_t>(config.train.lm_head_chunk_blocks) * s.shape.block_size};
+}
+
+// The newest complete checkpoint (checkpoint.resume), which every node must
+// agree on.
+void Trainer::Impl::resume() {
+  Impl &s = *this;
+  const config::Config &config = s.config;
+  s.checkpoints = std::make_unique<Checkpointer>(s.config, s.plan, *s.metrics, *s.health, *s.failed_samples);
+  s.start_step = s.checkpoints->resume(s.models->drafters, s.models->optimizers);
+  if (s.nodes) {
+    // Every node must resume from the same step (each reads its own
+    // output_dir).
+    const std::vector<double> agreed = s.nodes->sum(
+        {static_cast<double>(s.start_step), static_cast<double>(s.start_step) * static_cast<double>(s.start_step)});
+    const double n = s.nodes_in_run, mean = agreed[0] / n;
+    if (agreed[1] / n - mean * mean > 0.25) {
+      throw std::runtime_error(
+          "distributed: the nodes would resume from "
+          "different steps (this node: " +
+          std::to_string(s.start_step) + ", mean over nodes: " + std::to_string(mean) +
+          "); give every node the same checkpoints or "
+          "checkpoint.resume: never");
+    }
+  }
+  if (config.drafter.init != "random") {
+    log::info(s.checkpoints->resumed_from().empty() ? "drafter initialised from {} (drafter.init)"
+                                                    : "drafter.init ({}) applies to a fresh run only: the "
+                                                      "resumed checkpoint's weights are used",
+              config.drafter.init);
+  }
+}
+
+// The collectives and the queues between the threads (the feature queue within
+// its budget).
+void Trainer::Impl::connect() {
+  Impl &s = *this;
+  const config::Config &config = s.config;
+  s.completed_step.store(s.start_step);
+  const int64_t replicas = s.local_replicas;
+  std::unique_ptr<NcclGradients> nccl;
+  if (config.gpus.device == config::Device::cuda && replicas * s.nodes_in_run > 1) {
+    nccl = std::make_unique<NcclGradients>(config.gpus.drafter, s.nodes.get());
+    log::info("data-parallel gradients: NCCL all-reduce over {} GPUs on {} node(s)", replicas * s.nodes_in_run,
+              s.nodes_in_run);
+  }
+  s.collective = std::make_unique<Collective>(static_cast<int>(replicas), s.nodes.get(), std::move(nccl));
+  s.sample_queue = std::make_unique<BoundedQueue<SampleItem>>(config.queues.samples);
+  s.metrics->add_queue("samples", config.queues.samples);
+  for (int64_t r = 0; r < replicas; ++r) {
+    s.feature_queues.push_back(std::make_unique<BoundedQueue<FeatureItem>>(config.queues.features));
+    const std::string name = "features-" + std::to_string(r);
+    s.metrics->add_queue(name, config.queues.features);
+  }
+  // Feature memory: capacity x (longest sample x K x H x dtype) must fit the
+  // budget.
+  const int64_t item_bytes = static_cast<int64_t>(config.data.max_length) * s.shape.num_features() *
+                             s.shape.hidden_size *
+                             static_cast<int64_t>(c10::elementSize(model_dtype(config.target.dtype)));
+  if (item_bytes * config.queues.features > config.queues.feature_memory_budget_bytes) {
+    throw std::runtime_error("queues.features: " + std::to_string(config.queues.features) + " items of up to " +
+                             std::to_string(item_bytes) + " bytes exceed queues.feature_memory_budget_bytes (" +
+                             std::to_string(config.queues.feature_memory_budget_bytes) + ")");
+  }
+  log::info(
+      "data: {} samples ({} tokens) per epoch; skipped: {} with too few "
+      "supervised tokens, {} without two adjacent "
+      "supervised tokens (no anchor), {} malformed",
+      s.data->size(), s.data->tokens_per_epoch(), s.data->skipped_short(), s.data->skipped_no_anchor(),
+      s.data->skipped_malformed());
+  log::info(
+      "plan: {} steps ({} per epoch), global batch {} sequences on {} "
+      "drafter replica(s); drafter {} layers, {} parameters",
+      s.plan.total_steps, s.plan.steps_per_epoch, s.plan.global_batch(), replicas, s.shape.num_layers,
+      s.shape.parameter_count());
+}
+
+}  // namespace dflash::pipeline
