@@ -1,0 +1,80 @@
+// The GatedDeltaNet kernels' shared pieces: tile sizes, the grid-dependency and barrier helpers,
+// the state chain's per-chunk math.
+// Private to target/kernels/gated_delta_net.cu (one translation unit): see gated_delta_net.h for
+// the math and the data layout.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_pipeline.h>
+
+#include "common/bf16x8.cuh"
+#include "common/fast_math.cuh"
+#include "common/mma_tile.cuh"
+#include "common/wgmma.cuh"
+#include "target/kernels/gated_delta_net.h"
+
+namespace dflash::target::kernels::gdn {
+
+using bf16 = __nv_bfloat16;
+using bf16x8::load8;
+using bf16x8::weighted_norm;
+
+constexpr int C = kGdnChunk;    // 64 tokens per chunk
+constexpr int D = kGdnHeadDim;  // 128
+constexpr int LDA = C + 8;      // fp32 row stride of 64x64 matrices (float2 fragment accesses conflict-free)
+
+// Programmatic dependent launch (sm_90 and newer; no-ops elsewhere and when the launch did not ask
+// for it): a kernel that says dependents_may_launch lets the next kernel in the stream, launched
+// with launch_dependent, be scheduled onto SMs as its own CTAs leave (once every CTA of it has
+// said so); that kernel calls wait_for_prerequisite before it reads anything its predecessor
+// writes, which returns when the predecessor has finished and its writes are visible.
+__device__ __forceinline__ void dependents_may_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisite() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- the state chain's per-chunk math, shared by the mma.sync and the wgmma state passes ----
+// vt = U^T - vt for the warp's 16 value columns [col0, col0 + 16) x the chunk's 64 tokens
+// (accumulator fragments: vt[j] the tokens 8j ..), U in shared memory as [token][column] with row
+// stride ld: U^T's fragments by ldmatrix.trans (matrix m of k-step kk holds tokens
+// 16 kk + 8 (m >> 1) .., columns col0 + 8 (m & 1) ..; it is vt[2 kk + (m >> 1)][2 (m & 1) ..]).
+__device__ __forceinline__ void subtract_from_u(float (&vt)[8][4], const bf16* u, int ld, int col0) {
+  const int lane = threadIdx.x & 31, m = lane >> 3;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int token = 16 * kk + 8 * (m >> 1) + (lane & 7);
+    uint32_t x[4];
+    mma_tile::ldsm_x4_trans(x, mma_tile::shared_address(u + token * ld + col0 + 8 * (m & 1)));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = mma_tile::unpack(x[e]);
+      float* c = vt[2 * kk + (e >> 1)] + 2 * (e & 1);
+      c[0] = f.x - c[0];
+      c[1] = f.y - c[1];
+    }
+  }
+}
+
+// V'^T's token columns times e^(gamma_last - gamma) (accumulator fragments: vt[j] the tokens
+// 8j + 2t4, + 1): V' decayed to the chunk's end, the A operand of the state update.
+__device__ __forceinline__ void decay_to_chunk_end(float (&vt)[8][4], const float* gamma, float gamma_last) {
+  const int t4 = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int token = 8 * j + 2 * t4;
+    const float e0 = exp_approx(gamma_last - gamma[token]), e1 = exp_approx(gamma_last - gamma[token + 1]);
+    vt[j][0] *= e0, vt[j][1] *= e1, vt[j][2] *= e0, vt[j][3] *= e1;
+  }
+}
+
+}  // namespace dflash::target::kernels::gdn
