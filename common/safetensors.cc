@@ -62,9 +62,10 @@ int64_t TensorEntry::numel() const {
   return n;
 }
 
-std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
-  std::shared_ptr<SafetensorsFile> file(new SafetensorsFile());
-  file->path_ = path;
+namespace {
+
+// The whole file mapped read-only; `*bytes` is its size.
+void* map_file(const std::string& path, size_t* bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(path, system_error("cannot open"));
   struct stat st {};
@@ -72,115 +73,112 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     ::close(fd);
     fail(path, system_error("cannot stat"));
   }
-  const size_t file_bytes = static_cast<size_t>(st.st_size);
-  if (file_bytes < 8) {
+  *bytes = static_cast<size_t>(st.st_size);
+  if (*bytes < 8) {
     ::close(fd);
-    fail(path, "truncated: " + std::to_string(file_bytes) + " bytes, shorter than the 8-byte header length");
+    fail(path, "truncated: " + std::to_string(*bytes) + " bytes, shorter than the 8-byte header length");
   }
-  void* mapping = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+  void* mapping = ::mmap(nullptr, *bytes, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
   if (mapping == MAP_FAILED) fail(path, system_error("cannot mmap"));
-  file->mapping_ = mapping;
-  file->mapping_bytes_ = file_bytes;
-  const auto* bytes = static_cast<const std::byte*>(mapping);
+  return mapping;
+}
 
+// The little-endian header length, checked against the limit and the file size.
+uint64_t header_length(const std::string& path, const std::byte* bytes, size_t file_bytes) {
   uint64_t header_bytes = 0;
   for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | static_cast<uint8_t>(bytes[i]);
-  if (header_bytes > kMaxHeaderBytes) {
+  if (header_bytes > SafetensorsFile::kMaxHeaderBytes) {
     fail(path, "corrupt header: header length " + std::to_string(header_bytes) + " exceeds the 100 MB limit");
   }
   if (8 + header_bytes > file_bytes) {
     fail(path, "truncated: the header claims " + std::to_string(header_bytes) + " bytes but the file has " +
                    std::to_string(file_bytes - 8) + " after the length");
   }
-  const char* header = reinterpret_cast<const char*>(bytes + 8);
-  if (header_bytes == 0 || header[0] != '{') fail(path, "corrupt header: it is not a JSON object");
+  return header_bytes;
+}
 
-  // Duplicate names are rejected: nlohmann keeps the last silently, so watch the keys of the
-  // top-level object as the parser reports them.
-  if (const std::string problem = json_text_problem({header, header_bytes});
-      !problem.empty()) {
+// The header's JSON object. Duplicate names are rejected: nlohmann keeps the last silently, so
+// the keys of the top-level object are watched as the parser reports them.
+nlohmann::json parse_header(const std::string& path, const char* header, uint64_t header_bytes) {
+  if (header_bytes == 0 || header[0] != '{') fail(path, "corrupt header: it is not a JSON object");
+  if (const std::string problem = json_text_problem({header, header_bytes}); !problem.empty()) {
     fail(path, "corrupt header: " + problem);
   }
   std::set<std::string> seen;
   std::string duplicate;
   nlohmann::json json;
   try {
-    json = nlohmann::json::parse(
-        header, header + header_bytes,
-        [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-          if (depth == 1 && event == nlohmann::json::parse_event_t::key) {
-            const std::string key = parsed.get<std::string>();
-            if (!seen.insert(key).second && duplicate.empty()) duplicate = key;
-          }
-          return true;
-        });
+    json = nlohmann::json::parse(header, header + header_bytes,
+                                 [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+                                   if (depth == 1 && event == nlohmann::json::parse_event_t::key) {
+                                     const std::string key = parsed.get<std::string>();
+                                     if (!seen.insert(key).second && duplicate.empty()) duplicate = key;
+                                   }
+                                   return true;
+                                 });
   } catch (const nlohmann::json::exception& e) {
     fail(path, std::string("corrupt header: invalid JSON: ") + e.what());
   }
   if (!duplicate.empty()) fail(path, "corrupt header: tensor '" + duplicate + "' appears twice");
   if (!json.is_object()) fail(path, "corrupt header: it is not a JSON object");
+  return json;
+}
 
-  const size_t buffer_bytes = file_bytes - 8 - header_bytes;
-  const std::byte* buffer = bytes + 8 + header_bytes;
-  for (auto it = json.begin(); it != json.end(); ++it) {
-    const std::string& name = it.key();
-    const nlohmann::json& value = it.value();
-    if (name == "__metadata__") {
-      if (!value.is_object()) fail(path, "corrupt header: __metadata__ is not an object");
-      for (auto m = value.begin(); m != value.end(); ++m) {
-        if (!m.value().is_string()) fail(path, "corrupt header: __metadata__." + m.key() + " is not a string");
-        file->metadata_[m.key()] = m.value().get<std::string>();
-      }
-      continue;
-    }
-    const std::string where = "tensor '" + name + "': ";
-    if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") ||
-        !value.contains("data_offsets")) {
-      fail(path, "corrupt header: " + where + "needs dtype, shape and data_offsets");
-    }
-    TensorEntry entry;
-    entry.name = name;
-    if (!value["dtype"].is_string() || !parse_dtype(value["dtype"].get<std::string>(), &entry.dtype)) {
-      fail(path, where + "unsupported dtype " + value["dtype"].dump());
-    }
-    const auto& shape = value["shape"];
-    if (!shape.is_array()) fail(path, "corrupt header: " + where + "shape is not a list");
-    for (const auto& d : shape) {
-      if (!d.is_number_unsigned()) fail(path, "corrupt header: " + where + "shape " + shape.dump() + " is not a list of sizes");
-      entry.shape.push_back(d.get<int64_t>());
-    }
-    const auto& offsets = value["data_offsets"];
-    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
-        !offsets[1].is_number_unsigned()) {
-      fail(path, "corrupt header: " + where + "data_offsets must be [begin, end]");
-    }
-    const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
-    if (begin > end || end > buffer_bytes) {
-      fail(path, where + "data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
-                     "] out of bounds of the " + std::to_string(buffer_bytes) + "-byte data buffer (truncated file?)");
-    }
-    // product(shape) * size; a product past 2^64 bytes cannot match any data_offsets (and a
-    // wrapped product could: [2^32]^4 of 2-byte elements wraps to 0 in 128 bits).
-    uint64_t expected = dtype_size(entry.dtype);
-    bool overflow = false;
-    for (int64_t d : entry.shape) overflow = overflow || __builtin_mul_overflow(expected, static_cast<uint64_t>(d), &expected);
-    if (overflow) {
-      fail(path, where + "shape " + shape.dump() + " of " + dtype_name(entry.dtype) + " needs more than 2^64 bytes");
-    }
-    if (expected != end - begin) {
-      fail(path, where + "shape " + shape.dump() + " of " + dtype_name(entry.dtype) + " needs " +
-                     std::to_string(expected) + " bytes but data_offsets give " + std::to_string(end - begin));
-    }
-    entry.data = buffer + begin;
-    entry.bytes = static_cast<size_t>(end - begin);
-    file->tensors_.push_back(std::move(entry));
+// One tensor's header entry, its size checked against its dtype and shape (with overflow checks)
+// and its offsets against the data buffer.
+TensorEntry parse_entry(const std::string& path, const std::string& name, const nlohmann::json& value,
+                        const std::byte* buffer, size_t buffer_bytes) {
+  const std::string where = "tensor '" + name + "': ";
+  if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") || !value.contains("data_offsets")) {
+    fail(path, "corrupt header: " + where + "needs dtype, shape and data_offsets");
   }
-  // Contiguous and non-overlapping, covering the whole buffer (the reference's rule).
+  TensorEntry entry;
+  entry.name = name;
+  if (!value["dtype"].is_string() || !parse_dtype(value["dtype"].get<std::string>(), &entry.dtype)) {
+    fail(path, where + "unsupported dtype " + value["dtype"].dump());
+  }
+  const auto& shape = value["shape"];
+  if (!shape.is_array()) fail(path, "corrupt header: " + where + "shape is not a list");
+  for (const auto& d : shape) {
+    if (!d.is_number_unsigned()) fail(path, "corrupt header: " + where + "shape " + shape.dump() + " is not a list of sizes");
+    entry.shape.push_back(d.get<int64_t>());
+  }
+  const auto& offsets = value["data_offsets"];
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned()) {
+    fail(path, "corrupt header: " + where + "data_offsets must be [begin, end]");
+  }
+  const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
+  if (begin > end || end > buffer_bytes) {
+    fail(path, where + "data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                   "] out of bounds of the " + std::to_string(buffer_bytes) + "-byte data buffer (truncated file?)");
+  }
+  // product(shape) * size; a product past 2^64 bytes cannot match any data_offsets (and a
+  // wrapped product could: [2^32]^4 of 2-byte elements wraps to 0 in 128 bits).
+  uint64_t expected = dtype_size(entry.dtype);
+  bool overflow = false;
+  for (int64_t d : entry.shape) overflow = overflow || __builtin_mul_overflow(expected, static_cast<uint64_t>(d), &expected);
+  if (overflow) {
+    fail(path, where + "shape " + shape.dump() + " of " + dtype_name(entry.dtype) + " needs more than 2^64 bytes");
+  }
+  if (expected != end - begin) {
+    fail(path, where + "shape " + shape.dump() + " of " + dtype_name(entry.dtype) + " needs " +
+                   std::to_string(expected) + " bytes but data_offsets give " + std::to_string(end - begin));
+  }
+  entry.data = buffer + begin;
+  entry.bytes = static_cast<size_t>(end - begin);
+  return entry;
+}
+
+// The tensors are contiguous and non-overlapping and cover the whole buffer (the reference's rule).
+void check_layout(const std::string& path, const std::vector<TensorEntry>& tensors, const std::byte* buffer,
+                  size_t buffer_bytes) {
   std::vector<const TensorEntry*> by_offset;
-  for (const auto& t : file->tensors_) by_offset.push_back(&t);
-  std::sort(by_offset.begin(), by_offset.end(),
-            [](const TensorEntry* a, const TensorEntry* b) { return a->data < b->data || (a->data == b->data && a->bytes < b->bytes); });
+  for (const auto& t : tensors) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(), [](const TensorEntry* a, const TensorEntry* b) {
+    return a->data < b->data || (a->data == b->data && a->bytes < b->bytes);
+  });
   size_t cursor = 0;
   for (const TensorEntry* t : by_offset) {
     const size_t begin = static_cast<size_t>(t->data - buffer);
@@ -195,6 +193,33 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     fail(path, "file size is not exact: the tensors end at byte " + std::to_string(cursor) + " of a " +
                    std::to_string(buffer_bytes) + "-byte data buffer");
   }
+}
+
+}  // namespace
+
+std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
+  std::shared_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+  size_t file_bytes = 0;
+  file->mapping_ = map_file(path, &file_bytes);  // unmapped by the destructor if parsing throws
+  file->mapping_bytes_ = file_bytes;
+  const auto* bytes = static_cast<const std::byte*>(file->mapping_);
+  const uint64_t header_bytes = header_length(path, bytes, file_bytes);
+  const nlohmann::json json = parse_header(path, reinterpret_cast<const char*>(bytes + 8), header_bytes);
+  const size_t buffer_bytes = file_bytes - 8 - header_bytes;
+  const std::byte* buffer = bytes + 8 + header_bytes;
+  for (auto it = json.begin(); it != json.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      if (!it.value().is_object()) fail(path, "corrupt header: __metadata__ is not an object");
+      for (auto m = it.value().begin(); m != it.value().end(); ++m) {
+        if (!m.value().is_string()) fail(path, "corrupt header: __metadata__." + m.key() + " is not a string");
+        file->metadata_[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    file->tensors_.push_back(parse_entry(path, it.key(), it.value(), buffer, buffer_bytes));
+  }
+  check_layout(path, file->tensors_, buffer, buffer_bytes);
   for (size_t i = 0; i < file->tensors_.size(); ++i) file->index_[file->tensors_[i].name] = i;
   return file;
 }

@@ -30,8 +30,133 @@ void configure_logging(const config::Config& config, std::optional<log::Level> o
   log::configure(options);
 }
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The daemon's own metrics (the run's are pipeline/run_metrics.h).
+struct ServiceMetrics {
+  prometheus::Gauge* starting = nullptr;  // dflashd_state{state}: one of the three is 1
+  prometheus::Gauge* running = nullptr;
+  prometheus::Gauge* stopping = nullptr;
+  prometheus::Gauge* loop_heartbeat = nullptr;
+  prometheus::Counter* watchdog_pings = nullptr;
+
+  void set_state(prometheus::Gauge* state) {
+    for (prometheus::Gauge* g : {starting, running, stopping}) g->Set(g == state ? 1 : 0);
+  }
+};
+
+ServiceMetrics register_service_metrics(prometheus::Registry& registry) {
+  ServiceMetrics m;
+  auto& state_family = prometheus::BuildGauge()
+                           .Name("dflashd_state")
+                           .Help("1 for the daemon's current lifecycle state (starting, running, stopping)")
+                           .Register(registry);
+  m.starting = &state_family.Add({{"state", "starting"}});
+  m.running = &state_family.Add({{"state", "running"}});
+  m.stopping = &state_family.Add({{"state", "stopping"}});
+  m.loop_heartbeat = &prometheus::BuildGauge()
+                          .Name("dflashd_main_loop_heartbeat_timestamp_seconds")
+                          .Help("Unix time of the main loop's last iteration")
+                          .Register(registry)
+                          .Add({});
+  m.watchdog_pings = &prometheus::BuildCounter()
+                          .Name("dflashd_systemd_watchdog_pings_total")
+                          .Help("WATCHDOG=1 notifications sent to systemd")
+                          .Register(registry)
+                          .Add({});
+  return m;
+}
+
+std::shared_ptr<BuildInfoCollector> build_info_of(const MachineFacts& machine, const config::Config& config) {
+  return std::make_shared<BuildInfoCollector>(std::map<std::string, std::string>{
+      {"version", machine.dflashd_version},
+      {"torch_version", machine.torch_version},
+      {"cuda_version", machine.cuda_runtime_version.empty() ? "none" : machine.cuda_runtime_version},
+      {"cuda_kernels", machine.cuda_kernels_built ? "true" : "false"},
+      {"device", config::name_of(config.gpus.device)}});
+}
+
+// The main loop until the run is done: supervise the trainer, feed systemd's watchdog (only
+// from here: if this loop stops turning, systemd notices), and turn SIGTERM or run.max_seconds
+// into a graceful stop bounded by checkpoint.stop_timeout_seconds.
+void supervise_until_done(const config::Config& config, pipeline::Trainer& trainer, SignalWatcher& signals,
+                          SystemdNotifier& notifier, ServiceMetrics& metrics, std::mutex& mutex,
+                          std::condition_variable& wake) {
+  const auto started = Clock::now();
+  auto last_watchdog = Clock::time_point{};
+  auto last_status = Clock::time_point{};
+  std::optional<Clock::time_point> stop_deadline;
+  const auto watchdog_interval = notifier.watchdog_interval();
+  while (!trainer.done()) {
+    const auto now = Clock::now();
+    metrics.loop_heartbeat->Set(std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+    trainer.supervise();
+    if (watchdog_interval && now - last_watchdog >= *watchdog_interval) {
+      notifier.watchdog();
+      metrics.watchdog_pings->Increment();
+      last_watchdog = now;
+    }
+    const bool out_of_time = config.run.max_seconds > 0 &&
+                             std::chrono::duration<double>(now - started).count() >= config.run.max_seconds;
+    if ((signals.stop_requested() || out_of_time) && !stop_deadline) {
+      if (out_of_time) log::info("run.max_seconds ({}) reached", config.run.max_seconds);
+      trainer.request_stop();
+      metrics.set_state(metrics.stopping);
+      notifier.stopping();
+      notifier.status("stopping: finishing the step in flight, then a checkpoint");
+      stop_deadline = now + std::chrono::milliseconds(static_cast<int64_t>(config.checkpoint.stop_timeout_seconds * 1000));
+    }
+    if (stop_deadline && now > *stop_deadline) {
+      log::critical("the graceful stop took longer than checkpoint.stop_timeout_seconds ({} s): exiting without a "
+                    "final checkpoint (the last complete one stays valid)",
+                    config.checkpoint.stop_timeout_seconds);
+      log::flush();
+      notifier.status("failed: graceful stop timed out");
+      // The workers are stuck: joining them (the Trainer's destructor) could hang for ever.
+      std::_Exit(exit_code::kFailure);
+    }
+    if (!stop_deadline && now - last_status >= std::chrono::seconds(5)) {
+      notifier.status(trainer.status());
+      last_status = now;
+    }
+    std::unique_lock lock(mutex);
+    wake.wait_for(lock, std::chrono::milliseconds(200), [&] { return signals.stop_requested() && !stop_deadline; });
+  }
+}
+
+// Joins the workers, writes the final checkpoint and says how the run ended (the exit code).
+int finish_run(pipeline::Trainer& trainer, SystemdNotifier& notifier, ServiceMetrics& metrics,
+               std::unique_ptr<HttpEndpoint>& endpoint) {
+  notifier.status("stopping: writing the final checkpoint");
+  const pipeline::Outcome outcome = trainer.wait();
+  if (trainer.abandoned()) {
+    // Worker threads are stuck (in a CUDA or NCCL call): neither joining them nor destroying
+    // what they use is possible. The checkpoint, if one could be written, is on disk.
+    log::error("run failed at step {}: {}; exiting with worker threads stuck", trainer.step(), trainer.failure());
+    log::flush();
+    notifier.status("failed: worker threads stuck");
+    std::_Exit(exit_code::kFailure);
+  }
+  trainer.supervise();
+  metrics.set_state(metrics.stopping);
+  notifier.stopping();
+  endpoint.reset();
+  if (outcome == pipeline::Outcome::failed) {
+    log::error("run failed at step {}: {}", trainer.step(), trainer.failure());
+    log::flush();
+    return exit_code::kFailure;
+  }
+  log::info(outcome == pipeline::Outcome::finished ? "run finished at step {}" : "stopped cleanly at step {}",
+            trainer.step());
+  log::flush();
+  return exit_code::kOk;
+}
+
+}  // namespace
+
 int run_service(const config::Config& config, const RunOptions& options) {
-  using Clock = std::chrono::steady_clock;
   // First, before any thread exists: every thread inherits the blocked signal mask.
   std::mutex mutex;
   std::condition_variable wake;
@@ -62,30 +187,8 @@ int run_service(const config::Config& config, const RunOptions& options) {
 
   auto registry = std::make_shared<prometheus::Registry>();
   auto health = std::make_shared<Health>();
-  auto build_info = std::make_shared<BuildInfoCollector>(std::map<std::string, std::string>{
-      {"version", machine.dflashd_version},
-      {"torch_version", machine.torch_version},
-      {"cuda_version", machine.cuda_runtime_version.empty() ? "none" : machine.cuda_runtime_version},
-      {"cuda_kernels", machine.cuda_kernels_built ? "true" : "false"},
-      {"device", config::name_of(config.gpus.device)}});
-  auto& state_family = prometheus::BuildGauge()
-                           .Name("dflashd_state")
-                           .Help("1 for the daemon's current lifecycle state (starting, running, stopping)")
-                           .Register(*registry);
-  auto& starting = state_family.Add({{"state", "starting"}});
-  auto& running = state_family.Add({{"state", "running"}});
-  auto& stopping = state_family.Add({{"state", "stopping"}});
-  auto& loop_heartbeat = prometheus::BuildGauge()
-                             .Name("dflashd_main_loop_heartbeat_timestamp_seconds")
-                             .Help("Unix time of the main loop's last iteration")
-                             .Register(*registry)
-                             .Add({});
-  auto& watchdog_pings = prometheus::BuildCounter()
-                             .Name("dflashd_systemd_watchdog_pings_total")
-                             .Help("WATCHDOG=1 notifications sent to systemd")
-                             .Register(*registry)
-                             .Add({});
-  starting.Set(1);
+  ServiceMetrics metrics = register_service_metrics(*registry);
+  metrics.set_state(metrics.starting);
   health->set_healthy("main");
 
   std::unique_ptr<HttpEndpoint> endpoint;
@@ -94,7 +197,7 @@ int run_service(const config::Config& config, const RunOptions& options) {
       endpoint = std::make_unique<HttpEndpoint>(
           config.metrics.listen,
           std::vector<std::shared_ptr<prometheus::Collectable>>{registry, std::make_shared<ProcessCollector>(),
-                                                                build_info},
+                                                                build_info_of(machine, config)},
           health);
     } catch (const StartupError& e) {
       log::error("{}", e.what());
@@ -114,77 +217,11 @@ int run_service(const config::Config& config, const RunOptions& options) {
     return exit_code::kStartup;
   }
 
-  starting.Set(0);
-  running.Set(1);
+  metrics.set_state(metrics.running);
   trainer->start();
   notifier.ready();
-
-  const auto started = Clock::now();
-  auto last_watchdog = Clock::time_point{};
-  auto last_status = Clock::time_point{};
-  std::optional<Clock::time_point> stop_deadline;
-  const auto watchdog_interval = notifier.watchdog_interval();
-  while (!trainer->done()) {
-    const auto now = Clock::now();
-    loop_heartbeat.Set(std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
-    trainer->supervise();
-    // The watchdog is fed only from this loop: if it stops turning, systemd notices.
-    if (watchdog_interval && now - last_watchdog >= *watchdog_interval) {
-      notifier.watchdog();
-      watchdog_pings.Increment();
-      last_watchdog = now;
-    }
-    const bool out_of_time = config.run.max_seconds > 0 &&
-                             std::chrono::duration<double>(now - started).count() >= config.run.max_seconds;
-    if ((signals.stop_requested() || out_of_time) && !stop_deadline) {
-      if (out_of_time) log::info("run.max_seconds ({}) reached", config.run.max_seconds);
-      trainer->request_stop();
-      running.Set(0);
-      stopping.Set(1);
-      notifier.stopping();
-      notifier.status("stopping: finishing the step in flight, then a checkpoint");
-      stop_deadline = now + std::chrono::milliseconds(static_cast<int64_t>(config.checkpoint.stop_timeout_seconds * 1000));
-    }
-    if (stop_deadline && now > *stop_deadline) {
-      log::critical("the graceful stop took longer than checkpoint.stop_timeout_seconds ({} s): exiting without a "
-                    "final checkpoint (the last complete one stays valid)",
-                    config.checkpoint.stop_timeout_seconds);
-      log::flush();
-      notifier.status("failed: graceful stop timed out");
-      // The workers are stuck: joining them (the Trainer's destructor) could hang for ever.
-      std::_Exit(exit_code::kFailure);
-    }
-    if (!stop_deadline && now - last_status >= std::chrono::seconds(5)) {
-      notifier.status(trainer->status());
-      last_status = now;
-    }
-    std::unique_lock lock(mutex);
-    wake.wait_for(lock, std::chrono::milliseconds(200), [&] { return signals.stop_requested() && !stop_deadline; });
-  }
-  notifier.status("stopping: writing the final checkpoint");
-  const pipeline::Outcome outcome = trainer->wait();
-  if (trainer->abandoned()) {
-    // Worker threads are stuck (in a CUDA or NCCL call): neither joining them nor destroying
-    // what they use is possible. The checkpoint, if one could be written, is on disk.
-    log::error("run failed at step {}: {}; exiting with worker threads stuck", trainer->step(), trainer->failure());
-    log::flush();
-    notifier.status("failed: worker threads stuck");
-    std::_Exit(exit_code::kFailure);
-  }
-  trainer->supervise();
-  running.Set(0);
-  stopping.Set(1);
-  notifier.stopping();
-  endpoint.reset();
-  if (outcome == pipeline::Outcome::failed) {
-    log::error("run failed at step {}: {}", trainer->step(), trainer->failure());
-    log::flush();
-    return exit_code::kFailure;
-  }
-  log::info(outcome == pipeline::Outcome::finished ? "run finished at step {}" : "stopped cleanly at step {}",
-            trainer->step());
-  log::flush();
-  return exit_code::kOk;
+  supervise_until_done(config, *trainer, signals, notifier, metrics, mutex, wake);
+  return finish_run(*trainer, notifier, metrics, endpoint);
 }
 
 }  // namespace dflash::daemon

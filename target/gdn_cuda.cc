@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <deque>
 #include <stdexcept>
 
 #ifdef DFLASHD_WITH_CUDA
@@ -122,17 +123,19 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x_in, const at::Tensor& wei
   return y;
 }
 
-at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, int64_t value_heads, const GdnGates& gates,
-                                 const GdnChunkPlan& plan, const at::Tensor& z, const at::Tensor& norm_weight_in,
-                                 double eps, int state_columns, float* stage_ms, at::ScalarType o_dtype) {
-  constexpr int64_t D = kernels::kGdnHeadDim, C = kernels::kGdnChunk;
-  expect(mixed_in.is_cuda() && mixed_in.scalar_type() == at::kBFloat16 && mixed_in.dim() == 2 &&
-             mixed_in.size(1) == (2 * key_heads + value_heads) * D,
-         "mixed must be bf16 [tokens, (2 key_heads + value_heads) * 128] on a GPU");
-  const c10::cuda::CUDAGuard guard(mixed_in.device());
-  const at::Tensor mixed = mixed_in.stride(1) == 1 ? mixed_in : mixed_in.contiguous();
-  const int64_t tokens = mixed.size(0);
-  at::Tensor g, beta, gate_a, gate_b, a_log, dt_bias;
+namespace {
+
+// One launch's arguments and the tensors they point into (kept alive until the launch is queued).
+struct GdnLaunch {
+  kernels::GdnForward args;
+  std::deque<at::Tensor> keep;  // a deque: references to held tensors stay valid as more are held
+  const at::Tensor& hold(at::Tensor t) { return keep.emplace_back(std::move(t)); }
+};
+
+// The gates: the raw projections a, b with A_log and dt_bias (formed inside the kernels), or
+// g and beta precomputed (tests, benches).
+void bind_gates(const GdnGates& gates, int64_t tokens, int64_t value_heads, GdnLaunch* l) {
+  kernels::GdnForward& a = l->args;
   if (gates.a.defined()) {
     expect(gates.a.numel() == tokens * value_heads && gates.b.numel() == tokens * value_heads &&
                gates.a_log.numel() == value_heads && gates.dt_bias.numel() == value_heads,
@@ -141,83 +144,112 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
       const at::Tensor r = t.to(at::kBFloat16).reshape({tokens, value_heads});
       return r.stride(1) == 1 ? r : r.contiguous();
     };
-    gate_a = rows(gates.a), gate_b = rows(gates.b);
-    a_log = gates.a_log.to(at::kFloat).contiguous(), dt_bias = gates.dt_bias.to(at::kFloat).contiguous();
-  } else {
-    g = gates.g.to(at::kFloat).contiguous(), beta = gates.beta.to(at::kFloat).contiguous();
-    expect(g.numel() == tokens * value_heads && beta.numel() == tokens * value_heads, "g and beta must be [tokens, value_heads]");
-  }
-  expect(plan.table.defined() && plan.table.device() == mixed.device(), "the chunk plan must be on the input's device");
-  expect(o_dtype == at::kFloat || o_dtype == at::kBFloat16, "o_dtype must be float32 or bfloat16");
-  const int64_t chunks = plan.num_chunks;
-  const auto bf = mixed.options();
-  const at::Tensor w = at::empty({chunks, value_heads, C, D}, bf), u = at::empty_like(w);
-  // The per-chunk states and V' only where the state pass and the output are separate kernels.
-  const bool fused = kernels::gated_delta_rule_fuses_output(state_columns);
-  const at::Tensor v_new = fused ? at::Tensor() : at::empty_like(w);
-  const at::Tensor states = fused ? at::Tensor() : at::empty({chunks, value_heads, D, D}, bf);
-  const at::Tensor gamma = at::empty({chunks, value_heads, C}, bf.dtype(at::kFloat));
-  const at::Tensor qk = at::empty({chunks, value_heads, C, C}, bf);
-
-  kernels::GdnForward a;
-  a.qkv = mixed.data_ptr();
-  a.qkv_stride = mixed.stride(0);
-  a.tokens = static_cast<int>(tokens);
-  a.key_heads = static_cast<int>(key_heads);
-  a.value_heads = static_cast<int>(value_heads);
-  if (gate_a.defined()) {
+    const at::Tensor& gate_a = l->hold(rows(gates.a));
+    const at::Tensor& gate_b = l->hold(rows(gates.b));
     a.gate_a = gate_a.data_ptr();
     a.gate_b = gate_b.data_ptr();
     a.a_stride = gate_a.stride(0);
     a.b_stride = gate_b.stride(0);
-    a.a_log = a_log.data_ptr<float>();
-    a.dt_bias = dt_bias.data_ptr<float>();
+    a.a_log = l->hold(gates.a_log.to(at::kFloat).contiguous()).data_ptr<float>();
+    a.dt_bias = l->hold(gates.dt_bias.to(at::kFloat).contiguous()).data_ptr<float>();
   } else {
+    const at::Tensor& g = l->hold(gates.g.to(at::kFloat).contiguous());
+    const at::Tensor& beta = l->hold(gates.beta.to(at::kFloat).contiguous());
+    expect(g.numel() == tokens * value_heads && beta.numel() == tokens * value_heads,
+           "g and beta must be [tokens, value_heads]");
     a.g = g.data_ptr<float>();
     a.beta = beta.data_ptr<float>();
   }
-  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+}
+
+// The per-chunk intermediates between the kernels (the states and V' only where the state pass
+// and the output are separate kernels).
+void bind_workspace(const at::TensorOptions& bf, int64_t value_heads, const GdnChunkPlan& plan, int state_columns,
+                    GdnLaunch* l) {
+  constexpr int64_t D = kernels::kGdnHeadDim, C = kernels::kGdnChunk;
+  kernels::GdnForward& a = l->args;
+  const int64_t chunks = plan.num_chunks;
+  const bool fused = kernels::gated_delta_rule_fuses_output(state_columns);
+  a.w = l->hold(at::empty({chunks, value_heads, C, D}, bf)).data_ptr();
+  a.u = l->hold(at::empty({chunks, value_heads, C, D}, bf)).data_ptr();
+  a.v_new = fused ? nullptr : l->hold(at::empty({chunks, value_heads, C, D}, bf)).data_ptr();
+  a.states = fused ? nullptr : l->hold(at::empty({chunks, value_heads, D, D}, bf)).data_ptr();
+  a.gamma = l->hold(at::empty({chunks, value_heads, C}, bf.dtype(at::kFloat))).data_ptr<float>();
+  a.qk = l->hold(at::empty({chunks, value_heads, C, C}, bf)).data_ptr();
   const int32_t* table = plan.table.data_ptr<int32_t>();
   a.chunks = {table, table + chunks, table + 2 * chunks, plan.num_chunks, plan.num_seqs};
-  a.w = w.data_ptr();
-  a.u = u.data_ptr();
-  a.v_new = fused ? nullptr : v_new.data_ptr();
-  a.states = fused ? nullptr : states.data_ptr();
-  a.gamma = gamma.data_ptr<float>();
-  a.qk = qk.data_ptr();
-  a.eps = static_cast<float>(eps);
   a.state_columns = state_columns;
-  at::Tensor out;
-  at::Tensor norm_weight;
+}
+
+// The output: gated RMSNorm with z (bf16 [tokens, value_heads * 128]), or the plain output of
+// the rule in bf16 or fp32 ([tokens, value_heads, 128]).
+at::Tensor bind_output(const at::Tensor& z, const at::Tensor& norm_weight_in, at::ScalarType o_dtype,
+                       const at::TensorOptions& bf, int64_t tokens, int64_t value_heads, GdnLaunch* l) {
+  constexpr int64_t D = kernels::kGdnHeadDim;
+  kernels::GdnForward& a = l->args;
+  expect(o_dtype == at::kFloat || o_dtype == at::kBFloat16, "o_dtype must be float32 or bfloat16");
   if (norm_weight_in.defined()) {
     expect(z.defined() && z.scalar_type() == at::kBFloat16 && z.dim() == 3 && z.size(0) == tokens &&
                z.size(1) == value_heads && z.size(2) == D && z.stride(2) == 1 && z.stride(1) == D,
            "z must be bf16 [tokens, value_heads, 128] with contiguous heads");
-    norm_weight = norm_weight_in.to(at::kBFloat16).contiguous();
-    out = at::empty({tokens, value_heads * D}, bf);
+    at::Tensor out = at::empty({tokens, value_heads * D}, bf);
     a.out = out.data_ptr();
     a.z = z.data_ptr();
     a.z_stride = z.stride(0);
-    a.norm_weight = norm_weight.data_ptr();
-  } else if (o_dtype == at::kBFloat16) {
-    out = at::empty({tokens, value_heads, D}, bf);
-    a.out_plain = out.data_ptr();
-  } else {
-    out = at::empty({tokens, value_heads, D}, bf.dtype(at::kFloat));
-    a.out_raw = out.data_ptr<float>();
+    a.norm_weight = l->hold(norm_weight_in.to(at::kBFloat16).contiguous()).data_ptr();
+    return out;
   }
+  if (o_dtype == at::kBFloat16) {
+    at::Tensor out = at::empty({tokens, value_heads, D}, bf);
+    a.out_plain = out.data_ptr();
+    return out;
+  }
+  at::Tensor out = at::empty({tokens, value_heads, D}, bf.dtype(at::kFloat));
+  a.out_raw = out.data_ptr<float>();
+  return out;
+}
+
+// Queues the kernels; with `stage_ms`, times the three stages (prepare, state, output) by events.
+void launch(GdnLaunch& l, float* stage_ms) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   if (stage_ms == nullptr) {
-    kernels::gated_delta_rule_forward(a, stream);
-    return out;
+    kernels::gated_delta_rule_forward(l.args, stream);
+    return;
   }
   cudaEvent_t events[4];
   for (cudaEvent_t& e : events) cudaEventCreate(&e);
-  a.stage_events = events;
-  kernels::gated_delta_rule_forward(a, stream);
+  l.args.stage_events = events;
+  kernels::gated_delta_rule_forward(l.args, stream);
   cudaEventSynchronize(events[3]);
   for (int i = 0; i < 3; ++i) cudaEventElapsedTime(&stage_ms[i], events[i], events[i + 1]);
   for (cudaEvent_t& e : events) cudaEventDestroy(e);
+}
+
+}  // namespace
+
+at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, int64_t value_heads, const GdnGates& gates,
+                                 const GdnChunkPlan& plan, const at::Tensor& z, const at::Tensor& norm_weight_in,
+                                 double eps, int state_columns, float* stage_ms, at::ScalarType o_dtype) {
+  constexpr int64_t D = kernels::kGdnHeadDim;
+  expect(mixed_in.is_cuda() && mixed_in.scalar_type() == at::kBFloat16 && mixed_in.dim() == 2 &&
+             mixed_in.size(1) == (2 * key_heads + value_heads) * D,
+         "mixed must be bf16 [tokens, (2 key_heads + value_heads) * 128] on a GPU");
+  expect(plan.table.defined() && plan.table.device() == mixed_in.device(), "the chunk plan must be on the input's device");
+  const c10::cuda::CUDAGuard guard(mixed_in.device());
+  GdnLaunch l;
+  const at::Tensor& mixed = l.hold(mixed_in.stride(1) == 1 ? mixed_in : mixed_in.contiguous());
+  const int64_t tokens = mixed.size(0);
+  l.args.qkv = mixed.data_ptr();
+  l.args.qkv_stride = mixed.stride(0);
+  l.args.tokens = static_cast<int>(tokens);
+  l.args.key_heads = static_cast<int>(key_heads);
+  l.args.value_heads = static_cast<int>(value_heads);
+  l.args.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  l.args.eps = static_cast<float>(eps);
+  bind_gates(gates, tokens, value_heads, &l);
+  bind_workspace(mixed.options(), value_heads, plan, state_columns, &l);
+  const at::Tensor out = bind_output(z, norm_weight_in, o_dtype, mixed.options(), tokens, value_heads, &l);
+  launch(l, stage_ms);
   return out;
 }
 #else

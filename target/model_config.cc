@@ -77,6 +77,83 @@ int64_t ModelConfig::default_mask_token_id() const {
   return -1;
 }
 
+namespace {
+
+Family family_of(const std::string& type, const std::string& source) {
+  if (type == "qwen3_5" || type == "qwen3_5_text") return Family::qwen3_5;
+  if (type == "qwen3_next" || type == "qwen3_5_moe" || type == "qwen3_5_moe_text") return Family::qwen3_next;
+  if (type == "qwen3") return Family::qwen3;
+  if (type == "llama") return Family::llama;
+  fail(source, "model_type '" + type + "' is not supported (qwen3_5, qwen3_5_moe, qwen3_next, qwen3, llama)");
+}
+
+// RoPE: transformers 5 writes rope_parameters, 4 wrote rope_theta + rope_scaling.
+void parse_rope(const json& j, const std::string& source, bool hybrid, RopeConfig* out) {
+  const json* rope = nullptr;
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) rope = &j["rope_parameters"];
+  else if (j.contains("rope_scaling") && j["rope_scaling"].is_object()) rope = &j["rope_scaling"];
+  out->theta = get_double(j, source, "rope_theta", rope ? get_double(*rope, source, "rope_theta", 10000) : 10000);
+  out->partial_rotary_factor =
+      get_double(j, source, "partial_rotary_factor", rope ? get_double(*rope, source, "partial_rotary_factor", 1.0) : 1.0);
+  if (!rope) return;
+  const std::string rope_type = rope->value("rope_type", rope->value("type", "default"));
+  if (rope_type == "llama3") {
+    out->llama3_factor = get_double(*rope, source, "factor", 8);
+    out->llama3_low_freq_factor = get_double(*rope, source, "low_freq_factor", 1);
+    out->llama3_high_freq_factor = get_double(*rope, source, "high_freq_factor", 4);
+    out->llama3_original_max_position = get_int(*rope, source, "original_max_position_embeddings", int64_t{8192});
+  } else if (rope_type != "default" && !(hybrid && rope_type == "mrope")) {
+    fail(source, "rope_type '" + rope_type + "' is not supported (default, llama3)");
+  }
+}
+
+// The hybrid families' GatedDeltaNet shapes and the layer kinds (layer_types, or every
+// full_attention_interval-th layer full attention).
+void parse_linear_attention(const json& j, const std::string& source, ModelConfig* c) {
+  c->linear_num_key_heads = get_int(j, source, "linear_num_key_heads");
+  c->linear_num_value_heads = get_int(j, source, "linear_num_value_heads");
+  c->linear_key_head_dim = get_int(j, source, "linear_key_head_dim");
+  c->linear_value_head_dim = get_int(j, source, "linear_value_head_dim");
+  c->linear_conv_kernel_dim = get_int(j, source, "linear_conv_kernel_dim", int64_t{4});
+  c->fused_gdn_projections = c->model_type == "qwen3_next";
+  if (c->linear_num_key_heads == 0 || c->linear_num_value_heads % c->linear_num_key_heads != 0) {
+    fail(source, "linear_num_value_heads must be a multiple of linear_num_key_heads (> 0)");
+  }
+  if (j.contains("layer_types") && j["layer_types"].is_array()) {
+    for (const auto& t : j["layer_types"]) {
+      const std::string name = t.is_string() ? t.get<std::string>() : "";
+      if (name == "full_attention") c->layer_types.push_back(LayerKind::full_attention);
+      else if (name == "linear_attention") c->layer_types.push_back(LayerKind::linear_attention);
+      else fail(source, "layer_types: unknown entry " + t.dump());
+    }
+    if (static_cast<int64_t>(c->layer_types.size()) != c->num_layers) {
+      fail(source, "layer_types has " + std::to_string(c->layer_types.size()) + " entries for " +
+                       std::to_string(c->num_layers) + " layers");
+    }
+  } else {
+    const int64_t interval = get_int(j, source, "full_attention_interval", int64_t{4});
+    for (int64_t i = 0; i < c->num_layers; ++i) {
+      c->layer_types.push_back((i + 1) % interval == 0 ? LayerKind::full_attention : LayerKind::linear_attention);
+    }
+  }
+}
+
+// The mixture-of-experts fields (num_experts 0: every layer dense).
+void parse_experts(const json& j, const std::string& source, ModelConfig* c) {
+  c->num_experts = get_int(j, source, "num_experts", int64_t{0});
+  if (c->num_experts == 0) return;
+  c->num_experts_per_tok = get_int(j, source, "num_experts_per_tok");
+  c->moe_intermediate_size = get_int(j, source, "moe_intermediate_size");
+  c->shared_expert_intermediate_size = get_int(j, source, "shared_expert_intermediate_size", int64_t{0});
+  c->norm_topk_prob = get_bool(j, "norm_topk_prob", true);
+  c->decoder_sparse_step = std::max<int64_t>(1, get_int(j, source, "decoder_sparse_step", int64_t{1}));
+  if (j.contains("mlp_only_layers") && j["mlp_only_layers"].is_array()) {
+    for (const auto& l : j["mlp_only_layers"]) c->mlp_only_layers.push_back(l.get<int64_t>());
+  }
+}
+
+}  // namespace
+
 ModelConfig parse_model_config(const std::string& json_text, const std::string& source) {
   if (const std::string problem = json_text_problem(json_text); !problem.empty()) fail(source, "invalid JSON: " + problem);
   json root;
@@ -91,18 +168,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   ModelConfig c;
   c.source = source;
   c.model_type = root.value("model_type", j.value("model_type", ""));
-  const std::string type = c.model_type;
-  if (type == "qwen3_5" || type == "qwen3_5_text") {
-    c.family = Family::qwen3_5;
-  } else if (type == "qwen3_next" || type == "qwen3_5_moe" || type == "qwen3_5_moe_text") {
-    c.family = Family::qwen3_next;
-  } else if (type == "qwen3") {
-    c.family = Family::qwen3;
-  } else if (type == "llama") {
-    c.family = Family::llama;
-  } else {
-    fail(source, "model_type '" + type + "' is not supported (qwen3_5, qwen3_5_moe, qwen3_next, qwen3, llama)");
-  }
+  c.family = family_of(c.model_type, source);
   const bool hybrid = c.family == Family::qwen3_5 || c.family == Family::qwen3_next;
   c.hidden_size = get_int(j, source, "hidden_size");
   c.num_layers = get_int(j, source, "num_hidden_layers");
@@ -126,63 +192,10 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
                      ") must be a multiple of num_key_value_heads (" + std::to_string(c.num_key_value_heads) + ")");
   }
 
-  // RoPE: transformers 5 writes rope_parameters, 4 wrote rope_theta + rope_scaling.
-  const json* rope = nullptr;
-  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) rope = &j["rope_parameters"];
-  else if (j.contains("rope_scaling") && j["rope_scaling"].is_object()) rope = &j["rope_scaling"];
-  c.rope.theta = get_double(j, source, "rope_theta", rope ? get_double(*rope, source, "rope_theta", 10000) : 10000);
-  c.rope.partial_rotary_factor =
-      get_double(j, source, "partial_rotary_factor", rope ? get_double(*rope, source, "partial_rotary_factor", 1.0) : 1.0);
-  if (rope) {
-    const std::string rope_type = rope->value("rope_type", rope->value("type", "default"));
-    if (rope_type == "llama3") {
-      c.rope.llama3_factor = get_double(*rope, source, "factor", 8);
-      c.rope.llama3_low_freq_factor = get_double(*rope, source, "low_freq_factor", 1);
-      c.rope.llama3_high_freq_factor = get_double(*rope, source, "high_freq_factor", 4);
-      c.rope.llama3_original_max_position = get_int(*rope, source, "original_max_position_embeddings", int64_t{8192});
-    } else if (rope_type != "default" && !(hybrid && rope_type == "mrope")) {
-      fail(source, "rope_type '" + rope_type + "' is not supported (default, llama3)");
-    }
-  }
-
+  parse_rope(j, source, hybrid, &c.rope);
   if (hybrid) {
-    c.linear_num_key_heads = get_int(j, source, "linear_num_key_heads");
-    c.linear_num_value_heads = get_int(j, source, "linear_num_value_heads");
-    c.linear_key_head_dim = get_int(j, source, "linear_key_head_dim");
-    c.linear_value_head_dim = get_int(j, source, "linear_value_head_dim");
-    c.linear_conv_kernel_dim = get_int(j, source, "linear_conv_kernel_dim", int64_t{4});
-    c.fused_gdn_projections = type == "qwen3_next";
-    if (c.linear_num_key_heads == 0 || c.linear_num_value_heads % c.linear_num_key_heads != 0) {
-      fail(source, "linear_num_value_heads must be a multiple of linear_num_key_heads (> 0)");
-    }
-    if (j.contains("layer_types") && j["layer_types"].is_array()) {
-      for (const auto& t : j["layer_types"]) {
-        const std::string name = t.is_string() ? t.get<std::string>() : "";
-        if (name == "full_attention") c.layer_types.push_back(LayerKind::full_attention);
-        else if (name == "linear_attention") c.layer_types.push_back(LayerKind::linear_attention);
-        else fail(source, "layer_types: unknown entry " + t.dump());
-      }
-      if (static_cast<int64_t>(c.layer_types.size()) != c.num_layers) {
-        fail(source, "layer_types has " + std::to_string(c.layer_types.size()) + " entries for " +
-                         std::to_string(c.num_layers) + " layers");
-      }
-    } else {
-      const int64_t interval = get_int(j, source, "full_attention_interval", int64_t{4});
-      for (int64_t i = 0; i < c.num_layers; ++i) {
-        c.layer_types.push_back((i + 1) % interval == 0 ? LayerKind::full_attention : LayerKind::linear_attention);
-      }
-    }
-    c.num_experts = get_int(j, source, "num_experts", int64_t{0});
-    if (c.num_experts > 0) {
-      c.num_experts_per_tok = get_int(j, source, "num_experts_per_tok");
-      c.moe_intermediate_size = get_int(j, source, "moe_intermediate_size");
-      c.shared_expert_intermediate_size = get_int(j, source, "shared_expert_intermediate_size", int64_t{0});
-      c.norm_topk_prob = get_bool(j, "norm_topk_prob", true);
-      c.decoder_sparse_step = std::max<int64_t>(1, get_int(j, source, "decoder_sparse_step", int64_t{1}));
-      if (j.contains("mlp_only_layers") && j["mlp_only_layers"].is_array()) {
-        for (const auto& l : j["mlp_only_layers"]) c.mlp_only_layers.push_back(l.get<int64_t>());
-      }
-    }
+    parse_linear_attention(j, source, &c);
+    parse_experts(j, source, &c);
   } else {
     c.layer_types.assign(c.num_layers, LayerKind::full_attention);
   }

@@ -1,0 +1,56 @@
+// layers.h: the target's weights per decoder layer, as loaded (private to target/): the
+// full forward (model.cc) and the incremental one read the same structures.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "target/model_config.h"
+#include "target/moe.h"
+#include "target/weights.h"
+
+namespace dflash::target {
+
+struct Linear {
+  at::Tensor weight;  // [out, in]
+  at::Tensor bias;    // undefined when absent
+  at::Tensor operator()(const at::Tensor& x) const { return at::linear(x, weight, bias); }
+};
+
+struct Attention {
+  Linear qkv, o;              // q_proj, k_proj, v_proj concatenated at load (one GEMM)
+  at::Tensor q_norm, k_norm;  // [head_dim], undefined without qk norm
+};
+
+struct GatedDeltaNet {
+  // The input projections concatenated at load, one GEMM: [qkv | z | b | a] (qwen3_5 layout) or
+  // [qkvz | ba] (qwen3_next layout, grouped per key head); the forward takes column slices.
+  Linear in_proj;
+  at::Tensor conv;  // [channels, kernel]
+  at::Tensor a_log, dt_bias, norm;
+  Linear out;
+};
+
+struct Mlp {
+  Linear gate_up, down;  // dense SwiGLU: gate_proj and up_proj concatenated at load (one GEMM)
+  MoeWeights experts;    // MoE layers (moe.h): router, experts in the grouped layout, shared expert
+  bool moe = false;
+};
+
+struct Layer {
+  LayerKind kind;
+  at::Tensor input_norm, post_attention_norm;
+  Attention attention;
+  GatedDeltaNet gdn;
+  Mlp mlp;
+};
+
+// Decoder layer i's weights from `w` (names and layouts: docs/targets.md); projections that run
+// as one GEMM are concatenated here.
+Layer load_layer(const ModelConfig& c, WeightSource& w, int64_t i, const at::TensorOptions& opts);
+
+// RoPE inverse frequencies [rotary_dim / 2] fp32 on the CPU (Llama 3.1 scaling applied).
+at::Tensor compute_inv_freq(const ModelConfig& c);
+
+}  // namespace dflash::target
