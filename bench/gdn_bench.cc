@@ -164,7 +164,7 @@ int main(int argc, char** argv) {
   target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
   auto model = target::random_target(config, last, options, 1);
   std::printf("target %s to layer %lld, random weights; linear_attention runs %s\n", argv[1],
-              static_cast<long long>(last), model->kernel_paths().at("linear_attention").c_str());
+              static_cast<long long>(last), model->kernel_paths().at("target.linear_attention").str().c_str());
   std::printf("%8s %10s %12s %8s %12s\n", "tokens", "seconds", "tokens/s", "MFU", "of 989 peak");
   for (int64_t tokens : {3072, 4096}) {
     const at::Tensor ids = at::randint(0, config.vocab_size, {tokens}, at::TensorOptions().dtype(at::kLong));

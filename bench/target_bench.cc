@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
     std::printf("target forward %s, layers 0..%lld, %lld tokens: %.4f s, %.0f tokens/s, MFU %.1f%%\n", argv[1],
                 static_cast<long long>(last), static_cast<long long>(tokens), ms / 1e3, tokens / (ms / 1e3),
                 100.0 * flops / (ms / 1e3) / rate);
-    for (const auto& [kind, path] : model->kernel_paths()) std::printf("  %s: %s\n", kind.c_str(), path.c_str());
+    for (const auto& [component, path] : model->kernel_paths()) std::printf("  %s\n", path.str().c_str());
   }
   if (config.num_experts > 0) {
     const int64_t h = config.hidden_size, e = config.num_experts, k = config.num_experts_per_tok;

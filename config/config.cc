@@ -76,8 +76,9 @@ void read_run(MapReader m, RunConfig* c) {
 void read_target(MapReader m, TargetConfig* c) {
   m.field("path", &c->path);
   m.choice("preset", &c->preset, {"tiny-qwen3_5", "tiny-qwen3_next", "tiny-qwen3", "tiny-llama"});
-  m.choice("weights", &c->weights, {"checkpoint", "random"});
-  m.choice("dtype", &c->dtype, {"bfloat16", "float16", "float32"});
+  m.choice<TargetWeights>("weights", &c->weights, {{"checkpoint", TargetWeights::checkpoint}, {"random", TargetWeights::random}});
+  m.choice<ModelDtype>("dtype", &c->dtype,
+                       {{"bfloat16", ModelDtype::bfloat16}, {"float16", ModelDtype::float16}, {"float32", ModelDtype::float32}});
   m.field("allow_slow_path", &c->allow_slow_path);
   m.done();
 }
@@ -94,7 +95,11 @@ void read_drafter(MapReader m, DrafterConfig* c) {
   m.field("num_attention_heads", &c->num_attention_heads, positive<int>());
   m.field("num_key_value_heads", &c->num_key_value_heads, positive<int>());
   m.field("head_dim", &c->head_dim, positive<int>());
-  m.choice("attention", &c->attention, {"auto", "kernels", "efficient", "math"});
+  m.choice<AttentionChoice>("attention", &c->attention,
+                            {{"auto", AttentionChoice::automatic},
+                             {"kernels", AttentionChoice::kernels},
+                             {"efficient", AttentionChoice::efficient},
+                             {"math", AttentionChoice::math}});
   m.done();
 }
 
@@ -207,7 +212,7 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
            c.target.path.empty() ? "target: give target.path (a Hugging Face model directory) or target.preset"
                                  : "target: target.path and target.preset exclude each other");
   }
-  if (!c.target.preset.empty() && c.positions.count("target.weights") && c.target.weights != "random") {
+  if (!c.target.preset.empty() && c.positions.count("target.weights") && c.target.weights != TargetWeights::random) {
     d->add(at("target.weights"), "target.weights: a preset has no checkpoint; use weights: random");
   }
 
@@ -259,8 +264,9 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
                                        "set train.loss_gamma for block size " + std::to_string(b));
     }
   }
-  if (c.gpus.device == Device::cpu && (c.drafter.attention == "kernels" || c.drafter.attention == "efficient")) {
-    d->add(at("drafter.attention"), "drafter.attention: " + c.drafter.attention +
+  if (c.gpus.device == Device::cpu &&
+      (c.drafter.attention == AttentionChoice::kernels || c.drafter.attention == AttentionChoice::efficient)) {
+    d->add(at("drafter.attention"), std::string("drafter.attention: ") + name_of(c.drafter.attention) +
                                         " needs a GPU (gpus.device: cuda); on the CPU use auto or math");
   }
   if (c.checkpoint.every_steps == 0 && c.checkpoint.every_minutes == 0) {
@@ -275,6 +281,27 @@ ConfigError::ConfigError(std::vector<Diagnostic> diagnostics)
     : std::runtime_error(join_messages(diagnostics)), diagnostics_(std::move(diagnostics)) {}
 
 const char* name_of(Device device) { return device == Device::cuda ? "cuda" : "cpu"; }
+
+const char* name_of(ModelDtype dtype) {
+  switch (dtype) {
+    case ModelDtype::bfloat16: return "bfloat16";
+    case ModelDtype::float16: return "float16";
+    case ModelDtype::float32: return "float32";
+  }
+  return "?";
+}
+
+const char* name_of(AttentionChoice attention) {
+  switch (attention) {
+    case AttentionChoice::automatic: return "auto";
+    case AttentionChoice::kernels: return "kernels";
+    case AttentionChoice::efficient: return "efficient";
+    case AttentionChoice::math: return "math";
+  }
+  return "?";
+}
+
+int64_t bytes_of(ModelDtype dtype) { return dtype == ModelDtype::float32 ? 4 : 2; }
 
 Position Config::position_of(const std::string& key_path) const {
   // The value itself, else the nearest enclosing section that was given.

@@ -50,7 +50,13 @@ enum class SharedGpu { turns, concurrent };    // a GPU in both groups: one role
 enum class OnFailure { stop, restart };        // workers.on_failure
 enum class OnNonfinite { skip, stop };         // train.on_nonfinite
 enum class OnMalformed { error, skip };        // data.on_malformed
+enum class TargetWeights { checkpoint, random };  // target.weights: safetensors, or init from config.json
+enum class ModelDtype { bfloat16, float16, float32 };  // target.dtype
+enum class AttentionChoice { automatic, kernels, efficient, math };  // drafter.attention ("auto" is automatic)
 const char* name_of(Device device);
+const char* name_of(ModelDtype dtype);
+const char* name_of(AttentionChoice attention);
+int64_t bytes_of(ModelDtype dtype);  // per element
 
 struct RunConfig {
   std::string name = "dflashd";
@@ -62,8 +68,8 @@ struct TargetConfig {
   // Exactly one of: a Hugging Face model directory, or a built-in tiny preset (tests, demo).
   std::string path;
   std::string preset;               // "tiny-qwen3_5", "tiny-qwen3", "tiny-llama"
-  std::string weights = "checkpoint";  // "checkpoint" (safetensors) or "random" (init from config.json)
-  std::string dtype = "bfloat16";   // "bfloat16", "float16", "float32"
+  TargetWeights weights = TargetWeights::checkpoint;
+  ModelDtype dtype = ModelDtype::bfloat16;
   bool allow_slow_path = false;     // permit the reference GatedDeltaNet path on a GPU
 };
 
@@ -82,7 +88,7 @@ struct DrafterConfig {
   // The block attention's implementation: "auto" (the fused kernels on a GPU, refused there when
   // they cannot run; the portable split path on the CPU), "kernels", "efficient" (the split path on
   // PyTorch's memory-efficient kernels, GPU) or "math" (the portable split path).
-  std::string attention = "auto";
+  AttentionChoice attention = AttentionChoice::automatic;
 };
 
 struct GpuConfig {

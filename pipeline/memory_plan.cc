@@ -7,7 +7,6 @@
 namespace dflash::pipeline {
 namespace {
 
-int64_t dtype_bytes(const std::string& dtype) { return dtype == "float32" ? 4 : 2; }
 
 // Parameters of the target's layers 0..last_layer (every expert of an MoE layer is resident).
 int64_t target_layer_parameters(const target::ModelConfig& c, int64_t last_layer) {
@@ -55,7 +54,7 @@ std::string gb(int64_t bytes) {
 
 std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const target::ModelConfig& target,
                                        const drafter::DrafterShape& shape, const std::vector<int64_t>& capacities) {
-  const int64_t bytes = dtype_bytes(config.target.dtype);
+  const int64_t bytes = config::bytes_of(config.target.dtype);
   const int64_t h = target.hidden_size, v = target.vocab_size, tokens = config.data.max_length;
   const int64_t head_and_embedding = (target.tie_word_embeddings ? 1 : 2) * v * h * bytes;
   const int64_t last_layer = shape.target_layer_ids.empty() ? 0 : shape.target_layer_ids.back();

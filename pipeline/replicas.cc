@@ -16,42 +16,45 @@ at::Device device_for(const config::GpuConfig& gpus, int id) {
   return gpus.device == config::Device::cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(id)) : at::Device(at::kCPU);
 }
 
-// drafter.attention, decided once per drafter GPU. `auto` takes the fused kernels on a GPU and
-// refuses to fall back from them there (the split paths are 2-3x slower: bench/RESULTS.md) with
-// the reason and the fixes; on the CPU it is the portable split path.
-drafter::BlockAttentionPathInfo attention_path_for(const config::Config& config, const drafter::DrafterShape& shape,
-                                                   at::Device device, at::ScalarType dtype) {
+// drafter.attention, decided once per drafter GPU by kernel_path.h's rule: `auto` takes the fused
+// kernels where they run and refuses to fall back from them on a GPU (the split paths are 2-3x
+// slower: bench/RESULTS.md) with the reason and the fixes; on the CPU it is the portable split
+// path; `efficient` and `math` are the user's acceptance of a split path.
+KernelPath attention_path_for(const config::Config& config, const drafter::DrafterShape& shape, at::Device device,
+                              at::ScalarType dtype, drafter::BlockAttentionPath* chosen) {
   using drafter::BlockAttentionPath;
-  const std::string& asked = config.drafter.attention;
-  const BlockAttentionPath path = asked == "kernels"     ? BlockAttentionPath::kernels
-                                  : asked == "efficient" ? BlockAttentionPath::efficient
-                                  : asked == "math"      ? BlockAttentionPath::math
-                                                         : BlockAttentionPath::automatic;
+  BlockAttentionPath asked = BlockAttentionPath::automatic;
+  PathRequest request = PathRequest::automatic;
+  switch (config.drafter.attention) {
+    case config::AttentionChoice::automatic: break;
+    case config::AttentionChoice::kernels: asked = BlockAttentionPath::kernels, request = PathRequest::fast; break;
+    case config::AttentionChoice::efficient: asked = BlockAttentionPath::efficient, request = PathRequest::slow; break;
+    case config::AttentionChoice::math: asked = BlockAttentionPath::math, request = PathRequest::slow; break;
+  }
   const at::Tensor like =
       at::empty({1, shape.num_attention_heads, shape.head_dim}, at::TensorOptions().device(device).dtype(dtype));
-  drafter::BlockAttentionPathInfo info;
-  try {
-    info = drafter::describe_block_attention_path(like, shape.block_size, path);
-  } catch (const std::invalid_argument& e) {
-    throw std::runtime_error("drafter.attention: kernels: " + std::string(e.what()));
-  }
-  if (path == BlockAttentionPath::automatic && device.is_cuda() && info.path != BlockAttentionPath::kernels) {
-    throw std::runtime_error(
-        "drafter.attention: the fused block-attention kernels cannot run on GPU " + std::to_string(device.index()) +
-        " (" + info.description + "); the fallback is 2-3x slower. Give the drafter heads of 128 in bf16 "
-        "(drafter.num_attention_heads / num_key_value_heads / head_dim, target.dtype: bfloat16), or set "
-        "drafter.attention: efficient to accept the slower split path");
-  }
-  return info;
+  const bool kernels = fast_path_chosen(
+      {"drafter.attention on GPU " + std::to_string(device.index()), request,
+       drafter::block_attention_kernels_unavailable(like, shape.block_size), device.is_cuda(),
+       request == PathRequest::slow, "the fused block-attention kernels", "the split path",
+       "2-3x slower than the fused kernels",
+       "Give the drafter heads of 128 in bf16 (drafter.num_attention_heads / num_key_value_heads / head_dim, "
+       "target.dtype: bfloat16), or set drafter.attention: efficient to accept the slower split path"});
+  const drafter::BlockAttentionPathInfo info =
+      drafter::describe_block_attention_path(like, shape.block_size, kernels ? BlockAttentionPath::kernels : asked);
+  *chosen = info.path;
+  return {"drafter.attention", info.name, info.description};
 }
 
 }  // namespace
 
-at::ScalarType model_dtype(const std::string& name) {
-  if (name == "bfloat16") return at::kBFloat16;
-  if (name == "float16") return at::kHalf;
-  if (name == "float32") return at::kFloat;
-  throw std::invalid_argument("target.dtype: '" + name + "' is not bfloat16, float16 or float32");
+at::ScalarType model_dtype(config::ModelDtype dtype) {
+  switch (dtype) {
+    case config::ModelDtype::bfloat16: return at::kBFloat16;
+    case config::ModelDtype::float16: return at::kHalf;
+    case config::ModelDtype::float32: return at::kFloat;
+  }
+  throw std::invalid_argument("target.dtype: not a model dtype");
 }
 
 std::mutex* Replicas::turn_of(at::Device device) const {
@@ -66,7 +69,7 @@ std::unique_ptr<Replicas> build_replicas(const config::Config& config, const tar
   const int64_t last_layer = shape.target_layer_ids.back();
   for (int id : config.gpus.target) {
     target::TargetOptions options{device_for(config.gpus, id), dtype, config.target.allow_slow_path};
-    if (config.target.weights == "random" || !config.target.preset.empty()) {
+    if (config.target.weights == config::TargetWeights::random || !config.target.preset.empty()) {
       r->targets.push_back(target::random_target(target_config, last_layer, options, 0x7a11 ^ config.train.seed));
     } else {
       r->targets.push_back(target::load_target(config.target.path, last_layer, options));
@@ -88,10 +91,9 @@ std::unique_ptr<Replicas> build_replicas(const config::Config& config, const tar
     // drafter.init: an exported drafter or a checkpoint directory (both hold config.json and
     // model.safetensors in the export names); a resumed checkpoint replaces these weights again.
     if (config.drafter.init != "random") d.load_export(config.drafter.init);
-    const drafter::BlockAttentionPathInfo attention = attention_path_for(config, shape, device, dtype);
-    d.set_attention_path(attention.path);
-    r->attention_name = attention.name;
-    r->attention_description = attention.description;
+    drafter::BlockAttentionPath path = drafter::BlockAttentionPath::automatic;
+    r->attention = attention_path_for(config, shape, device, dtype, &path);
+    d.set_attention_path(path);
   }
   return r;
 }

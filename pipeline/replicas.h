@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "common/kernel_path.h"
 #include "config/config.h"
 #include "drafter/model.h"
 #include "drafter/optimizer.h"
@@ -37,7 +38,7 @@ struct Replicas {
   std::vector<at::Device> drafter_devices;
   std::vector<DrafterReplica> drafter;  // what each drafter replica brings to drafter_step()
   std::map<int, std::unique_ptr<std::mutex>> gpu_turns;  // GPUs that run both roles in turns
-  std::string attention_name, attention_description;     // drafter.attention as decided
+  KernelPath attention;  // drafter.attention as decided (the same on every drafter GPU of a run)
 
   // The turn of `device` when both roles share it, else null.
   std::mutex* turn_of(at::Device device) const;
@@ -52,6 +53,6 @@ std::unique_ptr<Replicas> build_replicas(const config::Config& config, const tar
 void add_optimizers(Replicas& replicas, const config::TrainConfig& train, int64_t total_steps);
 
 // The model dtype of target.dtype (validated by the config: bfloat16, float16 or float32).
-at::ScalarType model_dtype(const std::string& name);
+at::ScalarType model_dtype(config::ModelDtype dtype);
 
 }  // namespace dflash::pipeline

@@ -32,7 +32,7 @@ RunCheck check_run(const config::Config& config, const std::vector<int64_t>& cap
   bool shaped = false;
   try {
     target = target_model_config(config.target);
-    if (!offline && config.target.preset.empty() && config.target.weights == "checkpoint" &&
+    if (!offline && config.target.preset.empty() && config.target.weights == config::TargetWeights::checkpoint &&
         !is_file(config.target.path + "/model.safetensors") && !is_file(config.target.path + "/model.safetensors.index.json")) {
       problem("target.path: " + config.target.path + " has neither model.safetensors nor model.safetensors.index.json "
               "(target.weights: random runs without them)");

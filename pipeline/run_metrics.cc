@@ -93,8 +93,11 @@ RunMetrics::RunMetrics(const config::Config& config, prometheus::Registry& regis
   queue_starved_family_ = &prometheus::BuildCounter().Name("dflashd_queue_consumer_starved_seconds_total").Help("Seconds consumers waited on an empty queue").Register(registry);
   memory_family_ = &prometheus::BuildGauge().Name("dflashd_gpu_memory_bytes").Help("GPU memory of the caching allocator (kind: allocated, reserved)").Register(registry);
   allocator_retries_family_ = &prometheus::BuildCounter().Name("dflashd_gpu_allocator_retries_total").Help("Times the CUDA caching allocator emptied its cache and retried an allocation (memory near the limit; each one stalls the GPU)").Register(registry);
-  kernel_path_family = &prometheus::BuildGauge().Name("dflashd_target_kernel_path").Help("1 for the implementation each target layer kind runs").Register(registry);
-  attention_path_family = &prometheus::BuildGauge().Name("dflashd_drafter_attention_path").Help("1 for the implementation of the drafter's block attention (kernels, efficient or math)").Register(registry);
+  kernel_path_family = &prometheus::BuildGauge()
+                            .Name("dflashd_kernel_path")
+                            .Help("1 for the implementation each component runs (target.linear_attention, target.moe, "
+                                  "target.full_attention, drafter.attention; kernel_path.h)")
+                            .Register(registry);
   worker_heartbeat_family = &prometheus::BuildGauge().Name("dflashd_worker_last_heartbeat_timestamp_seconds").Help("Unix time of a worker's last heartbeat").Register(registry);
   worker_stalled_family = &prometheus::BuildGauge().Name("dflashd_worker_stalled").Help("1 while a worker's heartbeat is older than workers.stall_seconds").Register(registry);
   worker_restarts_family = &prometheus::BuildCounter().Name("dflashd_worker_restarts_total").Help("Restarts of a worker after a failure").Register(registry);

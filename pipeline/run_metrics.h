@@ -42,7 +42,6 @@ class RunMetrics {
       *skipped_failed_total, *skipped_malformed_total, *worker_failures_total;
   prometheus::Gauge *checkpoint_time, *checkpoint_duration, *snapshot_seconds;
   prometheus::Family<prometheus::Gauge>* kernel_path_family;
-  prometheus::Family<prometheus::Gauge>* attention_path_family;
   prometheus::Family<prometheus::Gauge>* worker_heartbeat_family;
   prometheus::Family<prometheus::Gauge>* worker_stalled_family;
   prometheus::Family<prometheus::Counter>* worker_restarts_family;

@@ -35,11 +35,12 @@ void Trainer::Impl::load_models() {
     }
   }
   s.models = build_replicas(config, s.target_config, s.shape);
-  for (const auto &[kind, path] : s.models->targets[0]->kernel_paths()) {
-    s.metrics->kernel_path_family->Add({{"layer_type", kind}, {"path", path}}).Set(1);
-  }
-  log::info("drafter attention: {}", s.models->attention_description);
-  s.metrics->attention_path_family->Add({{"path", s.models->attention_name}}).Set(1);
+  // Every implementation choice in one shape (kernel_path.h): the log line and the metric.
+  std::vector<KernelPath> paths;
+  for (const auto& [component, path] : s.models->targets[0]->kernel_paths()) paths.push_back(path);
+  paths.push_back(s.models->attention);
+  for (const KernelPath& p : paths) s.metrics->kernel_path_family->Add({{"component", p.component}, {"path", p.path}}).Set(1);
+  log::info("kernel path: {}", s.models->attention.str());
 }
 
 // The data, the plan of steps, the nodes, the failure policy, the optimizers.

@@ -13,7 +13,7 @@
 
 namespace dflash::target {
 
-// The name kernel_paths() reports for layers that run the kernels.
+// What kernel_paths() says of the GatedDeltaNet kernels.
 inline constexpr const char* kGdnKernelPath = "cuda kernels (dflashd chunked GatedDeltaNet)";
 
 // Why the kernels cannot run this model's GatedDeltaNet layers on `device` in `dtype` (names the

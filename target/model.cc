@@ -10,48 +10,10 @@
 #include "target/fused_ops.h"
 #include "target/gated_delta_net.h"
 #include "target/gdn_cuda.h"
+#include "target/layers.h"
 #include "target/moe.h"
 
 namespace dflash::target {
-namespace {
-
-std::string layer_name(int64_t i, const std::string& rest) { return "layers." + std::to_string(i) + "." + rest; }
-
-struct Linear {
-  at::Tensor weight;  // [out, in]
-  at::Tensor bias;    // undefined when absent
-  at::Tensor operator()(const at::Tensor& x) const { return at::linear(x, weight, bias); }
-};
-
-struct Attention {
-  Linear qkv, o;  // q_proj, k_proj, v_proj concatenated at load (one GEMM)
-  at::Tensor q_norm, k_norm;  // [head_dim], undefined without qk norm
-};
-
-struct GatedDeltaNet {
-  // The input projections concatenated at load, one GEMM: [qkv | z | b | a] (qwen3_5 layout) or
-  // [qkvz | ba] (qwen3_next layout, grouped per key head); the forward takes column slices.
-  Linear in_proj;
-  at::Tensor conv;  // [channels, kernel]
-  at::Tensor a_log, dt_bias, norm;
-  Linear out;
-};
-
-struct Mlp {
-  Linear gate_up, down;  // dense SwiGLU: gate_proj and up_proj concatenated at load (one GEMM)
-  MoeWeights experts;    // MoE layers (moe.h): router, experts in the grouped layout, shared expert
-  bool moe = false;
-};
-
-struct Layer {
-  LayerKind kind;
-  at::Tensor input_norm, post_attention_norm;
-  Attention attention;
-  GatedDeltaNet gdn;
-  Mlp mlp;
-};
-
-}  // namespace
 
 struct TargetModel::Impl {
   at::Tensor embed, head, final_norm;
@@ -60,26 +22,6 @@ struct TargetModel::Impl {
 };
 
 namespace {
-
-at::Tensor compute_inv_freq(const ModelConfig& c) {
-  const int64_t rotary_dim = static_cast<int64_t>(c.head_dim * c.rope.partial_rotary_factor);
-  at::Tensor inv_freq =
-      1.0 / at::pow(c.rope.theta, at::arange(0, rotary_dim, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) /
-                                      static_cast<double>(rotary_dim));
-  if (c.rope.llama3_factor > 0) {
-    // Llama 3.1 frequency scaling: long wavelengths divided by factor, a smooth blend between.
-    const double factor = c.rope.llama3_factor, low = c.rope.llama3_low_freq_factor, high = c.rope.llama3_high_freq_factor;
-    const double old_context = static_cast<double>(c.rope.llama3_original_max_position);
-    const double low_wavelen = old_context / low, high_wavelen = old_context / high;
-    const at::Tensor wavelen = 2 * M_PI / inv_freq;
-    at::Tensor scaled = at::where(wavelen > low_wavelen, inv_freq / factor, inv_freq);
-    const at::Tensor smooth = (old_context / wavelen - low) / (high - low);
-    const at::Tensor smoothed = (1 - smooth) * scaled / factor + smooth * scaled;
-    const at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
-    inv_freq = at::where(medium, smoothed, scaled);
-  }
-  return inv_freq;
-}
 
 at::Tensor attention_forward(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
                              const at::Tensor& sin, const std::vector<int64_t>& cu_seqlens) {
@@ -177,6 +119,47 @@ at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x, 
   return grouped_moe ? moe_grouped(shape, p.experts, x) : moe_reference(shape, p.experts, x);
 }
 
+// The first layer (up to last_layer) for which `is`, or -1.
+template <typename Predicate>
+int64_t first_layer(int64_t last_layer, Predicate is) {
+  for (int64_t i = 0; i <= last_layer; ++i) {
+    if (is(i)) return i;
+  }
+  return -1;
+}
+
+// The MoE layers: grouped GEMMs with device routing where _grouped_mm runs them on the device,
+// the reference host loop elsewhere (kernel_path.h's rule); `grouped` forces them (tests).
+bool use_grouped_moe(const ModelConfig& c, int64_t last_layer, const TargetOptions& options) {
+  using Path = TargetOptions::MoePath;
+  const int64_t first = first_layer(last_layer, [&](int64_t i) { return c.layer_is_moe(i); });
+  if (first < 0 || options.moe_path == Path::grouped) return options.moe_path == Path::grouped;
+  return fast_path_chosen({"target layer " + std::to_string(first) + " (MoE) on " + options.device.str(),
+                           options.moe_path == Path::reference ? PathRequest::slow : PathRequest::automatic,
+                           moe_grouped_unavailable(options.device, options.dtype), !options.device.is_cpu(),
+                           options.allow_slow_path, "the grouped GEMMs",
+                           "a slow path (a host loop over the experts with a device-to-host copy per layer)",
+                           "about 5x slower than the grouped GEMMs",
+                           "Set target.allow_slow_path: true to accept the slow path knowingly."});
+}
+
+// The GatedDeltaNet layers: the CUDA kernels where they can run, the reference path elsewhere
+// (kernel_path.h's rule).
+bool use_gdn_kernels(const ModelConfig& c, int64_t last_layer, const TargetOptions& options) {
+  using Path = TargetOptions::GdnPath;
+  const int64_t first = first_layer(last_layer, [&](int64_t i) { return c.layer_types[i] == LayerKind::linear_attention; });
+  if (first < 0) return false;
+  const PathRequest request = options.gdn_path == Path::kernels     ? PathRequest::fast
+                              : options.gdn_path == Path::reference ? PathRequest::slow
+                                                                    : PathRequest::automatic;
+  return fast_path_chosen({"target layer " + std::to_string(first) + " (linear_attention, GatedDeltaNet) on " +
+                               options.device.str(),
+                           request, gdn_kernels_unavailable(c, options.device, options.dtype), !options.device.is_cpu(),
+                           options.allow_slow_path, "the CUDA kernels", "the reference path (libtorch ops)",
+                           "about 10x slower than the CUDA kernels",
+                           "Set target.allow_slow_path: true to accept the slow path knowingly."});
+}
+
 }  // namespace
 
 TargetModel::TargetModel(ModelConfig config, WeightSource& w, int64_t last_layer, TargetOptions options)
@@ -187,142 +170,16 @@ TargetModel::TargetModel(ModelConfig config, WeightSource& w, int64_t last_layer
                                 std::to_string(c.num_layers) + " layers (0.." + std::to_string(c.num_layers - 1) + ")");
   }
   const auto opts = at::TensorOptions().device(options.device).dtype(options.dtype);
-  const auto fp32 = opts.dtype(at::kFloat);
-  const int64_t h = c.hidden_size, d = c.head_dim;
+  const int64_t h = c.hidden_size;
   const Init norm_init = c.zero_centred_norm ? Init::zeros : Init::ones;
-  auto linear = [&](const std::string& name, int64_t out, int64_t in, bool bias = false) {
-    Linear l;
-    l.weight = w.get(name + ".weight", {out, in}, opts);
-    if (bias) l.bias = w.get(name + ".bias", {out}, opts, Init::zeros);
-    return l;
-  };
   impl_->embed = w.get("embed_tokens.weight", {c.vocab_size, h}, opts);
   impl_->head = c.tie_word_embeddings ? impl_->embed : w.get("lm_head.weight", {c.vocab_size, h}, opts);
   impl_->final_norm = w.get("norm.weight", {h}, opts, norm_init);
   impl_->inv_freq = compute_inv_freq(c).to(options.device);
-
-  for (int64_t i = 0; i <= last_layer; ++i) {
-    Layer layer;
-    layer.kind = c.layer_types[i];
-    layer.input_norm = w.get(layer_name(i, "input_layernorm.weight"), {h}, opts, norm_init);
-    layer.post_attention_norm = w.get(layer_name(i, "post_attention_layernorm.weight"), {h}, opts, norm_init);
-    if (layer.kind == LayerKind::full_attention) {
-      Attention& a = layer.attention;
-      const std::string p = layer_name(i, "self_attn.");
-      const int64_t q_out = c.num_attention_heads * d * (c.gated_attention ? 2 : 1);
-      const Linear q = linear(p + "q_proj", q_out, h, c.attention_bias);
-      const Linear k = linear(p + "k_proj", c.num_key_value_heads * d, h, c.attention_bias);
-      const Linear v = linear(p + "v_proj", c.num_key_value_heads * d, h, c.attention_bias);
-      a.qkv.weight = at::cat({q.weight, k.weight, v.weight}, 0);
-      if (c.attention_bias) a.qkv.bias = at::cat({q.bias, k.bias, v.bias}, 0);
-      a.o = linear(p + "o_proj", h, c.num_attention_heads * d, c.attention_bias && c.family == Family::llama);
-      if (c.qk_norm) {
-        a.q_norm = w.get(p + "q_norm.weight", {d}, opts, norm_init);
-        a.k_norm = w.get(p + "k_norm.weight", {d}, opts, norm_init);
-      }
-    } else {
-      GatedDeltaNet& g = layer.gdn;
-      const std::string p = layer_name(i, "linear_attn.");
-      const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
-      const int64_t key_channels = hk * c.linear_key_head_dim, value_channels = hv * c.linear_value_head_dim;
-      const int64_t conv_channels = 2 * key_channels + value_channels;
-      auto concatenated = [&](std::initializer_list<std::pair<const char*, int64_t>> parts) {
-        std::vector<at::Tensor> weights;
-        for (const auto& [name, out] : parts) weights.push_back(linear(p + name, out, h).weight);
-        return Linear{at::cat(weights, 0), {}};
-      };
-      g.in_proj = c.fused_gdn_projections
-                      ? concatenated({{"in_proj_qkvz", 2 * key_channels + 2 * value_channels}, {"in_proj_ba", 2 * hv}})
-                      : concatenated({{"in_proj_qkv", conv_channels},
-                                      {"in_proj_z", value_channels},
-                                      {"in_proj_b", hv},
-                                      {"in_proj_a", hv}});
-      g.conv = w.get(p + "conv1d.weight", {conv_channels, 1, c.linear_conv_kernel_dim}, opts).squeeze(1);
-      g.a_log = w.get(p + "A_log", {hv}, fp32, Init::a_log);
-      g.dt_bias = w.get(p + "dt_bias", {hv}, fp32, Init::dt_bias);
-      g.norm = w.get(p + "norm.weight", {c.linear_value_head_dim}, opts, Init::ones);
-      g.out = linear(p + "out_proj", h, value_channels);
-    }
-    Mlp& m = layer.mlp;
-    const std::string p = layer_name(i, "mlp.");
-    if (c.layer_is_moe(i)) {
-      m.moe = true;
-      const int64_t e = c.num_experts, inner = c.moe_intermediate_size;
-      const at::Tensor router = w.get(p + "gate.weight", {e, h}, opts);
-      at::Tensor gate_up, down;
-      if (w.contains(p + "experts.gate_up_proj")) {  // transformers 5 fused layout: already grouped
-        gate_up = w.get(p + "experts.gate_up_proj", {e, 2 * inner, h}, opts);
-        down = w.get(p + "experts.down_proj", {e, h, inner}, opts);
-      } else {  // the released checkpoints: one module per expert, copied into the grouped layout
-        gate_up = at::empty({e, 2 * inner, h}, opts);
-        down = at::empty({e, h, inner}, opts);
-        for (int64_t x = 0; x < e; ++x) {
-          const std::string ep = p + "experts." + std::to_string(x) + ".";
-          gate_up[x].narrow(0, 0, inner).copy_(w.get(ep + "gate_proj.weight", {inner, h}, opts));
-          gate_up[x].narrow(0, inner, inner).copy_(w.get(ep + "up_proj.weight", {inner, h}, opts));
-          down[x].copy_(w.get(ep + "down_proj.weight", {h, inner}, opts));
-        }
-      }
-      at::Tensor shared_gate, shared_up, shared_down, shared_expert_gate;
-      if (c.shared_expert_intermediate_size > 0) {
-        const int64_t s = c.shared_expert_intermediate_size;
-        shared_gate = linear(p + "shared_expert.gate_proj", s, h).weight;
-        shared_up = linear(p + "shared_expert.up_proj", s, h).weight;
-        shared_down = linear(p + "shared_expert.down_proj", h, s).weight;
-        shared_expert_gate = linear(p + "shared_expert_gate", 1, h).weight;
-      }
-      m.experts = MoeWeights::make(router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate);
-    } else {
-      m.gate_up.weight = at::cat({linear(p + "gate_proj", c.intermediate_size, h).weight,
-                                  linear(p + "up_proj", c.intermediate_size, h).weight}, 0);
-      m.down = linear(p + "down_proj", h, c.intermediate_size);
-    }
-    impl_->layers.push_back(std::move(layer));
-  }
-
-  // The MoE layers: grouped on a GPU; the reference host loop on the GPU only when allowed.
-  int64_t first_moe = -1;
-  for (int64_t i = 0; i <= last_layer && first_moe < 0; ++i) {
-    if (c.layer_is_moe(i)) first_moe = i;
-  }
-  if (first_moe >= 0) {
-    using Path = TargetOptions::MoePath;
-    const std::optional<std::string> why = options.moe_path == Path::reference
-                                               ? std::optional<std::string>("the reference path was asked for")
-                                               : moe_grouped_unavailable(options.device, options.dtype);
-    grouped_moe_ = options.moe_path == Path::grouped || (options.moe_path == Path::automatic && options.device.is_cuda());
-    if (why && !options.device.is_cpu() && !options.allow_slow_path) {
-      throw SlowPathRefused("target layer " + std::to_string(first_moe) + " (MoE) on " + options.device.str() +
-                            " would run a slow path (a host loop over the experts with a device-to-host copy per layer, "
-                            "about 5x slower than the grouped GEMMs): " + *why +
-                            ". Set target.allow_slow_path: true to accept the slow path knowingly.");
-    }
-  }
-
-  // No silent slow path: the GatedDeltaNet layers run the CUDA kernels where they can; the
-  // reference path on a GPU (or wherever the kernels were demanded) is refused unless allowed.
-  int64_t first_gdn = -1;
-  for (int64_t i = 0; i <= last_layer && first_gdn < 0; ++i) {
-    if (c.layer_types[i] == LayerKind::linear_attention) first_gdn = i;
-  }
-  if (first_gdn >= 0) {
-    using Path = TargetOptions::GdnPath;
-    std::optional<std::string> why = options.gdn_path == Path::reference
-                                         ? std::optional<std::string>("the reference path was asked for")
-                                         : gdn_kernels_unavailable(c, options.device, options.dtype);
-    gdn_kernels_ = !why.has_value();
-    const bool refuse = options.gdn_path == Path::kernels || (!options.device.is_cpu() && !options.allow_slow_path);
-    if (why && refuse) {
-      throw SlowPathRefused("target layer " + std::to_string(first_gdn) + " (linear_attention, GatedDeltaNet) on " +
-                            options.device.str() +
-                            " would run the reference path (libtorch ops, about 10x slower than the CUDA kernels): " +
-                            *why + ". " +
-                            (options.gdn_path == Path::kernels
-                                 ? std::string("The kernels were required.")
-                                 : std::string("Set target.allow_slow_path: true to accept the slow path knowingly.")));
-    }
-  }
-  for (const auto& [kind, path] : kernel_paths()) log::info("target {}: {} layers run {}", family_name(c.family), kind, path);
+  for (int64_t i = 0; i <= last_layer; ++i) impl_->layers.push_back(load_layer(c, w, i, opts));
+  grouped_moe_ = use_grouped_moe(c, last_layer, options);
+  gdn_kernels_ = use_gdn_kernels(c, last_layer, options);
+  for (const auto& [component, path] : kernel_paths()) log::info("kernel path: {}", path.str());
 }
 
 TargetModel::~TargetModel() = default;
@@ -332,12 +189,24 @@ const at::Tensor& TargetModel::embed_tokens() const { return impl_->embed; }
 const at::Tensor& TargetModel::lm_head() const { return impl_->head; }
 const at::Tensor& TargetModel::final_norm_weight() const { return impl_->final_norm; }
 
-std::map<std::string, std::string> TargetModel::kernel_paths() const {
-  std::map<std::string, std::string> paths;
+std::map<std::string, KernelPath> TargetModel::kernel_paths() const {
+  std::map<std::string, KernelPath> paths;
+  auto add = [&](const char* component, const char* path, const std::string& detail) {
+    paths[component] = {component, path, detail};
+  };
+  const std::string slow_reason = options_.allow_slow_path ? "target.allow_slow_path" : "as configured";
   for (const Layer& l : impl_->layers) {
-    if (l.kind == LayerKind::full_attention) paths["full_attention"] = "sdpa";
-    else paths["linear_attention"] = gdn_kernels_ ? kGdnKernelPath : "reference (libtorch ops, chunked)";
-    if (l.mlp.moe) paths["moe"] = grouped_moe_ ? kMoeGroupedPath : kMoeReferencePath;
+    if (l.kind == LayerKind::full_attention) {
+      add("target.full_attention", "sdpa", "ATen scaled_dot_product_attention");
+    } else if (gdn_kernels_) {
+      add("target.linear_attention", "kernels", kGdnKernelPath);
+    } else {
+      const auto why = gdn_kernels_unavailable(config_, options_.device, options_.dtype);
+      add("target.linear_attention", "reference", "libtorch ops, chunked" + (why ? "; the kernels do not run: " + *why : ""));
+    }
+    if (l.mlp.moe) {
+      add("target.moe", grouped_moe_ ? "grouped" : "reference", grouped_moe_ ? kMoeGroupedPath : kMoeReferencePath);
+    }
   }
   return paths;
 }

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "common/kernel_path.h"
 #include "target/model_config.h"
 #include "target/weights.h"
 
@@ -42,10 +43,7 @@ struct TargetOptions {
 };
 
 // Raised when a layer would run a path the options do not allow; names the layer and the fix.
-class SlowPathRefused : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+using dflash::SlowPathRefused;
 
 class TargetModel {
  public:
@@ -65,10 +63,9 @@ class TargetModel {
   const at::Tensor& embed_tokens() const;       // [vocab, hidden]
   const at::Tensor& lm_head() const;            // [vocab, hidden] (the embedding when tied)
   const at::Tensor& final_norm_weight() const;  // [hidden]
-  // Which implementation each layer kind runs ("full_attention" -> "sdpa",
-  // "linear_attention" -> "reference (libtorch ops, chunked)" or a kernel name, "moe" ->
-  // kMoeGroupedPath or kMoeReferencePath).
-  std::map<std::string, std::string> kernel_paths() const;
+  // Which implementation each layer kind runs, by component: "target.full_attention" (sdpa),
+  // "target.linear_attention" (kernels or reference), "target.moe" (grouped or reference).
+  std::map<std::string, KernelPath> kernel_paths() const;
 
  private:
   struct Impl;

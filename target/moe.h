@@ -62,7 +62,7 @@ at::Tensor moe_reference(const MoeShape& shape, const MoeWeights& w, const at::T
 // reason: there the reference path runs unless the grouped one is forced (tests).
 std::optional<std::string> moe_grouped_unavailable(at::Device device, at::ScalarType dtype);
 
-// The names kernel_paths() reports for MoE layers.
+// What kernel_paths() says of the MoE layers' two paths.
 inline constexpr const char* kMoeGroupedPath = "grouped GEMMs (device routing, ATen _grouped_mm)";
 inline constexpr const char* kMoeReferencePath = "reference (a host loop over experts)";
 

@@ -38,7 +38,7 @@ std::vector<std::string> errors_of(const std::string& yaml) {
 TEST(Config, MinimalConfigGetsDocumentedDefaults) {
   const Config c = parse(kMinimal, "run.yaml");
   EXPECT_EQ(c.target.path, "/models/qwen");
-  EXPECT_EQ(c.target.dtype, "bfloat16");
+  EXPECT_EQ(c.target.dtype, config::ModelDtype::bfloat16);
   EXPECT_EQ(c.drafter.block_size, 16);
   EXPECT_EQ(c.drafter.num_layers, 5);
   EXPECT_FALSE(c.drafter.mask_token_id.has_value());
@@ -67,7 +67,7 @@ TEST(Config, EmbeddedDefaultParsesAndIsCpuTinySynthetic) {
   EXPECT_EQ(c.source, "<embedded default>");
   EXPECT_EQ(c.gpus.device, Device::cpu);
   EXPECT_EQ(c.target.preset, "tiny-qwen3_5");
-  EXPECT_EQ(c.target.weights, "random");
+  EXPECT_EQ(c.target.weights, config::TargetWeights::random);
   EXPECT_GT(c.data.synthetic.sequences, 0);
   EXPECT_TRUE(c.data.paths.empty());
   EXPECT_TRUE(check_machine(c, Machine{0}).empty());

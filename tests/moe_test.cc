@@ -97,8 +97,8 @@ TEST(Moe, WholeTargetGroupedMatchesTheReferenceOnTheCpu) {
   reference_options.moe_path = TargetOptions::MoePath::reference;
   auto grouped = random_target(config, config.num_layers - 1, grouped_options, 3);
   auto reference = random_target(config, config.num_layers - 1, reference_options, 3);
-  EXPECT_EQ(grouped->kernel_paths().at("moe"), kMoeGroupedPath);
-  EXPECT_EQ(reference->kernel_paths().at("moe"), kMoeReferencePath);
+  EXPECT_EQ(grouped->kernel_paths().at("target.moe").path, "grouped");
+  EXPECT_EQ(reference->kernel_paths().at("target.moe").path, "reference");
   const at::Tensor ids = at::randint(0, config.vocab_size, {37}, at::TensorOptions().dtype(at::kLong));
   const std::vector<int64_t> layers{1, config.num_layers - 1};
   const auto a = grouped->forward(ids, {0, 20, 37}, layers);
@@ -228,7 +228,7 @@ TEST(Moe, GpuWholeTargetMatchesTheReferencePath) {
   reference_options.moe_path = TargetOptions::MoePath::reference;
   auto grouped = random_target(config, config.num_layers - 1, grouped_options, 4);
   auto reference = random_target(config, config.num_layers - 1, reference_options, 4);
-  EXPECT_EQ(grouped->kernel_paths().at("moe"), kMoeGroupedPath);
+  EXPECT_EQ(grouped->kernel_paths().at("target.moe").path, "grouped");
   const at::Tensor ids = at::randint(0, config.vocab_size, {300}, at::TensorOptions().dtype(at::kLong));
   const auto a = grouped->forward(ids, {0, 100, 300}, {config.num_layers - 1});
   const auto b = reference->forward(ids, {0, 100, 300}, {config.num_layers - 1});

@@ -338,12 +338,12 @@ TEST(AttentionChoice, IsAConfigOptionShownInTheLogAndMetrics) {
   test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
   httplib::Client client("127.0.0.1", port);
   std::string body;
-  for (int i = 0; i < 300 && body.find("dflashd_drafter_attention_path") == std::string::npos; ++i) {
+  for (int i = 0; i < 300 && body.find("dflashd_kernel_path{component=\"drafter.attention\"") == std::string::npos; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     if (auto response = client.Get("/metrics")) body = response->body;
   }
-  EXPECT_EQ(metric(body, "dflashd_drafter_attention_path{path=\"math\"}"), 1) << body;
-  EXPECT_NE(p.err().find("drafter attention: split path, portable math (as configured)"), std::string::npos) << p.err();
+  EXPECT_EQ(metric(body, "dflashd_kernel_path{component=\"drafter.attention\",path=\"math\"}"), 1) << body;
+  EXPECT_NE(p.err().find("kernel path: drafter.attention: math (split path, portable math (as configured))"), std::string::npos) << p.err();
   p.signal(SIGTERM);
   EXPECT_EQ(p.wait(60000), 0);
   // The GPU-only implementations are refused for a CPU run by the config check.
@@ -422,7 +422,7 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
   const target::ModelConfig target = target::parse_model_config(root.dump(), "27b.json");
   config::Config c = config::load_default();
   c.gpus.device = config::Device::cuda;
-  c.target.dtype = "bfloat16";
+  c.target.dtype = config::ModelDtype::bfloat16;
   c.drafter.num_layers = 5;
   c.drafter.mask_token_id.reset();
   c.data.max_length = 4096;

@@ -390,7 +390,7 @@ TEST(PipelineRun, GpuAttentionFallbackIsRefusedUnlessAsked) {
   test::set_section(r, "target", "target: {preset: tiny-qwen3, weights: random, dtype: float32}");
   test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
   EXPECT_EQ(p.wait(120000), 4) << p.err();
-  EXPECT_NE(p.err().find("drafter.attention: the fused block-attention kernels cannot run on GPU 0"), std::string::npos)
+  EXPECT_NE(p.err().find("drafter.attention on GPU 0 would run the split path"), std::string::npos)
       << p.err();
   EXPECT_NE(p.err().find("set drafter.attention: efficient"), std::string::npos) << p.err();
   std::string text = test::read_file(r.config);
@@ -398,7 +398,7 @@ TEST(PipelineRun, GpuAttentionFallbackIsRefusedUnlessAsked) {
   std::ofstream(r.config) << text;
   test::Process q({kBinary, "run", "-c", r.config}, {}, r.dir);
   EXPECT_EQ(q.wait(120000), 0) << q.err();
-  EXPECT_NE(q.err().find("drafter attention: split path, portable math (as configured)"), std::string::npos) << q.err();
+  EXPECT_NE(q.err().find("kernel path: drafter.attention: math (split path, portable math (as configured))"), std::string::npos) << q.err();
 }
 
 TEST(PipelineRun, MalformedDataLineIsAStartupErrorNamingFileAndLine) {
@@ -440,8 +440,8 @@ TEST(PipelineRun, ScrapeDuringTrainingHasEveryPipelineMetric) {
         "dflashd_queue_capacity{queue=\"features-0\"}", "dflashd_queue_producer_blocked_seconds_total",
         "dflashd_queue_consumer_starved_seconds_total", "dflashd_worker_last_heartbeat_timestamp_seconds{worker=\"drafter-0\"}",
         "dflashd_worker_restarts_total{worker=\"target-0\"}", "dflashd_worker_stalled", "dflashd_checkpoint_last_success_timestamp_seconds",
-        "dflashd_checkpoint_duration_seconds", "dflashd_target_kernel_path{layer_type=\"linear_attention\"",
-        "dflashd_bottleneck{stage=\"target\"}", "dflashd_drafter_attention_path{path=\"math\"} 1", "dflashd_suggested_target_gpus", "dflashd_samples_skipped_total",
+        "dflashd_checkpoint_duration_seconds", "dflashd_kernel_path{component=\"target.linear_attention\"",
+        "dflashd_bottleneck{stage=\"target\"}", "dflashd_kernel_path{component=\"drafter.attention\",path=\"math\"} 1", "dflashd_suggested_target_gpus", "dflashd_samples_skipped_total",
         "dflashd_build_info", "process_resident_memory_bytes",
         "dflashd_stage_seconds_total{role=\"target\",stage=\"target_forward\"}",
         "dflashd_stage_seconds_total{role=\"drafter\",stage=\"backward\"}",
@@ -458,7 +458,7 @@ TEST(PipelineRun, ScrapeDuringTrainingHasEveryPipelineMetric) {
   EXPECT_NE(log.find("by stage: target (busy "), std::string::npos) << log;
   EXPECT_NE(log.find(" target_forward "), std::string::npos) << log;
   EXPECT_NE(log.find("| drafter (busy "), std::string::npos) << log;
-  EXPECT_NE(log.find("drafter attention: split path, portable math; the fused kernels do not run: "), std::string::npos) << log;
+  EXPECT_NE(log.find("kernel path: drafter.attention: math (split path, portable math; the fused kernels do not run: "), std::string::npos) << log;
   p.signal(SIGTERM);
   EXPECT_EQ(p.wait(60000), 0) << p.err();
 }
