@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
   const int64_t last = std::min<int64_t>(61, config.num_layers - 1);
   target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
   auto model = target::random_target(config, last, options, 1);
-  std::printf("target %s to layer %lld, random weights; linear_attention runs %s\n", argv[1],
+  std::printf("target %s to layer %lld, random weights; %s\n", argv[1],
               static_cast<long long>(last), model->kernel_paths().at("target.linear_attention").str().c_str());
   std::printf("%8s %10s %12s %8s %12s\n", "tokens", "seconds", "tokens/s", "MFU", "of 989 peak");
   for (int64_t tokens : {3072, 4096}) {

@@ -53,7 +53,7 @@ bool warpgroup_kernels() {
 }
 
 // Launches `kernel` as a programmatic dependent of the stream's previous kernel (see
-// dependents_may_launch), so that its CTAs start, and its set-up runs, while that kernel's last
+// barriers::dependents_may_launch), so that its CTAs start, and its set-up runs, while that kernel's last
 // CTAs finish.
 template <typename... Args>
 cudaError_t launch_dependent(void (*kernel)(Args...), dim3 grid, int threads, size_t shared_bytes, cudaStream_t stream,
@@ -77,6 +77,15 @@ void launch_state(const GdnForward& args, cudaStream_t stream) {
   allow_shared_memory(state_kernel<kPairs>, bytes, "GatedDeltaNet kernel state");
   state_kernel<kPairs><<<dim3(args.chunks.num_seqs, args.value_heads, D / (16 * kPairs)), 64 * kPairs, bytes, stream>>>(args);
   check_cuda_launch("GatedDeltaNet kernel state");
+}
+
+template <OutputFormat kFormat>
+void launch_state_output(const GdnForward& args, cudaStream_t stream) {
+  const size_t bytes = sizeof(FusedShared) + mma_tile::kSharedAlignment;
+  allow_shared_memory(state_output_kernel<kFormat>, bytes, "GatedDeltaNet kernel state+output (wgmma)");
+  check_cuda(launch_dependent(state_output_kernel<kFormat>, dim3(args.chunks.num_seqs, args.value_heads, D / FusedShared::BV),
+                              kFusedThreads, bytes, stream, args),
+             "GatedDeltaNet kernel state+output (wgmma)");
 }
 
 bool gated_delta_rule_fuses_output(int state_columns) {
@@ -107,11 +116,13 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
   check_cuda_launch("GatedDeltaNet kernel prepare");
   mark(1);
   if (gated_delta_rule_fuses_output(args.state_columns)) {
-    const size_t bytes = sizeof(FusedShared) + mma_tile::kSharedAlignment;
-    allow_shared_memory(state_output_kernel, bytes, "GatedDeltaNet kernel state+output (wgmma)");
-    check_cuda(launch_dependent(state_output_kernel, dim3(args.chunks.num_seqs, args.value_heads, D / FusedShared::BV),
-                                kFusedThreads, bytes, stream, args),
-               "GatedDeltaNet kernel state+output (wgmma)");
+    if (args.out != nullptr) {
+      launch_state_output<OutputFormat::gated_norm>(args, stream);
+    } else if (args.out_plain != nullptr) {
+      launch_state_output<OutputFormat::bf16>(args, stream);
+    } else {
+      launch_state_output<OutputFormat::fp32>(args, stream);
+    }
     mark(2);
     mark(3);
     return;

@@ -1,5 +1,5 @@
-// The GatedDeltaNet kernels' shared pieces: tile sizes, the grid-dependency and barrier helpers,
-// the state chain's per-chunk math.
+// The GatedDeltaNet kernels' shared pieces: tile sizes and the state chain's per-chunk math
+// (barriers and the grid dependency: common/barriers.cuh).
 // Private to target/kernels/gated_delta_net.cu (one translation unit): see gated_delta_net.h for
 // the math and the data layout.
 #pragma once
@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_pipeline.h>
 
+#include "common/barriers.cuh"
 #include "common/bf16x8.cuh"
 #include "common/fast_math.cuh"
 #include "common/mma_tile.cuh"
@@ -22,26 +23,6 @@ using bf16x8::weighted_norm;
 constexpr int C = kGdnChunk;    // 64 tokens per chunk
 constexpr int D = kGdnHeadDim;  // 128
 constexpr int LDA = C + 8;      // fp32 row stride of 64x64 matrices (float2 fragment accesses conflict-free)
-
-// Programmatic dependent launch (sm_90 and newer; no-ops elsewhere and when the launch did not ask
-// for it): a kernel that says dependents_may_launch lets the next kernel in the stream, launched
-// with launch_dependent, be scheduled onto SMs as its own CTAs leave (once every CTA of it has
-// said so); that kernel calls wait_for_prerequisite before it reads anything its predecessor
-// writes, which returns when the predecessor has finished and its writes are visible.
-__device__ __forceinline__ void dependents_may_launch() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_prerequisite() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 // ---- the state chain's per-chunk math, shared by the mma.sync and the wgmma state passes ----
 // vt = U^T - vt for the warp's 16 value columns [col0, col0 + 16) x the chunk's 64 tokens

@@ -179,7 +179,7 @@ __device__ __forceinline__ void store_rows(bf16* out, const mma_tile::Tile& tile
 
 template <bool kWgmma>
 __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward a) {
-  dependents_may_launch();
+  barriers::dependents_may_launch();
   extern __shared__ __align__(16) unsigned char raw[];
   // (wgmma's swizzled operands need 1024-byte aligned tiles; mma.sync's do not)
   PrepareShared& s = kWgmma ? mma_tile::aligned_shared<PrepareShared>(raw) : *reinterpret_cast<PrepareShared*>(raw);
@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
         if (keep) decayed[j][e] = product[j][e] * exp_approx(gamma_row[e >> 1] - ((e & 1) ? gamma_col.y : gamma_col.x));
       }
     }
-    if (kWgmma && h > 0 && warp < 4) named_sync(1, 128);  // the previous head's W (staged in A's place) is copied out
+    if (kWgmma && h > 0 && warp < 4) barriers::NamedBarrier{1, 128}.sync();  // the previous head's W (staged in A's place) is copied out
     if (warp < 4) {
       const float beta0 = s.beta[h][row0 + g], beta1 = s.beta[h][row0 + g + 8];
 #pragma unroll
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
       if (warp >= 4) {  // (T is complete: the solve ends with a barrier)
         __pipeline_wait_prior(1);
         mma_tile::async_proxy_fence();
-        named_sync(2, 128);
+        barriers::NamedBarrier{2, 128}.sync();
       }
     } else {
       __pipeline_wait_prior(1);
@@ -322,11 +322,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(GdnForward 
       wgmma::wait<0>(acc, x);
       // Each warpgroup stages and copies out its own: W in A's place (dead since the solve), U in
       // V's (read only by this warpgroup's product), between barriers of the warpgroup.
-      const int barrier = 1 + (warp >> 2);
+      const barriers::NamedBarrier warpgroup{1 + (warp >> 2), 128};
       mma_tile::Tile& staged = w_group ? *reinterpret_cast<mma_tile::Tile*>(s.a) : v;
-      named_sync(barrier, 128);
+      warpgroup.sync();
       stage_rows(staged, acc, row0);
-      named_sync(barrier, 128);
+      warpgroup.sync();
       store_rows(static_cast<bf16*>(w_group ? a.w : a.u) + tile * C * D, staged, threadIdx.x & 127, 128);
     } else {
       const int col0 = (warp >> 2) * 64;

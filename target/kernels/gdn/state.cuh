@@ -29,9 +29,8 @@ struct StateShared {
   float4 exchange[2 * kPairs][8 * 32];  // per warp: its half of (W S)^T, [n8 tile][lane]
 };
 
-__device__ __forceinline__ void pair_barrier(int pair) {
-  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + pair) : "memory");
-}
+// The two warps of a pair (named barrier 1 + pair).
+__device__ __forceinline__ void pair_barrier(int pair) { barriers::NamedBarrier{1 + pair, 64}.sync(); }
 
 template <int kPairs>
 __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
