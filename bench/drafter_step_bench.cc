@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <random>
 
 #include "common/kernel_variants.h"
@@ -23,12 +24,10 @@
 
 using namespace dflash;
 
-int main(int argc, char** argv) {
-  const int repeats = argc > 1 ? std::atoi(argv[1]) : 5;
-  if (!at::hasCUDA()) {
-    std::fprintf(stderr, "drafter_step_bench: no CUDA device\n");
-    return 1;
-  }
+namespace {
+
+// The Qwen3.5-27B drafter (5 layers, 32/8 heads of 128).
+drafter::DrafterShape drafter_27b_shape() {
   drafter::DrafterShape s;
   s.hidden_size = 5120;
   s.num_layers = 5;
@@ -42,7 +41,105 @@ int main(int argc, char** argv) {
   s.mask_token_id = 248070;
   s.target_layer_ids = {1, 16, 31, 46, 61};
   s.num_target_layers = 64;
-  const int64_t S = 3072;
+  return s;
+}
+
+constexpr int64_t kTokens = 3072;
+
+// One sequence of kTokens with 512 anchors, random features, the first 64 tokens unsupervised.
+drafter::DrafterBatch make_batch(const drafter::DrafterShape& s, const at::TensorOptions& bf16) {
+  drafter::DrafterBatch batch;
+  batch.features = at::randn({kTokens, s.num_features() * s.hidden_size}, bf16);
+  batch.input_ids = at::randint(0, 248000, {kTokens}, bf16.dtype(at::kLong));
+  std::vector<uint8_t> mask(kTokens, 1);
+  for (int i = 0; i < 64; ++i) mask[i] = 0;
+  batch.loss_mask = at::tensor(mask, at::TensorOptions().dtype(at::kByte));
+  batch.cu_seqlens = {0, kTokens};
+  std::mt19937_64 rng(1);
+  batch.anchors = {drafter::sample_anchors(mask, 512, rng)};
+  return batch;
+}
+
+// The median of `runs` synchronised calls of f after `warm` unrecorded ones.
+template <typename F>
+double median_seconds(F&& f, int runs, int warm = 1) {
+  std::vector<double> t;
+  for (int i = 0; i < runs + warm; ++i) {
+    torch::cuda::synchronize();
+    const auto a = std::chrono::steady_clock::now();
+    f();
+    torch::cuda::synchronize();
+    if (i >= warm) t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// One layer's block attention inputs at this shape.
+struct AttentionInputs {
+  at::Tensor q, kc, vc, kb, vb, dout;
+};
+
+// Each GPU path, forward alone and forward + backward (same inputs, same run), timed as the
+// flex_attention peer (bench/python/flex_block_attention.py): median of 20 after 3 warm-up runs.
+struct PathTime {
+  const char* name;
+  drafter::BlockAttentionPath path;
+  bool mma_sync = false;  // the mma.sync kernels forced while timed
+  double forward = 0, both = 0;
+};
+
+std::vector<PathTime> time_attention_paths(const AttentionInputs& in, const at::Tensor& anchors) {
+  std::vector<PathTime> paths{{"fused kernels", drafter::BlockAttentionPath::kernels},
+                              {"fused kernels, mma.sync (forced)", drafter::BlockAttentionPath::kernels, true},
+                              {"split path, memory-efficient kernels", drafter::BlockAttentionPath::efficient}};
+  for (PathTime& p : paths) {
+    force_mma_sync(MmaKernels::block_attention, p.mma_sync);
+    drafter::BlockAttentionShape shape{16, 64, 0};
+    shape.path = p.path;
+    p.forward = median_seconds([&] {
+      c10::NoGradGuard no_grad;
+      drafter::block_attention(in.q, in.kc, in.vc, in.kb, in.vb, anchors, shape);
+    }, 20, 3);
+    p.both = median_seconds(
+        [&] { drafter::block_attention(in.q, in.kc, in.vc, in.kb, in.vb, anchors, shape).backward(in.dout); }, 20, 3);
+    force_mma_sync(MmaKernels::block_attention, false);
+  }
+  return paths;
+}
+
+// DFLASHD_PROFILE: the kernels of one layer's attention and of a whole step (each call synchronised).
+void profile(const AttentionInputs& in, const at::Tensor& anchors, const std::function<void()>& step) {
+  drafter::BlockAttentionShape shape{16, 64, 0};
+  shape.path = drafter::BlockAttentionPath::kernels;
+  bench::print_kernel_profile("block attention of one layer, forward alone, 10 calls", [&] {
+    c10::NoGradGuard no_grad;
+    for (int i = 0; i < 10; ++i) {
+      drafter::block_attention(in.q, in.kc, in.vc, in.kb, in.vb, anchors, shape);
+      torch::cuda::synchronize();
+    }
+  }, 12);
+  bench::print_kernel_profile("block attention of one layer, forward + backward, 10 calls", [&] {
+    for (int i = 0; i < 10; ++i) {
+      drafter::block_attention(in.q, in.kc, in.vc, in.kb, in.vb, anchors, shape).backward(in.dout);
+      torch::cuda::synchronize();
+    }
+  }, 16);
+  bench::print_kernel_profile("drafter step (forward, LM head + loss, backward)", [&] {
+    step();
+    torch::cuda::synchronize();
+  }, 30);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int repeats = argc > 1 ? std::atoi(argv[1]) : 5;
+  if (!at::hasCUDA()) {
+    std::fprintf(stderr, "drafter_step_bench: no CUDA device\n");
+    return 1;
+  }
+  const drafter::DrafterShape s = drafter_27b_shape();
   const at::Device device(at::kCUDA, 0);
   const auto bf16 = at::TensorOptions().device(device).dtype(at::kBFloat16);
   drafter::Drafter model(s, bf16);
@@ -55,126 +152,46 @@ int main(int argc, char** argv) {
   }
   const at::Tensor embed = at::randn({s.vocab_size, s.hidden_size}, bf16) * 0.02;
   const at::Tensor head = at::randn({s.vocab_size, s.hidden_size}, bf16) * 0.02;
-  drafter::DrafterBatch batch;
-  batch.features = at::randn({S, s.num_features() * s.hidden_size}, bf16);
-  batch.input_ids = at::randint(0, 248000, {S}, at::TensorOptions().device(device).dtype(at::kLong));
-  std::vector<uint8_t> mask(S, 1);
-  for (int i = 0; i < 64; ++i) mask[i] = 0;
-  batch.loss_mask = at::tensor(mask, at::TensorOptions().dtype(at::kByte));
-  batch.cu_seqlens = {0, S};
-  std::mt19937_64 rng(1);
-  batch.anchors = {drafter::sample_anchors(mask, 512, rng)};
+  const drafter::DrafterBatch batch = make_batch(s, bf16);
   drafter::OptimizerSettings settings;
   settings.total_steps = 1000;
   drafter::AdamW optimizer(model.parameters(), settings);
   const drafter::BlockTargets targets = drafter::make_block_targets(batch, 16, 7.0, device);
   const int64_t rows = batch.anchors[0].size(0) * 16;
   const int64_t anchor_sum = batch.anchors[0].sum().item<int64_t>();
-  const double flops = pipeline::drafter_flops(s, S, rows, anchor_sum);
-
-  std::vector<double> fwd_bwd, opt;
-  for (int i = 0; i < repeats + 2; ++i) {
-    torch::cuda::synchronize();
-    const auto t0 = std::chrono::steady_clock::now();
+  const double flops = pipeline::drafter_flops(s, kTokens, rows, anchor_sum);
+  auto step = [&] {
     drafter::LossStats stats;
     const at::Tensor hidden = model.forward(batch, embed);
     drafter::dflash_loss(hidden, head, targets, targets.weight_sum, 128 * 16, 16, &stats).backward();
-    torch::cuda::synchronize();
-    const auto t1 = std::chrono::steady_clock::now();
-    optimizer.step();
-    torch::cuda::synchronize();
-    const auto t2 = std::chrono::steady_clock::now();
-    if (i >= 2) {
-      fwd_bwd.push_back(std::chrono::duration<double>(t1 - t0).count());
-      opt.push_back(std::chrono::duration<double>(t2 - t1).count());
-    }
-  }
-  // Where the time goes: the parts timed alone (synchronised), same inputs.
-  // The median of `runs` (default `repeats`) after `warm` unrecorded runs.
-  auto timed = [&](auto&& f, int runs = 0, int warm = 1) {
-    runs = runs > 0 ? runs : repeats;
-    std::vector<double> t;
-    for (int i = 0; i < runs + warm; ++i) {
-      torch::cuda::synchronize();
-      const auto a = std::chrono::steady_clock::now();
-      f();
-      torch::cuda::synchronize();
-      if (i >= warm) t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
   };
-  const double forward_only = timed([&] {
+
+  const double median = median_seconds(step, repeats, 2);
+  const double median_opt = median_seconds([&] { optimizer.step(); }, repeats, 2);
+  // Where the time goes: the parts timed alone (synchronised), same inputs.
+  const double forward_only = median_seconds([&] {
     c10::NoGradGuard no_grad;
     model.forward(batch, embed);
-  });
+  }, repeats);
   at::Tensor hidden_leaf = model.forward(batch, embed).detach().requires_grad_();
-  const double head_loss = timed([&] {
+  const double head_loss = median_seconds([&] {
     drafter::LossStats stats;
     drafter::dflash_loss(hidden_leaf, head, targets, targets.weight_sum, 128 * 16, 16, &stats).backward();
-  });
-  // One layer's block attention alone, forward + backward, at this shape.
+  }, repeats);
   const int64_t hq = 32, hkv = 8, d = 128;
-  at::Tensor q = at::randn({rows, hq, d}, bf16).requires_grad_(), kc = at::randn({S, hkv, d}, bf16).requires_grad_();
-  at::Tensor vc = at::randn({S, hkv, d}, bf16).requires_grad_(), kb = at::randn({rows, hkv, d}, bf16).requires_grad_();
-  at::Tensor vb = at::randn({rows, hkv, d}, bf16).requires_grad_();
-  const at::Tensor dout = at::randn({rows, hq, d}, bf16);
-  // Each GPU path, forward alone and forward + backward (same inputs, same run), timed as the
-  // flex_attention peer (bench/python/flex_block_attention.py): median of 20 after 3 warm-up runs.
-  struct PathTime {
-    const char* name;
-    drafter::BlockAttentionPath path;
-    bool mma_sync = false;  // the mma.sync kernels forced while timed
-    double forward = 0, both = 0;
-  };
-  std::vector<PathTime> paths{{"fused kernels", drafter::BlockAttentionPath::kernels},
-                              {"fused kernels, mma.sync (forced)", drafter::BlockAttentionPath::kernels, true},
-                              {"split path, memory-efficient kernels", drafter::BlockAttentionPath::efficient}};
-  for (PathTime& p : paths) {
-    force_mma_sync(MmaKernels::block_attention, p.mma_sync);
-    drafter::BlockAttentionShape shape{16, 64, 0};
-    shape.path = p.path;
-    p.forward = timed([&] {
-      c10::NoGradGuard no_grad;
-      drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape);
-    }, 20, 3);
-    p.both = timed([&] { drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape).backward(dout); }, 20, 3);
-    force_mma_sync(MmaKernels::block_attention, false);
-  }
+  const AttentionInputs in{at::randn({rows, hq, d}, bf16).requires_grad_(), at::randn({kTokens, hkv, d}, bf16).requires_grad_(),
+                           at::randn({kTokens, hkv, d}, bf16).requires_grad_(), at::randn({rows, hkv, d}, bf16).requires_grad_(),
+                           at::randn({rows, hkv, d}, bf16).requires_grad_(), at::randn({rows, hq, d}, bf16)};
+  const std::vector<PathTime> paths = time_attention_paths(in, batch.anchors[0]);
   // The attention's model FLOPs (docs/targets.md): 4 d per visible (row, key) pair forward, 2.5x that backward.
   // Each of a block's 16 rows per query head sees anchor + 16 keys.
   const double pairs = 16.0 * static_cast<double>(hq) * static_cast<double>(anchor_sum + 16 * batch.anchors[0].size(0));
   const double attention_flops = 4.0 * d * pairs;
-  if (std::getenv("DFLASHD_PROFILE")) {
-    drafter::BlockAttentionShape shape{16, 64, 0};
-    shape.path = drafter::BlockAttentionPath::kernels;
-    // As timed above: each call synchronised.
-    bench::print_kernel_profile("block attention of one layer, forward alone, 10 calls", [&] {
-      c10::NoGradGuard no_grad;
-      for (int i = 0; i < 10; ++i) {
-        drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape);
-        torch::cuda::synchronize();
-      }
-    }, 12);
-    bench::print_kernel_profile("block attention of one layer, forward + backward, 10 calls", [&] {
-      for (int i = 0; i < 10; ++i) {
-        drafter::block_attention(q, kc, vc, kb, vb, batch.anchors[0], shape).backward(dout);
-        torch::cuda::synchronize();
-      }
-    }, 16);
-    bench::print_kernel_profile("drafter step (forward, LM head + loss, backward)", [&] {
-      drafter::LossStats stats;
-      const at::Tensor hidden = model.forward(batch, embed);
-      drafter::dflash_loss(hidden, head, targets, targets.weight_sum, 128 * 16, 16, &stats).backward();
-      torch::cuda::synchronize();
-    }, 30);
-  }
-  std::sort(fwd_bwd.begin(), fwd_bwd.end());
-  std::sort(opt.begin(), opt.end());
-  const double median = fwd_bwd[fwd_bwd.size() / 2], median_opt = opt[opt.size() / 2];
+  if (std::getenv("DFLASHD_PROFILE")) profile(in, batch.anchors[0], step);
+
   const auto memory = pipeline::gpu_memory({0});
   std::printf("dflashd drafter step (27B drafter shape, S %lld, %lld anchors x 16, automatic attention path, bf16)\n",
-              static_cast<long long>(S), static_cast<long long>(batch.anchors[0].size(0)));
+              static_cast<long long>(kTokens), static_cast<long long>(batch.anchors[0].size(0)));
   std::printf("  forward+loss+backward  %.3f s  (%.1f TFLOP model, %.0f TFLOP/s, MFU %.1f%% of 790)\n", median,
               flops / 1e12, flops / median / 1e12, 100 * flops / median / 790e12);
   std::printf("  AdamW step             %.3f s\n", median_opt);

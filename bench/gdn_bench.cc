@@ -80,90 +80,68 @@ Inputs make_inputs(const std::vector<int64_t>& lengths, int64_t hk, int64_t hv) 
   return in;
 }
 
-}  // namespace
+// One row of the core table: every variant on one batch of sequences.
+void time_core(const std::vector<int64_t>& lengths, int64_t hk, int64_t hv) {
+  // Rotate over enough input sets to exceed the 60 MB L2.
+  std::vector<Inputs> sets;
+  int64_t n = 0;
+  for (int64_t l : lengths) n += l;
+  const int copies = n >= 8192 ? 2 : 4;
+  for (int i = 0; i < copies; ++i) sets.push_back(make_inputs(lengths, hk, hv));
+  // `sync`: the mma.sync state pass forced while timed.
+  auto core = [&](int columns, bool sync = false, at::ScalarType o_dtype = at::kFloat) {
+    force_mma_sync(MmaKernels::gated_delta_net, sync);
+    const double ms = cuda_ms(20, [&](int i) {
+      const Inputs& in = sets[i % copies];
+      target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, {}, {}, 1e-6, columns,
+                                    nullptr, o_dtype);
+    });
+    force_mma_sync(MmaKernels::gated_delta_net, false);
+    return ms;
+  };
+  const double ours = core(64), ours_bf16 = core(64, false, at::kBFloat16), sync64 = core(64, true), ours32 = core(32), ours128 = core(128);
+  // With the gated RMSNorm fused (z read, bf16 out): what the target model runs per layer.
+  const double normed = cuda_ms(20, [&](int i) {
+    const Inputs& in = sets[i % copies];
+    target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, in.z, in.norm_weight);
+  });
+  const double conv = cuda_ms(20, [&](int i) {
+    const Inputs& in = sets[i % copies];
+    target::conv1d_silu_l2norm_cuda(in.raw, in.conv_weight, in.positions, 2 * hk * 128);
+  });
+  const double reference = cuda_ms(3, [&](int i) {
+    const Inputs& in = sets[i % copies];
+    target::chunk_gated_delta_rule_packed_reference(in.q, in.k, in.v, in.g, in.beta, in.cu);
+  });
+  // Agreement with the reference on this input (relative L2), so a fast wrong kernel shows.
+  const Inputs& in = sets[0];
+  const at::Tensor o = target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan);
+  const at::Tensor r = target::chunk_gated_delta_rule_packed_reference(in.q, in.k, in.v, in.g, in.beta, in.cu);
+  const double error = ((o - r).norm() / r.norm()).item<double>();
+  // Where our time goes: the three kernels of one call (median of 5).
+  std::vector<std::array<float, 3>> stages(5);
+  for (auto& st : stages) target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, {}, {}, 1e-6, 64, st.data());
+  std::sort(stages.begin(), stages.end(), [](const auto& x, const auto& y) { return x[0] + x[1] + x[2] < y[0] + y[1] + y[2]; });
+  std::string batch = std::to_string(lengths.size()) + "x" + std::to_string(lengths[0]);
+  std::printf("%-14s %8lld %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %10.3f %12.3f %10.1f   rel.err %.1e  prepare/state/output %.3f/%.3f/%.3f\n",
+              batch.c_str(), static_cast<long long>(n), ours, ours_bf16, normed, sync64, ours32, ours128, conv, reference, reference / ours, error,
+              stages[2][0], stages[2][1], stages[2][2]);
+}
 
-int main(int argc, char** argv) {
-  if (argc < 2 || !at::hasCUDA()) {
-    std::fprintf(stderr, "usage: gdn_bench <directory with a Qwen3.5-27B config.json> [core] (needs a GPU)\n");
-    return 2;
-  }
-  c10::InferenceMode inference;
-  const int64_t hk = 16, hv = 48;
-  std::printf("GatedDeltaNet core, Hk %lld / Hv %lld / head 128, bf16 in, fp32 state; ms per call (CUDA events)\n",
-              static_cast<long long>(hk), static_cast<long long>(hv));
-  // ours: the default kernels (on an H200 the fused wgmma state + output kernel), o in fp32; bf16 o: the same with o
-  // in bf16 (FLA's output); sync/64, /32, /128: the mma.sync state pass with 64, 32 or 128 value columns per CTA
-  // (force_mma_sync for sync/64). +norm: ours with the gated RMSNorm fused (z in, bf16 out), as the target
-  // model calls it.
-  std::printf("%-14s %8s %8s %8s %8s %8s %8s %8s %10s %12s %10s\n", "batch", "tokens", "ours", "bf16 o", "+norm", "sync/64",
-              "sync/32", "sync/128", "conv+l2", "reference", "ref/ours");
-  // DFLASHD_PROFILE=1: only the whole forward, then its kernels by GPU time.
-  const bool profile = std::getenv("DFLASHD_PROFILE") != nullptr;
-  std::vector<std::vector<int64_t>> shapes = {{2048}, {4096}, {8192}, {16384}, {1024, 1024, 1024, 1024},
-                                              {4096, 4096, 4096, 4096}};
-  const bool core_only = argc > 2 && std::string(argv[2]) == "core";
-  if (core_only) shapes = {{4096}, {16384}};
-  if (profile) shapes.clear();
-  for (const auto& lengths : shapes) {
-    // Rotate over enough input sets to exceed the 60 MB L2.
-    std::vector<Inputs> sets;
-    int64_t n = 0;
-    for (int64_t l : lengths) n += l;
-    const int copies = n >= 8192 ? 2 : 4;
-    for (int i = 0; i < copies; ++i) sets.push_back(make_inputs(lengths, hk, hv));
-    // `sync`: the mma.sync state pass forced while timed.
-    auto core = [&](int columns, bool sync = false, at::ScalarType o_dtype = at::kFloat) {
-      force_mma_sync(MmaKernels::gated_delta_net, sync);
-      const double ms = cuda_ms(20, [&](int i) {
-        const Inputs& in = sets[i % copies];
-        target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, {}, {}, 1e-6, columns,
-                                      nullptr, o_dtype);
-      });
-      force_mma_sync(MmaKernels::gated_delta_net, false);
-      return ms;
-    };
-    const double ours = core(64), ours_bf16 = core(64, false, at::kBFloat16), sync64 = core(64, true), ours32 = core(32), ours128 = core(128);
-    // With the gated RMSNorm fused (z read, bf16 out): what the target model runs per layer.
-    const double normed = cuda_ms(20, [&](int i) {
-      const Inputs& in = sets[i % copies];
-      target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, in.z, in.norm_weight);
-    });
-    const double conv = cuda_ms(20, [&](int i) {
-      const Inputs& in = sets[i % copies];
-      target::conv1d_silu_l2norm_cuda(in.raw, in.conv_weight, in.positions, 2 * hk * 128);
-    });
-    const double reference = cuda_ms(3, [&](int i) {
-      const Inputs& in = sets[i % copies];
-      target::chunk_gated_delta_rule_packed_reference(in.q, in.k, in.v, in.g, in.beta, in.cu);
-    });
-    // Agreement with the reference on this input (relative L2), so a fast wrong kernel shows.
-    const Inputs& in = sets[0];
-    const at::Tensor o = target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan);
-    const at::Tensor r = target::chunk_gated_delta_rule_packed_reference(in.q, in.k, in.v, in.g, in.beta, in.cu);
-    const double error = ((o - r).norm() / r.norm()).item<double>();
-    // Where our time goes: the three kernels of one call (median of 5).
-    std::vector<std::array<float, 3>> stages(5);
-    for (auto& st : stages) target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, {}, {}, 1e-6, 64, st.data());
-    std::sort(stages.begin(), stages.end(), [](const auto& x, const auto& y) { return x[0] + x[1] + x[2] < y[0] + y[1] + y[2]; });
-    std::string batch = std::to_string(lengths.size()) + "x" + std::to_string(lengths[0]);
-    std::printf("%-14s %8lld %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %10.3f %12.3f %10.1f   rel.err %.1e  prepare/state/output %.3f/%.3f/%.3f\n",
-                batch.c_str(), static_cast<long long>(n), ours, ours_bf16, normed, sync64, ours32, ours128, conv, reference, reference / ours, error,
-                stages[2][0], stages[2][1], stages[2][2]);
-  }
-
-  if (core_only) return 0;
+// The whole 27B-shaped target forward at 3072 and 4096 tokens, MFU against the measured matmul
+// rate; with `profile`, the kernels of the 3072-token forward.
+void time_target(const char* config_dir, bool profile) {
   // bf16 matmul rate of this GPU (the MFU denominator).
   const at::Tensor a = at::randn({8192, 8192}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
   const at::Tensor b = at::randn({8192, 8192}, a.options());
   const double mm = cuda_ms(20, [&](int) { at::mm(a, b); });
   const double matmul_rate = 2.0 * 8192.0 * 8192.0 * 8192.0 / (mm * 1e-3);
   std::printf("bf16 matmul 8192^3: %.3f ms = %.0f TFLOP/s\n", mm, matmul_rate / 1e12);
-
-  const target::ModelConfig config = target::load_model_config(argv[1]);
+  const target::ModelConfig config = target::load_model_config(config_dir);
   const int64_t last = std::min<int64_t>(61, config.num_layers - 1);
   target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
   auto model = target::random_target(config, last, options, 1);
-  std::printf("target %s to layer %lld, random weights; %s\n", argv[1],
+  std::printf("target %s to layer %lld, random weights; %s\n", config_dir,
               static_cast<long long>(last), model->kernel_paths().at("target.linear_attention").str().c_str());
   std::printf("%8s %10s %12s %8s %12s\n", "tokens", "seconds", "tokens/s", "MFU", "of 989 peak");
   for (int64_t tokens : {3072, 4096}) {
@@ -188,5 +166,33 @@ int main(int argc, char** argv) {
       });
     }
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !at::hasCUDA()) {
+    std::fprintf(stderr, "usage: gdn_bench <directory with a Qwen3.5-27B config.json> [core] (needs a GPU)\n");
+    return 2;
+  }
+  c10::InferenceMode inference;
+  const int64_t hk = 16, hv = 48;
+  std::printf("GatedDeltaNet core, Hk %lld / Hv %lld / head 128, bf16 in, fp32 state; ms per call (CUDA events)\n",
+              static_cast<long long>(hk), static_cast<long long>(hv));
+  // ours: the default kernels (on an H200 the fused wgmma state + output kernel), o in fp32; bf16 o: the same with o
+  // in bf16 (FLA's output); sync/64, /32, /128: the mma.sync state pass with 64, 32 or 128 value columns per CTA
+  // (force_mma_sync for sync/64). +norm: ours with the gated RMSNorm fused (z in, bf16 out), as the target
+  // model calls it.
+  std::printf("%-14s %8s %8s %8s %8s %8s %8s %8s %10s %12s %10s\n", "batch", "tokens", "ours", "bf16 o", "+norm", "sync/64",
+              "sync/32", "sync/128", "conv+l2", "reference", "ref/ours");
+  // DFLASHD_PROFILE=1: only the whole forward, then its kernels by GPU time.
+  const bool profile = std::getenv("DFLASHD_PROFILE") != nullptr;
+  std::vector<std::vector<int64_t>> shapes = {{2048}, {4096}, {8192}, {16384}, {1024, 1024, 1024, 1024},
+                                              {4096, 4096, 4096, 4096}};
+  const bool core_only = argc > 2 && std::string(argv[2]) == "core";
+  if (core_only) shapes = {{4096}, {16384}};
+  if (profile) shapes.clear();
+  for (const auto& lengths : shapes) time_core(lengths, hk, hv);
+  if (!core_only) time_target(argv[1], profile);
   return 0;
 }
