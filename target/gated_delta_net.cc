@@ -34,7 +34,8 @@ at::Tensor causal_conv1d_silu_reference(const at::Tensor& x, const at::Tensor& w
 }
 
 at::Tensor chunk_gated_delta_rule_reference(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                            const at::Tensor& g_in, const at::Tensor& beta_in, int64_t chunk_size) {
+                                            const at::Tensor& g_in, const at::Tensor& beta_in, int64_t chunk_size,
+                                            at::Tensor* state_io) {
   const int64_t length = q_in.size(0), key_heads = q_in.size(1), key_dim = q_in.size(2);
   const int64_t value_heads = v_in.size(1), value_dim = v_in.size(2);
   const int64_t group = value_heads / key_heads;
@@ -80,7 +81,8 @@ at::Tensor chunk_gated_delta_rule_reference(const at::Tensor& q_in, const at::Te
   const at::Tensor k_decayed = k * (gamma_last - gamma).exp().unsqueeze(-1);
   const at::Tensor chunk_decay = gamma_last.exp().unsqueeze(-1);  // [Hv, chunks, 1, 1]
 
-  at::Tensor state = at::zeros({value_heads, key_dim, value_dim}, q.options());
+  at::Tensor state = state_io != nullptr && state_io->defined() ? state_io->to(q.options())
+                                                                : at::zeros({value_heads, key_dim, value_dim}, q.options());
   std::vector<at::Tensor> outputs;
   outputs.reserve(chunks);
   for (int64_t c = 0; c < chunks; ++c) {  // the one sequential dependency: the state
@@ -88,8 +90,32 @@ at::Tensor chunk_gated_delta_rule_reference(const at::Tensor& q_in, const at::Te
     outputs.push_back(at::matmul(q_decayed.select(1, c), state) + at::matmul(intra.select(1, c), v_new));
     state = state * chunk_decay.select(1, c) + at::matmul(k_decayed.select(1, c).transpose(-1, -2), v_new);
   }
+  // Padded tokens (g = 0, k = v = 0) leave the state as the last real token left it.
+  if (state_io != nullptr) *state_io = state;
   const at::Tensor o = at::stack(outputs, 1).reshape({value_heads, padded, value_dim});
   return o.narrow(1, 0, length).transpose(0, 1).contiguous();  // [T, Hv, dv]
+}
+
+GdnSteps recurrent_gated_delta_rule_steps(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                          const at::Tensor& g_in, const at::Tensor& beta_in, const at::Tensor& initial) {
+  const int64_t length = q_in.size(0), key_heads = q_in.size(1), key_dim = q_in.size(2);
+  const int64_t value_heads = v_in.size(1), value_dim = v_in.size(2), group = value_heads / key_heads;
+  const at::Tensor q = (l2_normalize(q_in.to(at::kFloat)) * (1.0 / std::sqrt(static_cast<double>(key_dim))))
+                           .repeat_interleave(group, 1);
+  const at::Tensor k = l2_normalize(k_in.to(at::kFloat)).repeat_interleave(group, 1);
+  const at::Tensor v = v_in.to(at::kFloat), g = g_in.to(at::kFloat), beta = beta_in.to(at::kFloat);
+  at::Tensor state = initial.defined() ? initial.to(q.options())
+                                       : at::zeros({value_heads, key_dim, value_dim}, q.options());
+  std::vector<at::Tensor> outputs, states;
+  for (int64_t t = 0; t < length; ++t) {
+    state = state * g[t].exp().view({value_heads, 1, 1});
+    const at::Tensor kt = k[t];
+    const at::Tensor delta = (v[t] - at::matmul(kt.unsqueeze(1), state).squeeze(1)) * beta[t].unsqueeze(-1);
+    state = state + kt.unsqueeze(-1) * delta.unsqueeze(1);
+    outputs.push_back(at::matmul(q[t].unsqueeze(1), state).squeeze(1));
+    states.push_back(state);
+  }
+  return {at::stack(outputs, 0), at::stack(states, 0)};
 }
 
 at::Tensor chunk_gated_delta_rule_packed_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

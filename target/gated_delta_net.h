@@ -32,9 +32,20 @@ GdnGateValues gdn_gates_reference(const at::Tensor& a, const at::Tensor& b, cons
 
 // One sequence: q, k [T, Hk, dk] (raw: L2 normalisation and the dk^-0.5 scale happen here),
 // v [T, Hv, dv], g and beta [T, Hv] (fp32; g <= 0). Value head h reads key head h / (Hv/Hk).
-// Returns o [T, Hv, dv] in fp32.
+// Returns o [T, Hv, dv] in fp32. `state` (optional, [Hv, dk, dv] fp32): the state before the first
+// token (zeros when undefined), replaced by the state after the last one (incremental decoding).
 at::Tensor chunk_gated_delta_rule_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                            const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size = 64);
+                                            const at::Tensor& g, const at::Tensor& beta, int64_t chunk_size = 64,
+                                            at::Tensor* state = nullptr);
+
+// The token-by-token recurrence in fp32 from `state` ([Hv, dk, dv]; zeros when undefined), for
+// the few tokens of a decoding step: o [T, Hv, dv] and the state after each token [T, Hv, dk, dv]
+// (a speculative step keeps the state at the accepted length).
+struct GdnSteps {
+  at::Tensor o, states;
+};
+GdnSteps recurrent_gated_delta_rule_steps(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state);
 
 // The same over a packed batch (cu_seqlens: B+1 offsets into the token dimension).
 at::Tensor chunk_gated_delta_rule_packed_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -11,15 +11,10 @@
 #include "target/gated_delta_net.h"
 #include "target/gdn_cuda.h"
 #include "target/layers.h"
+#include "target/model_impl.h"
 #include "target/moe.h"
 
 namespace dflash::target {
-
-struct TargetModel::Impl {
-  at::Tensor embed, head, final_norm;
-  at::Tensor inv_freq;  // [rotary_dim / 2] fp32
-  std::vector<Layer> layers;
-};
 
 namespace {
 
@@ -67,29 +62,8 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
                        const std::vector<int64_t>& cu_seqlens, const GdnChunkPlan* plan) {
   const int64_t tokens = x.size(0);
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
-  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, group = hv / hk;
-  const int64_t key_channels = hk * dk, value_channels = hv * dv, conv_channels = 2 * key_channels + value_channels;
-  const at::Tensor projected = p.in_proj(x);
-  auto columns = [&](int64_t begin, int64_t count) { return projected.narrow(1, begin, count); };
-  at::Tensor mixed, z, b, a;
-  if (c.fused_gdn_projections) {
-    // Qwen3-Next: per key head [q (dk) | k (dk) | v (group*dv) | z (group*dv)], and [b (group) | a (group)].
-    const int64_t qkvz_channels = 2 * key_channels + 2 * value_channels;
-    const at::Tensor qkvz = columns(0, qkvz_channels).view({tokens, hk, 2 * dk + 2 * group * dv});
-    const at::Tensor ba = columns(qkvz_channels, 2 * hv).view({tokens, hk, 2 * group});
-    const at::Tensor q = qkvz.narrow(-1, 0, dk).reshape({tokens, hk * dk});
-    const at::Tensor k = qkvz.narrow(-1, dk, dk).reshape({tokens, hk * dk});
-    const at::Tensor v = qkvz.narrow(-1, 2 * dk, group * dv).reshape({tokens, hv * dv});
-    z = qkvz.narrow(-1, 2 * dk + group * dv, group * dv).reshape({tokens, hv, dv});
-    b = ba.narrow(-1, 0, group).reshape({tokens, hv});
-    a = ba.narrow(-1, group, group).reshape({tokens, hv});
-    mixed = at::cat({q, k, v}, -1);  // the conv runs over [all q | all k | all v] channels
-  } else {
-    mixed = columns(0, conv_channels);  // strided views of one GEMM's output
-    z = columns(conv_channels, value_channels).view({tokens, hv, dv});
-    b = columns(conv_channels + value_channels, hv);
-    a = columns(conv_channels + value_channels + hv, hv);
-  }
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+  auto [mixed, z, b, a] = project_gdn(c, p, x);
   if (plan != nullptr) {  // the gates are formed inside the kernels
     mixed = conv1d_silu_l2norm_cuda(mixed, p.conv, positions, 2 * hk * dk);
     const GdnGates gates = GdnGates::projections(a, b, p.a_log, p.dt_bias);
@@ -102,21 +76,7 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
   const at::Tensor k = mixed.narrow(-1, hk * dk, hk * dk).view({tokens, hk, dk});
   const at::Tensor v = mixed.narrow(-1, 2 * hk * dk, hv * dv).view({tokens, hv, dv});
   const at::Tensor o = chunk_gated_delta_rule_packed_reference(q, k, v, g, beta, cu_seqlens);       // fp32 [N, Hv, dv]
-  // Gated RMSNorm per value head: w * rmsnorm(o) (cast to the model dtype first, as HF) * silu(z).
-  const at::Tensor normed = (o * at::rsqrt(o.pow(2).mean(-1, true) + c.rms_norm_eps)).to(x.scalar_type());
-  const at::Tensor gated = ((p.norm * normed).to(at::kFloat) * at::silu(z.to(at::kFloat))).to(x.scalar_type());
-  return p.out(gated.reshape({tokens, hv * dv}));
-}
-
-at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x, bool grouped_moe) {
-  if (!p.moe) {
-    const at::Tensor gate_up = p.gate_up(x);
-    const int64_t inner = gate_up.size(-1) / 2;
-    return p.down(silu_mul(gate_up.narrow(-1, 0, inner), gate_up.narrow(-1, inner, inner)));
-  }
-  const MoeShape shape{c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
-                       c.shared_expert_intermediate_size};
-  return grouped_moe ? moe_grouped(shape, p.experts, x) : moe_reference(shape, p.experts, x);
+  return gdn_output(c, p, o, z, x.scalar_type());
 }
 
 // The first layer (up to last_layer) for which `is`, or -1.
@@ -161,6 +121,61 @@ bool use_gdn_kernels(const ModelConfig& c, int64_t last_layer, const TargetOptio
 }
 
 }  // namespace
+
+GdnProjections project_gdn(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x) {
+  const int64_t tokens = x.size(0);
+  const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, group = hv / hk;
+  const int64_t key_channels = hk * dk, value_channels = hv * dv, conv_channels = 2 * key_channels + value_channels;
+  const at::Tensor projected = p.in_proj(x);
+  auto columns = [&](int64_t begin, int64_t count) { return projected.narrow(1, begin, count); };
+  at::Tensor mixed, z, b, a;
+  if (c.fused_gdn_projections) {
+    // Qwen3-Next: per key head [q (dk) | k (dk) | v (group*dv) | z (group*dv)], and [b (group) | a (group)].
+    const int64_t qkvz_channels = 2 * key_channels + 2 * value_channels;
+    const at::Tensor qkvz = columns(0, qkvz_channels).view({tokens, hk, 2 * dk + 2 * group * dv});
+    const at::Tensor ba = columns(qkvz_channels, 2 * hv).view({tokens, hk, 2 * group});
+    const at::Tensor q = qkvz.narrow(-1, 0, dk).reshape({tokens, hk * dk});
+    const at::Tensor k = qkvz.narrow(-1, dk, dk).reshape({tokens, hk * dk});
+    const at::Tensor v = qkvz.narrow(-1, 2 * dk, group * dv).reshape({tokens, hv * dv});
+    z = qkvz.narrow(-1, 2 * dk + group * dv, group * dv).reshape({tokens, hv, dv});
+    b = ba.narrow(-1, 0, group).reshape({tokens, hv});
+    a = ba.narrow(-1, group, group).reshape({tokens, hv});
+    mixed = at::cat({q, k, v}, -1);  // the conv runs over [all q | all k | all v] channels
+  } else {
+    mixed = columns(0, conv_channels);  // strided views of one GEMM's output
+    z = columns(conv_channels, value_channels).view({tokens, hv, dv});
+    b = columns(conv_channels + value_channels, hv);
+    a = columns(conv_channels + value_channels + hv, hv);
+  }
+  return {mixed, z, b, a};
+}
+
+at::Tensor gdn_output(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& o, const at::Tensor& z,
+                      at::ScalarType dtype) {
+  const int64_t tokens = o.size(0);
+  const at::Tensor normed = (o * at::rsqrt(o.pow(2).mean(-1, true) + c.rms_norm_eps)).to(dtype);
+  const at::Tensor gated = ((p.norm * normed).to(at::kFloat) * at::silu(z.to(at::kFloat))).to(dtype);
+  return p.out(gated.reshape({tokens, c.linear_num_value_heads * c.linear_value_head_dim}));
+}
+
+at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x, bool grouped_moe) {
+  if (!p.moe) {
+    const at::Tensor gate_up = p.gate_up(x);
+    const int64_t inner = gate_up.size(-1) / 2;
+    return p.down(silu_mul(gate_up.narrow(-1, 0, inner), gate_up.narrow(-1, inner, inner)));
+  }
+  const MoeShape shape{c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
+                       c.shared_expert_intermediate_size};
+  return grouped_moe ? moe_grouped(shape, p.experts, x) : moe_reference(shape, p.experts, x);
+}
+
+std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions,
+                                              at::ScalarType dtype) {
+  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
 
 TargetModel::TargetModel(ModelConfig config, WeightSource& w, int64_t last_layer, TargetOptions options)
     : config_(std::move(config)), options_(options), impl_(std::make_unique<Impl>()) {
@@ -234,9 +249,7 @@ std::vector<at::Tensor> TargetModel::forward(const at::Tensor& input_ids, const 
   }
   const at::Tensor positions =
       at::tensor(position_values, at::TensorOptions().dtype(at::kLong)).to(device);
-  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * impl_->inv_freq.unsqueeze(0);
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);
-  const at::Tensor cos = emb.cos().to(options_.dtype), sin = emb.sin().to(options_.dtype);
+  const auto [cos, sin] = rope_tables(impl_->inv_freq, positions, options_.dtype);
 
   std::optional<GdnChunkPlan> plan;
   if (gdn_kernels_) plan = make_gdn_chunk_plan(cu_seqlens, device);

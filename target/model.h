@@ -68,6 +68,7 @@ class TargetModel {
   std::map<std::string, KernelPath> kernel_paths() const;
 
  private:
+  friend class IncrementalTarget;  // incremental.h: the same layers over a decoding cache
   struct Impl;
   ModelConfig config_;
   TargetOptions options_;

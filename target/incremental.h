@@ -1,0 +1,67 @@
+// incremental.h: the target a few tokens at a time over a per-sequence cache, for decoding
+// (speculative decoding in `dflashd eval`, generation). The full-attention layers keep their
+// keys and values; the GatedDeltaNet layers their conv window and recurrent state (fp32). A step
+// appends tokens; crop() rolls the cache back to a prefix of the last step (the accepted part of
+// a speculative block): keys and values are cut, the conv window re-cut, and the recurrent state
+// recomputed from the state before the step over the kept tokens (the step keeps the rule's
+// inputs, a few KB per token, rather than a state per token, 3 MB per token and layer at 27B).
+//
+// Math as TargetModel::forward (same weights, same roundings of each layer's pieces); the
+// GatedDeltaNet rule runs as libtorch ops (token by token for short steps, chunked for long
+// prefills), on any device. Thread-safety: const methods; a cache belongs to one thread.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "target/model.h"
+
+namespace dflash::target {
+
+// One sequence's decoding state.
+struct DecodeCache {
+  int64_t length = 0;  // tokens held: positions 0 .. length - 1
+  // Per layer. Full attention: keys, values [capacity, Hkv, d] (rows < length valid).
+  // GatedDeltaNet: conv [K - 1, channels] (the last K - 1 conv inputs), state [Hv, dk, dv] fp32.
+  std::vector<at::Tensor> keys, values, conv, state;
+  // The last step, for crop(): its first position and token count; per GatedDeltaNet layer the
+  // state before it, the rule's inputs over it (q, k, v, g, beta) and the conv inputs over it
+  // ([K - 1 + count, channels]).
+  struct LastStep {
+    int64_t begin = 0, count = 0;
+    struct Gdn {
+      at::Tensor state_before, q, k, v, g, beta, window;
+    };
+    std::vector<Gdn> gdn;  // per layer (empty entries for full-attention layers)
+  } last;
+};
+
+struct DecodeOutput {
+  at::Tensor logits;    // fp32 [tokens, vocab]
+  at::Tensor features;  // [tokens, K*H], model dtype: the tapped layers' outputs, ascending ids
+};
+
+class IncrementalTarget {
+ public:
+  // Steps of at most this many tokens run the rule token by token; longer ones chunked.
+  static constexpr int64_t kRecurrentStepTokens = 64;
+
+  // `model` must hold every layer (its last_layer is the model's last) and outlive this.
+  explicit IncrementalTarget(const TargetModel& model);
+
+  DecodeCache new_cache() const;
+  // Runs `ids` (int64 [n], n >= 1) at positions cache.length .. + n - 1; the cache grows by n.
+  // `tap`: decoder layers whose outputs make DecodeOutput::features (may be empty).
+  DecodeOutput step(DecodeCache& cache, const at::Tensor& ids, const std::vector<int64_t>& tap) const;
+  // Keeps the first `length` tokens; length must lie within the last step, [last.begin,
+  // last.begin + last.count]. Throws std::invalid_argument.
+  void crop(DecodeCache& cache, int64_t length) const;
+
+  const TargetModel& model() const { return model_; }
+
+ private:
+  const TargetModel& model_;
+};
+
+}  // namespace dflash::target

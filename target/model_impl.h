@@ -1,0 +1,41 @@
+// model_impl.h: the target's state and the layer pieces its two forwards share (private to
+// target/): the full forward over packed sequences (model.cc) and the incremental one over a
+// decoding cache (incremental.cc).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <utility>
+#include <vector>
+
+#include "target/layers.h"
+#include "target/model.h"
+
+namespace dflash::target {
+
+struct TargetModel::Impl {
+  at::Tensor embed, head, final_norm;
+  at::Tensor inv_freq;  // [rotary_dim / 2] fp32
+  std::vector<Layer> layers;
+};
+
+// A GatedDeltaNet layer's input projection split into the conv's input [tokens, 2 Hk dk + Hv dv]
+// ([all q | all k | all v] channels), z [tokens, Hv, dv] and the gate projections b, a [tokens, Hv].
+struct GdnProjections {
+  at::Tensor mixed, z, b, a;
+};
+GdnProjections project_gdn(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x);
+
+// The layer's output from the rule's o (fp32 [tokens, Hv, dv]): w * rmsnorm(o) (cast to `dtype`
+// first, as HF) * silu(z), then out_proj.
+at::Tensor gdn_output(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& o, const at::Tensor& z,
+                      at::ScalarType dtype);
+
+// The MLP (dense SwiGLU or MoE) of one layer.
+at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x, bool grouped_moe);
+
+// RoPE cos / sin [tokens, rotary] in `dtype` for absolute positions (int64 [tokens]).
+std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions,
+                                              at::ScalarType dtype);
+
+}  // namespace dflash::target
