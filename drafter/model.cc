@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
@@ -181,6 +182,77 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
     }
     const at::Tensor attention = at::cat(attended).reshape({rows, hq * d});
     x = x + at::linear(attention, l.o_proj);
+    const at::Tensor m = trained_rms_norm(x, l.post_attention_norm, s.rms_norm_eps);
+    x = x + at::linear(trained_silu_mul(at::linear(m, l.gate_proj), at::linear(m, l.up_proj)), l.down_proj);
+  }
+  return trained_rms_norm(x, norm_, s.rms_norm_eps);
+}
+
+namespace {
+
+// `t` ([capacity, ...]) with room for `needed` rows, rows < used kept (capacity doubles).
+at::Tensor grown_rows(const at::Tensor& t, int64_t used, int64_t needed, int64_t heads, int64_t d,
+                      const at::TensorOptions& options) {
+  if (t.defined() && t.size(0) >= needed) return t;
+  const int64_t capacity = std::max<int64_t>(needed, t.defined() ? 2 * t.size(0) : 256);
+  at::Tensor grown = at::empty({capacity, heads, d}, options);
+  if (t.defined() && used > 0) grown.narrow(0, 0, used).copy_(t.narrow(0, 0, used));
+  return grown;
+}
+
+}  // namespace
+
+void Drafter::extend_context(DrafterContextCache& cache, const at::Tensor& features) const {
+  c10::InferenceMode inference;
+  const DrafterShape& s = shape_;
+  const int64_t hkv = s.num_key_value_heads, d = s.head_dim, n = features.size(0), begin = cache.length;
+  const at::Device device = options_.device();
+  cache.keys.resize(static_cast<size_t>(s.num_layers));
+  cache.values.resize(static_cast<size_t>(s.num_layers));
+  if (n == 0) return;
+  const at::Tensor context =
+      trained_rms_norm(at::linear(features.to(device, options_.dtype().toScalarType()), fc_), hidden_norm_, s.rms_norm_eps);
+  const RopeTables rope = rope_tables(at::arange(begin, begin + n, at::TensorOptions().dtype(at::kLong)), d, s.rope_theta,
+                                      options_.dtype().toScalarType(), device);
+  for (int64_t i = 0; i < s.num_layers; ++i) {
+    const Layer& l = layers_[i];
+    const at::Tensor k = apply_rope(trained_rms_norm(at::linear(context, l.k_proj).view({n, hkv, d}), l.k_norm, s.rms_norm_eps), rope);
+    const at::Tensor v = at::linear(context, l.v_proj).view({n, hkv, d});
+    cache.keys[i] = grown_rows(cache.keys[i], begin, begin + n, hkv, d, k.options());
+    cache.values[i] = grown_rows(cache.values[i], begin, begin + n, hkv, d, v.options());
+    cache.keys[i].narrow(0, begin, n).copy_(k);
+    cache.values[i].narrow(0, begin, n).copy_(v);
+  }
+  cache.length = begin + n;
+}
+
+at::Tensor Drafter::block_hidden(const DrafterContextCache& cache, const at::Tensor& block_ids, const at::Tensor& embed) const {
+  c10::InferenceMode inference;
+  const DrafterShape& s = shape_;
+  const int64_t hq = s.num_attention_heads, hkv = s.num_key_value_heads, d = s.head_dim;
+  const int64_t rows = block_ids.size(0), begin = cache.length;
+  const at::Device device = options_.device();
+  const at::ScalarType dtype = options_.dtype().toScalarType();
+  const RopeTables rope = rope_tables(at::arange(begin, begin + rows, at::TensorOptions().dtype(at::kLong)), d, s.rope_theta,
+                                      dtype, device);
+  at::Tensor x = at::embedding(embed, block_ids.to(device, at::kLong)).to(dtype);
+  auto heads_first = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
+  for (int64_t i = 0; i < s.num_layers; ++i) {
+    const Layer& l = layers_[i];
+    const at::Tensor h = trained_rms_norm(x, l.input_norm, s.rms_norm_eps);
+    const at::Tensor q = apply_rope(trained_rms_norm(at::linear(h, l.q_proj).view({rows, hq, d}), l.q_norm, s.rms_norm_eps), rope);
+    const at::Tensor k_block =
+        apply_rope(trained_rms_norm(at::linear(h, l.k_proj).view({rows, hkv, d}), l.k_norm, s.rms_norm_eps), rope);
+    const at::Tensor v_block = at::linear(h, l.v_proj).view({rows, hkv, d});
+    at::Tensor k = k_block, v = v_block;
+    if (begin > 0) {
+      k = at::cat({cache.keys[i].narrow(0, 0, begin), k_block});
+      v = at::cat({cache.values[i].narrow(0, 0, begin), v_block});
+    }
+    // Every row sees the context and the whole block (no mask).
+    const at::Tensor o = at::scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), {}, 0.0, false,
+                                                          1.0 / std::sqrt(static_cast<double>(d)), /*enable_gqa=*/true);
+    x = x + at::linear(o.squeeze(0).transpose(0, 1).reshape({rows, hq * d}), l.o_proj);
     const at::Tensor m = trained_rms_norm(x, l.post_attention_norm, s.rms_norm_eps);
     x = x + at::linear(trained_silu_mul(at::linear(m, l.gate_proj), at::linear(m, l.up_proj)), l.down_proj);
   }

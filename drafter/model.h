@@ -30,6 +30,13 @@ struct DrafterBatch {
   std::vector<at::Tensor> anchors;   // per sequence: int64 CPU, ascending, positions within the sequence
 };
 
+// Decoding (speculative decoding): per layer the keys and values of the context, the tokens
+// whose target features are known, extended as tokens are accepted (rows < length valid).
+struct DrafterContextCache {
+  int64_t length = 0;
+  std::vector<at::Tensor> keys, values;  // per layer [capacity, Hkv, d]
+};
+
 class Drafter {
  public:
   Drafter(DrafterShape shape, at::TensorOptions options);
@@ -52,6 +59,15 @@ class Drafter {
   // Hidden states after the final norm for every block row of the batch: [sum_n N_n * B, H].
   // `embed` is the target's embedding table [vocab, H] (frozen).
   at::Tensor forward(const DrafterBatch& batch, const at::Tensor& embed, int64_t group_blocks = 64) const;
+
+  // Decoding, no gradients. Appends the context of positions cache.length .. + n - 1 from their
+  // target features ([n, K*H]): each layer's keys and values of hidden_norm(fc(features)).
+  void extend_context(DrafterContextCache& cache, const at::Tensor& features) const;
+  // The hidden states after the final norm [B, H] of one block at positions cache.length ..
+  // cache.length + B - 1 whose token ids are `block_ids` (int64 [B]: the last accepted token,
+  // then mask tokens): every row sees the whole cached context and the whole block, as a training
+  // block sees the context before its anchor (forward() of an anchor at cache.length).
+  at::Tensor block_hidden(const DrafterContextCache& cache, const at::Tensor& block_ids, const at::Tensor& embed) const;
 
  private:
   // The parameters by role (handles to the same tensors as parameters_, typed as the target's

@@ -3,9 +3,14 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "config/config.h"
+#include "decode/speculative.h"
+#include "drafter/model.h"
 #include "target/fused_ops.h"
 #include "target/incremental.h"
 #include "target/model.h"
@@ -79,6 +84,132 @@ TEST(IncrementalTarget, RefusesAPartialModelAndCropsOutsideTheLastStep) {
   EXPECT_THROW(decoder.crop(cache, 9), std::invalid_argument);   // before the last step
   EXPECT_THROW(decoder.crop(cache, 15), std::invalid_argument);  // past its end
   EXPECT_NO_THROW(decoder.crop(cache, 12));
+}
+
+// A small random drafter for `config` (2 layers, block 8, heads of the drafter's default rule).
+drafter::Drafter random_drafter(const ModelConfig& config, uint64_t seed, int block_size = 8) {
+  config::DrafterConfig dc;
+  dc.num_layers = 2;
+  dc.block_size = block_size;
+  dc.num_target_features = 2;
+  dc.mask_token_id = config.vocab_size - 1;
+  drafter::Drafter d(drafter::shape_for_target(config, dc), at::TensorOptions().dtype(at::kFloat));
+  d.init_random(seed);
+  return d;
+}
+
+TEST(DrafterDecoding, ABlockOverTheCachedContextIsTheTrainingForwardOfItsAnchor) {
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3"), "tiny");
+  const drafter::Drafter d = random_drafter(config, 3);
+  auto target = random_target(config, config.num_layers - 1, TargetOptions{}, 5);
+  const int64_t length = 40, block = d.shape().block_size;
+  const at::Tensor ids = at::randint(0, config.vocab_size, {length}, at::TensorOptions().dtype(at::kLong));
+  const std::vector<int64_t> tap(d.shape().target_layer_ids.begin(), d.shape().target_layer_ids.end());
+  const at::Tensor features = at::cat(target->forward(ids, {0, length}, tap), -1);
+  for (int64_t anchor : {1, 17, 31}) {
+    drafter::DrafterBatch batch;
+    batch.features = features;
+    batch.input_ids = ids;
+    batch.loss_mask = at::ones({length}, at::TensorOptions().dtype(at::kByte));
+    batch.cu_seqlens = {0, length};
+    batch.anchors = {at::tensor(std::vector<int64_t>{anchor}, at::TensorOptions().dtype(at::kLong))};
+    const at::Tensor trained = d.forward(batch, target->embed_tokens()).detach();
+    // The context grown in two pieces, as decoding grows it.
+    drafter::DrafterContextCache cache;
+    d.extend_context(cache, features.narrow(0, 0, anchor / 2));
+    d.extend_context(cache, features.narrow(0, anchor / 2, anchor - anchor / 2));
+    const at::Tensor block_ids = drafter::block_token_ids(ids, batch.anchors[0], block, d.shape().mask_token_id);
+    const at::Tensor decoded = d.block_hidden(cache, block_ids, target->embed_tokens());
+    EXPECT_LT(max_diff(decoded, trained), 1e-5) << "anchor " << anchor;
+  }
+}
+
+// Greedy speculative decoding is lossless: the same tokens as plain greedy decoding of the target.
+TEST(SpeculativeDecoding, GreedyOutputIsPlainGreedyDecoding) {
+  for (const char* preset : kPresets) {
+    SCOPED_TRACE(preset);
+    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
+    auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 11);
+    const IncrementalTarget target(*model);
+    const drafter::Drafter d = random_drafter(config, 13);
+    const decode::SpeculativeDecoder spec(target, d);
+    for (int64_t prompt_length : {1, 9, 70}) {
+      const at::Tensor p = at::randint(0, config.vocab_size, {prompt_length}, at::TensorOptions().dtype(at::kLong));
+      const std::vector<int64_t> prompt(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + prompt_length);
+      decode::GenerateSettings settings;
+      settings.max_new_tokens = 23;
+      const decode::Generation plain = decode::plain_generate(target, prompt, settings);
+      const decode::Generation fast = spec.generate(prompt, settings);
+      EXPECT_EQ(fast.tokens, plain.tokens) << "prompt of " << prompt_length;
+      EXPECT_EQ(fast.new_tokens(), 23);
+      int64_t sum = 0;
+      for (int64_t a : fast.acceptance) sum += a;
+      EXPECT_EQ(sum + 1, fast.new_tokens()) << "every new token but the first comes from a verify step";
+      // A stop token: the output ends at its first occurrence, included.
+      settings.stop_token_ids = {plain.tokens[prompt_length + 4]};
+      const decode::Generation stopped = spec.generate(prompt, settings);
+      const decode::Generation plain_stopped = decode::plain_generate(target, prompt, settings);
+      EXPECT_TRUE(stopped.stopped);
+      EXPECT_EQ(stopped.tokens, plain_stopped.tokens);
+      EXPECT_EQ(stopped.tokens.back(), settings.stop_token_ids[0]);
+    }
+  }
+}
+
+// Sampling: reproducible for a seed, and lossless in distribution: the first new tokens of
+// speculative sampling follow the target's own sampling distribution.
+TEST(SpeculativeDecoding, SamplingIsReproducibleAndHasTheTargetsDistribution) {
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3"), "tiny");
+  auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 21);
+  const IncrementalTarget target(*model);
+  const drafter::Drafter d = random_drafter(config, 23, 4);
+  const decode::SpeculativeDecoder spec(target, d);
+  const std::vector<int64_t> prompt{5, 9, 2};
+  decode::GenerateSettings settings;
+  settings.max_new_tokens = 3;
+  settings.sampling = {1.5, 0.95, 3};
+  settings.seed = 7;
+  EXPECT_EQ(spec.generate(prompt, settings).tokens, spec.generate(prompt, settings).tokens);
+  // The exact distribution of the 2nd and 3rd new tokens given the 1st, from the target's logits.
+  std::map<std::vector<int64_t>, double> exact;
+  {
+    DecodeCache cache = target.new_cache();
+    const at::Tensor first = decode::sampling_probs(target.step(cache, at::tensor(prompt), {}).logits.narrow(0, 2, 1), settings.sampling)[0];
+    for (int64_t a = 0; a < config.vocab_size; ++a) {
+      const double pa = first[a].item<double>();
+      if (pa == 0) continue;
+      DecodeCache ca = target.new_cache();
+      std::vector<int64_t> seq = prompt;
+      seq.push_back(a);
+      const at::Tensor second = decode::sampling_probs(target.step(ca, at::tensor(seq), {}).logits.narrow(0, 3, 1), settings.sampling)[0];
+      for (int64_t b = 0; b < config.vocab_size; ++b) {
+        const double pb = second[b].item<double>();
+        if (pb == 0) continue;
+        std::vector<int64_t> seq2 = seq;
+        seq2.push_back(b);
+        DecodeCache cb = target.new_cache();
+        const at::Tensor third = decode::sampling_probs(target.step(cb, at::tensor(seq2), {}).logits.narrow(0, 4, 1), settings.sampling)[0];
+        for (int64_t c = 0; c < config.vocab_size; ++c) {
+          if (third[c].item<double>() > 0) exact[{a, b, c}] = pa * pb * third[c].item<double>();
+        }
+      }
+    }
+  }
+  const int runs = 1500;
+  std::map<std::vector<int64_t>, double> seen;
+  for (int r = 0; r < runs; ++r) {
+    settings.seed = 1000 + r;
+    const decode::Generation g = spec.generate(prompt, settings);
+    seen[std::vector<int64_t>(g.tokens.begin() + 3, g.tokens.end())] += 1.0 / runs;
+  }
+  double tv = 0;  // total variation distance between the empirical and the exact distribution
+  for (const auto& [k, p] : exact) tv += std::abs(p - (seen.count(k) ? seen[k] : 0.0));
+  for (const auto& [k, p] : seen) {
+    if (!exact.count(k)) tv += p;  // an outcome the target cannot produce
+  }
+  tv /= 2;
+  // 27 outcomes, 1500 draws: the expected TV distance of a correct sampler is about 0.05.
+  EXPECT_LT(tv, 0.1) << exact.size() << " outcomes";
 }
 
 }  // namespace

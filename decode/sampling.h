@@ -1,0 +1,37 @@
+// sampling.h: choosing tokens from logits as z-lab's dflash package does (dflash/model.py:
+// _sampling_probs, sample, _rejection_sample), so speculative decoding here is theirs.
+#pragma once
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <utility>
+
+namespace dflash::decode {
+
+struct Sampling {
+  double temperature = 0;  // 0: greedy (argmax)
+  double top_p = 1;        // (0, 1]
+  int64_t top_k = 0;       // 0: all
+  bool greedy() const { return temperature <= 0; }
+};
+
+// Throws std::invalid_argument unless temperature >= 0, top_p in (0, 1], top_k >= 0.
+void check_sampling(const Sampling& s);
+
+// Probabilities [rows, vocab] (fp32) of logits [rows, vocab] at the temperature, kept to the top
+// k and then to the smallest set of mass >= top_p (renormalised).
+at::Tensor sampling_probs(const at::Tensor& logits, const Sampling& s);
+
+// One token per row of probs [rows, vocab], drawn from `gen` (a CPU generator): int64 [rows].
+at::Tensor draw(const at::Tensor& probs, at::Generator& gen);
+
+// Speculative sampling of one block: draft tokens [n] drawn from draft_probs [n, vocab] are
+// accepted while u * q(x) < p(x) (u uniform from `gen`); then the bonus token is drawn from
+// target_probs[n] when all were accepted, else from the residual max(p - q, 0) at the first
+// rejection (p itself where that is all zero). Returns (accepted count, bonus token).
+std::pair<int64_t, int64_t> rejection_sample(const at::Tensor& draft_tokens, const at::Tensor& target_probs,
+                                             const at::Tensor& draft_probs, at::Generator& gen);
+
+}  // namespace dflash::decode
