@@ -112,7 +112,7 @@ Generation SpeculativeDecoder::generate(const std::vector<int64_t>& prompt, cons
     block[0] = g.tokens[start];
     at::Tensor draft_probs;
     if (verify > 1) {
-      const at::Tensor hidden = drafter_.block_hidden(context, ids_tensor(block), head);
+      const at::Tensor hidden = drafter_.block_hidden(context, ids_tensor(block), model.embed_tokens());
       const at::Tensor logits = at::matmul(hidden.narrow(0, 1, verify - 1), head.t()).to(at::kFloat);
       at::Tensor drafts;
       if (s.sampling.greedy()) {
