@@ -140,6 +140,19 @@ void read_data(MapReader m, DataConfig* c) {
   m.field("shuffle", &c->shuffle);
   m.field("seed", &c->seed);
   m.choice<OnMalformed>("on_malformed", &c->on_malformed, {{"error", OnMalformed::error}, {"skip", OnMalformed::skip}});
+  m.field("eval_fraction", &c->eval_fraction, between(0.0, 0.5));
+  m.done();
+}
+
+void read_eval(MapReader m, EvalConfig* c) {
+  m.field("every_steps", &c->every_steps, at_least<int64_t>(0));
+  m.field("prompts", &c->prompts);
+  m.field("max_prompts", &c->max_prompts, between(1, 1 << 20));
+  m.field("max_new_tokens", &c->max_new_tokens, between(1, 1 << 20));
+  m.field("temperature", &c->temperature, at_least(0.0));
+  m.field("top_p", &c->top_p, between(1e-9, 1.0));
+  m.field("top_k", &c->top_k, at_least(0));
+  m.field("stop_token_ids", &c->stop_token_ids);
   m.done();
 }
 
@@ -269,6 +282,14 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
     d->add(at("drafter.attention"), std::string("drafter.attention: ") + name_of(c.drafter.attention) +
                                         " needs a GPU (gpus.device: cuda); on the CPU use auto or math");
   }
+  if (c.eval.every_steps > 0 && c.eval.prompts.empty() == (c.data.eval_fraction == 0)) {
+    d->add(at("eval"), "eval: every_steps needs prompts from exactly one of eval.prompts (a token JSONL file) and "
+                       "data.eval_fraction (held-out training samples)");
+  }
+  if (c.eval.every_steps == 0 && (!c.eval.prompts.empty() || c.data.eval_fraction > 0)) {
+    d->add(at(c.eval.prompts.empty() ? "data.eval_fraction" : "eval.prompts"),
+           "eval prompts are set but eval.every_steps is 0: nothing would evaluate them");
+  }
   if (c.checkpoint.every_steps == 0 && c.checkpoint.every_minutes == 0) {
     d->add(at("checkpoint"), "checkpoint: every_steps and every_minutes are both 0: the run would never checkpoint");
   }
@@ -370,6 +391,7 @@ Config parse(std::string_view yaml_text, const std::string& file_name) {
   read_checkpoint(top.map("checkpoint"), &config.checkpoint);
   read_workers(top.map("workers"), &config.workers);
   read_metrics(top.map("metrics"), &config.metrics);
+  read_eval(top.map("eval"), &config.eval);
   read_logging(top.map("logging"), &config.logging);
   top.done();
   if (!top.has("target")) diagnostics.add(top.position(), "target: required section (the frozen target model)");

@@ -134,6 +134,7 @@ struct DataConfig {
   bool shuffle = true;
   int64_t seed = 0;
   OnMalformed on_malformed = OnMalformed::error;
+  double eval_fraction = 0;        // share of the usable samples held out of training as eval prompts
 };
 
 struct TrainConfig {
@@ -182,6 +183,21 @@ struct MetricsConfig {
   double peak_flops_per_gpu = 790e12;     // measured H200 dense bf16 matmul rate
 };
 
+// Real acceptance during training (docs/operations.md "Evaluation"): speculative decoding of
+// prompts with the target and the current drafter every `every_steps` steps, on the first target
+// GPU, beside training. The prompts: a token JSONL file, or data.eval_fraction's held-out samples
+// (each up to its first supervised token).
+struct EvalConfig {
+  int64_t every_steps = 0;  // 0: no evaluation during training
+  std::string prompts;      // token JSONL; empty: data.eval_fraction's held-out samples
+  int max_prompts = 16;
+  int max_new_tokens = 128;
+  double temperature = 0;   // 0: greedy
+  double top_p = 1;
+  int top_k = 0;
+  std::vector<int> stop_token_ids;
+};
+
 struct LoggingConfig {
   std::string level = "info";
   std::string format = "text";  // "text" or "json"
@@ -201,6 +217,7 @@ struct Config {
   CheckpointConfig checkpoint;
   WorkerConfig workers;
   MetricsConfig metrics;
+  EvalConfig eval;
   LoggingConfig logging;
   // Where each value was read ("gpus.target[1]" -> line/col), for later checks.
   std::map<std::string, Position> positions;

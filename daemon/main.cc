@@ -9,6 +9,7 @@
 #include "config/config.h"
 #include "daemon/exit_codes.h"
 #include "drafter/checkpoint.h"
+#include "daemon/eval_command.h"
 #include "daemon/inspect.h"
 #include "daemon/machine.h"
 #include "daemon/run.h"
@@ -28,6 +29,7 @@ Commands:
   run        run the training service described by a config file
   validate   check a config file (and this machine) without training
   doctor     print what this machine offers: torch, CUDA, GPUs, NCCL, peer access, kernels
+  eval       measure a drafter's real acceptance: speculative decoding with its target
   inspect    dump a target's tapped hidden states for a token file (debugging)
   export     write a checkpoint's drafter in the serving format (SGLang, vLLM, HF)
   config     print the embedded default config (a documented starting point)
@@ -230,9 +232,10 @@ int main(int argc, char** argv) {
     std::cout << "dflashd " << DFLASHD_VERSION << "\n";
     return exit_code::kOk;
   }
-  if (command == "inspect") {
+  if (command == "inspect" || command == "eval") {
     try {
-      return daemon::command_inspect(std::vector<std::string>(argv + 2, argv + argc));
+      const std::vector<std::string> rest(argv + 2, argv + argc);
+      return command == "eval" ? daemon::command_eval(rest) : daemon::command_inspect(rest);
     } catch (const std::exception& e) {
       std::cerr << e.what() << "\n";
       return exit_code::kFailure;

@@ -80,7 +80,10 @@ void Checkpointer::write(const drafter::CheckpointSnapshot& snapshot) {
       best = snapshot_tau_ > best_tau_;
       if (best) best_tau_ = snapshot_tau_;
     }
-    if (best) drafter::write_export(config_.run.output_dir + "/export/best", snapshot.shape, snapshot.model);
+    // With the eval section configured, export/best follows real acceptance (evaluator.h).
+    if (best && config_.eval.every_steps == 0) {
+      drafter::write_export(config_.run.output_dir + "/export/best", snapshot.shape, snapshot.model);
+    }
   } catch (const std::exception& e) {
     // A failed checkpoint leaves the previous ones intact (atomic protocol); the run goes on.
     health_.set_unhealthy("checkpoint", e.what());

@@ -94,6 +94,12 @@ std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t
       return;
     }
     e.tokens = static_cast<int32_t>(tokens);
+    // data.eval_fraction: a seeded, order-independent choice of samples kept out of training.
+    const uint64_t draw = mix64(static_cast<uint64_t>(config.seed) ^ mix64(0xe7a1 + static_cast<uint64_t>(d->seen_++)));
+    if (static_cast<double>(draw >> 11) * 0x1.0p-53 < config.eval_fraction) {
+      d->held_out_.push_back(e);
+      return;
+    }
     d->tokens_per_epoch_ += tokens;
     d->index_.push_back(e);
   };
@@ -141,8 +147,13 @@ std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t
   return d;
 }
 
-TokenSample Dataset::load(int64_t index) const {
-  const Entry& e = index_.at(static_cast<size_t>(index));
+TokenSample Dataset::load(int64_t index) const { return load_entry(index_.at(static_cast<size_t>(index))); }
+
+TokenSample Dataset::load_held_out(int64_t index) const { return load_entry(held_out_.at(static_cast<size_t>(index))); }
+
+std::string Dataset::describe_held_out(int64_t index) const { return describe_entry(held_out_.at(static_cast<size_t>(index))); }
+
+TokenSample Dataset::load_entry(const Entry& e) const {
   TokenSample s;
   if (e.file < 0) {
     s = synthetic_sample(e.offset, config_.synthetic, vocab_size_, config_.seed);
@@ -160,8 +171,9 @@ TokenSample Dataset::load(int64_t index) const {
   return s;
 }
 
-std::string Dataset::describe(int64_t index) const {
-  const Entry& e = index_.at(static_cast<size_t>(index));
+std::string Dataset::describe(int64_t index) const { return describe_entry(index_.at(static_cast<size_t>(index))); }
+
+std::string Dataset::describe_entry(const Entry& e) const {
   if (e.file < 0) return "synthetic sample " + std::to_string(e.offset);
   return files_[e.file] + ":" + std::to_string(e.line);
 }

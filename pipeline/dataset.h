@@ -51,6 +51,10 @@ class Dataset {
   int64_t tokens_of(int64_t index) const { return index_[index].tokens; }
   // Where the sample at `index` comes from, for log lines: "FILE:LINE" or "synthetic sample N".
   std::string describe(int64_t index) const;
+  // data.eval_fraction's samples, kept out of training (usable ones only, in file order).
+  int64_t held_out_size() const { return static_cast<int64_t>(held_out_.size()); }
+  TokenSample load_held_out(int64_t index) const;
+  std::string describe_held_out(int64_t index) const;
 
  private:
   struct Entry {
@@ -60,10 +64,14 @@ class Dataset {
     int32_t tokens = 0;
   };
   std::vector<int64_t> epoch_order(int64_t epoch) const;
+  TokenSample load_entry(const Entry& e) const;
+  std::string describe_entry(const Entry& e) const;
   config::DataConfig config_;
   int64_t vocab_size_ = 0;
   std::vector<std::string> files_;
   std::vector<Entry> index_;
+  std::vector<Entry> held_out_;  // data.eval_fraction
+  int64_t seen_ = 0;             // usable samples indexed so far (the held-out draw's counter)
   int64_t skipped_short_ = 0, skipped_no_anchor_ = 0, skipped_malformed_ = 0, tokens_per_epoch_ = 0;
   mutable std::mutex order_mutex_;
   mutable int64_t cached_epoch_ = -1;

@@ -57,7 +57,9 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
   const int64_t bytes = config::bytes_of(config.target.dtype);
   const int64_t h = target.hidden_size, v = target.vocab_size, tokens = config.data.max_length;
   const int64_t head_and_embedding = (target.tie_word_embeddings ? 1 : 2) * v * h * bytes;
-  const int64_t last_layer = shape.target_layer_ids.empty() ? 0 : shape.target_layer_ids.back();
+  const int64_t last_layer = config.eval.every_steps > 0            ? target.num_layers - 1
+                             : shape.target_layer_ids.empty() ? 0
+                                                              : shape.target_layer_ids.back();
 
   const int64_t target_weights = target_layer_parameters(target, last_layer) * bytes + head_and_embedding;
   const int64_t target_activations =

@@ -66,7 +66,8 @@ std::unique_ptr<Replicas> build_replicas(const config::Config& config, const tar
                                          const drafter::DrafterShape& shape) {
   auto r = std::make_unique<Replicas>();
   const at::ScalarType dtype = model_dtype(config.target.dtype);
-  const int64_t last_layer = shape.target_layer_ids.back();
+  // Every layer when the eval section decodes with the target; else up to the last tapped one.
+  const int64_t last_layer = config.eval.every_steps > 0 ? target_config.num_layers - 1 : shape.target_layer_ids.back();
   for (int id : config.gpus.target) {
     target::TargetOptions options{device_for(config.gpus, id), dtype, config.target.allow_slow_path};
     if (config.target.weights == config::TargetWeights::random || !config.target.preset.empty()) {

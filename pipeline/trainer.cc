@@ -97,6 +97,7 @@ Trainer::Trainer(const config::Config &config, prometheus::Registry &registry, s
   s.config = config;
   s.hooks = std::move(hooks);
   s.health = std::move(health);
+  s.registry = &registry;
   s.metrics = std::make_unique<RunMetrics>(config, registry);
   s.workers = std::make_unique<WorkerPool>(*s.metrics, *s.health);
   if (config.train.deterministic) {
@@ -107,6 +108,7 @@ Trainer::Trainer(const config::Config &config, prometheus::Registry &registry, s
   s.load_models();
   s.open_data();
   s.resume();
+  s.prepare_eval();
   s.connect();
 }
 
@@ -217,12 +219,14 @@ Outcome Trainer::wait() {
     return Outcome::failed;
   }
   s.checkpoint_now(step);
+  if (s.evaluator) s.evaluator->finish();  // the evaluation in flight may still write export/best
   if (step >= s.plan.total_steps) {
+    if (s.evaluator) s.evaluator->evaluate_final(step, *s.models->drafters[0]);
     s.export_to(s.config.run.output_dir + "/export/final");
     log::info(
         "run complete: {} steps; drafter exported to {}/export/final "
-        "(best by training tau: {}/export/best)",
-        step, s.config.run.output_dir, s.config.run.output_dir);
+        "(best by {}: {}/export/best)",
+        step, s.config.run.output_dir, s.evaluator ? "eval acceptance" : "training tau", s.config.run.output_dir);
     return Outcome::finished;
   }
   return Outcome::stopped;

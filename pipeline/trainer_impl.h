@@ -25,6 +25,7 @@
 #include "pipeline/collective.h"
 #include "pipeline/dataset.h"
 #include "pipeline/drafter_step.h"
+#include "pipeline/evaluator.h"
 #include "pipeline/failed_samples.h"
 #include "pipeline/nodes.h"
 #include "pipeline/replicas.h"
@@ -57,6 +58,7 @@ struct Trainer::Impl {
   // ---------------------------------------------------------
   config::Config config;
   TestHooks hooks;  // tests only (test_hooks.h)
+  prometheus::Registry* registry = nullptr;
   std::shared_ptr<Health> health;
   target::ModelConfig target_config;
   drafter::DrafterShape shape;
@@ -74,6 +76,7 @@ struct Trainer::Impl {
   std::unique_ptr<RunMetrics> metrics;                     // registration, step records, observations
   std::unique_ptr<WorkerPool> workers;                     // the worker threads and their heartbeats
   std::unique_ptr<Replicas> models;                        // each replica used by its own worker's thread
+  std::unique_ptr<Evaluator> evaluator;                    // eval section (null without); reads models->targets[0]
   std::unique_ptr<FailedSamples> failed_samples;           // counts restored from the checkpoint
   std::unique_ptr<FailurePolicy> failure_policy;           // retries, skips, stops (workers.*)
   std::unique_ptr<NodeGroup> nodes;                        // multi-node runs: the other processes
@@ -100,6 +103,7 @@ struct Trainer::Impl {
   void load_models();
   void open_data();
   void resume();
+  void prepare_eval();
   void connect();
 
   // The stages' loops, one thread each (trainer_stages.cc).

@@ -7,6 +7,7 @@
 #include "pipeline/memory_plan.h"
 #include "pipeline/nccl_gradients.h"
 #include "pipeline/run_check.h"
+#include "decode/eval.h"
 #include "pipeline/trainer_impl.h"
 #include "target/model.h"
 
@@ -106,6 +107,31 @@ void Trainer::Impl::resume() {
   }
 }
 
+// The eval section: its prompts (eval.prompts, or data.eval_fraction's held-out samples, each up to
+// its first supervised token) and the evaluation thread over the first target replica.
+void Trainer::Impl::prepare_eval() {
+  const config::EvalConfig& e = config.eval;
+  if (e.every_steps <= 0) return;
+  std::vector<decode::EvalPrompt> prompts;
+  if (!e.prompts.empty()) {
+    prompts = decode::read_eval_prompts(e.prompts, e.max_prompts);
+  } else {
+    for (int64_t i = 0; i < data->held_out_size() && static_cast<int64_t>(prompts.size()) < e.max_prompts; ++i) {
+      const TokenSample sample = data->load_held_out(i);
+      const auto first = std::find(sample.loss_mask.begin(), sample.loss_mask.end(), 1);
+      const auto length = first - sample.loss_mask.begin();
+      if (length == 0) continue;  // supervised from its first token: no prompt
+      prompts.push_back({std::vector<int64_t>(sample.input_ids.begin(), sample.input_ids.begin() + length),
+                         data->describe_held_out(i)});
+    }
+    if (prompts.empty()) {
+      throw std::runtime_error("data.eval_fraction: " + std::to_string(data->held_out_size()) +
+                               " held-out samples, none with a prompt (tokens before the first supervised one)");
+    }
+  }
+  evaluator = std::make_unique<Evaluator>(config, *models->targets[0], shape, std::move(prompts), *registry);
+}
+
 // The collectives and the queues between the threads (the feature queue within
 // its budget).
 void Trainer::Impl::connect() {
@@ -138,11 +164,10 @@ void Trainer::Impl::connect() {
                              std::to_string(config.queues.feature_memory_budget_bytes) + ")");
   }
   log::info(
-      "data: {} samples ({} tokens) per epoch; skipped: {} with too few "
-      "supervised tokens, {} without two adjacent "
-      "supervised tokens (no anchor), {} malformed",
-      s.data->size(), s.data->tokens_per_epoch(), s.data->skipped_short(), s.data->skipped_no_anchor(),
-      s.data->skipped_malformed());
+      "data: {} samples ({} tokens) per epoch, {} held out for eval (data.eval_fraction); skipped: {} with too few "
+      "supervised tokens, {} without two adjacent supervised tokens (no anchor), {} malformed",
+      s.data->size(), s.data->tokens_per_epoch(), s.data->held_out_size(), s.data->skipped_short(),
+      s.data->skipped_no_anchor(), s.data->skipped_malformed());
   log::info(
       "plan: {} steps ({} per epoch), global batch {} sequences on {} "
       "drafter replica(s); drafter {} layers, {} parameters",

@@ -145,6 +145,7 @@ void Trainer::Impl::drafter_loop(Worker &w, int replica) {
                           out.stats.tau(), out.result.learning_rate, out.result.grad_norm, out.stats.accuracy(),
                           out.tokens, static_cast<int64_t>(wanted.size()) * plan.replicas, out.flops});
     checkpoints->maybe_checkpoint(step + 1, false, *models->drafters[0], *models->optimizers[0]);
+    if (evaluator) evaluator->maybe_start(step + 1, *models->drafters[0]);
   }
 }
 

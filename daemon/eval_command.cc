@@ -1,0 +1,205 @@
+#include "daemon/eval_command.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <sstream>
+
+#include "daemon/exit_codes.h"
+#include "decode/eval.h"
+#include "drafter/drafter_config.h"
+#include "target/incremental.h"
+#include "target/model.h"
+
+namespace dflash::daemon {
+namespace {
+
+constexpr const char* kHelp = R"(Usage: dflashd eval (--target DIR | --preset NAME) --drafter EXPORT_DIR --prompts FILE.jsonl
+                    [--max-new-tokens N] [--max-prompts N] [--temperature T] [--top-p P] [--top-k K]
+                    [--seed S] [--stop-token-ids 1,2] [--device cpu|cuda:N] [--dtype bfloat16|float32]
+                    [--no-baseline] [--out REPORT.json] [--random-weights] [--target-seed S]
+
+Measures the drafter's real acceptance: speculative decoding of every prompt with the target
+(z-lab dflash_generate's semantics: the drafter proposes a block, the target verifies it in one
+step, the matched prefix plus one bonus token is kept; rejection sampling when --temperature > 0),
+then plain decoding of the same prompts with the same target (the speed baseline, and the check
+that greedy speculative decoding changed no output; --no-baseline skips it).
+
+  --target DIR        the target, a Hugging Face model directory (every layer is loaded)
+  --preset NAME       or a built-in tiny target with random weights (tiny-qwen3_5, tiny-qwen3_next,
+                      tiny-qwen3, tiny-llama), seeded as a run with train.seed = --target-seed (0)
+  --random-weights    --target DIR's config.json with random weights, as a run with
+                      target.weights: random and train.seed = --target-seed
+  --drafter DIR       an exported drafter (config.json + model.safetensors: `dflashd export`, or a
+                      run's export/ directory)
+  --prompts FILE      token JSON Lines: {"input_ids": [...]} is a prompt; a line with a loss_mask
+                      is a prompt up to its first supervised token (held-out training samples work)
+  --max-new-tokens N  per prompt (256)
+  --max-prompts N     the first N prompts only (all)
+  --temperature T     0 (greedy, the default) or the sampling temperature, with --top-p (1) and
+  --top-k             --top-k (0: all); --seed S seeds the sampling (0)
+  --stop-token-ids    token ids that end a prompt's output
+  --device            cuda:0 when a GPU is visible, else cpu
+  --dtype             bfloat16 on a GPU, float32 on the CPU
+  --out FILE          also write the report as JSON
+
+Prints the acceptance length (tokens per target verify step), acceptance per block position,
+and decode tokens/s of speculative and plain decoding. Exits 0, 2 on a bad command line, 1 when
+the inputs cannot be used (the message names the file or the mismatch).
+)";
+
+struct EvalArgs {
+  std::string target_dir, preset, drafter_dir, prompts, out, device_text, dtype_text;
+  int64_t max_prompts = 0;
+  int64_t target_seed = 0;
+  bool random_weights = false;
+  bool baseline = true;
+  decode::GenerateSettings settings;
+};
+
+template <typename T>
+bool parse_number(const std::string& text, T* out) {
+  std::istringstream in(text);
+  in >> *out;
+  return !in.fail() && in.eof();
+}
+
+bool parse_ids(const std::string& text, std::vector<int64_t>* ids) {
+  std::stringstream s(text);
+  for (std::string part; std::getline(s, part, ',');) {
+    int64_t id = 0;
+    if (!parse_number(part, &id) || id < 0) return false;
+    ids->push_back(id);
+  }
+  return !ids->empty();
+}
+
+// An exit code when the command ends here (help, bad usage).
+std::optional<int> parse_eval_args(const std::vector<std::string>& args, EvalArgs* a) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& k = args[i];
+    if (k == "--help" || k == "-h") return std::cout << kHelp, exit_code::kOk;
+    if (k == "--no-baseline" || k == "--random-weights") {
+      (k == "--no-baseline" ? a->baseline : a->random_weights) = k == "--random-weights";
+      continue;
+    }
+    if (i + 1 >= args.size()) {
+      std::cerr << "dflashd eval: " << k << (k.rfind("--", 0) == 0 ? " needs a value" : ": unexpected argument") << "\n\n" << kHelp;
+      return exit_code::kUsage;
+    }
+    const std::string& v = args[++i];
+    bool ok = true;
+    if (k == "--target") a->target_dir = v;
+    else if (k == "--preset") a->preset = v;
+    else if (k == "--drafter") a->drafter_dir = v;
+    else if (k == "--prompts") a->prompts = v;
+    else if (k == "--out") a->out = v;
+    else if (k == "--device") a->device_text = v;
+    else if (k == "--dtype") a->dtype_text = v;
+    else if (k == "--max-new-tokens") ok = parse_number(v, &a->settings.max_new_tokens) && a->settings.max_new_tokens > 0;
+    else if (k == "--max-prompts") ok = parse_number(v, &a->max_prompts) && a->max_prompts >= 0;
+    else if (k == "--temperature") ok = parse_number(v, &a->settings.sampling.temperature);
+    else if (k == "--top-p") ok = parse_number(v, &a->settings.sampling.top_p);
+    else if (k == "--top-k") ok = parse_number(v, &a->settings.sampling.top_k);
+    else if (k == "--seed") ok = parse_number(v, &a->settings.seed);
+    else if (k == "--target-seed") ok = parse_number(v, &a->target_seed);
+    else if (k == "--stop-token-ids") ok = parse_ids(v, &a->settings.stop_token_ids);
+    else {
+      std::cerr << "dflashd eval: unknown option " << k << "\n\n" << kHelp;
+      return exit_code::kUsage;
+    }
+    if (!ok) {
+      std::cerr << "dflashd eval: " << k << ": '" << v << "' is not a valid value\n";
+      return exit_code::kUsage;
+    }
+  }
+  if (a->target_dir.empty() == a->preset.empty() || a->drafter_dir.empty() || a->prompts.empty()) {
+    std::cerr << "dflashd eval: one of --target and --preset, and --drafter and --prompts are required\n\n" << kHelp;
+    return exit_code::kUsage;
+  }
+  try {
+    decode::check_sampling(a->settings.sampling);
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "dflashd eval: " << e.what() << "\n";
+    return exit_code::kUsage;
+  }
+  return std::nullopt;
+}
+
+// The device and dtype the arguments name (or their defaults); nullopt with a message otherwise.
+std::optional<target::TargetOptions> target_options(const EvalArgs& a) {
+  target::TargetOptions o;
+  try {
+    o.device = a.device_text.empty() ? (at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU))
+                                     : at::Device(a.device_text);
+  } catch (const std::exception&) {
+    std::cerr << "dflashd eval: --device: '" << a.device_text << "' is not a device (cpu, cuda:0, ...)\n";
+    return std::nullopt;
+  }
+  const std::string dtype = a.dtype_text.empty() ? (o.device.is_cuda() ? "bfloat16" : "float32") : a.dtype_text;
+  if (dtype == "bfloat16") o.dtype = at::kBFloat16;
+  else if (dtype == "float32") o.dtype = at::kFloat;
+  else {
+    std::cerr << "dflashd eval: --dtype must be bfloat16 or float32\n";
+    return std::nullopt;
+  }
+  return o;
+}
+
+void print_report(const decode::EvalReport& r) {
+  std::printf("prompts %lld, new tokens %lld, verify steps %lld\n", static_cast<long long>(r.prompts),
+              static_cast<long long>(r.new_tokens), static_cast<long long>(r.verify_steps));
+  std::printf("acceptance length %.3f tokens per verify step\n", r.acceptance_length);
+  std::printf("accepted per draft position:");
+  for (double a : r.acceptance_at) std::printf(" %.2f", a);
+  std::printf("\nspeculative decoding %.1f tokens/s", r.spec_tokens_per_second);
+  if (r.baseline) std::printf(", plain decoding %.1f tokens/s, speedup %.2fx", r.plain_tokens_per_second, r.speedup);
+  std::printf("\n");
+  if (r.mismatches > 0) {
+    std::printf("warning: %lld prompt(s) decoded differently from plain greedy decoding (numerics of a low-precision "
+                "target; float32 makes them equal)\n", static_cast<long long>(r.mismatches));
+  }
+}
+
+}  // namespace
+
+int command_eval(const std::vector<std::string>& args) {
+  EvalArgs a;
+  if (const std::optional<int> code = parse_eval_args(args, &a)) return *code;
+  const std::optional<target::TargetOptions> options = target_options(a);
+  if (!options) return exit_code::kUsage;
+  try {
+    const target::ModelConfig config = a.preset.empty()
+                                           ? target::load_model_config(a.target_dir)
+                                           : target::parse_model_config(target::preset_config_json(a.preset), a.preset);
+    const std::vector<decode::EvalPrompt> prompts = decode::read_eval_prompts(a.prompts, a.max_prompts);
+    const std::unique_ptr<target::TargetModel> model =
+        a.preset.empty() && !a.random_weights ? target::load_target(a.target_dir, config.num_layers - 1, *options)
+                         : target::random_target(config, config.num_layers - 1, *options, 0x7a11 ^ static_cast<uint64_t>(a.target_seed));
+    const target::IncrementalTarget target(*model);
+    std::ifstream in(a.drafter_dir + "/config.json");
+    if (!in) throw std::runtime_error(a.drafter_dir + "/config.json: cannot read (is it an exported drafter?)");
+    std::stringstream text;
+    text << in.rdbuf();
+    drafter::Drafter d(drafter::parse_export_config(text.str(), a.drafter_dir + "/config.json"),
+                       at::TensorOptions().device(options->device).dtype(options->dtype));
+    d.load_export(a.drafter_dir);
+    const decode::SpeculativeDecoder spec(target, d);
+    const decode::EvalReport report = decode::evaluate(spec, target, prompts, a.settings, a.baseline);
+    print_report(report);
+    if (!a.out.empty()) {
+      std::ofstream out(a.out);
+      out << report.to_json();
+      if (!out) throw std::runtime_error(a.out + ": cannot write the report");
+    }
+    return exit_code::kOk;
+  } catch (const std::exception& e) {
+    std::cerr << "dflashd eval: " << e.what() << "\n";
+    return exit_code::kFailure;
+  }
+}
+
+}  // namespace dflash::daemon

@@ -1,0 +1,45 @@
+// eval.h: real acceptance of a drafter with its target: speculative decoding of a set of prompts
+// (speculative.h), beside plain decoding of the same prompts for speed and for the lossless check.
+// What `dflashd eval` prints and what a training run's eval section records.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "decode/speculative.h"
+
+namespace dflash::decode {
+
+struct EvalPrompt {
+  std::vector<int64_t> ids;
+  std::string where;  // FILE:LINE, for messages
+};
+
+// Prompts from token JSON Lines (common/token_file.h): a line with a loss_mask gives the tokens
+// before its first supervised token (the response is what the drafter is trained to predict, so
+// held-out training samples are prompts), a line without one gives all its tokens. Lines without
+// a prompt (supervised from the first token) are skipped. `limit` > 0 keeps the first `limit`.
+// Throws TokenFileError (FILE:LINE) on a malformed line, std::runtime_error on a file without prompts.
+std::vector<EvalPrompt> read_eval_prompts(const std::string& path, int64_t limit = 0);
+
+struct EvalReport {
+  int64_t prompts = 0;
+  int64_t new_tokens = 0;    // speculative decoding's, all prompts
+  int64_t verify_steps = 0;  // target verify steps of speculative decoding
+  // Mean tokens committed per verify step (dflash_generate's acceptance length), and per draft
+  // position k = 1 .. B - 1 the share of verify steps that drafted it and accepted it.
+  double acceptance_length = 0;
+  std::vector<double> acceptance_at;
+  double spec_seconds = 0, plain_seconds = 0;  // decode time (prefill excluded), all prompts
+  double spec_tokens_per_second = 0, plain_tokens_per_second = 0, speedup = 0;
+  bool baseline = false;       // plain decoding ran
+  int64_t mismatches = -1;     // greedy with the baseline: prompts whose outputs differ (0 = lossless); -1 not checked
+  std::string to_json() const;
+};
+
+// Runs every prompt through speculative decoding and, with `baseline`, plain decoding.
+EvalReport evaluate(const SpeculativeDecoder& spec, const target::IncrementalTarget& target,
+                    const std::vector<EvalPrompt>& prompts, const GenerateSettings& settings, bool baseline);
+
+}  // namespace dflash::decode

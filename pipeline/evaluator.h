@@ -1,0 +1,84 @@
+// evaluator.h: the eval section (config.h EvalConfig): the real acceptance of the drafter being
+// trained, measured beside training. Every eval.every_steps steps drafter replica 0 hands its
+// weights over (copied to the first target GPU); an evaluation thread runs speculative decoding
+// of the prompts with the first target replica (decode/eval.h), records the metrics, logs a line,
+// and writes export/best when the acceptance length is the best so far (with eval configured,
+// export/best follows real acceptance, not the training proxy tau). Plain decoding of the same
+// prompts (the speed baseline) runs once, at the first evaluation: the target is frozen.
+//
+// Thread-safety: maybe_start() from drafter replica 0's thread, finish() from the owner; the
+// evaluation thread owns its drafter copy. An evaluation due while one is in flight is skipped
+// (counted), never waited for: training does not stall on evaluation.
+#pragma once
+
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/registry.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "config/config.h"
+#include "decode/eval.h"
+#include "drafter/model.h"
+#include "target/incremental.h"
+
+namespace dflash::pipeline {
+
+class Evaluator {
+ public:
+  // `target` (every layer) outlives the Evaluator. export/best/eval.json, when present, holds the
+  // best acceptance so far (a resumed run keeps its best).
+  Evaluator(const config::Config& config, const target::TargetModel& target, const drafter::DrafterShape& shape,
+            std::vector<decode::EvalPrompt> prompts, prometheus::Registry& registry);
+  ~Evaluator();
+
+  // After step `step` (completed steps): when due, copies `current`'s weights and starts an evaluation.
+  void maybe_start(int64_t step, const drafter::Drafter& current);
+  // Waits for the evaluation in flight, if any (the end of the run).
+  void finish();
+  // The end of a finished run: waits for the evaluation in flight, then evaluates `current` at
+  // `step` in the caller's thread unless that step was evaluated already.
+  void evaluate_final(int64_t step, const drafter::Drafter& current);
+
+ private:
+  void run();
+  void evaluate(int64_t step);
+
+  // ---- Constant after construction ----
+  config::EvalConfig settings_;
+  std::string best_dir_;
+  const target::IncrementalTarget target_;
+  std::vector<decode::EvalPrompt> prompts_;
+  decode::GenerateSettings generate_;
+  prometheus::Gauge* acceptance_length_;
+  prometheus::Family<prometheus::Gauge>* acceptance_at_;
+  prometheus::Family<prometheus::Gauge>* tokens_per_second_;
+  prometheus::Gauge* speedup_;
+  prometheus::Gauge* last_step_;
+  prometheus::Gauge* seconds_;
+  prometheus::Counter* evaluations_;
+  prometheus::Counter* skipped_;
+
+  // ---- The evaluation thread's own (after construction) ----
+  drafter::Drafter drafter_;  // the weights of the step being evaluated, on the target's device
+  double plain_tokens_per_second_ = 0;
+  double best_ = 0;
+  int64_t evaluated_step_ = -1;  // the last step evaluated
+
+  // ---- Guarded by mutex_ ----
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  int64_t pending_step_ = -1;  // an evaluation handed over, not yet started
+  bool busy_ = false;          // handed over or running
+  bool stop_ = false;
+
+  std::thread thread_;  // last: started when everything it uses exists
+};
+
+}  // namespace dflash::pipeline
