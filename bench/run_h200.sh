@@ -3,7 +3,7 @@
 # doctor, the GPU tests, the drafter step against SpecForge's (flex_attention), and the whole
 # pipeline at Qwen3.5-27B shapes. Expects the offline bundle (deploy/bundle.sh build
 # --with-tests) in dist/ and the specforge wheel in .whl/. Prints a table at the end; full logs
-# go to $OUT when set. Phases: step (default), gdn, e2e 27b|8b, pipeline.
+# go to $OUT when set. Phases: step (default), gdn, decode, ops, moe, e2e 27b|8b|35b-a3b.
 set -uo pipefail
 out="${OUT:-/tmp/dflashd-bench}"; mkdir -p "$out"
 B="${B:-$(ls -d dist/dflashd-*/ | head -1)}"
@@ -44,6 +44,14 @@ elif [ "$phase" = moe ]; then
   grep -cE "^\[ +OK" "$out/moe_tests.txt" | sed 's/^/GPU tests passed: /'
   grep -E "FAILED" "$out/moe_tests.txt" || true
   grep -hE "^target forward|^one MoE|grouped|reference|floor" "$out"/target_bench_*.txt
+elif [ "$phase" = decode ]; then
+  # Speculative decoding (issue 23): a verify step, a plain decode step, the drafter's block, and
+  # plain against speculative decoding end to end, at 27B (and 35B-A3B) shapes, random weights.
+  for cfg in ${DECODE_CONFIGS:-qwen3_5-27b}; do
+    timeout 400 env DFLASHD_EXEC=decode_bench "$B/bin/dflashd" "bench/configs/$cfg" ${DECODE_ARGS:-4 64 512} 2>&1 | tee "$out/decode_bench_$cfg.txt"
+  done
+  echo "==== decode summary"
+  grep -hE "step|drafter block|tok/s|64 prompts" "$out"/decode_bench_*.txt
 elif [ "$phase" = step ]; then
   "$B/bin/dflashd" doctor | tee "$out/doctor.txt"
   "$B/tests/drafter_test" --gtest_filter='BlockAttention.*' 2>&1 | grep -E "OK|FAILED|Failure|Expected|Which|rel|grad" | tee "$out/gpu_tests.txt"

@@ -1,0 +1,128 @@
+// decode_bench: speculative decoding's pieces at a target's shapes on a GPU (random weights,
+// bf16, every layer; a random drafter of the DFlash shape for the target):
+//   1. prefill of a PROMPT-token prompt;
+//   2. one plain decode step (1 token) and one verify step (BLOCK tokens), target only, each with
+//      the crop that follows it in speculative decoding;
+//   3. the drafter's block (context cache of the prompt) and its extension by BLOCK tokens;
+//   4. plain decoding and speculative decoding of PROMPTS prompts x NEW tokens end to end (the
+//      random drafter accepts almost nothing: its tokens/s is the floor of speculative decoding,
+//      the step times give what an acceptance length L buys: L tokens per drafter + verify step).
+// Usage: decode_bench CONFIG_DIR [PROMPTS NEW PROMPT_TOKENS]   (needs a GPU)
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+#include "config/config.h"
+#include "decode/eval.h"
+#include "drafter/drafter_config.h"
+#include "target/incremental.h"
+#include "target/model.h"
+
+using namespace dflash;
+
+namespace {
+
+// Median milliseconds of `repeats` calls after one warm-up (CUDA events around each call).
+double median_ms(int repeats, const std::function<void()>& f) {
+  f();
+  c10::cuda::device_synchronize();
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    at::cuda::CUDAEvent start(cudaEventDefault), end(cudaEventDefault);
+    start.record();
+    f();
+    end.record();
+    end.synchronize();
+    ms.push_back(start.elapsed_time(end));
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !at::hasCUDA()) {
+    std::fprintf(stderr, "usage: decode_bench CONFIG_DIR [PROMPTS NEW PROMPT_TOKENS] (needs a GPU)\n");
+    return 2;
+  }
+  const int prompts = argc > 2 ? std::atoi(argv[2]) : 4;
+  const int new_tokens = argc > 3 ? std::atoi(argv[3]) : 64;
+  const int prompt_tokens = argc > 4 ? std::atoi(argv[4]) : 512;
+  c10::InferenceMode inference;
+  const target::ModelConfig config = target::load_model_config(argv[1]);
+  target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+  auto model = target::random_target(config, config.num_layers - 1, options, 1);
+  const target::IncrementalTarget target(*model);
+  const drafter::DrafterShape shape = drafter::shape_for_target(config, config::DrafterConfig{});
+  drafter::Drafter d(shape, at::TensorOptions().device(options.device).dtype(options.dtype));
+  d.init_random(1);
+  const int64_t block = shape.block_size;
+  const std::vector<int64_t> tap(shape.target_layer_ids.begin(), shape.target_layer_ids.end());
+  std::printf("target %s: %lld layers, bf16, random weights; drafter %lld layers, block %lld\n", argv[1],
+              static_cast<long long>(config.num_layers), static_cast<long long>(shape.num_layers),
+              static_cast<long long>(block));
+
+  const auto ids = [&](int64_t n) {
+    return at::randint(0, config.vocab_size - 1, {n}, at::TensorOptions().dtype(at::kLong));
+  };
+  const at::Tensor prompt = ids(prompt_tokens);
+  target::DecodeCache cache = target.new_cache();
+  target::DecodeOutput out;
+  const double prefill = median_ms(3, [&] {
+    cache = target.new_cache();
+    out = target.step(cache, prompt, tap);
+  });
+  const at::Tensor one = ids(1), verify_block = ids(block);
+  const double plain_step = median_ms(10, [&] {
+    target.step(cache, one, {});
+    target.crop(cache, prompt_tokens);
+  });
+  const double verify_step = median_ms(10, [&] {
+    target.step(cache, verify_block, tap);
+    target.crop(cache, prompt_tokens + 1);  // the usual outcome of an unaccepted block
+    target.crop(cache, prompt_tokens);
+  });
+  drafter::DrafterContextCache context;
+  d.extend_context(context, out.features);
+  const at::Tensor block_ids = ids(block);
+  const double draft = median_ms(10, [&] { d.block_hidden(context, block_ids, model->embed_tokens()); });
+  const at::Tensor block_features = out.features.narrow(0, 0, block);
+  const double extend = median_ms(10, [&] {
+    drafter::DrafterContextCache c = context;
+    d.extend_context(c, block_features);
+  });
+  std::printf("prompt of %d tokens: prefill %.1f ms\n", prompt_tokens, prefill);
+  std::printf("plain decode step (1 token):      %7.2f ms\n", plain_step);
+  std::printf("verify step (%lld tokens):         %7.2f ms  (%.2fx a plain step)\n", static_cast<long long>(block),
+              verify_step, verify_step / plain_step);
+  std::printf("drafter block (%lld rows):          %7.2f ms; context extension by %lld: %.2f ms\n",
+              static_cast<long long>(block), draft, static_cast<long long>(block), extend);
+  const double per_step = verify_step + draft + extend;
+  std::printf("speculative step %.2f ms: break-even acceptance length %.2f; at L = 3 / 5 / 7: %.2fx / %.2fx / %.2fx plain\n",
+              per_step, per_step / plain_step, 3 * plain_step / per_step, 5 * plain_step / per_step,
+              7 * plain_step / per_step);
+
+  std::vector<decode::EvalPrompt> set;
+  for (int i = 0; i < prompts; ++i) {
+    const at::Tensor p = ids(prompt_tokens);
+    set.push_back({std::vector<int64_t>(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + prompt_tokens), "random"});
+  }
+  decode::GenerateSettings settings;
+  settings.max_new_tokens = new_tokens;
+  const decode::SpeculativeDecoder spec(target, d);
+  const decode::EvalReport r = decode::evaluate(spec, target, set, settings, true);
+  std::printf("%d prompts x %d new tokens (one sequence at a time): plain %.1f tok/s, speculative %.1f tok/s with the "
+              "random drafter (acceptance length %.3f)\n",
+              prompts, new_tokens, r.plain_tokens_per_second, r.spec_tokens_per_second, r.acceptance_length);
+  std::printf("64 prompts x 256 tokens at acceptance length L: %.0f s plain; speculative %.0f s at L = 3, %.0f s at L = 5\n",
+              64.0 * 256.0 * plain_step / 1e3, 64.0 * 256.0 / 3.0 * per_step / 1e3, 64.0 * 256.0 / 5.0 * per_step / 1e3);
+  return 0;
+}
