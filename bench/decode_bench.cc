@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
   target::DecodeOutput out;
   const double prefill = median_ms(3, [&] {
     cache = target.new_cache();
-    out = target.step(cache, prompt, tap);
+    out = target.prefill(cache, prompt, tap);
   });
   const at::Tensor one = ids(1), verify_block = ids(block);
   const double plain_step = median_ms(10, [&] {

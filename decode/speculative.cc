@@ -97,7 +97,7 @@ Generation SpeculativeDecoder::generate(const std::vector<int64_t>& prompt, cons
   const auto prefill_start = Clock::now();
   target::DecodeCache cache = target_.new_cache();
   drafter::DrafterContextCache context;
-  target::DecodeOutput out = target_.step(cache, ids_tensor(prompt), tap_);
+  target::DecodeOutput out = target_.prefill(cache, ids_tensor(prompt), tap_);
   g.tokens = prompt;
   g.tokens.push_back(choose(out.logits, s.sampling, gen));
   drafter_.extend_context(context, out.features);
@@ -168,7 +168,7 @@ Generation plain_generate(const target::IncrementalTarget& target, const std::ve
   g.prompt_tokens = static_cast<int64_t>(prompt.size());
   const auto prefill_start = Clock::now();
   target::DecodeCache cache = target.new_cache();
-  target::DecodeOutput out = target.step(cache, ids_tensor(prompt), {});
+  target::DecodeOutput out = target.prefill(cache, ids_tensor(prompt), {});
   g.tokens = prompt;
   g.tokens.push_back(choose(out.logits, s.sampling, gen));
   g.prefill_seconds = seconds_since(prefill_start);

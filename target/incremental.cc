@@ -176,6 +176,23 @@ DecodeOutput IncrementalTarget::step(DecodeCache& cache, const at::Tensor& input
   return out;
 }
 
+DecodeOutput IncrementalTarget::prefill(DecodeCache& cache, const at::Tensor& ids_in, const std::vector<int64_t>& tap,
+                                       int64_t chunk) const {
+  c10::InferenceMode inference;
+  const at::Tensor ids = ids_in.reshape({-1});
+  if (chunk < 1) throw std::invalid_argument("decode prefill: chunk must be >= 1");
+  std::vector<at::Tensor> features;
+  DecodeOutput last;
+  for (int64_t begin = 0; begin < ids.size(0); begin += chunk) {
+    last = step(cache, ids.narrow(0, begin, std::min(chunk, ids.size(0) - begin)), tap);
+    if (last.features.defined()) features.push_back(last.features);
+  }
+  DecodeOutput out;
+  out.logits = last.logits.narrow(0, last.logits.size(0) - 1, 1);
+  if (!features.empty()) out.features = features.size() == 1 ? features[0] : at::cat(features, 0);
+  return out;
+}
+
 void IncrementalTarget::crop(DecodeCache& cache, int64_t length) const {
   c10::InferenceMode inference;
   DecodeCache::LastStep& last = cache.last;

@@ -54,6 +54,13 @@ class IncrementalTarget {
   // Runs `ids` (int64 [n], n >= 1) at positions cache.length .. + n - 1; the cache grows by n.
   // `tap`: decoder layers whose outputs make DecodeOutput::features (may be empty).
   DecodeOutput step(DecodeCache& cache, const at::Tensor& ids, const std::vector<int64_t>& tap) const;
+  // A prompt in steps of at most `chunk` tokens (bounded attention scores and activations for
+  // long prompts): the features of every token, the logits of the last one ([1, vocab]). The
+  // cache's last step is the last chunk.
+  DecodeOutput prefill(DecodeCache& cache, const at::Tensor& ids, const std::vector<int64_t>& tap,
+                       int64_t chunk = kPrefillChunkTokens) const;
+  static constexpr int64_t kPrefillChunkTokens = 2048;
+
   // Keeps the first `length` tokens; length must lie within the last step, [last.begin,
   // last.begin + last.count]. Throws std::invalid_argument.
   void crop(DecodeCache& cache, int64_t length) const;

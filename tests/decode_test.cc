@@ -78,6 +78,24 @@ TEST(IncrementalTarget, StepsAndCropsMatchTheFullForward) {
   }
 }
 
+TEST(IncrementalTarget, APromptPrefilledInChunksIsThePromptInOneStep) {
+  for (const char* preset : {"tiny-qwen3_5", "tiny-qwen3"}) {
+    SCOPED_TRACE(preset);
+    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
+    auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 3);
+    const IncrementalTarget decoder(*model);
+    const at::Tensor ids = at::randint(0, config.vocab_size, {150}, at::TensorOptions().dtype(at::kLong));
+    DecodeCache whole = decoder.new_cache(), chunked = decoder.new_cache();
+    const DecodeOutput a = decoder.step(whole, ids, {2});
+    const DecodeOutput b = decoder.prefill(chunked, ids, {2}, 40);  // 40 + 40 + 40 + 30, recurrent and chunked rule
+    EXPECT_LT(max_diff(b.features, a.features), 1e-4);
+    EXPECT_LT(max_diff(b.logits, a.logits.narrow(0, 149, 1)), 1e-4);
+    // And decoding goes on the same from either cache.
+    const at::Tensor next = at::randint(0, config.vocab_size, {5}, at::TensorOptions().dtype(at::kLong));
+    EXPECT_LT(max_diff(decoder.step(chunked, next, {}).logits, decoder.step(whole, next, {}).logits), 1e-4);
+  }
+}
+
 TEST(IncrementalTarget, RefusesAPartialModelAndCropsOutsideTheLastStep) {
   const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny");
   auto partial = random_target(config, 2, TargetOptions{}, 1);
