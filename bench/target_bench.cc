@@ -20,32 +20,13 @@
 #include <vector>
 
 #include "bench/kernel_profile.h"
+#include "bench/timing.h"
 #include "pipeline/flops.h"
 #include "target/model.h"
 #include "target/moe.h"
 
 using namespace dflash;
-
-namespace {
-
-// Median milliseconds of `repeats` calls after one warm-up, by CUDA events around each call.
-double median_ms(int repeats, const std::function<void()>& f) {
-  f();
-  c10::cuda::device_synchronize();
-  std::vector<double> ms;
-  for (int i = 0; i < repeats; ++i) {
-    at::cuda::CUDAEvent start(cudaEventDefault), end(cudaEventDefault);
-    start.record();
-    f();
-    end.record();
-    end.synchronize();
-    ms.push_back(start.elapsed_time(end));
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-}  // namespace
+using bench::median_ms;
 
 int main(int argc, char** argv) {
   if (argc < 2 || !at::hasCUDA()) {

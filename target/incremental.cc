@@ -31,25 +31,7 @@ at::Tensor with_rows(const at::Tensor& t, int64_t used, int64_t needed, at::IntA
 at::Tensor attention_step(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
                           const at::Tensor& sin, at::Tensor& keys, at::Tensor& values, int64_t begin) {
   const int64_t n = x.size(0), d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
-  const int64_t q_out = hq * d * (c.gated_attention ? 2 : 1);
-  const at::Tensor projected = p.qkv(x);
-  at::Tensor q, gate;
-  if (c.gated_attention) {  // q_proj yields per head [query | gate]
-    const at::Tensor both = projected.narrow(1, 0, q_out).view({n, hq, 2 * d});
-    q = both.narrow(-1, 0, d);
-    gate = both.narrow(-1, d, d);
-  } else {
-    q = projected.narrow(1, 0, q_out).view({n, hq, d});
-  }
-  at::Tensor k = projected.narrow(1, q_out, hkv * d).view({n, hkv, d});
-  const at::Tensor v = projected.narrow(1, q_out + hkv * d, hkv * d).view({n, hkv, d});
-  if (c.qk_norm) {
-    q = qk_norm_rope(q, p.q_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
-    k = qk_norm_rope(k, p.k_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
-  } else {
-    q = apply_rope(q, cos, sin);
-    k = apply_rope(k, cos, sin);
-  }
+  const auto [q, k, v, gate] = project_attention(c, p, x, cos, sin);
   const int64_t total = begin + n;
   keys = with_rows(keys, begin, total, {hkv, d}, k.options());
   values = with_rows(values, begin, total, {hkv, d}, v.options());

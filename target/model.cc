@@ -20,27 +20,8 @@ namespace {
 
 at::Tensor attention_forward(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
                              const at::Tensor& sin, const std::vector<int64_t>& cu_seqlens) {
-  const int64_t tokens = x.size(0), d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
-  const int64_t q_out = hq * d * (c.gated_attention ? 2 : 1);
-  const at::Tensor projected = p.qkv(x);
-  at::Tensor q, gate;
-  if (c.gated_attention) {
-    // q_proj yields per head [query | gate].
-    const at::Tensor both = projected.narrow(1, 0, q_out).view({tokens, hq, 2 * d});
-    q = both.narrow(-1, 0, d);
-    gate = both.narrow(-1, d, d);
-  } else {
-    q = projected.narrow(1, 0, q_out).view({tokens, hq, d});
-  }
-  at::Tensor k = projected.narrow(1, q_out, hkv * d).view({tokens, hkv, d});
-  const at::Tensor v = projected.narrow(1, q_out + hkv * d, hkv * d).view({tokens, hkv, d});
-  if (c.qk_norm) {
-    q = qk_norm_rope(q, p.q_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
-    k = qk_norm_rope(k, p.k_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
-  } else {
-    q = apply_rope(q, cos, sin);
-    k = apply_rope(k, cos, sin);
-  }
+  const int64_t d = c.head_dim, hq = c.num_attention_heads;
+  const auto [q, k, v, gate] = project_attention(c, p, x, cos, sin);
   // Causal attention within each sequence. (GPU path: one varlen call; issue: pipeline.)
   std::vector<at::Tensor> outputs;
   for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
@@ -121,6 +102,32 @@ bool use_gdn_kernels(const ModelConfig& c, int64_t last_layer, const TargetOptio
 }
 
 }  // namespace
+
+AttentionQkv project_attention(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
+                               const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
+  const int64_t q_out = hq * d * (c.gated_attention ? 2 : 1);
+  const at::Tensor projected = p.qkv(x);
+  at::Tensor q, gate;
+  if (c.gated_attention) {
+    // q_proj yields per head [query | gate].
+    const at::Tensor both = projected.narrow(1, 0, q_out).view({tokens, hq, 2 * d});
+    q = both.narrow(-1, 0, d);
+    gate = both.narrow(-1, d, d);
+  } else {
+    q = projected.narrow(1, 0, q_out).view({tokens, hq, d});
+  }
+  at::Tensor k = projected.narrow(1, q_out, hkv * d).view({tokens, hkv, d});
+  at::Tensor v = projected.narrow(1, q_out + hkv * d, hkv * d).view({tokens, hkv, d});
+  if (c.qk_norm) {
+    q = qk_norm_rope(q, p.q_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
+    k = qk_norm_rope(k, p.k_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
+  } else {
+    q = apply_rope(q, cos, sin);
+    k = apply_rope(k, cos, sin);
+  }
+  return {q, k, v, gate};
+}
 
 GdnProjections project_gdn(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x) {
   const int64_t tokens = x.size(0);

@@ -19,6 +19,15 @@ struct TargetModel::Impl {
   std::vector<Layer> layers;
 };
 
+// An attention layer's q (after q_norm and RoPE), k (k_norm, RoPE), v and, for gated attention,
+// the output gate, from one GEMM over x [tokens, hidden]: q [tokens, Hq, d], k and v [tokens,
+// Hkv, d], gate a view [tokens, Hq, d] (undefined without gating).
+struct AttentionQkv {
+  at::Tensor q, k, v, gate;
+};
+AttentionQkv project_attention(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
+                               const at::Tensor& sin);
+
 // A GatedDeltaNet layer's input projection split into the conv's input [tokens, 2 Hk dk + Hv dv]
 // ([all q | all k | all v] channels), z [tokens, Hv, dv] and the gate projections b, a [tokens, Hv].
 struct GdnProjections {
