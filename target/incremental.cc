@@ -58,8 +58,8 @@ at::Tensor conv_over_window(const at::Tensor& window, const at::Tensor& weight, 
 
 // The rule over n tokens from `state`: token by token for short steps, chunked for long ones.
 at::Tensor run_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                    const at::Tensor& beta, at::Tensor* state) {
-  if (q.size(0) <= IncrementalTarget::kRecurrentStepTokens) {
+                    const at::Tensor& beta, at::Tensor* state, int64_t recurrent_step_tokens) {
+  if (q.size(0) <= recurrent_step_tokens) {
     GdnSteps steps = recurrent_gated_delta_rule_steps(q, k, v, g, beta, *state);
     *state = steps.states[q.size(0) - 1];
     return steps.o;
@@ -70,7 +70,7 @@ at::Tensor run_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 // One GatedDeltaNet layer over the step's tokens, from the cached conv inputs and state; keeps
 // what crop() needs in `last`.
 at::Tensor gdn_step(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, at::Tensor& conv,
-                    at::Tensor& state, DecodeCache::LastStep::Gdn& last) {
+                    at::Tensor& state, DecodeCache::LastStep::Gdn& last, int64_t recurrent_step_tokens) {
   const int64_t n = x.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kernel = p.conv.size(1);
   auto [mixed, z, b, a] = project_gdn(c, p, x);
@@ -85,14 +85,15 @@ at::Tensor gdn_step(const ModelConfig& c, const GatedDeltaNet& p, const at::Tens
   last.g = g;
   last.beta = beta;
   last.state_before = state;
-  const at::Tensor o = run_rule(last.q, last.k, last.v, g, beta, &state);
+  const at::Tensor o = run_rule(last.q, last.k, last.v, g, beta, &state, recurrent_step_tokens);
   conv = last.window.narrow(0, n, kernel - 1).clone();
   return gdn_output(c, p, o, z, x.scalar_type());
 }
 
 }  // namespace
 
-IncrementalTarget::IncrementalTarget(const TargetModel& model) : model_(model) {
+IncrementalTarget::IncrementalTarget(const TargetModel& model, int64_t recurrent_step_tokens)
+    : model_(model), recurrent_step_tokens_(recurrent_step_tokens) {
   if (model.last_layer() != model.config().num_layers - 1) {
     throw std::invalid_argument(model.config().source + ": decoding needs every layer of the target (built to layer " +
                                 std::to_string(model.last_layer()) + " of " +
@@ -140,7 +141,7 @@ DecodeOutput IncrementalTarget::step(DecodeCache& cache, const at::Tensor& input
     const at::Tensor normed = add_and_norm(layer.input_norm);
     pending = layer.kind == LayerKind::full_attention
                   ? attention_step(c, layer.attention, normed, cos, sin, cache.keys[i], cache.values[i], begin)
-                  : gdn_step(c, layer.gdn, normed, cache.conv[i], cache.state[i], cache.last.gdn[i]);
+                  : gdn_step(c, layer.gdn, normed, cache.conv[i], cache.state[i], cache.last.gdn[i], recurrent_step_tokens_);
     pending = mlp_forward(c, layer.mlp, add_and_norm(layer.post_attention_norm), model_.grouped_moe_);
     if (next < tap.size() && tap[next] == static_cast<int64_t>(i)) {
       x = x + pending;
@@ -192,7 +193,7 @@ void IncrementalTarget::crop(DecodeCache& cache, int64_t length) const {
       at::Tensor state = g.state_before;
       if (keep > 0) {
         run_rule(g.q.narrow(0, 0, keep), g.k.narrow(0, 0, keep), g.v.narrow(0, 0, keep), g.g.narrow(0, 0, keep),
-                 g.beta.narrow(0, 0, keep), &state);
+                 g.beta.narrow(0, 0, keep), &state, recurrent_step_tokens_);
       }
       cache.state[i] = state;
       g.window = g.window.narrow(0, 0, kernel_minus_1 + keep);

@@ -44,11 +44,13 @@ struct DecodeOutput {
 
 class IncrementalTarget {
  public:
-  // Steps of at most this many tokens run the rule token by token; longer ones chunked.
+  // Steps of at most this many tokens run the rule token by token; longer ones chunked (64-token
+  // chunks, a fixed number of ops: fewer launches than token by token from a few tokens on).
   static constexpr int64_t kRecurrentStepTokens = 64;
 
   // `model` must hold every layer (its last_layer is the model's last) and outlive this.
-  explicit IncrementalTarget(const TargetModel& model);
+  // `recurrent_step_tokens`: the threshold above (benchmarks compare the two forms).
+  explicit IncrementalTarget(const TargetModel& model, int64_t recurrent_step_tokens = kRecurrentStepTokens);
 
   DecodeCache new_cache() const;
   // Runs `ids` (int64 [n], n >= 1) at positions cache.length .. + n - 1; the cache grows by n.
@@ -69,6 +71,7 @@ class IncrementalTarget {
 
  private:
   const TargetModel& model_;
+  int64_t recurrent_step_tokens_;
 };
 
 }  // namespace dflash::target

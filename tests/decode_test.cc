@@ -5,7 +5,10 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -17,10 +20,6 @@
 #include "target/model.h"
 #include "target/model_config.h"
 #include "tests/test_util.h"
-
-#include <nlohmann/json.hpp>
-#include <cstdlib>
-#include <fstream>
 
 namespace dflash::target {
 namespace {
@@ -45,36 +44,41 @@ double max_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs()
 
 TEST(IncrementalTarget, StepsAndCropsMatchTheFullForward) {
   for (const char* preset : kPresets) {
-    SCOPED_TRACE(preset);
-    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
-    auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 7);
-    const IncrementalTarget decoder(*model);
-    const std::vector<int64_t> tap{1, config.num_layers - 2};
-    const at::Tensor ids = at::randint(0, config.vocab_size, {90}, at::TensorOptions().dtype(at::kLong));
-    DecodeCache cache = decoder.new_cache();
-    // A long prefill (chunked rule), then steps of 7 of which 0-7 are kept (the rest rolled back
-    // and run again with other tokens, as a speculative step's rejected part is).
-    int64_t done = 0;
-    auto check = [&](const DecodeOutput& out, int64_t begin, int64_t count) {
-      const Full full = full_forward(*model, ids.narrow(0, 0, begin + count), tap);
-      EXPECT_LT(max_diff(out.logits, full.logits.narrow(0, begin, count)), 1e-4) << "tokens " << begin << "+" << count;
-      EXPECT_LT(max_diff(out.features, full.features.narrow(0, begin, count)), 1e-4) << "tokens " << begin << "+" << count;
-    };
-    check(decoder.step(cache, ids.narrow(0, 0, 70), tap), 0, 70);
-    done = 70;
-    const int64_t keeps[] = {3, 0, 7, 1, 5};
-    for (int64_t keep : keeps) {
-      // Wrong tokens first: what a rejected draft leaves behind must not leak into what follows.
-      decoder.step(cache, at::randint(0, config.vocab_size, {7}, at::TensorOptions().dtype(at::kLong)), tap);
-      decoder.crop(cache, done);
-      const DecodeOutput out = decoder.step(cache, ids.narrow(0, done, 7), tap);
-      check(out, done, 7);
-      decoder.crop(cache, done + keep);
-      done += keep;
-      EXPECT_EQ(cache.length, done);
+    for (int64_t recurrent : {IncrementalTarget::kRecurrentStepTokens, int64_t{1}}) {  // token by token, chunked
+      SCOPED_TRACE(std::string(preset) + (recurrent == 1 ? ", rule chunked" : ", rule token by token"));
+      const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
+      auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 7);
+      const IncrementalTarget decoder(*model, recurrent);
+      const std::vector<int64_t> tap{1, config.num_layers - 2};
+      const at::Tensor ids = at::randint(0, config.vocab_size, {90}, at::TensorOptions().dtype(at::kLong));
+      DecodeCache cache = decoder.new_cache();
+      // A long prefill (chunked rule), then steps of 7 of which 0-7 are kept (the rest rolled back
+      // and run again with other tokens, as a speculative step's rejected part is).
+      int64_t done = 0;
+      auto check = [&](const DecodeOutput& out, int64_t begin, int64_t count) {
+        const Full full = full_forward(*model, ids.narrow(0, 0, begin + count), tap);
+        EXPECT_LT(max_diff(out.logits, full.logits.narrow(0, begin, count)), 1e-4)
+            << "tokens " << begin << "+" << count;
+        EXPECT_LT(max_diff(out.features, full.features.narrow(0, begin, count)), 1e-4)
+            << "tokens " << begin << "+" << count;
+      };
+      check(decoder.step(cache, ids.narrow(0, 0, 70), tap), 0, 70);
+      done = 70;
+      const int64_t keeps[] = {3, 0, 7, 1, 5};
+      for (int64_t keep : keeps) {
+        // Wrong tokens first: what a rejected draft leaves behind must not leak into what follows.
+        decoder.step(cache, at::randint(0, config.vocab_size, {7}, at::TensorOptions().dtype(at::kLong)), tap);
+        decoder.crop(cache, done);
+        const DecodeOutput out = decoder.step(cache, ids.narrow(0, done, 7), tap);
+        check(out, done, 7);
+        decoder.crop(cache, done + keep);
+        done += keep;
+        EXPECT_EQ(cache.length, done);
+      }
+      // One token at a time after all the rolling back.
+      for (int i = 0; i < 3 && done < ids.size(0); ++i, ++done)
+        check(decoder.step(cache, ids.narrow(0, done, 1), tap), done, 1);
     }
-    // One token at a time after all the rolling back.
-    for (int i = 0; i < 3 && done < ids.size(0); ++i, ++done) check(decoder.step(cache, ids.narrow(0, done, 1), tap), done, 1);
   }
 }
 
@@ -198,21 +202,24 @@ TEST(SpeculativeDecoding, SamplingIsReproducibleAndHasTheTargetsDistribution) {
   std::map<std::vector<int64_t>, double> exact;
   {
     DecodeCache cache = target.new_cache();
-    const at::Tensor first = decode::sampling_probs(target.step(cache, at::tensor(prompt), {}).logits.narrow(0, 2, 1), settings.sampling)[0];
+    const at::Tensor first =
+        decode::sampling_probs(target.step(cache, at::tensor(prompt), {}).logits.narrow(0, 2, 1), settings.sampling)[0];
     for (int64_t a = 0; a < config.vocab_size; ++a) {
       const double pa = first[a].item<double>();
       if (pa == 0) continue;
       DecodeCache ca = target.new_cache();
       std::vector<int64_t> seq = prompt;
       seq.push_back(a);
-      const at::Tensor second = decode::sampling_probs(target.step(ca, at::tensor(seq), {}).logits.narrow(0, 3, 1), settings.sampling)[0];
+      const at::Tensor second =
+          decode::sampling_probs(target.step(ca, at::tensor(seq), {}).logits.narrow(0, 3, 1), settings.sampling)[0];
       for (int64_t b = 0; b < config.vocab_size; ++b) {
         const double pb = second[b].item<double>();
         if (pb == 0) continue;
         std::vector<int64_t> seq2 = seq;
         seq2.push_back(b);
         DecodeCache cb = target.new_cache();
-        const at::Tensor third = decode::sampling_probs(target.step(cb, at::tensor(seq2), {}).logits.narrow(0, 4, 1), settings.sampling)[0];
+        const at::Tensor third =
+            decode::sampling_probs(target.step(cb, at::tensor(seq2), {}).logits.narrow(0, 4, 1), settings.sampling)[0];
         for (int64_t c = 0; c < config.vocab_size; ++c) {
           if (third[c].item<double>() > 0) exact[{a, b, c}] = pa * pb * third[c].item<double>();
         }
@@ -262,9 +269,10 @@ TEST(SpeculativeDecoding, MatchesDflashGenerateWithTheTransformersTarget) {
     nlohmann::json list = prompts;
     std::ofstream(dir + "/prompts.json") << list.dump();
     const int max_new = 30;
-    const std::string command = std::string(DFLASHD_PYTHON_EXECUTABLE) + " " + DFLASHD_DFLASH_SCRIPT + " " + target_dir +
-                                " " + dir + "/drafter " + dir + "/prompts.json " + std::to_string(max_new) + " " + dir +
-                                "/reference.json > " + dir + "/reference.log 2>&1";
+    const std::string command = std::string(DFLASHD_PYTHON_EXECUTABLE) + " " + DFLASHD_DFLASH_SCRIPT + " " +
+                                target_dir + " " + dir + "/drafter " + dir + "/prompts.json " +
+                                std::to_string(max_new) + " " + dir + "/reference.json > " + dir +
+                                "/reference.log 2>&1";
     ASSERT_EQ(std::system(command.c_str()), 0) << test::read_file(dir + "/reference.log");
     const nlohmann::json reference = nlohmann::json::parse(test::read_file(dir + "/reference.json"));
     int lossless_references = 0;
