@@ -21,6 +21,7 @@ constexpr const char* kHelp = R"(Usage: dflashd eval (--target DIR | --preset NA
                     [--max-new-tokens N] [--max-prompts N] [--temperature T] [--top-p P] [--top-k K]
                     [--seed S] [--stop-token-ids 1,2] [--device cpu|cuda:N] [--dtype bfloat16|float32]
                     [--no-baseline] [--out REPORT.json] [--random-weights] [--target-seed S]
+                    [--allow-slow-path]
 
 Measures the drafter's real acceptance: speculative decoding of every prompt with the target
 (z-lab dflash_generate's semantics: the drafter proposes a block, the target verifies it in one
@@ -45,6 +46,8 @@ that greedy speculative decoding changed no output; --no-baseline skips it).
   --device            cuda:0 when a GPU is visible, else cpu
   --dtype             bfloat16 on a GPU, float32 on the CPU
   --out FILE          also write the report as JSON
+  --allow-slow-path   accept a target whose GatedDeltaNet or MoE layers cannot run the fast path on
+                      the GPU (as target.allow_slow_path)
 
 Prints the acceptance length (tokens per target verify step), acceptance per block position,
 and decode tokens/s of speculative and plain decoding. Exits 0, 2 on a bad command line, 1 when
@@ -56,6 +59,7 @@ struct EvalArgs {
   int64_t max_prompts = 0;
   int64_t target_seed = 0;
   bool random_weights = false;
+  bool allow_slow_path = false;
   bool baseline = true;
   decode::GenerateSettings settings;
 };
@@ -82,8 +86,9 @@ std::optional<int> parse_eval_args(const std::vector<std::string>& args, EvalArg
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& k = args[i];
     if (k == "--help" || k == "-h") return std::cout << kHelp, exit_code::kOk;
-    if (k == "--no-baseline" || k == "--random-weights") {
-      (k == "--no-baseline" ? a->baseline : a->random_weights) = k == "--random-weights";
+    if (k == "--no-baseline" || k == "--random-weights" || k == "--allow-slow-path") {
+      (k == "--no-baseline" ? a->baseline : k == "--random-weights" ? a->random_weights : a->allow_slow_path) =
+          k != "--no-baseline";
       continue;
     }
     if (i + 1 >= args.size()) {
@@ -146,6 +151,7 @@ std::optional<target::TargetOptions> target_options(const EvalArgs& a) {
     std::cerr << "dflashd eval: --dtype must be bfloat16 or float32\n";
     return std::nullopt;
   }
+  o.allow_slow_path = a.allow_slow_path;
   return o;
 }
 
