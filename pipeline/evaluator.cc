@@ -97,9 +97,11 @@ void Evaluator::maybe_start(int64_t step, const drafter::Drafter& current) {
   }
   // The replica's weights between its optimizer steps (this is its thread), to the eval's device.
   drafter_.load_tensors(current.parameters(), "drafter replica 0 at step " + std::to_string(step));
+  std::shared_ptr<ReadyEvent> ready = mark_ready(target_.model().options().device);
   {
     std::lock_guard lock(mutex_);
     pending_step_ = step;
+    weights_ready_ = std::move(ready);
   }
   wake_.notify_all();
 }
@@ -112,8 +114,8 @@ void Evaluator::finish() {
 void Evaluator::evaluate_final(int64_t step, const drafter::Drafter& current) {
   finish();
   if (evaluated_step_ == step) return;  // the evaluation thread's writes are visible after finish()
+  const WorkerStream stream(target_.model().options().device);  // the copy and the evaluation on one stream
   drafter_.load_tensors(current.parameters(), "the final drafter (step " + std::to_string(step) + ")");
-  const WorkerStream stream(target_.model().options().device);
   evaluate(step);
 }
 
@@ -121,14 +123,17 @@ void Evaluator::run() {
   std::unique_ptr<WorkerStream> stream;
   while (true) {
     int64_t step = -1;
+    std::shared_ptr<ReadyEvent> ready;
     {
       std::unique_lock lock(mutex_);
       wake_.wait(lock, [&] { return stop_ || pending_step_ >= 0; });
       if (pending_step_ < 0) return;  // stopping with nothing handed over
       step = pending_step_;
       pending_step_ = -1;
+      ready = std::move(weights_ready_);
     }
     if (!stream) stream = std::make_unique<WorkerStream>(target_.model().options().device);
+    wait_ready(ready, {});  // the copy of the weights, queued on drafter replica 0's stream
     try {
       evaluate(step);
     } catch (const std::exception& e) {

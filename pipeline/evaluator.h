@@ -26,6 +26,7 @@
 #include "config/config.h"
 #include "decode/eval.h"
 #include "drafter/model.h"
+#include "pipeline/streams.h"
 #include "target/incremental.h"
 
 namespace dflash::pipeline {
@@ -75,6 +76,7 @@ class Evaluator {
   std::mutex mutex_;
   std::condition_variable wake_;
   int64_t pending_step_ = -1;  // an evaluation handed over, not yet started
+  std::shared_ptr<ReadyEvent> weights_ready_;  // the hand-over's copy, queued on the replica's stream
   bool busy_ = false;          // handed over or running
   bool stop_ = false;
 
