@@ -47,7 +47,7 @@ class IncrementalTarget {
  public:
   // Steps of at most this many tokens run the rule token by token; longer ones chunked (64-token
   // chunks, a fixed number of ops): a plain decode step's one token token by token, a 16-token
-  // verify step chunked (98.5 against 150.8 ms at 27B shapes on an H200, bench/RESULTS.md).
+  // verify step chunked (decode_bench compares the two: bench/RESULTS.md).
   static constexpr int64_t kRecurrentStepTokens = 1;
 
   // `model` must hold every layer (its last_layer is the model's last) and outlive this.
