@@ -292,7 +292,9 @@ TEST(SpeculativeDecoding, MatchesDflashGenerateWithTheTransformersTarget) {
       }
     }
     // The attention-only targets must have compared against dflash_generate itself.
-    if (std::string(family) == "qwen3" || std::string(family) == "llama") EXPECT_EQ(lossless_references, 3);
+    if (std::string(family) == "qwen3" || std::string(family) == "llama") {
+      EXPECT_EQ(lossless_references, 3);
+    }
   }
 }
 
