@@ -126,34 +126,26 @@ DecodeOutput IncrementalTarget::step(DecodeCache& cache, const at::Tensor& input
   cache.last.begin = begin;
   cache.last.count = n;
 
-  at::Tensor x = at::embedding(m.embed, ids), pending;
-  auto add_and_norm = [&](const at::Tensor& weight) {
-    if (!pending.defined()) return rms_norm_rows(x, weight, c.rms_norm_eps, c.zero_centred_norm);
-    auto [sum, normed] = add_rms_norm(x, pending, weight, c.rms_norm_eps, c.zero_centred_norm);
-    x = std::move(sum);
-    pending = at::Tensor();
-    return normed;
-  };
+  ResidualStream stream(at::embedding(m.embed, ids), c);
   std::vector<at::Tensor> tapped;
   size_t next = 0;
   for (size_t i = 0; i < m.layers.size(); ++i) {
     const Layer& layer = m.layers[i];
-    const at::Tensor normed = add_and_norm(layer.input_norm);
-    pending = layer.kind == LayerKind::full_attention
-                  ? attention_step(c, layer.attention, normed, cos, sin, cache.keys[i], cache.values[i], begin)
-                  : gdn_step(c, layer.gdn, normed, cache.conv[i], cache.state[i], cache.last.gdn[i], recurrent_step_tokens_);
-    pending = mlp_forward(c, layer.mlp, add_and_norm(layer.post_attention_norm), model_.grouped_moe_);
+    const at::Tensor normed = stream.add_and_norm(layer.input_norm);
+    stream.push(layer.kind == LayerKind::full_attention
+                    ? attention_step(c, layer.attention, normed, cos, sin, cache.keys[i], cache.values[i], begin)
+                    : gdn_step(c, layer.gdn, normed, cache.conv[i], cache.state[i], cache.last.gdn[i],
+                               recurrent_step_tokens_));
+    stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm), model_.grouped_moe_));
     if (next < tap.size() && tap[next] == static_cast<int64_t>(i)) {
-      x = x + pending;
-      pending = at::Tensor();
-      tapped.push_back(x);
+      tapped.push_back(stream.output());
       ++next;
     }
   }
   if (next != tap.size()) throw std::invalid_argument("decode step: tapped layers must ascend within the model's layers");
   cache.length = begin + n;
   DecodeOutput out;
-  const at::Tensor normed = add_and_norm(m.final_norm);
+  const at::Tensor normed = stream.add_and_norm(m.final_norm);
   out.logits = at::matmul(normed, m.head.t()).to(at::kFloat);
   if (!tapped.empty()) out.features = at::cat(tapped, -1);
   return out;

@@ -261,29 +261,18 @@ std::vector<at::Tensor> TargetModel::forward(const at::Tensor& input_ids, const 
   std::optional<GdnChunkPlan> plan;
   if (gdn_kernels_) plan = make_gdn_chunk_plan(cu_seqlens, device);
 
-  // The residual stream: x plus `pending`, the last sub-layer's output not yet added; each add
-  // is fused with the RMSNorm that reads its result (fused_ops.h).
-  at::Tensor x = at::embedding(impl_->embed, ids), pending;
-  auto add_and_norm = [&](const at::Tensor& weight) {
-    if (!pending.defined()) return rms_norm_rows(x, weight, c.rms_norm_eps, c.zero_centred_norm);
-    auto [sum, normed] = add_rms_norm(x, pending, weight, c.rms_norm_eps, c.zero_centred_norm);
-    x = std::move(sum);
-    pending = at::Tensor();
-    return normed;
-  };
+  ResidualStream stream(at::embedding(impl_->embed, ids), c);
   std::vector<at::Tensor> tapped;
   size_t next = 0;
   for (int64_t i = 0; i <= layers.back(); ++i) {
     const Layer& layer = impl_->layers[i];
-    const at::Tensor normed = add_and_norm(layer.input_norm);
-    pending = layer.kind == LayerKind::full_attention
-                  ? attention_forward(c, layer.attention, normed, cos, sin, cu_seqlens)
-                  : gdn_forward(c, layer.gdn, normed, positions, cu_seqlens, plan ? &*plan : nullptr);
-    pending = mlp_forward(c, layer.mlp, add_and_norm(layer.post_attention_norm), grouped_moe_);
+    const at::Tensor normed = stream.add_and_norm(layer.input_norm);
+    stream.push(layer.kind == LayerKind::full_attention
+                    ? attention_forward(c, layer.attention, normed, cos, sin, cu_seqlens)
+                    : gdn_forward(c, layer.gdn, normed, positions, cu_seqlens, plan ? &*plan : nullptr));
+    stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm), grouped_moe_));
     if (next < layers.size() && layers[next] == i) {
-      x = x + pending;
-      pending = at::Tensor();
-      tapped.push_back(x);
+      tapped.push_back(stream.output());
       ++next;
     }
   }

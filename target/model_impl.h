@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "target/fused_ops.h"
 #include "target/layers.h"
 #include "target/model.h"
 
@@ -42,6 +43,32 @@ at::Tensor gdn_output(const ModelConfig& c, const GatedDeltaNet& p, const at::Te
 
 // The MLP (dense SwiGLU or MoE) of one layer.
 at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x, bool grouped_moe);
+
+// The residual stream of a forward: x plus `pending`, the last sub-layer's output not yet added;
+// each add is fused with the RMSNorm that reads its result (fused_ops.h).
+class ResidualStream {
+ public:
+  ResidualStream(at::Tensor x, const ModelConfig& c) : x_(std::move(x)), c_(c) {}
+  // The next sub-layer's input: rms_norm(x + pending) with `weight` (x takes the sum).
+  at::Tensor add_and_norm(const at::Tensor& weight) {
+    if (!pending_.defined()) return rms_norm_rows(x_, weight, c_.rms_norm_eps, c_.zero_centred_norm);
+    auto [sum, normed] = add_rms_norm(x_, pending_, weight, c_.rms_norm_eps, c_.zero_centred_norm);
+    x_ = std::move(sum);
+    pending_ = at::Tensor();
+    return normed;
+  }
+  // A sub-layer's output, added by the next add_and_norm (or output()).
+  void push(at::Tensor delta) { pending_ = std::move(delta); }
+  // The stream with everything added: a layer's output.
+  const at::Tensor& output() {
+    if (pending_.defined()) x_ = x_ + pending_, pending_ = at::Tensor();
+    return x_;
+  }
+
+ private:
+  at::Tensor x_, pending_;
+  const ModelConfig& c_;
+};
 
 // RoPE cos / sin [tokens, rotary] in `dtype` for absolute positions (int64 [tokens]).
 std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions,
