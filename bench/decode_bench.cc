@@ -29,6 +29,52 @@
 using namespace dflash;
 using bench::median_ms;
 
+namespace {
+
+
+// The verify step (and the crop after an unaccepted block), its GatedDeltaNet rule chunked (the
+// default, `chunked`) and token by token, measured in alternation (the first of two back-to-back
+// series ran slower either way: allocator and clock warm-up): the second-best of 4 rounds each.
+std::pair<double, double> verify_ms(const target::IncrementalTarget& chunked, const target::IncrementalTarget& token_by_token,
+                                    target::DecodeCache& cache, const at::Tensor& block, const std::vector<int64_t>& tap,
+                                    int64_t prompt_tokens) {
+  auto verify_with = [&](const target::IncrementalTarget& t) {
+    return median_ms(5, [&] {
+      t.step(cache, block, tap);
+      t.crop(cache, prompt_tokens + 1);
+      t.crop(cache, prompt_tokens);
+    });
+  };
+  std::vector<double> a, b;
+  for (int round = 0; round < 4; ++round) {
+    a.push_back(verify_with(chunked));
+    b.push_back(verify_with(token_by_token));
+  }
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  return {a[1], b[1]};
+}
+
+// Plain and speculative decoding of `prompts` random prompts end to end (decode/eval.h).
+void end_to_end(const target::IncrementalTarget& target, const drafter::Drafter& d, int prompts, int new_tokens,
+                int prompt_tokens) {
+  const int64_t vocab = target.model().config().vocab_size;
+  std::vector<decode::EvalPrompt> set;
+  for (int i = 0; i < prompts; ++i) {
+    const at::Tensor p = at::randint(0, vocab - 1, {prompt_tokens}, at::TensorOptions().dtype(at::kLong));
+    set.push_back({std::vector<int64_t>(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + prompt_tokens), "random"});
+  }
+  decode::GenerateSettings settings;
+  settings.max_new_tokens = new_tokens;
+  const decode::SpeculativeDecoder spec(target, d);
+  const decode::EvalReport r = decode::evaluate(spec, target, set, settings, true);
+  std::printf("%d prompts x %d new tokens (one sequence at a time): plain %.1f tok/s, speculative %.1f tok/s with the "
+              "random drafter (acceptance length %.3f)\n",
+              prompts, new_tokens, r.plain_tokens_per_second, r.spec_tokens_per_second, r.acceptance_length);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   if (argc < 2 || !at::hasCUDA()) {
     std::fprintf(stderr, "usage: decode_bench CONFIG_DIR [PROMPTS NEW PROMPT_TOKENS] (needs a GPU)\n");
@@ -66,25 +112,8 @@ int main(int argc, char** argv) {
     target.step(cache, one, {});
     target.crop(cache, prompt_tokens);
   });
-  // The verify step (and the crop after an unaccepted block), its GatedDeltaNet rule chunked (the
-  // default) and token by token, measured in alternation (the first of two back-to-back series
-  // ran slower either way: allocator and clock warm-up).
   const target::IncrementalTarget token_by_token(*model, 64);
-  auto verify_with = [&](const target::IncrementalTarget& t) {
-    return median_ms(5, [&] {
-      t.step(cache, verify_block, tap);
-      t.crop(cache, prompt_tokens + 1);
-      t.crop(cache, prompt_tokens);
-    });
-  };
-  std::vector<double> chunked_ms, recurrent_ms;
-  for (int round = 0; round < 4; ++round) {
-    chunked_ms.push_back(verify_with(target));
-    recurrent_ms.push_back(verify_with(token_by_token));
-  }
-  std::sort(chunked_ms.begin(), chunked_ms.end());
-  std::sort(recurrent_ms.begin(), recurrent_ms.end());
-  const double verify_step = chunked_ms[1], verify_recurrent = recurrent_ms[1];  // the second-best of 4 rounds
+  const auto [verify_step, verify_recurrent] = verify_ms(target, token_by_token, cache, verify_block, tap, prompt_tokens);
   drafter::DrafterContextCache context;
   d.extend_context(context, out.features);
   const at::Tensor block_ids = ids(block);
@@ -106,18 +135,7 @@ int main(int argc, char** argv) {
               per_step, per_step / plain_step, 3 * plain_step / per_step, 5 * plain_step / per_step,
               7 * plain_step / per_step);
 
-  std::vector<decode::EvalPrompt> set;
-  for (int i = 0; i < prompts; ++i) {
-    const at::Tensor p = ids(prompt_tokens);
-    set.push_back({std::vector<int64_t>(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + prompt_tokens), "random"});
-  }
-  decode::GenerateSettings settings;
-  settings.max_new_tokens = new_tokens;
-  const decode::SpeculativeDecoder spec(target, d);
-  const decode::EvalReport r = decode::evaluate(spec, target, set, settings, true);
-  std::printf("%d prompts x %d new tokens (one sequence at a time): plain %.1f tok/s, speculative %.1f tok/s with the "
-              "random drafter (acceptance length %.3f)\n",
-              prompts, new_tokens, r.plain_tokens_per_second, r.spec_tokens_per_second, r.acceptance_length);
+  end_to_end(target, d, prompts, new_tokens, prompt_tokens);
   std::printf("64 prompts x 256 tokens at acceptance length L: %.0f s plain; speculative %.0f s at L = 3, %.0f s at L = 5\n",
               64.0 * 256.0 * plain_step / 1e3, 64.0 * 256.0 / 3.0 * per_step / 1e3, 64.0 * 256.0 / 5.0 * per_step / 1e3);
   return 0;
