@@ -4,6 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <vector>
+
 namespace dflash {
 
 // RMSNorm in fp32. Zero-centred (Qwen3.5/Next): (x_hat * (1 + w)) cast back. Plain (Qwen3,
@@ -19,6 +22,19 @@ inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double
 inline at::Tensor rotate_half(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// `t` ([capacity, row_shape...], undefined at first) with room for `needed` rows, its first `used`
+// rows kept: decoding caches grow by doubling (at least 256 rows).
+inline at::Tensor with_rows(const at::Tensor& t, int64_t used, int64_t needed, at::IntArrayRef row_shape,
+                            const at::TensorOptions& options) {
+  if (t.defined() && t.size(0) >= needed) return t;
+  const int64_t capacity = std::max<int64_t>(needed, t.defined() ? 2 * t.size(0) : 256);
+  std::vector<int64_t> shape{capacity};
+  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+  at::Tensor grown = at::empty(shape, options);
+  if (t.defined() && used > 0) grown.narrow(0, 0, used).copy_(t.narrow(0, 0, used));
+  return grown;
 }
 
 }  // namespace dflash

@@ -184,7 +184,7 @@ int command_eval(const std::vector<std::string>& args) {
     const std::vector<decode::EvalPrompt> prompts = decode::read_eval_prompts(a.prompts, a.max_prompts);
     const std::unique_ptr<target::TargetModel> model =
         a.preset.empty() && !a.random_weights ? target::load_target(a.target_dir, config.num_layers - 1, *options)
-                         : target::random_target(config, config.num_layers - 1, *options, 0x7a11 ^ static_cast<uint64_t>(a.target_seed));
+                         : target::random_target(config, config.num_layers - 1, *options, target::run_target_seed(a.target_seed));
     const target::IncrementalTarget target(*model);
     std::ifstream in(a.drafter_dir + "/config.json");
     if (!in) throw std::runtime_error(a.drafter_dir + "/config.json: cannot read (is it an exported drafter?)");

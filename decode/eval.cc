@@ -8,16 +8,20 @@
 
 namespace dflash::decode {
 
+std::vector<int64_t> prompt_of(const TokenSample& sample) {
+  size_t end = sample.input_ids.size();
+  if (!sample.loss_mask.empty()) {
+    end = static_cast<size_t>(std::find(sample.loss_mask.begin(), sample.loss_mask.end(), 1) - sample.loss_mask.begin());
+  }
+  return std::vector<int64_t>(sample.input_ids.begin(), sample.input_ids.begin() + static_cast<int64_t>(end));
+}
+
 std::vector<EvalPrompt> read_eval_prompts(const std::string& path, int64_t limit) {
   std::vector<EvalPrompt> prompts;
   for (const TokenSample& s : read_token_file(path)) {
-    size_t end = s.input_ids.size();
-    if (!s.loss_mask.empty()) {
-      end = static_cast<size_t>(std::find(s.loss_mask.begin(), s.loss_mask.end(), 1) - s.loss_mask.begin());
-    }
-    if (end == 0) continue;
-    prompts.push_back({std::vector<int64_t>(s.input_ids.begin(), s.input_ids.begin() + static_cast<int64_t>(end)),
-                       path + ":" + std::to_string(s.line)});
+    std::vector<int64_t> prompt = prompt_of(s);
+    if (prompt.empty()) continue;
+    prompts.push_back({std::move(prompt), path + ":" + std::to_string(s.line)});
     if (limit > 0 && static_cast<int64_t>(prompts.size()) >= limit) break;
   }
   if (prompts.empty()) throw std::runtime_error(path + ": no prompts (every line is empty or supervised from its first token)");

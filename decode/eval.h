@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/token_file.h"
 #include "decode/speculative.h"
 
 namespace dflash::decode {
@@ -15,6 +16,10 @@ struct EvalPrompt {
   std::vector<int64_t> ids;
   std::string where;  // FILE:LINE, for messages
 };
+
+// A sample's prompt: the tokens before its first supervised one (all of them without a
+// loss_mask); empty when it is supervised from its first token.
+std::vector<int64_t> prompt_of(const TokenSample& sample);
 
 // Prompts from token JSON Lines (common/token_file.h): a line with a loss_mask gives the tokens
 // before its first supervised token (the response is what the drafter is trained to predict, so

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -57,12 +56,6 @@ int64_t up_to_stop(const std::vector<int64_t>& tokens, size_t from, int64_t coun
 }
 
 }  // namespace
-
-double Generation::acceptance_length() const {
-  if (acceptance.empty()) return 0;
-  return static_cast<double>(std::accumulate(acceptance.begin(), acceptance.end(), int64_t{0})) /
-         static_cast<double>(acceptance.size());
-}
 
 SpeculativeDecoder::SpeculativeDecoder(const target::IncrementalTarget& target, const drafter::Drafter& drafter)
     : target_(target), drafter_(drafter), tap_(drafter.shape().target_layer_ids.begin(), drafter.shape().target_layer_ids.end()) {

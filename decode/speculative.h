@@ -38,8 +38,6 @@ struct Generation {
   double prefill_seconds = 0, decode_seconds = 0;
 
   int64_t new_tokens() const { return static_cast<int64_t>(tokens.size()) - prompt_tokens; }
-  // Mean tokens per verify step (1 for plain decoding).
-  double acceptance_length() const;
 };
 
 class SpeculativeDecoder {

@@ -188,20 +188,6 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
   return trained_rms_norm(x, norm_, s.rms_norm_eps);
 }
 
-namespace {
-
-// `t` ([capacity, ...]) with room for `needed` rows, rows < used kept (capacity doubles).
-at::Tensor grown_rows(const at::Tensor& t, int64_t used, int64_t needed, int64_t heads, int64_t d,
-                      const at::TensorOptions& options) {
-  if (t.defined() && t.size(0) >= needed) return t;
-  const int64_t capacity = std::max<int64_t>(needed, t.defined() ? 2 * t.size(0) : 256);
-  at::Tensor grown = at::empty({capacity, heads, d}, options);
-  if (t.defined() && used > 0) grown.narrow(0, 0, used).copy_(t.narrow(0, 0, used));
-  return grown;
-}
-
-}  // namespace
-
 void Drafter::extend_context(DrafterContextCache& cache, const at::Tensor& features) const {
   c10::InferenceMode inference;
   const DrafterShape& s = shape_;
@@ -218,8 +204,8 @@ void Drafter::extend_context(DrafterContextCache& cache, const at::Tensor& featu
     const Layer& l = layers_[i];
     const at::Tensor k = apply_rope(trained_rms_norm(at::linear(context, l.k_proj).view({n, hkv, d}), l.k_norm, s.rms_norm_eps), rope);
     const at::Tensor v = at::linear(context, l.v_proj).view({n, hkv, d});
-    cache.keys[i] = grown_rows(cache.keys[i], begin, begin + n, hkv, d, k.options());
-    cache.values[i] = grown_rows(cache.values[i], begin, begin + n, hkv, d, v.options());
+    cache.keys[i] = with_rows(cache.keys[i], begin, begin + n, {hkv, d}, k.options());
+    cache.values[i] = with_rows(cache.values[i], begin, begin + n, {hkv, d}, v.options());
     cache.keys[i].narrow(0, begin, n).copy_(k);
     cache.values[i].narrow(0, begin, n).copy_(v);
   }

@@ -80,6 +80,7 @@ std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t
   auto d = std::shared_ptr<Dataset>(new Dataset());
   d->config_ = config;
   d->vocab_size_ = vocab_size;
+  int64_t usable = 0;  // usable samples indexed so far: the held-out draw's counter
   auto accept = [&](const TokenSample& s, Entry e) {
     const int64_t tokens = std::min<int64_t>(static_cast<int64_t>(s.input_ids.size()), config.max_length);
     TokenSample truncated = s;
@@ -95,7 +96,7 @@ std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t
     }
     e.tokens = static_cast<int32_t>(tokens);
     // data.eval_fraction: a seeded, order-independent choice of samples kept out of training.
-    const uint64_t draw = mix64(static_cast<uint64_t>(config.seed) ^ mix64(0xe7a1 + static_cast<uint64_t>(d->seen_++)));
+    const uint64_t draw = mix64(static_cast<uint64_t>(config.seed) ^ mix64(0xe7a1 + static_cast<uint64_t>(usable++)));
     if (static_cast<double>(draw >> 11) * 0x1.0p-53 < config.eval_fraction) {
       d->held_out_.push_back(e);
       return;

@@ -71,7 +71,6 @@ class Dataset {
   std::vector<std::string> files_;
   std::vector<Entry> index_;
   std::vector<Entry> held_out_;  // data.eval_fraction
-  int64_t seen_ = 0;             // usable samples indexed so far (the held-out draw's counter)
   int64_t skipped_short_ = 0, skipped_no_anchor_ = 0, skipped_malformed_ = 0, tokens_per_epoch_ = 0;
   mutable std::mutex order_mutex_;
   mutable int64_t cached_epoch_ = -1;

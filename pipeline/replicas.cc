@@ -71,7 +71,7 @@ std::unique_ptr<Replicas> build_replicas(const config::Config& config, const tar
   for (int id : config.gpus.target) {
     target::TargetOptions options{device_for(config.gpus, id), dtype, config.target.allow_slow_path};
     if (config.target.weights == config::TargetWeights::random || !config.target.preset.empty()) {
-      r->targets.push_back(target::random_target(target_config, last_layer, options, 0x7a11 ^ config.train.seed));
+      r->targets.push_back(target::random_target(target_config, last_layer, options, target::run_target_seed(config.train.seed)));
     } else {
       r->targets.push_back(target::load_target(config.target.path, last_layer, options));
     }

@@ -117,12 +117,9 @@ void Trainer::Impl::prepare_eval() {
     prompts = decode::read_eval_prompts(e.prompts, e.max_prompts);
   } else {
     for (int64_t i = 0; i < data->held_out_size() && static_cast<int64_t>(prompts.size()) < e.max_prompts; ++i) {
-      const TokenSample sample = data->load_held_out(i);
-      const auto first = std::find(sample.loss_mask.begin(), sample.loss_mask.end(), 1);
-      const auto length = first - sample.loss_mask.begin();
-      if (length == 0) continue;  // supervised from its first token: no prompt
-      prompts.push_back({std::vector<int64_t>(sample.input_ids.begin(), sample.input_ids.begin() + length),
-                         data->describe_held_out(i)});
+      std::vector<int64_t> prompt = decode::prompt_of(data->load_held_out(i));
+      if (prompt.empty()) continue;  // supervised from its first token
+      prompts.push_back({std::move(prompt), data->describe_held_out(i)});
     }
     if (prompts.empty()) {
       throw std::runtime_error("data.eval_fraction: " + std::to_string(data->held_out_size()) +

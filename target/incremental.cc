@@ -7,24 +7,13 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/tensor_math.h"
 #include "target/fused_ops.h"
 #include "target/gated_delta_net.h"
 #include "target/model_impl.h"
 
 namespace dflash::target {
 namespace {
-
-// `t` ([capacity, ...]) with room for `needed` rows, rows < used kept (capacity doubles).
-at::Tensor with_rows(const at::Tensor& t, int64_t used, int64_t needed, at::IntArrayRef row_shape,
-                     const at::TensorOptions& options) {
-  if (t.defined() && t.size(0) >= needed) return t;
-  const int64_t capacity = std::max<int64_t>(needed, t.defined() ? 2 * t.size(0) : 256);
-  std::vector<int64_t> shape{capacity};
-  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
-  at::Tensor grown = at::empty(shape, options);
-  if (t.defined() && used > 0) grown.narrow(0, 0, used).copy_(t.narrow(0, 0, used));
-  return grown;
-}
 
 // One full-attention layer over the step's tokens: their keys and values appended at `begin`,
 // each query attending to every cached key up to its own position.

@@ -79,6 +79,9 @@ class TargetModel {
 
 // Loads a target from a Hugging Face directory or initialises it randomly from a config.
 std::unique_ptr<TargetModel> load_target(const std::string& model_dir, int64_t last_layer, TargetOptions options);
+// The seed of a run's random target weights (target.weights: random, presets) for train.seed:
+// the trainer, `dflashd eval --preset / --random-weights` and tests build the same target.
+inline uint64_t run_target_seed(int64_t train_seed) { return 0x7a11 ^ static_cast<uint64_t>(train_seed); }
 std::unique_ptr<TargetModel> random_target(const ModelConfig& config, int64_t last_layer, TargetOptions options,
                                            uint64_t seed);
 
