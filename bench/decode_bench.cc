@@ -55,9 +55,36 @@ std::pair<double, double> verify_ms(const target::IncrementalTarget& chunked, co
   return {a[1], b[1]};
 }
 
-// Plain and speculative decoding of `prompts` random prompts end to end (decode/eval.h).
+// Batched rounds: a plain step (1 token each) and a verify step (a block each) of `batch`
+// sequences whose caches hold `prompt_tokens` tokens, with the crops that follow them.
+void batched_steps(const target::IncrementalTarget& target, const std::vector<int64_t>& tap, int64_t batch,
+                   int64_t block, int prompt_tokens, double plain_one) {
+  const int64_t vocab = target.model().config().vocab_size;
+  std::vector<target::DecodeCache> caches(static_cast<size_t>(batch));
+  std::vector<target::DecodeCache*> all;
+  for (auto& c : caches) {
+    c = target.new_cache();
+    target.prefill(c, at::randint(0, vocab - 1, {prompt_tokens}, at::TensorOptions().dtype(at::kLong)), {});
+    all.push_back(&c);
+  }
+  const std::vector<int64_t> lengths(static_cast<size_t>(batch), prompt_tokens);
+  auto round = [&](int64_t n, const std::vector<int64_t>& taps) {
+    std::vector<at::Tensor> ids(static_cast<size_t>(batch), at::randint(0, vocab - 1, {n}, at::TensorOptions().dtype(at::kLong)));
+    return median_ms(5, [&] {
+      target.step_batch(all, ids, taps);
+      target.crop_batch(all, lengths);
+    });
+  };
+  const double plain = round(1, {}), verify = round(block, tap);
+  std::printf("batch of %3lld: plain step %7.2f ms (%6.0f tok/s, %.1fx one sequence's rate); verify step %7.2f ms\n",
+              static_cast<long long>(batch), plain, 1e3 * static_cast<double>(batch) / plain,
+              static_cast<double>(batch) * plain_one / plain, verify);
+}
+
+// Plain and speculative decoding of `prompts` random prompts end to end (decode/eval.h), at most
+// `max_batch` at once.
 void end_to_end(const target::IncrementalTarget& target, const drafter::Drafter& d, int prompts, int new_tokens,
-                int prompt_tokens) {
+                int prompt_tokens, int max_batch) {
   const int64_t vocab = target.model().config().vocab_size;
   std::vector<decode::EvalPrompt> set;
   for (int i = 0; i < prompts; ++i) {
@@ -67,22 +94,24 @@ void end_to_end(const target::IncrementalTarget& target, const drafter::Drafter&
   decode::GenerateSettings settings;
   settings.max_new_tokens = new_tokens;
   const decode::SpeculativeDecoder spec(target, d);
-  const decode::EvalReport r = decode::evaluate(spec, target, set, settings, true);
-  std::printf("%d prompts x %d new tokens (one sequence at a time): plain %.1f tok/s, speculative %.1f tok/s with the "
-              "random drafter (acceptance length %.3f)\n",
-              prompts, new_tokens, r.plain_tokens_per_second, r.spec_tokens_per_second, r.acceptance_length);
+  const decode::EvalReport r = decode::evaluate(spec, target, set, settings, true, max_batch);
+  std::printf("%d prompts x %d new tokens, %d at once: plain %.1f s (%.1f tok/s), speculative %.1f s (%.1f tok/s) with "
+              "the random drafter (acceptance length %.3f)\n",
+              prompts, new_tokens, max_batch, r.plain_seconds, r.plain_tokens_per_second, r.spec_seconds,
+              r.spec_tokens_per_second, r.acceptance_length);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2 || !at::hasCUDA()) {
-    std::fprintf(stderr, "usage: decode_bench CONFIG_DIR [PROMPTS NEW PROMPT_TOKENS] (needs a GPU)\n");
+    std::fprintf(stderr, "usage: decode_bench CONFIG_DIR [PROMPTS NEW PROMPT_TOKENS MAX_BATCH] (needs a GPU)\n");
     return 2;
   }
   const int prompts = argc > 2 ? std::atoi(argv[2]) : 4;
   const int new_tokens = argc > 3 ? std::atoi(argv[3]) : 64;
   const int prompt_tokens = argc > 4 ? std::atoi(argv[4]) : 512;
+  const int max_batch = argc > 5 ? std::atoi(argv[5]) : 64;
   c10::InferenceMode inference;
   const target::ModelConfig config = target::load_model_config(argv[1]);
   target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
@@ -135,7 +164,8 @@ int main(int argc, char** argv) {
               per_step, per_step / plain_step, 3 * plain_step / per_step, 5 * plain_step / per_step,
               7 * plain_step / per_step);
 
-  end_to_end(target, d, prompts, new_tokens, prompt_tokens);
+  for (int64_t batch : {16, 64}) batched_steps(target, tap, batch, block, prompt_tokens, plain_step);
+  end_to_end(target, d, prompts, new_tokens, prompt_tokens, max_batch);
   std::printf("64 prompts x 256 tokens at acceptance length L: %.0f s plain; speculative %.0f s at L = 3, %.0f s at L = 5\n",
               64.0 * 256.0 * plain_step / 1e3, 64.0 * 256.0 / 3.0 * per_step / 1e3, 64.0 * 256.0 / 5.0 * per_step / 1e3);
   return 0;

@@ -149,6 +149,7 @@ void read_eval(MapReader m, EvalConfig* c) {
   m.field("prompts", &c->prompts);
   m.field("max_prompts", &c->max_prompts, between(1, 1 << 20));
   m.field("max_new_tokens", &c->max_new_tokens, between(1, 1 << 20));
+  m.field("max_batch", &c->max_batch, between(1, 4096));
   m.field("temperature", &c->temperature, at_least(0.0));
   m.field("top_p", &c->top_p, between(1e-9, 1.0));
   m.field("top_k", &c->top_k, at_least(0));

@@ -192,6 +192,7 @@ struct EvalConfig {
   std::string prompts;      // token JSONL; empty: data.eval_fraction's held-out samples
   int max_prompts = 16;
   int max_new_tokens = 128;
+  int max_batch = 16;       // prompts decoded at once
   double temperature = 0;   // 0: greedy
   double top_p = 1;
   int top_k = 0;

@@ -18,7 +18,7 @@ namespace dflash::daemon {
 namespace {
 
 constexpr const char* kHelp = R"(Usage: dflashd eval (--target DIR | --preset NAME) --drafter EXPORT_DIR --prompts FILE.jsonl
-                    [--max-new-tokens N] [--max-prompts N] [--temperature T] [--top-p P] [--top-k K]
+                    [--max-new-tokens N] [--max-prompts N] [--max-batch N] [--temperature T] [--top-p P] [--top-k K]
                     [--seed S] [--stop-token-ids 1,2] [--device cpu|cuda:N] [--dtype bfloat16|float32]
                     [--no-baseline] [--out REPORT.json] [--random-weights] [--target-seed S]
                     [--allow-slow-path]
@@ -40,6 +40,8 @@ that greedy speculative decoding changed no output; --no-baseline skips it).
                       is a prompt up to its first supervised token (held-out training samples work)
   --max-new-tokens N  per prompt (256)
   --max-prompts N     the first N prompts only (all)
+  --max-batch N       prompts decoded at once (64): each round one batched target step for all of
+                      them; a finished prompt's place takes the next one
   --temperature T     0 (greedy, the default) or the sampling temperature, with --top-p (1) and
   --top-k             --top-k (0: all); --seed S seeds the sampling (0)
   --stop-token-ids    token ids that end a prompt's output
@@ -57,6 +59,7 @@ the inputs cannot be used (the message names the file or the mismatch).
 struct EvalArgs {
   std::string target_dir, preset, drafter_dir, prompts, out, device_text, dtype_text;
   int64_t max_prompts = 0;
+  int64_t max_batch = 64;
   int64_t target_seed = 0;
   bool random_weights = false;
   bool allow_slow_path = false;
@@ -106,6 +109,7 @@ std::optional<int> parse_eval_args(const std::vector<std::string>& args, EvalArg
     else if (k == "--dtype") a->dtype_text = v;
     else if (k == "--max-new-tokens") ok = parse_number(v, &a->settings.max_new_tokens) && a->settings.max_new_tokens > 0;
     else if (k == "--max-prompts") ok = parse_number(v, &a->max_prompts) && a->max_prompts >= 0;
+    else if (k == "--max-batch") ok = parse_number(v, &a->max_batch) && a->max_batch > 0;
     else if (k == "--temperature") ok = parse_number(v, &a->settings.sampling.temperature);
     else if (k == "--top-p") ok = parse_number(v, &a->settings.sampling.top_p);
     else if (k == "--top-k") ok = parse_number(v, &a->settings.sampling.top_k);
@@ -156,7 +160,8 @@ std::optional<target::TargetOptions> target_options(const EvalArgs& a) {
 }
 
 void print_report(const decode::EvalReport& r) {
-  std::printf("prompts %lld, new tokens %lld, verify steps %lld\n", static_cast<long long>(r.prompts),
+  std::printf("prompts %lld (%s, %lld at once), new tokens %lld, verify steps %lld\n", static_cast<long long>(r.prompts),
+              decode::describe(r.settings).c_str(), static_cast<long long>(r.max_batch),
               static_cast<long long>(r.new_tokens), static_cast<long long>(r.verify_steps));
   std::printf("acceptance length %.3f tokens per verify step\n", r.acceptance_length);
   std::printf("accepted per draft position:");
@@ -194,7 +199,7 @@ int command_eval(const std::vector<std::string>& args) {
                        at::TensorOptions().device(options->device).dtype(options->dtype));
     d.load_export(a.drafter_dir);
     const decode::SpeculativeDecoder spec(target, d);
-    const decode::EvalReport report = decode::evaluate(spec, target, prompts, a.settings, a.baseline);
+    const decode::EvalReport report = decode::evaluate(spec, target, prompts, a.settings, a.baseline, a.max_batch);
     print_report(report);
     if (!a.out.empty()) {
       std::ofstream out(a.out);

@@ -1,7 +1,9 @@
 #include "decode/eval.h"
 
 #include <algorithm>
+#include <chrono>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <stdexcept>
 
 #include "common/token_file.h"
@@ -35,6 +37,7 @@ std::string EvalReport::to_json() const {
   j["verify_steps"] = verify_steps;
   j["acceptance_length"] = acceptance_length;
   j["acceptance_at_position"] = acceptance_at;
+  j["max_batch"] = max_batch;
   j["spec_decode_seconds"] = spec_seconds;
   j["spec_decode_tokens_per_second"] = spec_tokens_per_second;
   if (baseline) {
@@ -43,48 +46,86 @@ std::string EvalReport::to_json() const {
     j["speedup"] = speedup;
   }
   if (mismatches >= 0) j["outputs_differing_from_plain_greedy"] = mismatches;
+  j["settings"] = {{"max_new_tokens", settings.max_new_tokens},
+                   {"temperature", settings.sampling.temperature},
+                   {"top_p", settings.sampling.top_p},
+                   {"top_k", settings.sampling.top_k},
+                   {"stop_token_ids", settings.stop_token_ids},
+                   {"seed", settings.seed}};
   return j.dump(2) + "\n";
 }
 
+std::string describe(const GenerateSettings& s) {
+  std::ostringstream text;
+  if (s.sampling.greedy()) {
+    text << "greedy";
+  } else {
+    text << "sampled (temperature " << s.sampling.temperature << ", top_p " << s.sampling.top_p << ", top_k "
+         << s.sampling.top_k << ")";
+  }
+  if (!s.stop_token_ids.empty()) text << ", " << s.stop_token_ids.size() << " stop tokens";
+  return text.str();
+}
+
+namespace {
+
+// Decodes every prompt with `decoder`, naming the prompt's FILE:LINE on a bad one; the wall time
+// in *seconds.
+std::vector<Generation> decode_prompts(const Decoder& decoder, const std::vector<EvalPrompt>& prompts,
+                                       const GenerateSettings& settings, int64_t max_batch, double* seconds) {
+  std::vector<std::vector<int64_t>> ids;
+  for (const EvalPrompt& p : prompts) ids.push_back(p.ids);
+  const int64_t vocab = decoder.target().model().config().vocab_size;
+  for (const EvalPrompt& p : prompts) {  // bad ids are named by their line before anything runs
+    for (int64_t id : p.ids) {
+      if (id < 0 || id >= vocab) {
+        throw std::invalid_argument(p.where + ": token id " + std::to_string(id) + " is outside the vocabulary (" +
+                                    std::to_string(vocab) + ")");
+      }
+    }
+  }
+  const auto begin = std::chrono::steady_clock::now();
+  std::vector<Generation> out = decoder.generate_all(ids, settings, max_batch);
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+  return out;
+}
+
+}  // namespace
+
 EvalReport evaluate(const SpeculativeDecoder& spec, const target::IncrementalTarget& target,
-                    const std::vector<EvalPrompt>& prompts, const GenerateSettings& settings, bool baseline) {
+                    const std::vector<EvalPrompt>& prompts, const GenerateSettings& settings, bool baseline,
+                    int64_t max_batch) {
   EvalReport r;
   r.prompts = static_cast<int64_t>(prompts.size());
   r.baseline = baseline;
+  r.max_batch = max_batch;
+  r.settings = settings;
+  const std::vector<Generation> fast = decode_prompts(spec, prompts, settings, max_batch, &r.spec_seconds);
   std::vector<int64_t> drafted, accepted;
-  int64_t committed = 0, plain_tokens = 0;
-  if (baseline && settings.sampling.greedy()) r.mismatches = 0;
-  for (const EvalPrompt& p : prompts) {
-    Generation g;
-    try {
-      g = spec.generate(p.ids, settings);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(p.where + ": " + e.what());
-    }
+  int64_t committed = 0;
+  for (const Generation& g : fast) {
     r.new_tokens += g.new_tokens();
     r.verify_steps += static_cast<int64_t>(g.acceptance.size());
     for (int64_t a : g.acceptance) committed += a;
     drafted.resize(g.drafted_at.size(), 0);
     accepted.resize(g.accepted_at.size(), 0);
     for (size_t k = 0; k < g.drafted_at.size(); ++k) drafted[k] += g.drafted_at[k], accepted[k] += g.accepted_at[k];
-    r.spec_seconds += g.decode_seconds;
-    if (!baseline) continue;
-    const Generation plain = plain_generate(target, p.ids, settings);
-    plain_tokens += plain.new_tokens();
-    r.plain_seconds += plain.decode_seconds;
-    if (r.mismatches >= 0 && plain.tokens != g.tokens) ++r.mismatches;
   }
   r.acceptance_length = r.verify_steps > 0 ? static_cast<double>(committed) / static_cast<double>(r.verify_steps) : 0;
   for (size_t k = 0; k < drafted.size(); ++k) {
     r.acceptance_at.push_back(drafted[k] > 0 ? static_cast<double>(accepted[k]) / static_cast<double>(drafted[k]) : 0);
   }
-  // Decode-time rates: every new token but each prompt's first comes from the decode loop.
-  const int64_t decoded = r.new_tokens - r.prompts;
-  r.spec_tokens_per_second = r.spec_seconds > 0 ? static_cast<double>(decoded) / r.spec_seconds : 0;
-  if (baseline) {
-    r.plain_tokens_per_second = r.plain_seconds > 0 ? static_cast<double>(plain_tokens - r.prompts) / r.plain_seconds : 0;
-    r.speedup = r.plain_tokens_per_second > 0 ? r.spec_tokens_per_second / r.plain_tokens_per_second : 0;
+  r.spec_tokens_per_second = r.spec_seconds > 0 ? static_cast<double>(r.new_tokens) / r.spec_seconds : 0;
+  if (!baseline) return r;
+  const std::vector<Generation> plain = decode_prompts(PlainDecoder(target), prompts, settings, max_batch, &r.plain_seconds);
+  int64_t plain_tokens = 0;
+  if (settings.sampling.greedy()) r.mismatches = 0;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    plain_tokens += plain[i].new_tokens();
+    if (r.mismatches >= 0 && plain[i].tokens != fast[i].tokens) ++r.mismatches;
   }
+  r.plain_tokens_per_second = r.plain_seconds > 0 ? static_cast<double>(plain_tokens) / r.plain_seconds : 0;
+  r.speedup = r.plain_tokens_per_second > 0 ? r.spec_tokens_per_second / r.plain_tokens_per_second : 0;
   return r;
 }
 

@@ -36,15 +36,25 @@ struct EvalReport {
   // position k = 1 .. B - 1 the share of verify steps that drafted it and accepted it.
   double acceptance_length = 0;
   std::vector<double> acceptance_at;
-  double spec_seconds = 0, plain_seconds = 0;  // decode time (prefill excluded), all prompts
+  // Wall time of each run over all prompts (prefills included: with continuous batching they
+  // interleave with the decoding rounds), and the new tokens per second over it.
+  double spec_seconds = 0, plain_seconds = 0;
+  int64_t max_batch = 1;  // sequences decoded at once
+  GenerateSettings settings;  // what decoded them
   double spec_tokens_per_second = 0, plain_tokens_per_second = 0, speedup = 0;
   bool baseline = false;       // plain decoding ran
   int64_t mismatches = -1;     // greedy with the baseline: prompts whose outputs differ (0 = lossless); -1 not checked
   std::string to_json() const;
 };
 
-// Runs every prompt through speculative decoding and, with `baseline`, plain decoding.
+// "greedy" or "sampled (temperature T, top_p P, top_k K)", then ", N stop tokens" if any: for logs.
+std::string describe(const GenerateSettings& settings);
+
+// Runs every prompt through speculative decoding and, with `baseline`, plain decoding, each with
+// at most `max_batch` sequences at once (continuous batching). Prompt i's random stream is
+// sequence_seed(settings.seed, i) in both runs.
 EvalReport evaluate(const SpeculativeDecoder& spec, const target::IncrementalTarget& target,
-                    const std::vector<EvalPrompt>& prompts, const GenerateSettings& settings, bool baseline);
+                    const std::vector<EvalPrompt>& prompts, const GenerateSettings& settings, bool baseline,
+                    int64_t max_batch);
 
 }  // namespace dflash::decode

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -16,10 +17,8 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-void check_prompt(const std::vector<int64_t>& prompt, int64_t vocab, const GenerateSettings& s) {
-  check_sampling(s.sampling);
+void check_prompt(const std::vector<int64_t>& prompt, int64_t vocab) {
   if (prompt.empty()) throw std::invalid_argument("generate: the prompt is empty");
-  if (s.max_new_tokens < 1) throw std::invalid_argument("generate: max_new_tokens must be >= 1");
   for (int64_t id : prompt) {
     if (id < 0 || id >= vocab) {
       throw std::invalid_argument("generate: token id " + std::to_string(id) + " is outside the vocabulary (" +
@@ -37,6 +36,22 @@ int64_t choose(const at::Tensor& logits, const Sampling& s, at::Generator& gen) 
   const at::Tensor last = logits.select(0, logits.size(0) - 1).unsqueeze(0);
   if (s.greedy()) return last.argmax(-1).item<int64_t>();
   return draw(sampling_probs(last, s), gen).item<int64_t>();
+}
+
+// The verify step's decision on a block [last token, drafts...] from the target's logits over it:
+// (accepted drafts, bonus token), greedy by matching argmaxes, else by rejection sampling.
+std::pair<int64_t, int64_t> verify_block(const std::vector<int64_t>& block, const at::Tensor& logits,
+                                         const at::Tensor& draft_probs, const Sampling& s, at::Generator& gen) {
+  const int64_t verify = static_cast<int64_t>(block.size());
+  if (s.greedy()) {
+    const at::Tensor posterior = logits.argmax(-1).to(at::kCPU);
+    int64_t accepted = 0;
+    while (accepted + 1 < verify && block[accepted + 1] == posterior[accepted].item<int64_t>()) ++accepted;
+    return {accepted, posterior[accepted].item<int64_t>()};
+  }
+  const at::Tensor target_probs = sampling_probs(logits, s);
+  if (verify == 1) return {0, draw(target_probs.select(0, 0).unsqueeze(0), gen).item<int64_t>()};
+  return rejection_sample(ids_tensor(std::vector<int64_t>(block.begin() + 1, block.end())), target_probs, draft_probs, gen);
 }
 
 bool is_stop(int64_t token, const std::vector<int64_t>& stops) {
@@ -57,8 +72,116 @@ int64_t up_to_stop(const std::vector<int64_t>& tokens, size_t from, int64_t coun
 
 }  // namespace
 
+struct Decoder::Sequence {
+  Request request;
+  Generation g;
+  at::Generator gen;
+  target::DecodeCache cache;
+  drafter::DrafterContextCache context;  // speculative decoding only
+  int64_t start = 0;                     // the last committed token, not yet run through the target
+  int64_t max_length = 0;                // prompt + max_new_tokens
+  Clock::time_point decode_start;
+
+  bool finished() const { return g.stopped || start + 1 >= max_length; }
+};
+
+uint64_t sequence_seed(uint64_t seed, uint64_t index) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (index + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const NextRequest& next,
+                  const Finished& done) const {
+  c10::InferenceMode inference;
+  check_sampling(settings.sampling);
+  if (settings.max_new_tokens < 1) throw std::invalid_argument("generate: max_new_tokens must be >= 1");
+  if (max_batch < 1) throw std::invalid_argument("generate: the batch must hold at least one sequence");
+  const int64_t vocab = target_.model().config().vocab_size;
+  std::vector<std::unique_ptr<Sequence>> active;
+  auto finish = [&](Sequence& s) {
+    s.g.tokens.resize(static_cast<size_t>(std::min(s.start + 1, s.max_length)));
+    s.g.decode_seconds = seconds_since(s.decode_start);
+    done(std::move(s.request), std::move(s.g));
+  };
+  bool more = true;
+  while (true) {
+    while (more && static_cast<int64_t>(active.size()) < max_batch) {
+      auto s = std::make_unique<Sequence>();
+      if (!(more = next(&s->request))) break;
+      try {
+        check_prompt(s->request.prompt, vocab);
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument("request " + std::to_string(s->request.id) + ": " + e.what());
+      }
+      s->gen = at::make_generator<at::CPUGeneratorImpl>(s->request.seed);
+      s->g.prompt_tokens = static_cast<int64_t>(s->request.prompt.size());
+      s->max_length = s->g.prompt_tokens + settings.max_new_tokens;
+      const auto prefill_start = Clock::now();
+      start(*s, settings);
+      s->g.prefill_seconds = seconds_since(prefill_start);
+      s->decode_start = Clock::now();
+      s->start = s->g.prompt_tokens;
+      s->g.stopped = is_stop(s->g.tokens.back(), settings.stop_token_ids);
+      if (s->finished()) {
+        finish(*s);
+      } else {
+        active.push_back(std::move(s));
+      }
+    }
+    if (active.empty()) break;
+    std::vector<Sequence*> round;
+    for (auto& s : active) round.push_back(s.get());
+    advance(round, settings);
+    // Finished sequences leave (in slot order); the others keep theirs.
+    std::vector<std::unique_ptr<Sequence>> kept;
+    for (auto& s : active) {
+      if (s->finished()) {
+        finish(*s);
+      } else {
+        kept.push_back(std::move(s));
+      }
+    }
+    active = std::move(kept);
+  }
+}
+
+std::vector<Generation> Decoder::generate_all(const std::vector<std::vector<int64_t>>& prompts,
+                                              const GenerateSettings& settings, int64_t max_batch) const {
+  std::vector<Generation> out(prompts.size());
+  size_t i = 0;
+  run(
+      settings, max_batch,
+      [&](Request* r) {
+        if (i == prompts.size()) return false;
+        *r = {static_cast<int64_t>(i), prompts[i], sequence_seed(settings.seed, i)};
+        ++i;
+        return true;
+      },
+      [&](Request&& r, Generation&& g) { out[static_cast<size_t>(r.id)] = std::move(g); });
+  return out;
+}
+
+Generation Decoder::generate(const std::vector<int64_t>& prompt, const GenerateSettings& settings) const {
+  Generation out;
+  bool given = false;
+  run(
+      settings, 1,
+      [&](Request* r) {
+        if (given) return false;
+        *r = {0, prompt, settings.seed};
+        given = true;
+        return true;
+      },
+      [&](Request&&, Generation&& g) { out = std::move(g); });
+  return out;
+}
+
 SpeculativeDecoder::SpeculativeDecoder(const target::IncrementalTarget& target, const drafter::Drafter& drafter)
-    : target_(target), drafter_(drafter), tap_(drafter.shape().target_layer_ids.begin(), drafter.shape().target_layer_ids.end()) {
+    : Decoder(target),
+      drafter_(drafter),
+      tap_(drafter.shape().target_layer_ids.begin(), drafter.shape().target_layer_ids.end()) {
   const target::ModelConfig& c = target.model().config();
   if (drafter.shape().hidden_size != c.hidden_size || drafter.shape().vocab_size != c.vocab_size) {
     throw std::invalid_argument("speculative decoding: the drafter (hidden " + std::to_string(drafter.shape().hidden_size) +
@@ -74,107 +197,119 @@ SpeculativeDecoder::SpeculativeDecoder(const target::IncrementalTarget& target, 
   }
 }
 
-Generation SpeculativeDecoder::generate(const std::vector<int64_t>& prompt, const GenerateSettings& s) const {
-  c10::InferenceMode inference;
-  const target::TargetModel& model = target_.model();
-  check_prompt(prompt, model.config().vocab_size, s);
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed);
+void SpeculativeDecoder::start(Sequence& s, const GenerateSettings& settings) const {
+  const int64_t block_size = drafter_.shape().block_size;
+  s.g.drafted_at.assign(static_cast<size_t>(block_size - 1), 0);
+  s.g.accepted_at.assign(static_cast<size_t>(block_size - 1), 0);
+  s.cache = target_.new_cache();
+  const target::DecodeOutput out = target_.prefill(s.cache, ids_tensor(s.request.prompt), tap_);
+  s.g.tokens = s.request.prompt;
+  s.g.tokens.push_back(choose(out.logits, settings.sampling, s.gen));
+  drafter_.extend_context(s.context, out.features);
+}
+
+void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const {
+  const Sampling& sampling = settings.sampling;
   const int64_t block_size = drafter_.shape().block_size, mask = drafter_.shape().mask_token_id;
-  const int64_t n = static_cast<int64_t>(prompt.size()), max_length = n + s.max_new_tokens;
-  const at::Tensor head = model.lm_head();
-  Generation g;
-  g.prompt_tokens = n;
-  g.drafted_at.assign(static_cast<size_t>(block_size - 1), 0);
-  g.accepted_at.assign(static_cast<size_t>(block_size - 1), 0);
-
-  const auto prefill_start = Clock::now();
-  target::DecodeCache cache = target_.new_cache();
-  drafter::DrafterContextCache context;
-  target::DecodeOutput out = target_.prefill(cache, ids_tensor(prompt), tap_);
-  g.tokens = prompt;
-  g.tokens.push_back(choose(out.logits, s.sampling, gen));
-  drafter_.extend_context(context, out.features);
-  g.prefill_seconds = seconds_since(prefill_start);
-
-  const auto decode_start = Clock::now();
-  int64_t start = n;  // the last committed token, not yet run through the target
-  g.stopped = is_stop(g.tokens[start], s.stop_token_ids);
-  while (start + 1 < max_length && !g.stopped) {
-    const int64_t verify = std::min(block_size, max_length - start);
-    std::vector<int64_t> block(static_cast<size_t>(verify), mask);
-    block[0] = g.tokens[start];
-    at::Tensor draft_probs;
-    if (verify > 1) {
-      const at::Tensor hidden = drafter_.block_hidden(context, ids_tensor(block), model.embed_tokens());
-      const at::Tensor logits = at::matmul(hidden.narrow(0, 1, verify - 1), head.t()).to(at::kFloat);
-      at::Tensor drafts;
-      if (s.sampling.greedy()) {
-        drafts = logits.argmax(-1).to(at::kCPU);
-      } else {
-        draft_probs = sampling_probs(logits, s.sampling);
-        drafts = draw(draft_probs, gen);
-      }
-      for (int64_t k = 1; k < verify; ++k) block[k] = drafts[k - 1].item<int64_t>();
-    }
-    out = target_.step(cache, ids_tensor(block), tap_);
-    int64_t accepted = 0, bonus = 0;
-    if (s.sampling.greedy()) {
-      const at::Tensor posterior = out.logits.argmax(-1).to(at::kCPU);
-      while (accepted + 1 < verify && block[accepted + 1] == posterior[accepted].item<int64_t>()) ++accepted;
-      bonus = posterior[accepted].item<int64_t>();
-    } else {
-      const at::Tensor target_probs = sampling_probs(out.logits, s.sampling);
-      if (verify > 1) {
-        std::tie(accepted, bonus) =
-            rejection_sample(ids_tensor(std::vector<int64_t>(block.begin() + 1, block.end())), target_probs, draft_probs, gen);
-      } else {
-        bonus = draw(target_probs.select(0, verify - 1).unsqueeze(0), gen).item<int64_t>();
-      }
-    }
-    for (int64_t k = 1; k < verify; ++k) {
-      ++g.drafted_at[k - 1];
-      if (k <= accepted) ++g.accepted_at[k - 1];
-    }
-    g.tokens.resize(static_cast<size_t>(start + 1));
-    g.tokens.insert(g.tokens.end(), block.begin() + 1, block.begin() + 1 + accepted);
-    g.tokens.push_back(bonus);
-    const int64_t produced =
-        up_to_stop(g.tokens, static_cast<size_t>(start + 1), std::min(accepted + 1, max_length - start - 1),
-                   s.stop_token_ids, &g.stopped);
-    g.tokens.resize(static_cast<size_t>(start + 1 + produced));
-    target_.crop(cache, start + produced);
-    if (verify > 1) drafter_.extend_context(context, out.features.narrow(0, 0, produced));
-    start += produced;
-    g.acceptance.push_back(produced);
+  const size_t count = active.size();
+  // 1. Blocks [last token, mask ...], as long as the room left allows; the drafter fills them.
+  std::vector<std::vector<int64_t>> blocks(count);
+  std::vector<Sequence*> drafting;
+  std::vector<at::Tensor> draft_ids;
+  for (size_t j = 0; j < count; ++j) {
+    Sequence& s = *active[j];
+    blocks[j].assign(static_cast<size_t>(std::min(block_size, s.max_length - s.start)), mask);
+    blocks[j][0] = s.g.tokens[static_cast<size_t>(s.start)];
+    if (blocks[j].size() > 1) drafting.push_back(&s), draft_ids.push_back(ids_tensor(blocks[j]));
   }
-  g.tokens.resize(static_cast<size_t>(std::min(start + 1, max_length)));
-  g.decode_seconds = seconds_since(decode_start);
-  return g;
+  std::vector<at::Tensor> draft_probs(count);
+  if (!drafting.empty()) {
+    std::vector<const drafter::DrafterContextCache*> contexts;
+    for (Sequence* s : drafting) contexts.push_back(&s->context);
+    const std::vector<at::Tensor> hidden = drafter_.block_hiddens(contexts, draft_ids, target_.model().embed_tokens());
+    std::vector<at::Tensor> rows;
+    for (const at::Tensor& h : hidden) rows.push_back(h.narrow(0, 1, h.size(0) - 1));
+    const at::Tensor logits = at::matmul(at::cat(rows), target_.model().lm_head().t()).to(at::kFloat);
+    const at::Tensor greedy = sampling.greedy() ? logits.argmax(-1).to(at::kCPU) : at::Tensor();
+    int64_t row = 0;
+    for (size_t j = 0; j < count; ++j) {
+      if (blocks[j].size() <= 1) continue;
+      const int64_t n = static_cast<int64_t>(blocks[j].size()) - 1;
+      at::Tensor drafts = greedy.defined() ? greedy.narrow(0, row, n) : at::Tensor();
+      if (!greedy.defined()) {
+        draft_probs[j] = sampling_probs(logits.narrow(0, row, n), sampling);
+        drafts = draw(draft_probs[j], active[j]->gen);
+      }
+      for (int64_t k = 0; k < n; ++k) blocks[j][static_cast<size_t>(k + 1)] = drafts[k].item<int64_t>();
+      row += n;
+    }
+  }
+  // 2. The target verifies every block in one step.
+  std::vector<target::DecodeCache*> caches;
+  std::vector<at::Tensor> verify_ids;
+  for (size_t j = 0; j < count; ++j) caches.push_back(&active[j]->cache), verify_ids.push_back(ids_tensor(blocks[j]));
+  const std::vector<target::DecodeOutput> out = target_.step_batch(caches, verify_ids, tap_);
+  // 3. Per sequence: the accepted prefix and the bonus token; the caches keep what was committed.
+  std::vector<int64_t> lengths(count);
+  std::vector<drafter::DrafterContextCache*> contexts;
+  std::vector<at::Tensor> committed_features;
+  for (size_t j = 0; j < count; ++j) {
+    Sequence& s = *active[j];
+    const std::vector<int64_t>& block = blocks[j];
+    const int64_t verify = static_cast<int64_t>(block.size());
+    const auto [accepted, bonus] = verify_block(block, out[j].logits, draft_probs[j], sampling, s.gen);
+    for (int64_t k = 1; k < verify; ++k) {
+      ++s.g.drafted_at[k - 1];
+      if (k <= accepted) ++s.g.accepted_at[k - 1];
+    }
+    s.g.tokens.resize(static_cast<size_t>(s.start + 1));
+    s.g.tokens.insert(s.g.tokens.end(), block.begin() + 1, block.begin() + 1 + accepted);
+    s.g.tokens.push_back(bonus);
+    const int64_t produced = up_to_stop(s.g.tokens, static_cast<size_t>(s.start + 1),
+                                        std::min(accepted + 1, s.max_length - s.start - 1), settings.stop_token_ids,
+                                        &s.g.stopped);
+    s.g.tokens.resize(static_cast<size_t>(s.start + 1 + produced));
+    lengths[j] = s.start + produced;
+    if (verify > 1) contexts.push_back(&s.context), committed_features.push_back(out[j].features.narrow(0, 0, produced));
+    s.start += produced;
+    s.g.acceptance.push_back(produced);
+  }
+  target_.crop_batch(caches, lengths);
+  if (!contexts.empty()) drafter_.extend_contexts(contexts, committed_features);
+}
+
+void PlainDecoder::start(Sequence& s, const GenerateSettings& settings) const {
+  s.cache = target_.new_cache();
+  const target::DecodeOutput out = target_.prefill(s.cache, ids_tensor(s.request.prompt), {});
+  s.g.tokens = s.request.prompt;
+  s.g.tokens.push_back(choose(out.logits, settings.sampling, s.gen));
+}
+
+void PlainDecoder::advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const {
+  std::vector<target::DecodeCache*> caches;
+  std::vector<at::Tensor> ids;
+  for (Sequence* s : active) caches.push_back(&s->cache), ids.push_back(ids_tensor({s->g.tokens.back()}));
+  const std::vector<target::DecodeOutput> out = target_.step_batch(caches, ids, {});
+  at::Tensor greedy;  // one argmax over every sequence's logits
+  if (settings.sampling.greedy()) {
+    std::vector<at::Tensor> logits;
+    for (const target::DecodeOutput& o : out) logits.push_back(o.logits);
+    greedy = at::cat(logits).argmax(-1).to(at::kCPU);
+  }
+  for (size_t j = 0; j < active.size(); ++j) {
+    Sequence& s = *active[j];
+    const int64_t token = greedy.defined() ? greedy[static_cast<int64_t>(j)].item<int64_t>()
+                                           : choose(out[j].logits, settings.sampling, s.gen);
+    s.g.tokens.push_back(token);
+    s.g.stopped = is_stop(token, settings.stop_token_ids);
+    s.start += 1;
+    s.g.acceptance.push_back(1);
+  }
 }
 
 Generation plain_generate(const target::IncrementalTarget& target, const std::vector<int64_t>& prompt,
-                          const GenerateSettings& s) {
-  c10::InferenceMode inference;
-  check_prompt(prompt, target.model().config().vocab_size, s);
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s.seed);
-  Generation g;
-  g.prompt_tokens = static_cast<int64_t>(prompt.size());
-  const auto prefill_start = Clock::now();
-  target::DecodeCache cache = target.new_cache();
-  target::DecodeOutput out = target.prefill(cache, ids_tensor(prompt), {});
-  g.tokens = prompt;
-  g.tokens.push_back(choose(out.logits, s.sampling, gen));
-  g.prefill_seconds = seconds_since(prefill_start);
-  const auto decode_start = Clock::now();
-  g.stopped = is_stop(g.tokens.back(), s.stop_token_ids);
-  while (g.new_tokens() < s.max_new_tokens && !g.stopped) {
-    out = target.step(cache, ids_tensor({g.tokens.back()}), {});
-    g.tokens.push_back(choose(out.logits, s.sampling, gen));
-    g.stopped = is_stop(g.tokens.back(), s.stop_token_ids);
-    g.acceptance.push_back(1);
-  }
-  g.decode_seconds = seconds_since(decode_start);
-  return g;
+                          const GenerateSettings& settings) {
+  return PlainDecoder(target).generate(prompt, settings);
 }
 
 }  // namespace dflash::decode

@@ -1,15 +1,16 @@
-// speculative.h: DFlash speculative decoding with the target, one sequence at a time, with the
-// semantics of z-lab's dflash_generate (dflash==0.1.0, dflash/model.py):
+// speculative.h: DFlash speculative decoding with the target, many sequences at once (each with
+// the semantics of z-lab's dflash_generate (dflash==0.1.0, dflash/model.py):
 //   prefill the prompt, take its first token; then repeatedly the drafter proposes a block
 //   [last token, B - 1 drafts] from the target features of every committed token (its context
 //   cache) and the block's embeddings; the target verifies the block in one step; the matched
 //   prefix plus one bonus token is kept (greedy), or rejection sampling decides (temperature > 0);
-//   the target cache is cropped to the committed tokens; a stop token ends the sequence.
+//   the target cache is cropped to the committed tokens; a stop token ends the sequence).
 // plain_generate is ordinary decoding with the same target: the baseline for speed and the
 // reference that greedy speculative decoding must reproduce token for token (lossless).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "decode/sampling.h"
@@ -35,26 +36,84 @@ struct Generation {
   // was accepted (speculative decoding only).
   std::vector<int64_t> drafted_at, accepted_at;
   bool stopped = false;  // a stop token ended it
+  // Its prefill, and the wall time from then to its end (shared with the other sequences in
+  // flight: a batched run's rate is its tokens over the run's wall time).
   double prefill_seconds = 0, decode_seconds = 0;
 
   int64_t new_tokens() const { return static_cast<int64_t>(tokens.size()) - prompt_tokens; }
 };
 
-class SpeculativeDecoder {
+// One prompt of a batched run. `id` is the caller's (handed back when it finishes); `seed`
+// starts the sequence's own random stream, so a sampled output depends on its prompt, settings
+// and seed, not on what else is in the batch.
+struct Request {
+  int64_t id = 0;
+  std::vector<int64_t> prompt;
+  uint64_t seed = 0;
+};
+
+// Pulls the next request into *r; false when there are none left.
+using NextRequest = std::function<bool(Request* r)>;
+// Called as each sequence finishes (on the thread of run(), in the order they finish).
+using Finished = std::function<void(Request&& r, Generation&& g)>;
+
+// A decoder over the target (and, speculative, a drafter) with continuous batching: at most
+// `max_batch` sequences in flight; each round advances all of them in one batched target step
+// (one batched drafter call before it), and a finished sequence's slot takes the next request
+// (its prompt prefilled alone, in chunks, then it joins the next round).
+class Decoder {
+ public:
+  virtual ~Decoder() = default;
+  // Throws std::invalid_argument on bad settings or prompt ids (naming the request id).
+  void run(const GenerateSettings& settings, int64_t max_batch, const NextRequest& next, const Finished& done) const;
+  // All `prompts`, request i seeded with sequence_seed(settings.seed, i); results in prompt order.
+  std::vector<Generation> generate_all(const std::vector<std::vector<int64_t>>& prompts, const GenerateSettings& settings,
+                                       int64_t max_batch) const;
+  // One prompt (seeded with settings.seed). Throws std::invalid_argument on bad settings or ids.
+  Generation generate(const std::vector<int64_t>& prompt, const GenerateSettings& settings) const;
+
+  const target::IncrementalTarget& target() const { return target_; }
+
+  struct Sequence;  // one sequence's state between rounds (speculative.cc)
+
+ protected:
+  explicit Decoder(const target::IncrementalTarget& target) : target_(target) {}
+  // Prefills s's prompt and takes its first token.
+  virtual void start(Sequence& s, const GenerateSettings& settings) const = 0;
+  // One round: every sequence in `active` (none finished) advances by one target step.
+  virtual void advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const = 0;
+
+  const target::IncrementalTarget& target_;
+};
+
+// The seed of request `index` of a run seeded with `seed` (splitmix64 of the two).
+uint64_t sequence_seed(uint64_t seed, uint64_t index);
+
+class SpeculativeDecoder : public Decoder {
  public:
   // Both must outlive the decoder; the drafter's target_layer_ids name the target's tapped layers,
   // and its block size the block.
   SpeculativeDecoder(const target::IncrementalTarget& target, const drafter::Drafter& drafter);
-  // prompt: token ids (non-empty). Throws std::invalid_argument on bad settings or ids.
-  Generation generate(const std::vector<int64_t>& prompt, const GenerateSettings& settings) const;
 
  private:
-  const target::IncrementalTarget& target_;
+  void start(Sequence& s, const GenerateSettings& settings) const override;
+  void advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const override;
+
   const drafter::Drafter& drafter_;
   std::vector<int64_t> tap_;
 };
 
 // Plain decoding: the prompt's prefill, then one target step per token.
+class PlainDecoder : public Decoder {
+ public:
+  explicit PlainDecoder(const target::IncrementalTarget& target) : Decoder(target) {}
+
+ private:
+  void start(Sequence& s, const GenerateSettings& settings) const override;
+  void advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const override;
+};
+
+// PlainDecoder(target).generate(prompt, settings).
 Generation plain_generate(const target::IncrementalTarget& target, const std::vector<int64_t>& prompt,
                           const GenerateSettings& settings);
 

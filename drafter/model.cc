@@ -5,9 +5,11 @@
 #include <c10/core/InferenceMode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <stdexcept>
 
 #include "common/safetensors.h"
@@ -189,60 +191,156 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
 }
 
 void Drafter::extend_context(DrafterContextCache& cache, const at::Tensor& features) const {
+  extend_contexts({&cache}, {features});
+}
+
+void Drafter::extend_contexts(const std::vector<DrafterContextCache*>& caches,
+                              const std::vector<at::Tensor>& features) const {
   c10::InferenceMode inference;
   const DrafterShape& s = shape_;
-  const int64_t hkv = s.num_key_value_heads, d = s.head_dim, n = features.size(0), begin = cache.length;
+  const int64_t hkv = s.num_key_value_heads, d = s.head_dim;
   const at::Device device = options_.device();
-  cache.keys.resize(static_cast<size_t>(s.num_layers));
-  cache.values.resize(static_cast<size_t>(s.num_layers));
-  if (n == 0) return;
-  const at::Tensor context =
-      trained_rms_norm(at::linear(features.to(device, options_.dtype().toScalarType()), fc_), hidden_norm_, s.rms_norm_eps);
-  const RopeTables rope = rope_tables(at::arange(begin, begin + n, at::TensorOptions().dtype(at::kLong)), d, s.rope_theta,
-                                      options_.dtype().toScalarType(), device);
+  if (caches.size() != features.size()) throw std::invalid_argument("drafter context: one feature block per cache");
+  std::vector<at::Tensor> parts, positions;
+  for (size_t j = 0; j < caches.size(); ++j) {
+    caches[j]->keys.resize(static_cast<size_t>(s.num_layers));
+    caches[j]->values.resize(static_cast<size_t>(s.num_layers));
+    if (features[j].size(0) == 0) continue;
+    parts.push_back(features[j].to(device, options_.dtype().toScalarType()));
+    positions.push_back(at::arange(caches[j]->length, caches[j]->length + features[j].size(0),
+                                   at::TensorOptions().dtype(at::kLong)));
+  }
+  if (parts.empty()) return;
+  const at::Tensor context = trained_rms_norm(at::linear(at::cat(parts), fc_), hidden_norm_, s.rms_norm_eps);
+  const int64_t n = context.size(0);
+  const RopeTables rope = rope_tables(at::cat(positions), d, s.rope_theta, options_.dtype().toScalarType(), device);
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const Layer& l = layers_[i];
     const at::Tensor k = apply_rope(trained_rms_norm(at::linear(context, l.k_proj).view({n, hkv, d}), l.k_norm, s.rms_norm_eps), rope);
     const at::Tensor v = at::linear(context, l.v_proj).view({n, hkv, d});
-    cache.keys[i] = with_rows(cache.keys[i], begin, begin + n, {hkv, d}, k.options());
-    cache.values[i] = with_rows(cache.values[i], begin, begin + n, {hkv, d}, v.options());
-    cache.keys[i].narrow(0, begin, n).copy_(k);
-    cache.values[i].narrow(0, begin, n).copy_(v);
+    int64_t row = 0;
+    for (size_t j = 0; j < caches.size(); ++j) {
+      DrafterContextCache& cache = *caches[j];
+      const int64_t count = features[j].size(0), begin = cache.length;
+      if (count == 0) continue;
+      cache.keys[i] = with_rows(cache.keys[i], begin, begin + count, {hkv, d}, k.options());
+      cache.values[i] = with_rows(cache.values[i], begin, begin + count, {hkv, d}, v.options());
+      cache.keys[i].narrow(0, begin, count).copy_(k.narrow(0, row, count));
+      cache.values[i].narrow(0, begin, count).copy_(v.narrow(0, row, count));
+      row += count;
+    }
   }
-  cache.length = begin + n;
+  for (size_t j = 0; j < caches.size(); ++j) caches[j]->length += features[j].size(0);
 }
 
 at::Tensor Drafter::block_hidden(const DrafterContextCache& cache, const at::Tensor& block_ids, const at::Tensor& embed) const {
+  return block_hiddens({&cache}, {block_ids}, embed)[0];
+}
+
+namespace {
+
+// The blocks of a batched drafter call that have the same number of rows, and where their rows lie.
+struct BlockGroup {
+  int64_t rows = 0;
+  std::vector<size_t> members;
+  at::Tensor row_ids;  // int64 [members * rows] on the device, member-major
+};
+
+// Attention of a group's blocks in layer `layer` ([members * rows, Hq, d], member-major): every
+// row of a block sees its sequence's cached context and its whole block (no mask within); with
+// several members the keys are padded to the longest and the padding masked.
+at::Tensor block_attention_group(const DrafterShape& s, const std::vector<const DrafterContextCache*>& caches,
+                                 const BlockGroup& g, const std::vector<int64_t>& first, int64_t layer,
+                                 const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block) {
+  const int64_t hq = s.num_attention_heads, hkv = s.num_key_value_heads, d = s.head_dim, rows = g.rows;
+  const int64_t size = static_cast<int64_t>(g.members.size());
+  std::vector<at::Tensor> keys, values;
+  int64_t longest = 0;
+  for (size_t j : g.members) {
+    const DrafterContextCache& cache = *caches[j];
+    at::Tensor k = k_block.narrow(0, first[j], rows), v = v_block.narrow(0, first[j], rows);
+    if (cache.length > 0) {
+      k = at::cat({cache.keys[layer].narrow(0, 0, cache.length), k});
+      v = at::cat({cache.values[layer].narrow(0, 0, cache.length), v});
+    }
+    keys.push_back(k);
+    values.push_back(v);
+    longest = std::max(longest, k.size(0));
+  }
+  at::Tensor mask;
+  auto padded = [&](const std::vector<at::Tensor>& parts) {  // [G, Hkv, longest, d]
+    if (size == 1) return parts[0].transpose(0, 1).unsqueeze(0);
+    at::Tensor all = at::zeros({size, longest, hkv, d}, parts[0].options());
+    for (int64_t j = 0; j < size; ++j) all[j].narrow(0, 0, parts[j].size(0)).copy_(parts[j]);
+    return all.transpose(1, 2);
+  };
+  if (size > 1) {
+    std::vector<int64_t> lengths;
+    for (const at::Tensor& k : keys) lengths.push_back(k.size(0));
+    const auto long_options = at::TensorOptions().dtype(at::kLong);
+    mask = (at::arange(longest, long_options).unsqueeze(0) < at::tensor(lengths, long_options).unsqueeze(1))
+               .view({size, 1, 1, longest})
+               .to(q.device());
+  }
+  const at::Tensor o = at::scaled_dot_product_attention(
+      q.index_select(0, g.row_ids).view({size, rows, hq, d}).transpose(1, 2), padded(keys), padded(values),
+      mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, 0.0,
+      false, 1.0 / std::sqrt(static_cast<double>(d)), /*enable_gqa=*/true);
+  return o.transpose(1, 2).reshape({size * rows, hq, d});
+}
+
+}  // namespace
+
+std::vector<at::Tensor> Drafter::block_hiddens(const std::vector<const DrafterContextCache*>& caches,
+                                               const std::vector<at::Tensor>& block_ids, const at::Tensor& embed) const {
   c10::InferenceMode inference;
   const DrafterShape& s = shape_;
   const int64_t hq = s.num_attention_heads, hkv = s.num_key_value_heads, d = s.head_dim;
-  const int64_t rows = block_ids.size(0), begin = cache.length;
   const at::Device device = options_.device();
   const at::ScalarType dtype = options_.dtype().toScalarType();
-  const RopeTables rope = rope_tables(at::arange(begin, begin + rows, at::TensorOptions().dtype(at::kLong)), d, s.rope_theta,
-                                      dtype, device);
-  at::Tensor x = at::embedding(embed, block_ids.to(device, at::kLong)).to(dtype);
-  auto heads_first = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
+  if (caches.empty() || caches.size() != block_ids.size()) throw std::invalid_argument("drafter block: one block per cache");
+  std::vector<at::Tensor> ids, positions;
+  std::vector<BlockGroup> groups;
+  int64_t total = 0;
+  for (size_t j = 0; j < caches.size(); ++j) {
+    ids.push_back(block_ids[j].to(device, at::kLong).reshape({-1}));
+    const int64_t rows = ids.back().size(0), begin = caches[j]->length;
+    positions.push_back(at::arange(begin, begin + rows, at::TensorOptions().dtype(at::kLong)));
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const BlockGroup& g) { return g.rows == rows; });
+    if (it == groups.end()) it = groups.insert(groups.end(), BlockGroup{rows, {}, {}});
+    it->members.push_back(j);
+    total += rows;
+  }
+  std::vector<int64_t> first(caches.size(), 0);
+  for (size_t j = 1; j < caches.size(); ++j) first[j] = first[j - 1] + ids[j - 1].size(0);
+  for (BlockGroup& g : groups) {
+    std::vector<int64_t> rows;
+    for (size_t j : g.members) {
+      for (int64_t r = 0; r < g.rows; ++r) rows.push_back(first[j] + r);
+    }
+    g.row_ids = at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(device);
+  }
+  const RopeTables rope = rope_tables(at::cat(positions), d, s.rope_theta, dtype, device);
+  at::Tensor x = at::embedding(embed, at::cat(ids)).to(dtype);
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const Layer& l = layers_[i];
     const at::Tensor h = trained_rms_norm(x, l.input_norm, s.rms_norm_eps);
-    const at::Tensor q = apply_rope(trained_rms_norm(at::linear(h, l.q_proj).view({rows, hq, d}), l.q_norm, s.rms_norm_eps), rope);
+    const at::Tensor q = apply_rope(trained_rms_norm(at::linear(h, l.q_proj).view({total, hq, d}), l.q_norm, s.rms_norm_eps), rope);
     const at::Tensor k_block =
-        apply_rope(trained_rms_norm(at::linear(h, l.k_proj).view({rows, hkv, d}), l.k_norm, s.rms_norm_eps), rope);
-    const at::Tensor v_block = at::linear(h, l.v_proj).view({rows, hkv, d});
-    at::Tensor k = k_block, v = v_block;
-    if (begin > 0) {
-      k = at::cat({cache.keys[i].narrow(0, 0, begin), k_block});
-      v = at::cat({cache.values[i].narrow(0, 0, begin), v_block});
+        apply_rope(trained_rms_norm(at::linear(h, l.k_proj).view({total, hkv, d}), l.k_norm, s.rms_norm_eps), rope);
+    const at::Tensor v_block = at::linear(h, l.v_proj).view({total, hkv, d});
+    at::Tensor attention = at::empty({total, hq, d}, q.options());
+    for (const BlockGroup& g : groups) {
+      attention.index_copy_(0, g.row_ids, block_attention_group(s, caches, g, first, i, q, k_block, v_block));
     }
-    // Every row sees the context and the whole block (no mask).
-    const at::Tensor o = at::scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), {}, 0.0, false,
-                                                          1.0 / std::sqrt(static_cast<double>(d)), /*enable_gqa=*/true);
-    x = x + at::linear(o.squeeze(0).transpose(0, 1).reshape({rows, hq * d}), l.o_proj);
+    x = x + at::linear(attention.view({total, hq * d}), l.o_proj);
     const at::Tensor m = trained_rms_norm(x, l.post_attention_norm, s.rms_norm_eps);
     x = x + at::linear(trained_silu_mul(at::linear(m, l.gate_proj), at::linear(m, l.up_proj)), l.down_proj);
   }
-  return trained_rms_norm(x, norm_, s.rms_norm_eps);
+  const at::Tensor hidden = trained_rms_norm(x, norm_, s.rms_norm_eps);
+  std::vector<at::Tensor> out;
+  for (size_t j = 0; j < caches.size(); ++j) out.push_back(hidden.narrow(0, first[j], ids[j].size(0)));
+  return out;
 }
 
 }  // namespace dflash::drafter

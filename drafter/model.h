@@ -68,6 +68,13 @@ class Drafter {
   // then mask tokens): every row sees the whole cached context and the whole block, as a training
   // block sees the context before its anchor (forward() of an anchor at cache.length).
   at::Tensor block_hidden(const DrafterContextCache& cache, const at::Tensor& block_ids, const at::Tensor& embed) const;
+  // The same for several sequences (batched decoding): the projections, norms and MLPs once over
+  // every block row, the attention once per group of blocks of one length (contexts padded and
+  // masked). extend_context of several caches: one fc and one k / v projection per layer.
+  // Results per sequence, equal to the one-sequence calls up to the rounding of batched GEMMs.
+  void extend_contexts(const std::vector<DrafterContextCache*>& caches, const std::vector<at::Tensor>& features) const;
+  std::vector<at::Tensor> block_hiddens(const std::vector<const DrafterContextCache*>& caches,
+                                        const std::vector<at::Tensor>& block_ids, const at::Tensor& embed) const;
 
  private:
   // The parameters by role (handles to the same tensors as parameters_, typed as the target's

@@ -70,8 +70,10 @@ Evaluator::Evaluator(const config::Config& config, const target::TargetModel& ta
                   .Register(registry)
                   .Add({});
   best_ = recorded_best(best_dir_);
-  log::info("eval: every {} steps, {} prompts, {} new tokens each, on {}; export/best follows the eval acceptance{}",
-            settings_.every_steps, prompts_.size(), settings_.max_new_tokens, target.options().device.str(),
+  log::info("eval: every {} steps, {} prompts, {} new tokens each, {}, {} at once, on {}; export/best follows the "
+            "eval acceptance{}",
+            settings_.every_steps, prompts_.size(), settings_.max_new_tokens, decode::describe(generate_),
+            settings_.max_batch, target.options().device.str(),
             best_ > 0 ? " (best so far " + std::to_string(best_) + ")" : "");
   thread_ = std::thread([this] { run(); });
 }
@@ -152,7 +154,7 @@ void Evaluator::evaluate(int64_t step) {
   const auto start = std::chrono::steady_clock::now();
   const decode::SpeculativeDecoder spec(target_, drafter_);
   const bool baseline = plain_tokens_per_second_ == 0;
-  decode::EvalReport report = decode::evaluate(spec, target_, prompts_, generate_, baseline);
+  decode::EvalReport report = decode::evaluate(spec, target_, prompts_, generate_, baseline, settings_.max_batch);
   if (baseline) plain_tokens_per_second_ = report.plain_tokens_per_second;
   const double speedup = plain_tokens_per_second_ > 0 ? report.spec_tokens_per_second / plain_tokens_per_second_ : 0;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -169,9 +171,9 @@ void Evaluator::evaluate(int64_t step) {
   evaluations_->Increment();
   std::string positions;
   for (double a : report.acceptance_at) positions += (positions.empty() ? "" : " ") + fixed(a, 2);
-  log::info("eval at step {}: acceptance length {} ({} prompts; accepted per position {}); speculative {} tok/s, "
-            "plain {} tok/s, speedup {}x; {} s",
-            step, fixed(report.acceptance_length, 3), report.prompts, positions, fixed(report.spec_tokens_per_second, 1),
+  log::info("eval at step {}: acceptance length {} ({} prompts, {} new tokens; accepted per position {}); speculative {} "
+            "tok/s, plain {} tok/s, speedup {}x; {} s",
+            step, fixed(report.acceptance_length, 3), report.prompts, report.new_tokens, positions, fixed(report.spec_tokens_per_second, 1),
             fixed(plain_tokens_per_second_, 1), fixed(speedup, 2), fixed(seconds, 1));
   if (report.mismatches > 0) {
     log::warn("eval at step {}: {} prompt(s) decoded differently from plain greedy decoding (low-precision numerics)",

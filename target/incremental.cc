@@ -3,7 +3,9 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <stdexcept>
 #include <string>
 
@@ -15,34 +17,113 @@
 namespace dflash::target {
 namespace {
 
-// One full-attention layer over the step's tokens: their keys and values appended at `begin`,
-// each query attending to every cached key up to its own position.
-at::Tensor attention_step(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
-                          const at::Tensor& sin, at::Tensor& keys, at::Tensor& values, int64_t begin) {
-  const int64_t n = x.size(0), d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
-  const auto [q, k, v, gate] = project_attention(c, p, x, cos, sin);
-  const int64_t total = begin + n;
-  keys = with_rows(keys, begin, total, {hkv, d}, k.options());
-  values = with_rows(values, begin, total, {hkv, d}, v.options());
-  keys.narrow(0, begin, n).copy_(k);
-  values.narrow(0, begin, n).copy_(v);
-  auto heads_first = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
-  const auto long_options = at::TensorOptions().dtype(at::kLong).device(x.device());
-  const at::Tensor visible = at::arange(total, long_options).unsqueeze(0) <= (at::arange(n, long_options) + begin).unsqueeze(1);
-  const at::Tensor o = at::scaled_dot_product_attention(
-      heads_first(q), heads_first(keys.narrow(0, 0, total)), heads_first(values.narrow(0, 0, total)), visible, 0.0,
-      /*is_causal=*/false, 1.0 / std::sqrt(static_cast<double>(d)), /*enable_gqa=*/true);
-  at::Tensor out = o.squeeze(0).transpose(0, 1).reshape({n, hq * d});
-  if (c.gated_attention) out = sigmoid_gate(out, gate);
+// The sequences of a batched step that run the same number of tokens, n each: their attention
+// and their rule run together.
+struct Group {
+  int64_t n = 0;
+  std::vector<size_t> members;  // indices into the step's sequences, ascending
+  std::vector<int64_t> begins;  // per member: the position of its first token (its cache length)
+  std::vector<int64_t> first;   // per member: the row of its first token among the step's tokens
+  at::Tensor rows;              // int64 [members * n] on the device: the members' rows, member-major
+};
+
+// Sequences grouped by their token count (groups in order of first appearance).
+std::vector<Group> group_by_count(const std::vector<int64_t>& counts, const std::vector<int64_t>& begins,
+                                  at::Device device) {
+  std::vector<Group> groups;
+  int64_t row = 0;
+  for (size_t s = 0; s < counts.size(); ++s) {
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) { return g.n == counts[s]; });
+    if (it == groups.end()) it = groups.insert(groups.end(), Group{counts[s], {}, {}, {}, {}});
+    it->members.push_back(s);
+    it->begins.push_back(begins[s]);
+    it->first.push_back(row);
+    row += counts[s];
+  }
+  for (Group& g : groups) {
+    std::vector<int64_t> rows;
+    for (int64_t first : g.first) {
+      for (int64_t t = 0; t < g.n; ++t) rows.push_back(first + t);
+    }
+    g.rows = at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(device);
+  }
+  return groups;
+}
+
+// [G, ...] from G tensors of one shape: a view for one, a stacked copy for several.
+at::Tensor stacked(const std::vector<at::Tensor>& parts) {
+  return parts.size() == 1 ? parts[0].unsqueeze(0) : at::stack(parts);
+}
+
+// The tensors of G sequences [G, n, H, d] as one sequence with the heads side by side [n, G*H, d]
+// (the rule treats heads independently; value head h of member j reads key head h / (Hv/Hk) of
+// member j, as before).
+at::Tensor heads_side_by_side(const at::Tensor& t) {
+  if (t.size(0) == 1) return t.squeeze(0);
+  std::vector<int64_t> shape{t.size(1), t.size(0) * t.size(2)};
+  for (int64_t i = 3; i < t.dim(); ++i) shape.push_back(t.size(i));
+  return t.transpose(0, 1).reshape(shape);
+}
+
+// One full-attention layer for a group: its members' keys and values appended to their caches
+// (layer `layer`), each query attending to its own sequence's keys up to its position (keys
+// padded to the group's longest and masked). Writes the attention rows into `out` [tokens, Hq, d].
+void attention_group(const ModelConfig& c, const AttentionQkv& a, const Group& group,
+                     const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& out) {
+  const int64_t n = group.n, size = static_cast<int64_t>(group.members.size());
+  const int64_t d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
+  int64_t longest = 0;
+  std::vector<at::Tensor> keys, values;
+  for (int64_t j = 0; j < size; ++j) {
+    DecodeCache& cache = *caches[group.members[j]];
+    const int64_t begin = group.begins[j], total = begin + n;
+    at::Tensor& k = cache.keys[layer];
+    at::Tensor& v = cache.values[layer];
+    k = with_rows(k, begin, total, {hkv, d}, a.k.options());
+    v = with_rows(v, begin, total, {hkv, d}, a.v.options());
+    k.narrow(0, begin, n).copy_(a.k.narrow(0, group.first[j], n));
+    v.narrow(0, begin, n).copy_(a.v.narrow(0, group.first[j], n));
+    keys.push_back(k.narrow(0, 0, total));
+    values.push_back(v.narrow(0, 0, total));
+    longest = std::max(longest, total);
+  }
+  auto padded = [&](const std::vector<at::Tensor>& parts) {  // [G, Hkv, longest, d]
+    if (size == 1) return parts[0].transpose(0, 1).unsqueeze(0);
+    at::Tensor all = at::zeros({size, longest, hkv, d}, parts[0].options());
+    for (int64_t j = 0; j < size; ++j) all[j].narrow(0, 0, parts[j].size(0)).copy_(parts[j]);
+    return all.transpose(1, 2);
+  };
+  const auto long_options = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor last_visible =  // [G, n]: the last key position each query sees
+      at::tensor(group.begins, long_options).unsqueeze(1) + at::arange(n, long_options).unsqueeze(0);
+  const at::Tensor visible = (at::arange(longest, long_options).view({1, 1, longest}) <= last_visible.unsqueeze(2))
+                                 .unsqueeze(1)
+                                 .to(a.q.device());
+  const at::Tensor q = a.q.index_select(0, group.rows).view({size, n, hq, d}).transpose(1, 2);
+  const at::Tensor o = at::scaled_dot_product_attention(q, padded(keys), padded(values), visible, 0.0,
+                                                        /*is_causal=*/false, 1.0 / std::sqrt(static_cast<double>(d)),
+                                                        /*enable_gqa=*/true);
+  out.index_copy_(0, group.rows, o.transpose(1, 2).reshape({size * n, hq, d}));
+}
+
+// One full-attention layer over every sequence's tokens.
+at::Tensor attention_layer(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
+                           const at::Tensor& sin, const std::vector<Group>& groups,
+                           const std::vector<DecodeCache*>& caches, size_t layer) {
+  const AttentionQkv a = project_attention(c, p, x, cos, sin);
+  at::Tensor out = at::empty({x.size(0), c.num_attention_heads, c.head_dim}, a.q.options());
+  for (const Group& group : groups) attention_group(c, a, group, caches, layer, out);
+  out = out.view({x.size(0), c.num_attention_heads * c.head_dim});
+  if (c.gated_attention) out = sigmoid_gate(out, a.gate);
   return p.o(out);
 }
 
-// The causal depthwise conv + SiLU over `window` ([K - 1 + n, C]: the K - 1 inputs before the
+// The causal depthwise conv + SiLU over `window` ([G, K - 1 + n, C]: the K - 1 inputs before the
 // step, then the step's), in fp32 as causal_conv1d_silu_reference, returned in `dtype`.
 at::Tensor conv_over_window(const at::Tensor& window, const at::Tensor& weight, at::ScalarType dtype) {
   const int64_t kernel = weight.size(1);
-  const at::Tensor taps = window.to(at::kFloat).unfold(0, kernel, 1);  // [n, C, K]: inputs t .. t + K - 1
-  return at::silu((taps * weight.to(at::kFloat).unsqueeze(0)).sum(-1)).to(dtype);
+  const at::Tensor taps = window.to(at::kFloat).unfold(-2, kernel, 1);  // [G, n, C, K]: inputs t .. t + K - 1
+  return at::silu((taps * weight.to(at::kFloat)).sum(-1)).to(dtype);
 }
 
 // The rule over n tokens from `state`: token by token for short steps, chunked for long ones.
@@ -56,27 +137,65 @@ at::Tensor run_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   return chunk_gated_delta_rule_reference(q, k, v, g, beta, 64, state);
 }
 
-// One GatedDeltaNet layer over the step's tokens, from the cached conv inputs and state; keeps
-// what crop() needs in `last`.
-at::Tensor gdn_step(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, at::Tensor& conv,
-                    at::Tensor& state, DecodeCache::LastStep::Gdn& last, int64_t recurrent_step_tokens) {
-  const int64_t n = x.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+// The rule for a group of sequences from `states` [G, Hv, dk, dv] (replaced by the states after
+// the tokens): q, k [G, n, Hk, dk], v [G, n, Hv, dv], g, beta [G, n, Hv]. Returns o [G, n, Hv, dv].
+at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                          const at::Tensor& beta, at::Tensor* states, int64_t recurrent_step_tokens) {
+  const int64_t size = q.size(0), n = q.size(1), hv = v.size(2);
+  at::Tensor state = states->reshape({size * hv, states->size(2), states->size(3)});
+  const at::Tensor o = run_rule(heads_side_by_side(q), heads_side_by_side(k), heads_side_by_side(v),
+                                heads_side_by_side(g.unsqueeze(-1)).squeeze(-1),
+                                heads_side_by_side(beta.unsqueeze(-1)).squeeze(-1), &state, recurrent_step_tokens);
+  *states = state.view(states->sizes());
+  return o.view({n, size, hv, v.size(3)}).transpose(0, 1);
+}
+
+// One GatedDeltaNet layer for a group, from its members' cached conv inputs and states; keeps
+// what crop() needs in each member's last step. Writes the rule's o rows into `o_out` [tokens,
+// Hv, dv] (fp32).
+void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjections& proj, const GdnGateValues& gates,
+               const Group& group, const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& o_out,
+               int64_t recurrent_step_tokens) {
+  const int64_t n = group.n, size = static_cast<int64_t>(group.members.size());
+  const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kernel = p.conv.size(1);
-  auto [mixed, z, b, a] = project_gdn(c, p, x);
-  if (!conv.defined()) conv = at::zeros({kernel - 1, mixed.size(1)}, mixed.options());
-  if (!state.defined()) state = at::zeros({hv, dk, dv}, x.options().dtype(at::kFloat));
-  last.window = at::cat({conv, mixed}, 0);
-  const at::Tensor convolved = conv_over_window(last.window, p.conv, x.scalar_type());
-  const auto [g, beta] = gdn_gates_reference(a, b, p.a_log, p.dt_bias);
-  last.q = convolved.narrow(-1, 0, hk * dk).view({n, hk, dk});
-  last.k = convolved.narrow(-1, hk * dk, hk * dk).view({n, hk, dk});
-  last.v = convolved.narrow(-1, 2 * hk * dk, hv * dv).view({n, hv, dv});
-  last.g = g;
-  last.beta = beta;
-  last.state_before = state;
-  const at::Tensor o = run_rule(last.q, last.k, last.v, g, beta, &state, recurrent_step_tokens);
-  conv = last.window.narrow(0, n, kernel - 1).clone();
-  return gdn_output(c, p, o, z, x.scalar_type());
+  std::vector<at::Tensor> windows, states_before;
+  for (int64_t j = 0; j < size; ++j) {
+    DecodeCache& cache = *caches[group.members[j]];
+    at::Tensor& conv = cache.conv[layer];
+    if (!conv.defined()) conv = at::zeros({kernel - 1, proj.mixed.size(1)}, proj.mixed.options());
+    if (!cache.state[layer].defined()) cache.state[layer] = at::zeros({hv, dk, dv}, o_out.options());
+    windows.push_back(at::cat({conv, proj.mixed.narrow(0, group.first[j], n)}, 0));
+    states_before.push_back(cache.state[layer]);
+  }
+  const at::Tensor window = stacked(windows);
+  const at::Tensor convolved = conv_over_window(window, p.conv, proj.mixed.scalar_type());
+  const at::Tensor q = convolved.narrow(-1, 0, hk * dk).view({size, n, hk, dk});
+  const at::Tensor k = convolved.narrow(-1, hk * dk, hk * dk).view({size, n, hk, dk});
+  const at::Tensor v = convolved.narrow(-1, 2 * hk * dk, hv * dv).view({size, n, hv, dv});
+  const at::Tensor g = gates.g.index_select(0, group.rows).view({size, n, hv});
+  const at::Tensor beta = gates.beta.index_select(0, group.rows).view({size, n, hv});
+  at::Tensor states = stacked(states_before);
+  const at::Tensor o = run_rule_group(q, k, v, g, beta, &states, recurrent_step_tokens);
+  o_out.index_copy_(0, group.rows, o.reshape({size * n, hv, dv}));
+  for (int64_t j = 0; j < size; ++j) {
+    DecodeCache& cache = *caches[group.members[j]];
+    DecodeCache::LastStep::Gdn& last = cache.last.gdn[layer];
+    last = {states_before[j], q[j], k[j], v[j], g[j], beta[j], window[j]};
+    cache.state[layer] = states[j];
+    cache.conv[layer] = window[j].narrow(0, n, kernel - 1).clone();
+  }
+}
+
+// One GatedDeltaNet layer over every sequence's tokens.
+at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, const std::vector<Group>& groups,
+                     const std::vector<DecodeCache*>& caches, size_t layer, int64_t recurrent_step_tokens) {
+  const GdnProjections proj = project_gdn(c, p, x);
+  const GdnGateValues gates = gdn_gates_reference(proj.a, proj.b, p.a_log, p.dt_bias);
+  at::Tensor o = at::empty({x.size(0), c.linear_num_value_heads, c.linear_value_head_dim},
+                           x.options().dtype(at::kFloat));
+  for (const Group& group : groups) gdn_group(c, p, proj, gates, group, caches, layer, o, recurrent_step_tokens);
+  return gdn_output(c, p, o, proj.z, x.scalar_type());
 }
 
 }  // namespace
@@ -101,30 +220,48 @@ DecodeCache IncrementalTarget::new_cache() const {
   return cache;
 }
 
-DecodeOutput IncrementalTarget::step(DecodeCache& cache, const at::Tensor& input_ids, const std::vector<int64_t>& tap) const {
+DecodeOutput IncrementalTarget::step(DecodeCache& cache, const at::Tensor& ids, const std::vector<int64_t>& tap) const {
+  return std::move(step_batch({&cache}, {ids}, tap)[0]);
+}
+
+std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<DecodeCache*>& caches,
+                                                        const std::vector<at::Tensor>& input_ids,
+                                                        const std::vector<int64_t>& tap) const {
   c10::InferenceMode inference;
   const TargetModel::Impl& m = *model_.impl_;
   const ModelConfig& c = model_.config();
   const at::Device device = model_.options().device;
-  const at::Tensor ids = input_ids.to(device, at::kLong).reshape({-1});
-  const int64_t n = ids.size(0), begin = cache.length;
-  if (n == 0) throw std::invalid_argument("decode step: no tokens");
-  if (cache.keys.size() != m.layers.size()) throw std::invalid_argument("decode step: the cache is not this model's");
-  const at::Tensor positions = at::arange(begin, begin + n, at::TensorOptions().dtype(at::kLong).device(device));
-  const auto [cos, sin] = rope_tables(m.inv_freq, positions, model_.options().dtype);
-  cache.last.begin = begin;
-  cache.last.count = n;
+  if (caches.empty() || caches.size() != input_ids.size()) {
+    throw std::invalid_argument("decode step: " + std::to_string(caches.size()) + " caches for " +
+                                std::to_string(input_ids.size()) + " token lists");
+  }
+  std::vector<at::Tensor> ids, positions;
+  std::vector<int64_t> counts, begins;
+  for (size_t s = 0; s < caches.size(); ++s) {
+    DecodeCache& cache = *caches[s];
+    if (cache.keys.size() != m.layers.size()) throw std::invalid_argument("decode step: the cache is not this model's");
+    if (std::find(caches.begin(), caches.begin() + s, caches[s]) != caches.begin() + s) {
+      throw std::invalid_argument("decode step: a cache appears twice in one step");
+    }
+    ids.push_back(input_ids[s].to(device, at::kLong).reshape({-1}));
+    counts.push_back(ids.back().size(0));
+    if (counts.back() == 0) throw std::invalid_argument("decode step: no tokens");
+    begins.push_back(cache.length);
+    positions.push_back(at::arange(cache.length, cache.length + counts.back(),
+                                   at::TensorOptions().dtype(at::kLong).device(device)));
+  }
+  const std::vector<Group> groups = group_by_count(counts, begins, device);
+  const auto [cos, sin] = rope_tables(m.inv_freq, at::cat(positions), model_.options().dtype);
 
-  ResidualStream stream(at::embedding(m.embed, ids), c);
+  ResidualStream stream(at::embedding(m.embed, at::cat(ids)), c);
   std::vector<at::Tensor> tapped;
   size_t next = 0;
   for (size_t i = 0; i < m.layers.size(); ++i) {
     const Layer& layer = m.layers[i];
     const at::Tensor normed = stream.add_and_norm(layer.input_norm);
     stream.push(layer.kind == LayerKind::full_attention
-                    ? attention_step(c, layer.attention, normed, cos, sin, cache.keys[i], cache.values[i], begin)
-                    : gdn_step(c, layer.gdn, normed, cache.conv[i], cache.state[i], cache.last.gdn[i],
-                               recurrent_step_tokens_));
+                    ? attention_layer(c, layer.attention, normed, cos, sin, groups, caches, i)
+                    : gdn_layer(c, layer.gdn, normed, groups, caches, i, recurrent_step_tokens_));
     stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm), model_.grouped_moe_));
     if (next < tap.size() && tap[next] == static_cast<int64_t>(i)) {
       tapped.push_back(stream.output());
@@ -132,11 +269,18 @@ DecodeOutput IncrementalTarget::step(DecodeCache& cache, const at::Tensor& input
     }
   }
   if (next != tap.size()) throw std::invalid_argument("decode step: tapped layers must ascend within the model's layers");
-  cache.length = begin + n;
-  DecodeOutput out;
-  const at::Tensor normed = stream.add_and_norm(m.final_norm);
-  out.logits = at::matmul(normed, m.head.t()).to(at::kFloat);
-  if (!tapped.empty()) out.features = at::cat(tapped, -1);
+  const at::Tensor logits = at::matmul(stream.add_and_norm(m.final_norm), m.head.t()).to(at::kFloat);
+  const at::Tensor features = tapped.empty() ? at::Tensor() : at::cat(tapped, -1);
+  std::vector<DecodeOutput> out(caches.size());
+  int64_t row = 0;
+  for (size_t s = 0; s < caches.size(); ++s) {
+    caches[s]->length = begins[s] + counts[s];
+    caches[s]->last.begin = begins[s];
+    caches[s]->last.count = counts[s];
+    out[s].logits = logits.narrow(0, row, counts[s]);
+    if (features.defined()) out[s].features = features.narrow(0, row, counts[s]);
+    row += counts[s];
+  }
   return out;
 }
 
@@ -157,33 +301,47 @@ DecodeOutput IncrementalTarget::prefill(DecodeCache& cache, const at::Tensor& id
   return out;
 }
 
-void IncrementalTarget::crop(DecodeCache& cache, int64_t length) const {
+void IncrementalTarget::crop(DecodeCache& cache, int64_t length) const { crop_batch({&cache}, {length}); }
+
+void IncrementalTarget::crop_batch(const std::vector<DecodeCache*>& caches, const std::vector<int64_t>& lengths) const {
   c10::InferenceMode inference;
-  DecodeCache::LastStep& last = cache.last;
-  if (length < last.begin || length > last.begin + last.count) {
-    throw std::invalid_argument("decode crop: length " + std::to_string(length) + " is outside the last step [" +
-                                std::to_string(last.begin) + ", " + std::to_string(last.begin + last.count) + "]");
+  if (caches.size() != lengths.size()) throw std::invalid_argument("decode crop: one length per cache");
+  // Caches that keep fewer tokens than their last step ran, grouped by the tokens they keep.
+  std::map<int64_t, std::vector<size_t>> by_kept;
+  for (size_t s = 0; s < caches.size(); ++s) {
+    const DecodeCache::LastStep& last = caches[s]->last;
+    if (lengths[s] < last.begin || lengths[s] > last.begin + last.count) {
+      throw std::invalid_argument("decode crop: length " + std::to_string(lengths[s]) + " is outside the last step [" +
+                                  std::to_string(last.begin) + ", " + std::to_string(last.begin + last.count) + "]");
+    }
+    if (lengths[s] - last.begin < last.count) by_kept[lengths[s] - last.begin].push_back(s);
   }
-  const int64_t keep = length - last.begin;
-  if (keep < last.count) {
-    for (size_t i = 0; i < last.gdn.size(); ++i) {
-      DecodeCache::LastStep::Gdn& g = last.gdn[i];
-      if (!g.window.defined()) continue;  // a full-attention layer: its rows past `length` are ignored
-      const int64_t kernel_minus_1 = g.window.size(0) - last.count;
-      cache.conv[i] = g.window.narrow(0, keep, kernel_minus_1).clone();
-      at::Tensor state = g.state_before;
-      if (keep > 0) {
-        run_rule(g.q.narrow(0, 0, keep), g.k.narrow(0, 0, keep), g.v.narrow(0, 0, keep), g.g.narrow(0, 0, keep),
-                 g.beta.narrow(0, 0, keep), &state, recurrent_step_tokens_);
+  for (const auto& [keep, members] : by_kept) {
+    for (size_t i = 0; i < model_.impl_->layers.size(); ++i) {
+      if (!caches[members[0]]->last.gdn[i].window.defined()) continue;  // full attention: rows past `length` are ignored
+      std::vector<at::Tensor> states, q, k, v, g, beta;
+      for (size_t s : members) {
+        DecodeCache& cache = *caches[s];
+        DecodeCache::LastStep::Gdn& last = cache.last.gdn[i];
+        const int64_t kernel_minus_1 = last.window.size(0) - cache.last.count;
+        cache.conv[i] = last.window.narrow(0, keep, kernel_minus_1).clone();
+        last.window = last.window.narrow(0, 0, kernel_minus_1 + keep);
+        last.q = last.q.narrow(0, 0, keep), last.k = last.k.narrow(0, 0, keep), last.v = last.v.narrow(0, 0, keep);
+        last.g = last.g.narrow(0, 0, keep), last.beta = last.beta.narrow(0, 0, keep);
+        states.push_back(last.state_before);
+        q.push_back(last.q), k.push_back(last.k), v.push_back(last.v), g.push_back(last.g), beta.push_back(last.beta);
       }
-      cache.state[i] = state;
-      g.window = g.window.narrow(0, 0, kernel_minus_1 + keep);
-      g.q = g.q.narrow(0, 0, keep), g.k = g.k.narrow(0, 0, keep), g.v = g.v.narrow(0, 0, keep);
-      g.g = g.g.narrow(0, 0, keep), g.beta = g.beta.narrow(0, 0, keep);
+      at::Tensor kept = stacked(states);
+      if (keep > 0) {
+        run_rule_group(stacked(q), stacked(k), stacked(v), stacked(g), stacked(beta), &kept, recurrent_step_tokens_);
+      }
+      for (size_t j = 0; j < members.size(); ++j) caches[members[j]]->state[i] = kept[static_cast<int64_t>(j)];
     }
   }
-  last.count = keep;
-  cache.length = length;
+  for (size_t s = 0; s < caches.size(); ++s) {
+    caches[s]->last.count = lengths[s] - caches[s]->last.begin;
+    caches[s]->length = lengths[s];
+  }
 }
 
 }  // namespace dflash::target

@@ -6,6 +6,12 @@
 // recomputed from the state before the step over the kept tokens (the step keeps the rule's
 // inputs, a few KB per token, rather than a state per token, 3 MB per token and layer at 27B).
 //
+// Several sequences step together (step_batch, crop_batch: batched decoding of many prompts):
+// the token-wise work (embedding, projections, MLP or experts, norms, LM head) runs once over all
+// their tokens; the attention and the GatedDeltaNet rule once per group of sequences stepping the
+// same number of tokens (keys padded to the group's longest cache and masked; the rule's heads of
+// the group's sequences side by side, which is exact: heads are independent).
+//
 // Math as TargetModel::forward (same weights, same roundings of each layer's pieces); the
 // GatedDeltaNet rule runs as libtorch ops (token by token for one-token steps, chunked for
 // verify steps and prefills), on any device. Thread-safety: const methods; a cache belongs to
@@ -58,6 +64,11 @@ class IncrementalTarget {
   // Runs `ids` (int64 [n], n >= 1) at positions cache.length .. + n - 1; the cache grows by n.
   // `tap`: decoder layers whose outputs make DecodeOutput::features (may be empty).
   DecodeOutput step(DecodeCache& cache, const at::Tensor& ids, const std::vector<int64_t>& tap) const;
+  // One step of several sequences: caches[s] runs ids[s] (n_s >= 1 tokens each, any mix of n);
+  // outputs per sequence as step() gives them (equal up to the rounding of the batched GEMMs).
+  // The caches must be distinct.
+  std::vector<DecodeOutput> step_batch(const std::vector<DecodeCache*>& caches, const std::vector<at::Tensor>& ids,
+                                       const std::vector<int64_t>& tap) const;
   // A prompt in steps of at most `chunk` tokens (bounded attention scores and activations for
   // long prompts): the features of every token, the logits of the last one ([1, vocab]). The
   // cache's last step is the last chunk.
@@ -68,6 +79,9 @@ class IncrementalTarget {
   // Keeps the first `length` tokens; length must lie within the last step, [last.begin,
   // last.begin + last.count]. Throws std::invalid_argument.
   void crop(DecodeCache& cache, int64_t length) const;
+  // crop() of several caches (lengths[s] for caches[s]), the recurrent states recomputed together
+  // for the caches that keep the same number of tokens of their last step.
+  void crop_batch(const std::vector<DecodeCache*>& caches, const std::vector<int64_t>& lengths) const;
 
   const TargetModel& model() const { return model_; }
 

@@ -100,6 +100,51 @@ TEST(IncrementalTarget, APromptPrefilledInChunksIsThePromptInOneStep) {
   }
 }
 
+// Several sequences in one step (mixed token counts and cache lengths) and one crop: each
+// sequence's logits, features and later steps are those of its own steps alone.
+TEST(IncrementalTarget, ABatchedStepIsEachSequencesOwnStep) {
+  for (const char* preset : kPresets) {
+    SCOPED_TRACE(preset);
+    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
+    auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 17);
+    const IncrementalTarget decoder(*model);
+    const std::vector<int64_t> tap{0, config.num_layers - 1};
+    const auto options = at::TensorOptions().dtype(at::kLong);
+    const std::vector<int64_t> prompt_lengths{5, 12, 30, 12}, counts{3, 3, 1, 7}, keeps{0, 2, 1, 7};
+    std::vector<DecodeCache> alone, together;
+    std::vector<at::Tensor> ids, next;
+    for (size_t s = 0; s < prompt_lengths.size(); ++s) {
+      const at::Tensor prompt = at::randint(0, config.vocab_size, {prompt_lengths[s]}, options);
+      alone.push_back(decoder.new_cache());
+      together.push_back(decoder.new_cache());
+      decoder.prefill(alone.back(), prompt, {});
+      decoder.prefill(together.back(), prompt, {});
+      ids.push_back(at::randint(0, config.vocab_size, {counts[s]}, options));
+      next.push_back(at::randint(0, config.vocab_size, {2}, options));
+    }
+    std::vector<DecodeCache*> batch;
+    for (DecodeCache& c : together) batch.push_back(&c);
+    const std::vector<DecodeOutput> out = decoder.step_batch(batch, ids, tap);
+    std::vector<int64_t> lengths;
+    for (size_t s = 0; s < alone.size(); ++s) {
+      const DecodeOutput own = decoder.step(alone[s], ids[s], tap);
+      EXPECT_LT(max_diff(out[s].logits, own.logits), 1e-4) << "sequence " << s;
+      EXPECT_LT(max_diff(out[s].features, own.features), 1e-4) << "sequence " << s;
+      EXPECT_EQ(together[s].length, alone[s].length);
+      decoder.crop(alone[s], prompt_lengths[s] + keeps[s]);
+      lengths.push_back(prompt_lengths[s] + keeps[s]);
+    }
+    decoder.crop_batch(batch, lengths);
+    const std::vector<DecodeOutput> after = decoder.step_batch(batch, next, tap);
+    for (size_t s = 0; s < alone.size(); ++s) {
+      EXPECT_LT(max_diff(after[s].logits, decoder.step(alone[s], next[s], tap).logits), 1e-4) << "sequence " << s;
+    }
+    DecodeCache& first = together[0];
+    EXPECT_THROW(decoder.step_batch({&first, &first}, {next[0], next[0]}, {}), std::invalid_argument);
+    EXPECT_THROW(decoder.step_batch({&first}, {next[0], next[1]}, {}), std::invalid_argument);
+  }
+}
+
 TEST(IncrementalTarget, RefusesAPartialModelAndCropsOutsideTheLastStep) {
   const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny");
   auto partial = random_target(config, 2, TargetOptions{}, 1);
@@ -184,6 +229,42 @@ TEST(SpeculativeDecoding, GreedyOutputIsPlainGreedyDecoding) {
   }
 }
 
+// Many prompts at once, fewer places than prompts (continuous batching): every prompt's output
+// and acceptance are those of decoding it alone, greedy and sampled (its own random stream).
+TEST(SpeculativeDecoding, BatchedDecodingIsEachPromptDecodedAlone) {
+  for (const char* preset : {"tiny-qwen3_5", "tiny-qwen3"}) {
+    SCOPED_TRACE(preset);
+    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
+    auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 31);
+    const IncrementalTarget target(*model);
+    const drafter::Drafter d = random_drafter(config, 37);
+    const decode::SpeculativeDecoder spec(target, d);
+    const decode::PlainDecoder plain(target);
+    std::vector<std::vector<int64_t>> prompts;
+    for (int64_t length : {1, 9, 33, 4, 17}) {
+      const at::Tensor p = at::randint(0, config.vocab_size, {length}, at::TensorOptions().dtype(at::kLong));
+      prompts.emplace_back(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + length);
+    }
+    for (double temperature : {0.0, 1.0}) {
+      decode::GenerateSettings settings;
+      settings.max_new_tokens = 19;
+      settings.sampling.temperature = temperature;
+      settings.seed = 5;
+      const std::vector<decode::Generation> fast = spec.generate_all(prompts, settings, 3);
+      const std::vector<decode::Generation> slow = plain.generate_all(prompts, settings, 2);
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        decode::GenerateSettings own = settings;
+        own.seed = decode::sequence_seed(settings.seed, i);
+        const decode::Generation alone = spec.generate(prompts[i], own);
+        EXPECT_EQ(fast[i].tokens, alone.tokens) << "prompt " << i << ", temperature " << temperature;
+        EXPECT_EQ(fast[i].acceptance, alone.acceptance) << "prompt " << i << ", temperature " << temperature;
+        EXPECT_EQ(slow[i].tokens, decode::plain_generate(target, prompts[i], own).tokens) << "prompt " << i;
+        if (temperature == 0) EXPECT_EQ(fast[i].tokens, slow[i].tokens) << "prompt " << i;
+      }
+    }
+  }
+}
+
 // Sampling: reproducible for a seed, and lossless in distribution: the first new tokens of
 // speculative sampling follow the target's own sampling distribution.
 TEST(SpeculativeDecoding, SamplingIsReproducibleAndHasTheTargetsDistribution) {
@@ -226,11 +307,9 @@ TEST(SpeculativeDecoding, SamplingIsReproducibleAndHasTheTargetsDistribution) {
       }
     }
   }
-  const int runs = 1500;
+  const int runs = 1500;  // one prompt, 1500 sequences with their own random streams, 250 at once
   std::map<std::vector<int64_t>, double> seen;
-  for (int r = 0; r < runs; ++r) {
-    settings.seed = 1000 + r;
-    const decode::Generation g = spec.generate(prompt, settings);
+  for (const decode::Generation& g : spec.generate_all(std::vector<std::vector<int64_t>>(runs, prompt), settings, 250)) {
     seen[std::vector<int64_t>(g.tokens.begin() + 3, g.tokens.end())] += 1.0 / runs;
   }
   double tv = 0;  // total variation distance between the empirical and the exact distribution
@@ -249,54 +328,56 @@ TEST(SpeculativeDecoding, SamplingIsReproducibleAndHasTheTargetsDistribution) {
 // lossless, the same tokens and the same acceptance per step as it. (With transformers 5.23 it is
 // not for the hybrid targets: its cache rollback of the GatedDeltaNet layers changes the output,
 // bench/RESULTS.md; those cases are logged.)
-TEST(SpeculativeDecoding, MatchesDflashGenerateWithTheTransformersTarget) {
-  for (const char* family : {"qwen3_5", "qwen3_next", "qwen3", "llama"}) {
-    SCOPED_TRACE(family);
-    const std::string target_dir = std::string(DFLASHD_TARGET_REFERENCE_DIR) + "/" + family;
-    auto model = load_target(target_dir, load_model_config(target_dir).num_layers - 1, TargetOptions{});
-    const IncrementalTarget target(*model);
-    // A random drafter, exported and loaded back (bf16-rounded weights on both sides).
-    const std::string dir = test::make_temp_dir(std::string("dflash-ref-") + family);
-    random_drafter(model->config(), 29, 8).save_export(dir + "/drafter");
-    const std::string json = test::read_file(dir + "/drafter/config.json");
-    drafter::Drafter d(drafter::parse_export_config(json, "export"), at::TensorOptions().dtype(at::kFloat));
-    d.load_export(dir + "/drafter");
-    const decode::SpeculativeDecoder spec(target, d);
-    // Prompts from the target's own greedy output (what the drafter meets when it is used), and
-    // random ones.
-    std::vector<std::vector<int64_t>> prompts{{3, 1, 4, 1, 5}, {7}, {}};
-    for (int i = 0; i < 40; ++i) prompts.back().push_back((i * 37 + 11) % model->config().vocab_size);
-    nlohmann::json list = prompts;
-    std::ofstream(dir + "/prompts.json") << list.dump();
-    const int max_new = 30;
-    const std::string command = std::string(DFLASHD_PYTHON_EXECUTABLE) + " " + DFLASHD_DFLASH_SCRIPT + " " +
-                                target_dir + " " + dir + "/drafter " + dir + "/prompts.json " +
-                                std::to_string(max_new) + " " + dir + "/reference.json > " + dir +
-                                "/reference.log 2>&1";
-    ASSERT_EQ(std::system(command.c_str()), 0) << test::read_file(dir + "/reference.log");
-    const nlohmann::json reference = nlohmann::json::parse(test::read_file(dir + "/reference.json"));
-    int lossless_references = 0;
-    for (size_t p = 0; p < prompts.size(); ++p) {
-      decode::GenerateSettings settings;
-      settings.max_new_tokens = max_new;
-      const decode::Generation ours = spec.generate(prompts[p], settings);
-      const auto plain = reference[p]["plain_greedy"].get<std::vector<int64_t>>();
-      const auto theirs = reference[p]["output_ids"].get<std::vector<int64_t>>();
-      EXPECT_EQ(ours.tokens, plain) << "prompt " << p;
-      if (theirs == plain) {
-        ++lossless_references;
-        EXPECT_EQ(ours.tokens, theirs) << "prompt " << p;
-        EXPECT_EQ(ours.acceptance, reference[p]["acceptance"].get<std::vector<int64_t>>()) << "prompt " << p;
-      } else {
-        std::printf("%s prompt %zu: dflash_generate is not lossless with transformers' cache here\n", family, p);
-      }
-    }
-    // The attention-only targets must have compared against dflash_generate itself.
-    if (std::string(family) == "qwen3" || std::string(family) == "llama") {
-      EXPECT_EQ(lossless_references, 3);
+void compare_with_dflash_generate(const std::string& family) {
+  const std::string target_dir = std::string(DFLASHD_TARGET_REFERENCE_DIR) + "/" + family;
+  auto model = load_target(target_dir, load_model_config(target_dir).num_layers - 1, TargetOptions{});
+  const IncrementalTarget target(*model);
+  // A random drafter, exported and loaded back (bf16-rounded weights on both sides).
+  const std::string dir = test::make_temp_dir("dflash-ref-" + family);
+  random_drafter(model->config(), 29, 8).save_export(dir + "/drafter");
+  const std::string json = test::read_file(dir + "/drafter/config.json");
+  drafter::Drafter d(drafter::parse_export_config(json, "export"), at::TensorOptions().dtype(at::kFloat));
+  d.load_export(dir + "/drafter");
+  const decode::SpeculativeDecoder spec(target, d);
+  // Prompts from the target's own greedy output (what the drafter meets when it is used), and
+  // random ones.
+  std::vector<std::vector<int64_t>> prompts{{3, 1, 4, 1, 5}, {7}, {}};
+  for (int i = 0; i < 40; ++i) prompts.back().push_back((i * 37 + 11) % model->config().vocab_size);
+  nlohmann::json list = prompts;
+  std::ofstream(dir + "/prompts.json") << list.dump();
+  const int max_new = 30;
+  const std::string command = std::string(DFLASHD_PYTHON_EXECUTABLE) + " " + DFLASHD_DFLASH_SCRIPT + " " + target_dir +
+                              " " + dir + "/drafter " + dir + "/prompts.json " + std::to_string(max_new) + " " + dir +
+                              "/reference.json > " + dir + "/reference.log 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << test::read_file(dir + "/reference.log");
+  const nlohmann::json reference = nlohmann::json::parse(test::read_file(dir + "/reference.json"));
+  int lossless_references = 0;
+  decode::GenerateSettings settings;
+  settings.max_new_tokens = max_new;
+  const std::vector<decode::Generation> ours = spec.generate_all(prompts, settings, 2);
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    const auto plain = reference[p]["plain_greedy"].get<std::vector<int64_t>>();
+    const auto theirs = reference[p]["output_ids"].get<std::vector<int64_t>>();
+    EXPECT_EQ(ours[p].tokens, plain) << "prompt " << p;
+    if (theirs == plain) {
+      ++lossless_references;
+      EXPECT_EQ(ours[p].tokens, theirs) << "prompt " << p;
+      EXPECT_EQ(ours[p].acceptance, reference[p]["acceptance"].get<std::vector<int64_t>>()) << "prompt " << p;
+    } else {
+      std::printf("%s prompt %zu: dflash_generate is not lossless with transformers' cache here\n", family.c_str(), p);
     }
   }
+  // The attention-only targets must have compared against dflash_generate itself.
+  if (family == "qwen3" || family == "llama") EXPECT_EQ(lossless_references, 3);
 }
+
+// One test per family: each runs the reference in its own Python process (tests run in parallel).
+TEST(SpeculativeDecoding, MatchesDflashGenerateWithTheTransformersQwen3_5) { compare_with_dflash_generate("qwen3_5"); }
+TEST(SpeculativeDecoding, MatchesDflashGenerateWithTheTransformersQwen3Next) {
+  compare_with_dflash_generate("qwen3_next");
+}
+TEST(SpeculativeDecoding, MatchesDflashGenerateWithTheTransformersQwen3) { compare_with_dflash_generate("qwen3"); }
+TEST(SpeculativeDecoding, MatchesDflashGenerateWithTheTransformersLlama) { compare_with_dflash_generate("llama"); }
 
 }  // namespace
 }  // namespace dflash::target

@@ -14,7 +14,9 @@
 
 #include <httplib.h>
 
+#include "config/config.h"
 #include "decode/speculative.h"
+#include "drafter/model.h"
 #include "target/incremental.h"
 #include "target/model.h"
 #include "target/model_config.h"
@@ -34,13 +36,15 @@ void write_target_generated(const std::string& path, const target::IncrementalTa
   const int64_t vocab = target.model().config().vocab_size - 1;  // the last id is the mask token
   decode::GenerateSettings settings;
   settings.max_new_tokens = response;
+  std::vector<std::vector<int64_t>> prompts;
   for (int i = 0; i < count; ++i) {
     const int64_t length = 4 + at::randint(9, {1}, gen).item<int64_t>();
     const at::Tensor p = at::randint(vocab, {length}, gen);
-    const std::vector<int64_t> prompt(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + length);
-    const decode::Generation g = decode::plain_generate(target, prompt, settings);
+    prompts.emplace_back(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + length);
+  }
+  for (const decode::Generation& g : decode::PlainDecoder(target).generate_all(prompts, settings, 64)) {
     std::vector<int> mask(g.tokens.size(), 1);
-    std::fill(mask.begin(), mask.begin() + length, 0);
+    std::fill(mask.begin(), mask.begin() + g.prompt_tokens, 0);
     out << nlohmann::json{{"input_ids", g.tokens}, {"loss_mask", mask}}.dump() << "\n";
   }
 }
@@ -162,6 +166,83 @@ TEST(RealAcceptance, TheEvalSectionNeedsExactlyOneSourceOfPrompts) {
   EXPECT_NE(validate(", eval_fraction: 0.2}\n"), 0);
   EXPECT_NE(test::read_file(dir + "/v.log").find("eval.every_steps is 0"), std::string::npos) << test::read_file(dir + "/v.log");
   EXPECT_EQ(validate(", eval_fraction: 0.2}\neval: {every_steps: 5}\n"), 0) << test::read_file(dir + "/v.log");
+}
+
+// The eval section's decoding settings reach the decoder: every id a stop token (each prompt ends
+// at its first token), sampled (no lossless check: the best export's report has none), and the
+// log says what runs.
+TEST(RealAcceptance, TheEvalSectionsDecodingSettingsAreUsed) {
+  const std::string dir = test::make_temp_dir("eval-settings");
+  auto run = [&](const std::string& name, const std::string& eval_extra) {
+    std::ofstream(dir + "/" + name + ".yaml")
+        << "run: {name: eval-settings, output_dir: " << dir << "/" << name << "}\n"
+        << "target: {preset: tiny-qwen3, weights: random, dtype: float32}\n"
+        << "drafter: {num_layers: 1, block_size: 8, mask_token_id: 511}\n"
+        << "gpus: {device: cpu, target: [0], drafter: [0]}\n"
+        << "data: {synthetic: {sequences: 60, min_length: 24, max_length: 40}, eval_fraction: 0.1}\n"
+        << "train: {max_steps: 4, anchors_per_sequence: 16}\n"
+        << "eval: {every_steps: 4, max_prompts: 3, max_new_tokens: 8, max_batch: 2, temperature: 0.7, top_p: 0.9, "
+        << "top_k: 5" << eval_extra << "}\n"
+        << "metrics: {listen: \"\"}\n";
+    const std::string cmd = kBinary + " run -c " + dir + "/" + name + ".yaml > " + dir + "/" + name + ".log 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << test::read_file(dir + "/" + name + ".log");
+    return test::read_file(dir + "/" + name + ".log");
+  };
+  std::string stops;
+  for (int id = 0; id < 512; ++id) stops += (id ? "," : "") + std::to_string(id);
+  const std::string log = run("stops", ", stop_token_ids: [" + stops + "]");
+  EXPECT_NE(log.find("eval: every 4 steps, 3 prompts, 8 new tokens each, sampled (temperature 0.7, top_p 0.9, top_k 5), "
+                     "512 stop tokens, 2 at once"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("eval at step 4: acceptance length 0.000 (3 prompts, 3 new tokens;"), std::string::npos) << log;
+
+  // Without the stop tokens the prompts run to max_new_tokens; the best export's report holds the
+  // settings and no lossless check (sampled).
+  run("plain", "");
+  const nlohmann::json best = nlohmann::json::parse(test::read_file(dir + "/plain/export/best/eval.json"));
+  EXPECT_EQ(best["new_tokens"], 3 * 8) << best.dump();
+  EXPECT_FALSE(best.contains("outputs_differing_from_plain_greedy")) << best.dump();
+  EXPECT_EQ(best["settings"]["temperature"], 0.7);
+  EXPECT_EQ(best["settings"]["top_k"], 5);
+  EXPECT_EQ(best["settings"]["stop_token_ids"].size(), 0u);
+  EXPECT_EQ(best["max_batch"], 2);
+}
+
+// `dflashd eval` command lines: usage errors exit 2 with the usage, unusable inputs exit 1
+// naming the file.
+TEST(DflashdEval, BadCommandLinesAreClearErrors) {
+  const std::string dir = test::make_temp_dir("eval-cli");
+  std::ofstream(dir + "/prompts.jsonl") << "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [4, 99999]}\n";
+  auto eval = [&](const std::string& args) {
+    const std::string cmd = kBinary + " eval " + args + " > " + dir + "/out.log 2>&1";
+    const int status = std::system(cmd.c_str());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  auto said = [&](const std::string& text) { return test::read_file(dir + "/out.log").find(text) != std::string::npos; };
+  EXPECT_EQ(eval("--preset tiny-qwen3 --prompts " + dir + "/prompts.jsonl"), 2);
+  EXPECT_TRUE(said("--drafter and --prompts are required")) << test::read_file(dir + "/out.log");
+  EXPECT_EQ(eval("--preset tiny-qwen3 --drafter x --prompts y --beam-width 4"), 2);
+  EXPECT_TRUE(said("unknown option --beam-width")) << test::read_file(dir + "/out.log");
+  EXPECT_EQ(eval("--preset tiny-qwen3 --drafter x --prompts y --max-batch 0"), 2);
+  EXPECT_TRUE(said("--max-batch: '0' is not a valid value")) << test::read_file(dir + "/out.log");
+  EXPECT_EQ(eval("--preset tiny-qwen3 --target " + dir + " --drafter x --prompts y"), 2);
+  EXPECT_EQ(eval("--preset tiny-qwen3 --device cpu --drafter " + dir + "/missing --prompts " + dir + "/prompts.jsonl"), 1);
+  EXPECT_TRUE(said(dir + "/missing")) << test::read_file(dir + "/out.log");
+  // A drafter of this target: prompts with an id outside the vocabulary are named by line.
+  const target::ModelConfig config = target::parse_model_config(target::preset_config_json("tiny-qwen3"), "tiny");
+  config::DrafterConfig dc;
+  dc.num_layers = 1;
+  dc.mask_token_id = config.vocab_size - 1;
+  drafter::DrafterShape shape = drafter::shape_for_target(config, dc);
+  drafter::Drafter(shape, at::TensorOptions().dtype(at::kFloat)).save_export(dir + "/drafter");
+  EXPECT_EQ(eval("--preset tiny-qwen3 --device cpu --drafter " + dir + "/drafter --prompts " + dir + "/prompts.jsonl"), 1);
+  EXPECT_TRUE(said(dir + "/prompts.jsonl:2: token id 99999 is outside the vocabulary")) << test::read_file(dir + "/out.log");
+  // A drafter that reads a layer this target does not have.
+  shape.target_layer_ids.back() = config.num_layers + 3;
+  drafter::Drafter(shape, at::TensorOptions().dtype(at::kFloat)).save_export(dir + "/other");
+  EXPECT_EQ(eval("--preset tiny-qwen3 --device cpu --drafter " + dir + "/other --prompts " + dir + "/prompts.jsonl"), 1);
+  EXPECT_TRUE(said("reads target layer 11")) << test::read_file(dir + "/out.log");
 }
 
 }  // namespace
