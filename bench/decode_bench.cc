@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 
 #include <algorithm>
@@ -55,30 +56,66 @@ std::pair<double, double> verify_ms(const target::IncrementalTarget& chunked, co
   return {a[1], b[1]};
 }
 
-// Batched rounds: a plain step (1 token each) and a verify step (a block each) of `batch`
-// sequences whose caches hold `prompt_tokens` tokens, with the crops that follow them.
-void batched_steps(const target::IncrementalTarget& target, const std::vector<int64_t>& tap, int64_t batch,
-                   int64_t block, int prompt_tokens, double plain_one) {
-  const int64_t vocab = target.model().config().vocab_size;
+// GPU memory held by tensors now and at most so far, GB (for the log: where memory goes).
+void print_memory(const char* where) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+  std::printf("[memory after %s: %.1f GB allocated, peak %.1f GB]\n", where,
+              static_cast<double>(stats.allocated_bytes[0].current) / 1e9,
+              static_cast<double>(stats.allocated_bytes[0].peak) / 1e9);
+}
+
+// Batched rounds of `batch` sequences whose caches hold `prompt_tokens` tokens: a plain step (1
+// token each), a verify step (a block each) with the crops after it, and the drafter's batched
+// block and context extension; then what 64 x 256 new tokens cost at acceptance length L.
+void batched_steps(const target::IncrementalTarget& target, const drafter::Drafter& d, int64_t batch,
+                   int prompt_tokens, double plain_one) {
+  const int64_t vocab = target.model().config().vocab_size, block = d.shape().block_size;
+  const std::vector<int64_t> tap(d.shape().target_layer_ids.begin(), d.shape().target_layer_ids.end());
+  const auto random_ids = [&](int64_t n) {
+    return at::randint(0, vocab - 1, {n}, at::TensorOptions().dtype(at::kLong));
+  };
   std::vector<target::DecodeCache> caches(static_cast<size_t>(batch));
+  std::vector<drafter::DrafterContextCache> contexts(static_cast<size_t>(batch));
   std::vector<target::DecodeCache*> all;
-  for (auto& c : caches) {
-    c = target.new_cache();
-    target.prefill(c, at::randint(0, vocab - 1, {prompt_tokens}, at::TensorOptions().dtype(at::kLong)), {});
-    all.push_back(&c);
+  std::vector<const drafter::DrafterContextCache*> all_contexts;
+  at::Tensor features;
+  for (size_t j = 0; j < caches.size(); ++j) {
+    caches[j] = target.new_cache();
+    features = target.prefill(caches[j], random_ids(prompt_tokens), tap).features;
+    d.extend_context(contexts[j], features);
+    all.push_back(&caches[j]);
+    all_contexts.push_back(&contexts[j]);
   }
   const std::vector<int64_t> lengths(static_cast<size_t>(batch), prompt_tokens);
   auto round = [&](int64_t n, const std::vector<int64_t>& taps) {
-    std::vector<at::Tensor> ids(static_cast<size_t>(batch), at::randint(0, vocab - 1, {n}, at::TensorOptions().dtype(at::kLong)));
+    const std::vector<at::Tensor> ids(static_cast<size_t>(batch), random_ids(n));
     return median_ms(5, [&] {
       target.step_batch(all, ids, taps);
       target.crop_batch(all, lengths);
     });
   };
-  const double plain = round(1, {}), verify = round(block, tap);
-  std::printf("batch of %3lld: plain step %7.2f ms (%6.0f tok/s, %.1fx one sequence's rate); verify step %7.2f ms\n",
+  print_memory("the batch's prefills");
+  const double plain = round(1, {});
+  print_memory("plain rounds");
+  const double verify = round(block, tap);
+  print_memory("verify rounds");
+  const std::vector<at::Tensor> blocks(static_cast<size_t>(batch), random_ids(block));
+  const double draft = median_ms(5, [&] { d.block_hiddens(all_contexts, blocks, target.model().embed_tokens()); });
+  const std::vector<at::Tensor> accepted(static_cast<size_t>(batch), features.narrow(0, 0, 5));
+  const double extend = median_ms(5, [&] {
+    std::vector<drafter::DrafterContextCache> copies = contexts;
+    std::vector<drafter::DrafterContextCache*> pointers;
+    for (auto& c : copies) pointers.push_back(&c);
+    d.extend_contexts(pointers, accepted);
+  });
+  const double spec_round = verify + draft + extend;
+  std::printf("batch of %3lld: plain step %7.2f ms (%6.0f tok/s, %.1fx one sequence's rate); verify step + crop %7.2f ms, "
+              "drafter block %.2f ms, context extension %.2f ms\n",
               static_cast<long long>(batch), plain, 1e3 * static_cast<double>(batch) / plain,
-              static_cast<double>(batch) * plain_one / plain, verify);
+              static_cast<double>(batch) * plain_one / plain, verify, draft, extend);
+  std::printf("batch of %3lld: 64 prompts x 256 new tokens: plain %.1f s; speculative at L = 3 / 5: %.1f / %.1f s\n",
+              static_cast<long long>(batch), 64.0 / batch * 256 * plain / 1e3, 64.0 / batch * 256 / 3 * spec_round / 1e3,
+              64.0 / batch * 256 / 5 * spec_round / 1e3);
 }
 
 // Plain and speculative decoding of `prompts` random prompts end to end (decode/eval.h), at most
@@ -113,6 +150,7 @@ int main(int argc, char** argv) {
   const int prompt_tokens = argc > 4 ? std::atoi(argv[4]) : 512;
   const int max_batch = argc > 5 ? std::atoi(argv[5]) : 64;
   c10::InferenceMode inference;
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach the log even if a later stage aborts
   const target::ModelConfig config = target::load_model_config(argv[1]);
   target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
   auto model = target::random_target(config, config.num_layers - 1, options, 1);
@@ -164,7 +202,8 @@ int main(int argc, char** argv) {
               per_step, per_step / plain_step, 3 * plain_step / per_step, 5 * plain_step / per_step,
               7 * plain_step / per_step);
 
-  for (int64_t batch : {16, 64}) batched_steps(target, tap, batch, block, prompt_tokens, plain_step);
+  print_memory("the single-sequence steps");
+  for (int64_t batch : {16, 64}) batched_steps(target, d, batch, prompt_tokens, plain_step);
   end_to_end(target, d, prompts, new_tokens, prompt_tokens, max_batch);
   std::printf("64 prompts x 256 tokens at acceptance length L: %.0f s plain; speculative %.0f s at L = 3, %.0f s at L = 5\n",
               64.0 * 256.0 * plain_step / 1e3, 64.0 * 256.0 / 3.0 * per_step / 1e3, 64.0 * 256.0 / 5.0 * per_step / 1e3);

@@ -289,7 +289,7 @@ void PlainDecoder::advance(const std::vector<Sequence*>& active, const GenerateS
   std::vector<target::DecodeCache*> caches;
   std::vector<at::Tensor> ids;
   for (Sequence* s : active) caches.push_back(&s->cache), ids.push_back(ids_tensor({s->g.tokens.back()}));
-  const std::vector<target::DecodeOutput> out = target_.step_batch(caches, ids, {});
+  const std::vector<target::DecodeOutput> out = target_.step_batch(caches, ids, {}, /*croppable=*/false);
   at::Tensor greedy;  // one argmax over every sequence's logits
   if (settings.sampling.greedy()) {
     std::vector<at::Tensor> logits;

@@ -226,7 +226,7 @@ DecodeOutput IncrementalTarget::step(DecodeCache& cache, const at::Tensor& ids, 
 
 std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<DecodeCache*>& caches,
                                                         const std::vector<at::Tensor>& input_ids,
-                                                        const std::vector<int64_t>& tap) const {
+                                                        const std::vector<int64_t>& tap, bool croppable) const {
   c10::InferenceMode inference;
   const TargetModel::Impl& m = *model_.impl_;
   const ModelConfig& c = model_.config();
@@ -275,8 +275,11 @@ std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<Decode
   int64_t row = 0;
   for (size_t s = 0; s < caches.size(); ++s) {
     caches[s]->length = begins[s] + counts[s];
-    caches[s]->last.begin = begins[s];
-    caches[s]->last.count = counts[s];
+    caches[s]->last.begin = croppable ? begins[s] : caches[s]->length;
+    caches[s]->last.count = croppable ? counts[s] : 0;
+    if (!croppable) {
+      for (DecodeCache::LastStep::Gdn& g : caches[s]->last.gdn) g = {};
+    }
     out[s].logits = logits.narrow(0, row, counts[s]);
     if (features.defined()) out[s].features = features.narrow(0, row, counts[s]);
     row += counts[s];
@@ -292,7 +295,8 @@ DecodeOutput IncrementalTarget::prefill(DecodeCache& cache, const at::Tensor& id
   std::vector<at::Tensor> features;
   DecodeOutput last;
   for (int64_t begin = 0; begin < ids.size(0); begin += chunk) {
-    last = step(cache, ids.narrow(0, begin, std::min(chunk, ids.size(0) - begin)), tap);
+    last = std::move(step_batch({&cache}, {ids.narrow(0, begin, std::min(chunk, ids.size(0) - begin))}, tap,
+                                /*croppable=*/false)[0]);
     if (last.features.defined()) features.push_back(last.features);
   }
   DecodeOutput out;

@@ -66,12 +66,15 @@ class IncrementalTarget {
   DecodeOutput step(DecodeCache& cache, const at::Tensor& ids, const std::vector<int64_t>& tap) const;
   // One step of several sequences: caches[s] runs ids[s] (n_s >= 1 tokens each, any mix of n);
   // outputs per sequence as step() gives them (equal up to the rounding of the batched GEMMs).
-  // The caches must be distinct.
+  // The caches must be distinct. `croppable` false: the step keeps nothing for crop() (plain
+  // decoding never rolls back; the state before the step, 150 MB per sequence at 27B shapes,
+  // is not held) and the caches can only be "cropped" to their full length.
   std::vector<DecodeOutput> step_batch(const std::vector<DecodeCache*>& caches, const std::vector<at::Tensor>& ids,
-                                       const std::vector<int64_t>& tap) const;
+                                       const std::vector<int64_t>& tap, bool croppable = true) const;
   // A prompt in steps of at most `chunk` tokens (bounded attention scores and activations for
-  // long prompts): the features of every token, the logits of the last one ([1, vocab]). The
-  // cache's last step is the last chunk.
+  // long prompts): the features of every token, the logits of the last one ([1, vocab]). Keeps
+  // nothing for crop() (a prompt is never rolled back; its rule inputs are 1.2 GB per 512 tokens
+  // at 27B shapes).
   DecodeOutput prefill(DecodeCache& cache, const at::Tensor& ids, const std::vector<int64_t>& tap,
                        int64_t chunk = kPrefillChunkTokens) const;
   static constexpr int64_t kPrefillChunkTokens = 2048;

@@ -157,6 +157,14 @@ TEST(IncrementalTarget, RefusesAPartialModelAndCropsOutsideTheLastStep) {
   EXPECT_THROW(decoder.crop(cache, 9), std::invalid_argument);   // before the last step
   EXPECT_THROW(decoder.crop(cache, 15), std::invalid_argument);  // past its end
   EXPECT_NO_THROW(decoder.crop(cache, 12));
+  // A prefill and a step that is not croppable keep nothing to roll back into.
+  DecodeCache prompt = decoder.new_cache();
+  decoder.prefill(prompt, at::arange(10, at::TensorOptions().dtype(at::kLong)), {});
+  EXPECT_THROW(decoder.crop(prompt, 9), std::invalid_argument);
+  EXPECT_NO_THROW(decoder.crop(prompt, 10));
+  decoder.step_batch({&prompt}, {at::arange(3, at::TensorOptions().dtype(at::kLong))}, {}, /*croppable=*/false);
+  EXPECT_THROW(decoder.crop(prompt, 12), std::invalid_argument);
+  EXPECT_EQ(prompt.length, 13);
 }
 
 // A small random drafter for `config` (2 layers, block 8, heads of the drafter's default rule).
