@@ -8,6 +8,7 @@
 #include <optional>
 #include <sstream>
 
+#include "daemon/decode_args.h"
 #include "daemon/exit_codes.h"
 #include "decode/eval.h"
 #include "drafter/drafter_config.h"
@@ -57,32 +58,13 @@ the inputs cannot be used (the message names the file or the mismatch).
 )";
 
 struct EvalArgs {
-  std::string target_dir, preset, drafter_dir, prompts, out, device_text, dtype_text;
+  TargetArgs target;
+  std::string drafter_dir, prompts, out;
   int64_t max_prompts = 0;
   int64_t max_batch = 64;
-  int64_t target_seed = 0;
-  bool random_weights = false;
-  bool allow_slow_path = false;
   bool baseline = true;
   decode::GenerateSettings settings;
 };
-
-template <typename T>
-bool parse_number(const std::string& text, T* out) {
-  std::istringstream in(text);
-  in >> *out;
-  return !in.fail() && in.eof();
-}
-
-bool parse_ids(const std::string& text, std::vector<int64_t>* ids) {
-  std::stringstream s(text);
-  for (std::string part; std::getline(s, part, ',');) {
-    int64_t id = 0;
-    if (!parse_number(part, &id) || id < 0) return false;
-    ids->push_back(id);
-  }
-  return !ids->empty();
-}
 
 // An exit code when the command ends here (help, bad usage).
 std::optional<int> parse_eval_args(const std::vector<std::string>& args, EvalArgs* a) {
@@ -90,7 +72,7 @@ std::optional<int> parse_eval_args(const std::vector<std::string>& args, EvalArg
     const std::string& k = args[i];
     if (k == "--help" || k == "-h") return std::cout << kHelp, exit_code::kOk;
     if (k == "--no-baseline" || k == "--random-weights" || k == "--allow-slow-path") {
-      (k == "--no-baseline" ? a->baseline : k == "--random-weights" ? a->random_weights : a->allow_slow_path) =
+      (k == "--no-baseline" ? a->baseline : k == "--random-weights" ? a->target.random_weights : a->target.allow_slow_path) =
           k != "--no-baseline";
       continue;
     }
@@ -100,23 +82,16 @@ std::optional<int> parse_eval_args(const std::vector<std::string>& args, EvalArg
     }
     const std::string& v = args[++i];
     bool ok = true;
-    if (k == "--target") a->target_dir = v;
-    else if (k == "--preset") a->preset = v;
-    else if (k == "--drafter") a->drafter_dir = v;
-    else if (k == "--prompts") a->prompts = v;
-    else if (k == "--out") a->out = v;
-    else if (k == "--device") a->device_text = v;
-    else if (k == "--dtype") a->dtype_text = v;
-    else if (k == "--max-new-tokens") ok = parse_number(v, &a->settings.max_new_tokens) && a->settings.max_new_tokens > 0;
-    else if (k == "--max-prompts") ok = parse_number(v, &a->max_prompts) && a->max_prompts >= 0;
-    else if (k == "--max-batch") ok = parse_number(v, &a->max_batch) && a->max_batch > 0;
-    else if (k == "--temperature") ok = parse_number(v, &a->settings.sampling.temperature);
-    else if (k == "--top-p") ok = parse_number(v, &a->settings.sampling.top_p);
-    else if (k == "--top-k") ok = parse_number(v, &a->settings.sampling.top_k);
-    else if (k == "--seed") ok = parse_number(v, &a->settings.seed);
-    else if (k == "--target-seed") ok = parse_number(v, &a->target_seed);
-    else if (k == "--stop-token-ids") ok = parse_ids(v, &a->settings.stop_token_ids);
-    else {
+    if (parse_target_option(k, v, &a->target, &ok) || parse_decoding_option(k, v, &a->settings, &a->max_batch, &ok)) {
+    } else if (k == "--drafter") {
+      a->drafter_dir = v;
+    } else if (k == "--prompts") {
+      a->prompts = v;
+    } else if (k == "--out") {
+      a->out = v;
+    } else if (k == "--max-prompts") {
+      ok = parse_number(v, &a->max_prompts) && a->max_prompts >= 0;
+    } else {
       std::cerr << "dflashd eval: unknown option " << k << "\n\n" << kHelp;
       return exit_code::kUsage;
     }
@@ -125,7 +100,7 @@ std::optional<int> parse_eval_args(const std::vector<std::string>& args, EvalArg
       return exit_code::kUsage;
     }
   }
-  if (a->target_dir.empty() == a->preset.empty() || a->drafter_dir.empty() || a->prompts.empty()) {
+  if (a->target.dir.empty() == a->target.preset.empty() || a->drafter_dir.empty() || a->prompts.empty()) {
     std::cerr << "dflashd eval: one of --target and --preset, and --drafter and --prompts are required\n\n" << kHelp;
     return exit_code::kUsage;
   }
@@ -136,27 +111,6 @@ std::optional<int> parse_eval_args(const std::vector<std::string>& args, EvalArg
     return exit_code::kUsage;
   }
   return std::nullopt;
-}
-
-// The device and dtype the arguments name (or their defaults); nullopt with a message otherwise.
-std::optional<target::TargetOptions> target_options(const EvalArgs& a) {
-  target::TargetOptions o;
-  try {
-    o.device = a.device_text.empty() ? (at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU))
-                                     : at::Device(a.device_text);
-  } catch (const std::exception&) {
-    std::cerr << "dflashd eval: --device: '" << a.device_text << "' is not a device (cpu, cuda:0, ...)\n";
-    return std::nullopt;
-  }
-  const std::string dtype = a.dtype_text.empty() ? (o.device.is_cuda() ? "bfloat16" : "float32") : a.dtype_text;
-  if (dtype == "bfloat16") o.dtype = at::kBFloat16;
-  else if (dtype == "float32") o.dtype = at::kFloat;
-  else {
-    std::cerr << "dflashd eval: --dtype must be bfloat16 or float32\n";
-    return std::nullopt;
-  }
-  o.allow_slow_path = a.allow_slow_path;
-  return o;
 }
 
 void print_report(const decode::EvalReport& r) {
@@ -180,16 +134,11 @@ void print_report(const decode::EvalReport& r) {
 int command_eval(const std::vector<std::string>& args) {
   EvalArgs a;
   if (const std::optional<int> code = parse_eval_args(args, &a)) return *code;
-  const std::optional<target::TargetOptions> options = target_options(a);
+  const std::optional<target::TargetOptions> options = target_options("eval", a.target);
   if (!options) return exit_code::kUsage;
   try {
-    const target::ModelConfig config = a.preset.empty()
-                                           ? target::load_model_config(a.target_dir)
-                                           : target::parse_model_config(target::preset_config_json(a.preset), a.preset);
     const std::vector<decode::EvalPrompt> prompts = decode::read_eval_prompts(a.prompts, a.max_prompts);
-    const std::unique_ptr<target::TargetModel> model =
-        a.preset.empty() && !a.random_weights ? target::load_target(a.target_dir, config.num_layers - 1, *options)
-                         : target::random_target(config, config.num_layers - 1, *options, target::run_target_seed(a.target_seed));
+    const std::unique_ptr<target::TargetModel> model = load_decoding_target(a.target, *options);
     const target::IncrementalTarget target(*model);
     std::ifstream in(a.drafter_dir + "/config.json");
     if (!in) throw std::runtime_error(a.drafter_dir + "/config.json: cannot read (is it an exported drafter?)");

@@ -10,6 +10,7 @@
 #include "daemon/exit_codes.h"
 #include "drafter/checkpoint.h"
 #include "daemon/eval_command.h"
+#include "daemon/generate_command.h"
 #include "daemon/inspect.h"
 #include "daemon/machine.h"
 #include "daemon/run.h"
@@ -30,6 +31,7 @@ Commands:
   validate   check a config file (and this machine) without training
   doctor     print what this machine offers: torch, CUDA, GPUs, NCCL, peer access, kernels
   eval       measure a drafter's real acceptance: speculative decoding with its target
+  generate   regenerate training responses with the target (shards, exactly once across restarts)
   inspect    dump a target's tapped hidden states for a token file (debugging)
   export     write a checkpoint's drafter in the serving format (SGLang, vLLM, HF)
   config     print the embedded default config (a documented starting point)
@@ -232,9 +234,10 @@ int main(int argc, char** argv) {
     std::cout << "dflashd " << DFLASHD_VERSION << "\n";
     return exit_code::kOk;
   }
-  if (command == "inspect" || command == "eval") {
+  if (command == "inspect" || command == "eval" || command == "generate") {
     try {
       const std::vector<std::string> rest(argv + 2, argv + argc);
+      if (command == "generate") return daemon::command_generate(rest);
       return command == "eval" ? daemon::command_eval(rest) : daemon::command_inspect(rest);
     } catch (const std::exception& e) {
       std::cerr << e.what() << "\n";

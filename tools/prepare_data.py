@@ -14,6 +14,11 @@ with the chat template), and no network:
   python3 tools/prepare_data.py --tokenizer /models/Qwen3-8B --in chats.jsonl --out train.jsonl \\
       [--max-length 3072] [--on-error skip]
 
+With --prompts-only it writes the prompts `dflashd generate` regenerates responses for instead:
+{"input_ids": [...]}, the conversation up to its last assistant turn (earlier turns kept as
+written; all of it when it has none), rendered with the template's generation prompt (the
+assistant turn's opening), so the target continues where the assistant would speak.
+
 A line that is not JSON, has no conversation, an unknown role, no assistant turn, or whose
 template renders a conversation so that a shorter prefix is not a prefix of it (the assistant
 spans could not be located) is an error naming the file and line, or with --on-error skip is
@@ -30,7 +35,7 @@ class BadLine(Exception):
     pass
 
 
-def messages_of(sample):
+def messages_of(sample, need_assistant=True):
     if "messages" in sample:
         turns = [(m.get("role"), m.get("content")) for m in sample["messages"]]
     elif "conversations" in sample:
@@ -44,7 +49,7 @@ def messages_of(sample):
         if not isinstance(content, str):
             raise BadLine(f"a {role} turn has no text content")
         out.append({"role": ROLES[role], "content": content})
-    if not any(m["role"] == "assistant" for m in out):
+    if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise BadLine("no assistant turn: nothing to supervise")
     return out
 
@@ -73,6 +78,17 @@ def convert(tokenizer, messages, max_length):
     return ids, mask
 
 
+def prompt_ids(tokenizer, messages, max_length):
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+    if last == 0:
+        raise BadLine("the conversation opens with the assistant: no prompt")
+    text = render(tokenizer, messages[:last], generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if max_length and len(ids) > max_length:
+        raise BadLine(f"the prompt has {len(ids)} tokens, more than --max-length {max_length}")
+    return ids
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", required=True, help="directory with the target's tokenizer files")
@@ -80,6 +96,8 @@ def main():
     parser.add_argument("--out", required=True, help="output JSONL (written to OUT.tmp, renamed at the end)")
     parser.add_argument("--max-length", type=int, default=0, help="truncate to this many tokens (0: keep all)")
     parser.add_argument("--on-error", choices=["error", "skip"], default="error")
+    parser.add_argument("--prompts-only", action="store_true",
+                        help="write prompts for `dflashd generate` (up to the last assistant turn)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -101,19 +119,25 @@ def main():
                             sample = json.loads(line)
                         except json.JSONDecodeError as e:
                             raise BadLine(f"not JSON ({e.msg})")
-                        ids, mask = convert(tokenizer, messages_of(sample), args.max_length)
+                        messages = messages_of(sample, need_assistant=not args.prompts_only)
+                        if args.prompts_only:
+                            ids, mask = prompt_ids(tokenizer, messages, args.max_length), []
+                        else:
+                            ids, mask = convert(tokenizer, messages, args.max_length)
                     except BadLine as e:
                         if args.on_error == "error":
                             sys.exit(f"prepare_data: {path}:{number}: {e}")
                         skipped += 1
                         continue
-                    out.write(json.dumps({"input_ids": ids, "loss_mask": mask}, separators=(",", ":")) + "\n")
+                    line = {"input_ids": ids} if args.prompts_only else {"input_ids": ids, "loss_mask": mask}
+                    out.write(json.dumps(line, separators=(",", ":")) + "\n")
                     written += 1
                     tokens += len(ids)
                     supervised += sum(mask)
     import os
     os.replace(tmp, args.out)
-    print(f"prepare_data: {written} samples, {tokens} tokens ({supervised} supervised), {skipped} skipped -> {args.out}")
+    what = "prompts" if args.prompts_only else "samples"
+    print(f"prepare_data: {written} {what}, {tokens} tokens ({supervised} supervised), {skipped} skipped -> {args.out}")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,31 @@ def main():
     p = run([binary, "run", "-c", config])
     assert "run finished at step 4" in p.stderr, p.stderr
     assert os.path.exists(f"{work}/out/export/final/model.safetensors")
+
+    # --prompts-only: the conversation up to its last assistant turn, with the generation prompt;
+    # a conversation without an assistant turn is all prompt. `dflashd generate` decodes them.
+    with open(chats, "a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "how are you"}]}) + "\n")
+    prompts = os.path.join(work, "prompts.jsonl")
+    p = run([python, os.path.join(tools, "prepare_data.py"), "--tokenizer", os.path.join(work, "tokenizer"),
+             "--in", chats, "--out", prompts, "--prompts-only"])
+    assert "41 prompts" in p.stdout, p.stdout
+    rows = [json.loads(l) for l in open(prompts)]
+    assert all(set(r) == {"input_ids"} for r in rows)
+    first = tokenizer.convert_ids_to_tokens(rows[0]["input_ids"])
+    assert first[-3:] == ["<|im_start|>", "assistant", "\n"], first
+    assert "hello" in first and "four" not in first, first  # the earlier assistant turn kept, the last one cut
+    assert tokenizer.convert_ids_to_tokens(rows[-1]["input_ids"])[-6:] == ["you", "<|im_end|>", "\n", "<|im_start|>",
+                                                                          "assistant", "\n"], rows[-1]
+    generated = os.path.join(work, "generated")
+    p = run([binary, "generate", "--preset", "tiny-qwen3_5", "--device", "cpu", "--prompts", prompts, "--out",
+             generated, "--max-new-tokens", "4", "--truncated", "keep"])
+    samples = [json.loads(l) for name in sorted(os.listdir(generated)) if name.endswith(".jsonl")
+               for l in open(os.path.join(generated, name))]
+    assert len(samples) == 41, len(samples)
+    by_index = {s["prompt_index"]: s for s in samples}
+    assert by_index[0]["input_ids"][:len(rows[0]["input_ids"])] == rows[0]["input_ids"]
+    assert sum(by_index[0]["loss_mask"]) == 4
     print("prepare_data: OK")
 
 

@@ -1,0 +1,328 @@
+#include "daemon/generate_command.h"
+
+#include <ATen/ATen.h>
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/registry.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "common/health.h"
+#include "common/log.h"
+#include "common/token_file.h"
+#include "config/config.h"
+#include "daemon/decode_args.h"
+#include "daemon/exit_codes.h"
+#include "daemon/http_endpoint.h"
+#include "daemon/signals.h"
+#include "decode/eval.h"
+#include "decode/generation.h"
+#include "pipeline/run_metrics.h"
+#include "target/incremental.h"
+#include "target/model_config.h"
+
+namespace dflash::daemon {
+namespace {
+
+constexpr const char* kHelp = R"(Usage: dflashd generate (--target DIR | --preset NAME) --prompts FILE.jsonl --out DIR
+                        [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
+                        [--stop-token-ids 1,2] [--max-batch N] [--shard-size N] [--truncated skip|keep]
+                        [-c CONFIG] [--device cpu|cuda:N] [--dtype bfloat16|float32] [--random-weights]
+                        [--target-seed S] [--allow-slow-path] [--metrics HOST:PORT] [--log-every SECONDS]
+
+Regenerates training responses with the target: every prompt decoded by the target (plain
+decoding, continuous batching: --max-batch sequences at once per target replica, a finished
+sequence's place taking the next prompt), written as training samples to shards in --out.
+
+  --target DIR        the target, a Hugging Face model directory (every layer is loaded)
+  --preset NAME       or a built-in tiny target with random weights (tests, demos)
+  --prompts FILE      token JSON Lines, one prompt per line: {"input_ids": [...]} (tools/prepare_data.py
+                      --prompts-only renders conversations up to the assistant turn); a line with a
+                      loss_mask is a prompt up to its first supervised token
+  --out DIR           shards shard-NNNNNN.jsonl, each committed with a marker shard-NNNNNN.done;
+                      output lines: {"input_ids": prompt + response, "loss_mask": 1 on the response,
+                      "prompt_index", "finish_reason": "stop" | "length"}. A run's data.paths reads DIR.
+                      Run again after a crash or a stop: it continues, and every prompt appears once.
+  --max-new-tokens N  per prompt (2048); a response that reaches it is truncated ("length")
+  --truncated         skip (the default: counted, not written) or keep truncated responses
+  --temperature T     0 (greedy, the default) or the sampling temperature, with --top-p (1) and
+  --top-k K           --top-k (0: all); --seed S (0): prompt i samples from its own stream, seeded
+                      from S and i, so the output does not depend on batching, replicas or restarts
+  --stop-token-ids    token ids that end a response (the target's end-of-turn ids)
+  --max-batch N       sequences decoded at once per replica (64)
+  --shard-size N      samples per committed shard (256)
+  -c CONFIG           a dflashd config: its target (unless --target / --preset), target.dtype,
+                      gpus.device and gpus.target (one replica per id), train.seed (random
+                      weights), metrics.listen and metrics.log_every_seconds
+  --device, --dtype   without -c: one replica; cuda:0 and bfloat16 when a GPU is visible, else cpu, float32
+  --metrics HOST:PORT serve /metrics and /healthz (dflashd_generate_*)
+  --log-every S       seconds between progress lines (30)
+
+SIGTERM or SIGINT: no new prompts start; those in flight finish and are committed; exit 0.
+Exits 0, 2 on a bad command line, 1 when the inputs cannot be used (the message names the file).
+)";
+
+struct GenerateArgs {
+  TargetArgs target;
+  std::string prompts, out, config_path, metrics;
+  int64_t max_batch = 64;
+  int64_t shard_size = 256;
+  double log_every = 30;
+  bool keep_truncated = false;
+  bool log_every_given = false;
+  decode::GenerateSettings settings;
+};
+
+// An exit code when the command ends here (help, bad usage).
+std::optional<int> parse_generate_args(const std::vector<std::string>& args, GenerateArgs* a) {
+  a->settings.max_new_tokens = 2048;
+  auto usage = [](const std::string& message) {
+    std::cerr << "dflashd generate: " << message << "\n\n" << kHelp;
+    return exit_code::kUsage;
+  };
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& k = args[i];
+    if (k == "--help" || k == "-h") return std::cout << kHelp, exit_code::kOk;
+    if (k == "--random-weights" || k == "--allow-slow-path") {
+      (k == "--random-weights" ? a->target.random_weights : a->target.allow_slow_path) = true;
+      continue;
+    }
+    if (i + 1 >= args.size()) return usage(k + (k.rfind("-", 0) == 0 ? " needs a value" : ": unexpected argument"));
+    const std::string& v = args[++i];
+    bool ok = true;
+    if (parse_target_option(k, v, &a->target, &ok) || parse_decoding_option(k, v, &a->settings, &a->max_batch, &ok)) {
+    } else if (k == "--prompts") {
+      a->prompts = v;
+    } else if (k == "--out") {
+      a->out = v;
+    } else if (k == "-c" || k == "--config") {
+      a->config_path = v;
+    } else if (k == "--metrics") {
+      a->metrics = v;
+    } else if (k == "--shard-size") {
+      ok = parse_number(v, &a->shard_size) && a->shard_size > 0;
+    } else if (k == "--log-every") {
+      ok = parse_number(v, &a->log_every) && a->log_every > 0;
+      a->log_every_given = true;
+    } else if (k == "--truncated") {
+      ok = v == "skip" || v == "keep";
+      a->keep_truncated = v == "keep";
+    } else {
+      return usage("unknown option " + k);
+    }
+    if (!ok) {
+      std::cerr << "dflashd generate: " << k << ": '" << v << "' is not a valid value\n";
+      return exit_code::kUsage;
+    }
+  }
+  if (a->prompts.empty() || a->out.empty()) return usage("--prompts and --out are required");
+  if (!a->target.dir.empty() && !a->target.preset.empty()) return usage("give one of --target and --preset");
+  if (a->target.dir.empty() && a->target.preset.empty() && a->config_path.empty()) {
+    return usage("one of --target, --preset and -c (the config's target) is required");
+  }
+  if (!a->config_path.empty() && !a->target.device_text.empty()) {
+    return usage("--device and -c exclude each other: the config's gpus section places the replicas");
+  }
+  try {
+    decode::check_sampling(a->settings.sampling);
+  } catch (const std::invalid_argument& e) {
+    return usage(e.what());
+  }
+  return std::nullopt;
+}
+
+// The prompts of a token file, every id checked against the vocabulary (FILE:LINE on a bad one).
+std::vector<std::vector<int64_t>> read_prompts(const std::string& path, int64_t vocab) {
+  std::vector<std::vector<int64_t>> prompts;
+  for (const TokenSample& s : read_token_file(path)) {
+    std::vector<int64_t> prompt = decode::prompt_of(s);
+    const std::string where = path + ":" + std::to_string(s.line);
+    if (prompt.empty()) throw std::runtime_error(where + ": no prompt (empty, or supervised from its first token)");
+    for (int64_t id : prompt) {
+      if (id >= vocab) {
+        throw std::runtime_error(where + ": token id " + std::to_string(id) + " is outside the vocabulary (" +
+                                 std::to_string(vocab) + ")");
+      }
+    }
+    prompts.push_back(std::move(prompt));
+  }
+  if (prompts.empty()) throw std::runtime_error(path + ": no prompts");
+  return prompts;
+}
+
+// What the output directory is generated from (ShardedOutput compares it on a restart).
+std::string job_description(const GenerateArgs& a, const std::vector<std::vector<int64_t>>& prompts) {
+  uint64_t checksum = 1469598103934665603ULL;  // FNV-1a over the prompts' ids and lengths
+  auto mix = [&](uint64_t v) {
+    for (int b = 0; b < 8; ++b) checksum = (checksum ^ ((v >> (8 * b)) & 0xff)) * 1099511628211ULL;
+  };
+  for (const auto& p : prompts) {
+    mix(p.size());
+    for (int64_t id : p) mix(static_cast<uint64_t>(id));
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(checksum));
+  const decode::GenerateSettings& s = a.settings;
+  nlohmann::ordered_json j;
+  j["target"] = a.target.preset.empty() ? a.target.dir : "preset:" + a.target.preset;
+  j["prompts"] = prompts.size();
+  j["prompts_checksum"] = hex;
+  j["max_new_tokens"] = s.max_new_tokens;
+  j["temperature"] = s.sampling.temperature;
+  j["top_p"] = s.sampling.top_p;
+  j["top_k"] = s.sampling.top_k;
+  j["seed"] = s.seed;
+  j["stop_token_ids"] = s.stop_token_ids;
+  j["truncated"] = a.keep_truncated ? "keep" : "skip";
+  return j.dump();
+}
+
+// The replicas' places: one per id of the config's gpus.target, or the one device of --device.
+std::vector<target::TargetOptions> replica_options(const std::optional<config::Config>& config,
+                                                   const target::TargetOptions& base) {
+  if (!config) return {base};
+  std::vector<target::TargetOptions> out;
+  for (int id : config->gpus.target) {
+    target::TargetOptions o = base;
+    o.device = config->gpus.device == config::Device::cpu ? at::Device(at::kCPU) : at::Device(at::kCUDA, id);
+    out.push_back(o);
+  }
+  return out;
+}
+
+struct GenerateMetrics {
+  prometheus::Gauge *total, *done, *tokens_per_second, *eta;
+  prometheus::Counter* new_tokens;
+};
+
+GenerateMetrics register_metrics(prometheus::Registry& registry) {
+  auto& prompts = prometheus::BuildGauge()
+                      .Name("dflashd_generate_prompts")
+                      .Help("Prompts of the job: total, and done (committed, this process and earlier ones)")
+                      .Register(registry);
+  return {&prompts.Add({{"state", "total"}}), &prompts.Add({{"state", "done"}}),
+          &prometheus::BuildGauge()
+               .Name("dflashd_generate_tokens_per_second")
+               .Help("New tokens per second decoded by this process")
+               .Register(registry)
+               .Add({}),
+          &prometheus::BuildGauge()
+               .Name("dflashd_generate_eta_seconds")
+               .Help("Seconds to the end of the job at the current rate")
+               .Register(registry)
+               .Add({}),
+          &prometheus::BuildCounter()
+               .Name("dflashd_generate_new_tokens_total")
+               .Help("New tokens decoded by this process")
+               .Register(registry)
+               .Add({})};
+}
+
+std::string duration_text(double seconds) {
+  if (!std::isfinite(seconds)) return "unknown";
+  const long s = static_cast<long>(seconds);
+  char text[32];
+  std::snprintf(text, sizeof text, "%ldh%02ldm%02lds", s / 3600, s / 60 % 60, s % 60);
+  return text;
+}
+
+int generate(const GenerateArgs& a_in) {
+  GenerateArgs a = a_in;
+  std::optional<config::Config> config;
+  if (!a.config_path.empty()) {
+    config = config::load_file(a.config_path);
+    if (a.target.dir.empty() && a.target.preset.empty()) {
+      a.target.dir = config->target.path;
+      a.target.preset = config->target.preset;
+      a.target.random_weights = config->target.weights == config::TargetWeights::random;
+      a.target.allow_slow_path = a.target.allow_slow_path || config->target.allow_slow_path;
+    }
+    if (a.target.dtype_text.empty()) a.target.dtype_text = config->target.dtype == config::ModelDtype::float32 ? "float32" : "bfloat16";
+    a.target.target_seed = config->train.seed;
+    if (a.metrics.empty()) a.metrics = config->metrics.listen;
+    if (!a.log_every_given) a.log_every = config->metrics.log_every_seconds;
+  }
+  const std::optional<target::TargetOptions> base = target_options("generate", a.target);
+  if (!base) return exit_code::kUsage;
+  // Signals first: every thread started later inherits the blocked mask.
+  std::atomic<bool> stop{false};
+  SignalWatcher signals([&](int) { stop.store(true); }, [] {});
+
+  std::vector<std::unique_ptr<target::TargetModel>> models;
+  std::vector<std::unique_ptr<target::IncrementalTarget>> targets;
+  std::vector<std::unique_ptr<decode::PlainDecoder>> decoders;
+  std::vector<const decode::Decoder*> replicas;
+  std::string places;
+  for (const target::TargetOptions& o : replica_options(config, *base)) {
+    models.push_back(load_decoding_target(a.target, o));
+    targets.push_back(std::make_unique<target::IncrementalTarget>(*models.back()));
+    decoders.push_back(std::make_unique<decode::PlainDecoder>(*targets.back()));
+    replicas.push_back(decoders.back().get());
+    places += (places.empty() ? "" : ", ") + o.device.str();
+  }
+  const std::vector<std::vector<int64_t>> prompts = read_prompts(a.prompts, models[0]->config().vocab_size);
+  decode::ShardedOutput out(a.out, job_description(a, prompts), a.shard_size, a.keep_truncated);
+  log::info("generate: {} prompts from {}, {} done before{}; {} replica(s) on {}, {} sequences at once each; {}, up "
+            "to {} new tokens, truncated responses {}; output {}",
+            prompts.size(), a.prompts, out.done_before().size(),
+            out.removed_uncommitted() > 0 ? " (" + std::to_string(out.removed_uncommitted()) + " uncommitted shard(s) removed)" : "",
+            replicas.size(), places, a.max_batch, decode::describe(a.settings), a.settings.max_new_tokens,
+            a.keep_truncated ? "kept" : "skipped", a.out);
+
+  auto registry = std::make_shared<prometheus::Registry>();
+  const GenerateMetrics metrics = register_metrics(*registry);
+  metrics.total->Set(static_cast<double>(prompts.size()));
+  metrics.done->Set(static_cast<double>(out.done_before().size()));
+  std::unique_ptr<HttpEndpoint> endpoint;
+  if (!a.metrics.empty()) {
+    auto health = std::make_shared<Health>();
+    health->set_healthy("generate");
+    endpoint = std::make_unique<HttpEndpoint>(a.metrics, std::vector<std::shared_ptr<prometheus::Collectable>>{registry},
+                                              health);
+  }
+  int64_t counted_tokens = 0;
+  auto progress = [&](const decode::GenerationProgress& p) {
+    const double rate = p.seconds > 0 ? static_cast<double>(p.new_tokens) / p.seconds : 0;
+    const int64_t done = p.done_before + p.committed, left = p.total - p.done_before - p.finished;
+    const double prompts_rate = p.seconds > 0 ? static_cast<double>(p.finished) / p.seconds : 0;
+    const double eta = prompts_rate > 0 ? static_cast<double>(left) / prompts_rate : INFINITY;
+    metrics.done->Set(static_cast<double>(done));
+    metrics.tokens_per_second->Set(rate);
+    metrics.eta->Set(std::isfinite(eta) ? eta : -1);
+    metrics.new_tokens->Increment(static_cast<double>(p.new_tokens - counted_tokens));
+    counted_tokens = p.new_tokens;
+    log::info("generate: {} / {} prompts ({} %), {} new tokens/s, ETA {}", p.done_before + p.finished, p.total,
+              pipeline::fixed(100.0 * static_cast<double>(p.done_before + p.finished) / static_cast<double>(p.total), 1),
+              pipeline::fixed(rate, 1), duration_text(eta));
+  };
+  decode::run_generation(replicas, prompts, a.settings, a.max_batch, out, stop, a.log_every, progress);
+  const int64_t total_done = static_cast<int64_t>(out.done_before().size()) + out.committed();
+  log::info("generate: {} this run: {} prompts, {} samples written, {} truncated responses skipped, {} new tokens; {} / "
+            "{} prompts in {}{}",
+            stop.load() ? "stopped" : "finished", out.committed(), out.written(), out.skipped_truncated(),
+            out.new_tokens(), total_done, prompts.size(), a.out,
+            total_done < static_cast<int64_t>(prompts.size()) ? " (run the same command again to continue)" : "");
+  return exit_code::kOk;
+}
+
+}  // namespace
+
+int command_generate(const std::vector<std::string>& args) {
+  GenerateArgs a;
+  if (const std::optional<int> code = parse_generate_args(args, &a)) return *code;
+  try {
+    return generate(a);
+  } catch (const std::exception& e) {
+    log::error("dflashd generate: {}", e.what());
+    log::flush();
+    return exit_code::kFailure;
+  }
+}
+
+}  // namespace dflash::daemon

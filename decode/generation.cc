@@ -1,0 +1,83 @@
+#include "decode/generation.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+namespace dflash::decode {
+
+void run_generation(const std::vector<const Decoder*>& decoders, const std::vector<std::vector<int64_t>>& prompts,
+                    const GenerateSettings& settings, int64_t max_batch, ShardedOutput& out,
+                    const std::atomic<bool>& stop, double report_seconds,
+                    const std::function<void(const GenerationProgress&)>& progress) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  // Shared by the decoders' threads, guarded by `mutex`: the next prompt to hand out, the output,
+  // the counts, the first failure.
+  std::mutex mutex;
+  std::condition_variable changed;
+  size_t next = 0;
+  int64_t finished = 0, new_tokens = 0;
+  size_t running = decoders.size();
+  std::exception_ptr failure;
+  auto failed = [&] { return failure != nullptr; };
+
+  auto take = [&](Request* r) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (stop.load() || failed()) return false;
+    while (next < prompts.size() && out.done_before().count(static_cast<int64_t>(next)) > 0) ++next;
+    if (next == prompts.size()) return false;
+    *r = {static_cast<int64_t>(next), prompts[next], sequence_seed(settings.seed, next)};
+    ++next;
+    return true;
+  };
+  auto finish = [&](Request&& r, Generation&& g) {
+    std::lock_guard<std::mutex> lock(mutex);
+    ++finished;
+    new_tokens += g.new_tokens();
+    out.add({r.id, std::move(g.tokens), g.prompt_tokens, g.stopped});
+  };
+  std::vector<std::thread> threads;
+  for (const Decoder* decoder : decoders) {
+    threads.emplace_back([&, decoder] {
+      try {
+        decoder->run(settings, max_batch, take, finish);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!failure) failure = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      --running;
+      changed.notify_all();
+    });
+  }
+  auto report = [&] {
+    GenerationProgress p;
+    p.total = static_cast<int64_t>(prompts.size());
+    p.done_before = static_cast<int64_t>(out.done_before().size());
+    p.committed = out.committed();
+    p.finished = finished;
+    p.new_tokens = new_tokens;
+    p.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    return p;
+  };
+  {
+    std::unique_lock<std::mutex> lock(mutex);
+    while (running > 0) {
+      if (!changed.wait_for(lock, std::chrono::duration<double>(report_seconds), [&] { return running == 0; })) {
+        const GenerationProgress p = report();
+        lock.unlock();
+        progress(p);
+        lock.lock();
+      }
+    }
+  }
+  for (std::thread& t : threads) t.join();
+  out.flush();
+  progress(report());
+  if (failure) std::rethrow_exception(failure);
+}
+
+}  // namespace dflash::decode

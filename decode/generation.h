@@ -1,0 +1,38 @@
+// generation.h: regenerating training responses with the target (`dflashd generate`): every
+// prompt not yet in the output decoded by one of several decoders (one per target replica, each
+// on its own thread with continuous batching), finished prompts committed to the output's shards
+// (shards.h) as they come. Prompt i samples from its own random stream (sequence_seed of the
+// settings' seed and i), so the output does not depend on which replica decoded it, on the batch
+// around it, or on restarts.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "decode/shards.h"
+#include "decode/speculative.h"
+
+namespace dflash::decode {
+
+struct GenerationProgress {
+  int64_t total = 0;        // prompts in the job
+  int64_t done_before = 0;  // committed by earlier processes
+  int64_t committed = 0;    // committed by this one
+  int64_t finished = 0;     // decoded by this one (committed or buffered)
+  int64_t new_tokens = 0;   // of the prompts this one decoded
+  double seconds = 0;       // since this one started decoding
+};
+
+// Decodes prompts[i] for every i not in out.done_before() with `decoders`, max_batch sequences at
+// once on each, and commits them to `out` (flushing at the end). When `stop` becomes true the
+// decoders take no new prompts, finish those in flight, and what finished is committed.
+// `progress` is called about every `report_seconds` on the calling thread (and once at the end).
+// A decoder's failure stops the others; what finished is committed, then the error is rethrown.
+void run_generation(const std::vector<const Decoder*>& decoders, const std::vector<std::vector<int64_t>>& prompts,
+                    const GenerateSettings& settings, int64_t max_batch, ShardedOutput& out,
+                    const std::atomic<bool>& stop, double report_seconds,
+                    const std::function<void(const GenerationProgress&)>& progress);
+
+}  // namespace dflash::decode

@@ -1,0 +1,201 @@
+#include "decode/shards.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+namespace dflash::decode {
+namespace {
+
+std::string errno_text() { return std::strerror(errno); }
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(path + ": cannot read");
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+void make_dirs(const std::string& path) {
+  for (size_t at = path.find('/', 1); ; at = path.find('/', at + 1)) {
+    const std::string part = at == std::string::npos ? path : path.substr(0, at);
+    if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) {
+      throw std::runtime_error(part + ": cannot create the directory: " + errno_text());
+    }
+    if (at == std::string::npos) return;
+  }
+}
+
+std::vector<std::string> entries(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) throw std::runtime_error(dir + ": cannot list: " + errno_text());
+  while (dirent* e = ::readdir(d)) names.push_back(e->d_name);
+  ::closedir(d);
+  return names;
+}
+
+// "shard-000012.jsonl" -> 12 with suffix ".jsonl"; -1 when the name is not a shard's.
+int64_t shard_number(const std::string& name, const std::string& suffix) {
+  const std::string prefix = "shard-";
+  if (name.size() != prefix.size() + 6 + suffix.size() || name.compare(0, prefix.size(), prefix) != 0 ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return -1;
+  }
+  int64_t n = 0;
+  for (size_t i = prefix.size(); i < prefix.size() + 6; ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+    n = n * 10 + (name[i] - '0');
+  }
+  return n;
+}
+
+std::string shard_name(int64_t n, const char* suffix) {
+  char name[32];
+  std::snprintf(name, sizeof name, "shard-%06lld%s", static_cast<long long>(n), suffix);
+  return name;
+}
+
+}  // namespace
+
+void write_file_durably(const std::string& path, const std::string& content) {
+  const std::string temporary = path + ".tmp";
+  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error(temporary + ": cannot create: " + errno_text());
+  size_t written = 0;
+  while (written < content.size()) {
+    const ssize_t n = ::write(fd, content.data() + written, content.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = errno_text();
+      ::close(fd);
+      ::unlink(temporary.c_str());
+      throw std::runtime_error(temporary + ": write failed: " + why);
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    ::unlink(temporary.c_str());
+    throw std::runtime_error(temporary + ": fsync failed: " + errno_text());
+  }
+  if (::rename(temporary.c_str(), path.c_str()) != 0) {
+    ::unlink(temporary.c_str());
+    throw std::runtime_error(path + ": rename failed: " + errno_text());
+  }
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    ::fsync(dir_fd);  // the rename itself durable
+    ::close(dir_fd);
+  }
+}
+
+ShardedOutput::ShardedOutput(std::string dir, const std::string& job, int64_t shard_size, bool keep_truncated)
+    : dir_(std::move(dir)), shard_size_(shard_size), keep_truncated_(keep_truncated) {
+  if (shard_size_ < 1) throw std::invalid_argument("generate: a shard must hold at least one sample");
+  make_dirs(dir_);
+  const std::string job_path = dir_ + "/generate.json";
+  const nlohmann::json wanted = nlohmann::json::parse(job);
+  if (::access(job_path.c_str(), F_OK) == 0) {
+    nlohmann::json found;
+    try {
+      found = nlohmann::json::parse(read_all(job_path));
+    } catch (const nlohmann::json::exception& e) {
+      throw std::runtime_error(job_path + ": not JSON (" + e.what() + ")");
+    }
+    if (found != wanted) {
+      throw std::runtime_error(job_path + ": this directory holds output of another job (" + found.dump() +
+                               "), not of this one (" + wanted.dump() + "); use another --out, or the same prompts "
+                               "and settings to continue it");
+    }
+  } else {
+    write_file_durably(job_path, wanted.dump(2) + "\n");
+  }
+  std::set<int64_t> markers;
+  for (const std::string& name : entries(dir_)) {
+    if (const int64_t n = shard_number(name, ".done"); n >= 0) markers.insert(n);
+  }
+  for (const std::string& name : entries(dir_)) {
+    const int64_t n = shard_number(name, ".jsonl");
+    const bool temporary = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
+    if (temporary || (n >= 0 && markers.count(n) == 0)) {
+      if (::unlink((dir_ + "/" + name).c_str()) != 0) {
+        throw std::runtime_error(dir_ + "/" + name + ": cannot remove an uncommitted shard: " + errno_text());
+      }
+      if (!temporary) ++removed_uncommitted_;
+    }
+  }
+  for (int64_t n : markers) {
+    const std::string path = dir_ + "/" + shard_name(n, ".done");
+    try {
+      for (int64_t index : nlohmann::json::parse(read_all(path)).at("prompts").get<std::vector<int64_t>>()) {
+        if (!done_before_.insert(index).second) {
+          throw std::runtime_error("prompt " + std::to_string(index) + " is in two shards");
+        }
+      }
+    } catch (const std::exception& e) {
+      throw std::runtime_error(path + ": damaged marker: " + e.what());
+    }
+    next_shard_ = n + 1;
+  }
+}
+
+void ShardedOutput::add(GeneratedSample sample) {
+  buffer_.push_back(std::move(sample));
+  if (static_cast<int64_t>(buffer_.size()) >= shard_size_) flush();
+}
+
+void ShardedOutput::flush() {
+  if (buffer_.empty()) return;
+  commit(buffer_);
+  buffer_.clear();
+}
+
+void ShardedOutput::commit(const std::vector<GeneratedSample>& samples) {
+  std::string lines;
+  std::vector<int64_t> prompts, skipped;
+  int64_t kept = 0, new_tokens = 0;
+  for (const GeneratedSample& s : samples) {
+    prompts.push_back(s.prompt_index);
+    new_tokens += static_cast<int64_t>(s.tokens.size()) - s.prompt_tokens;
+    if (!s.stopped && !keep_truncated_) {
+      skipped.push_back(s.prompt_index);
+      continue;
+    }
+    std::vector<int> mask(s.tokens.size(), 1);
+    std::fill(mask.begin(), mask.begin() + s.prompt_tokens, 0);
+    nlohmann::ordered_json line;
+    line["input_ids"] = s.tokens;
+    line["loss_mask"] = mask;
+    line["prompt_index"] = s.prompt_index;
+    line["finish_reason"] = s.stopped ? "stop" : "length";
+    lines += line.dump() + "\n";
+    ++kept;
+  }
+  write_file_durably(dir_ + "/" + shard_name(next_shard_, ".jsonl"), lines);
+  nlohmann::ordered_json marker;
+  marker["prompts"] = prompts;
+  marker["samples"] = kept;
+  marker["skipped_truncated"] = skipped;
+  marker["new_tokens"] = new_tokens;
+  write_file_durably(dir_ + "/" + shard_name(next_shard_, ".done"), marker.dump() + "\n");
+  ++next_shard_;
+  committed_ += static_cast<int64_t>(samples.size());
+  written_ += kept;
+  skipped_ += static_cast<int64_t>(skipped.size());
+  new_tokens_ += new_tokens;
+}
+
+}  // namespace dflash::decode

@@ -1,0 +1,75 @@
+// shards.h: the output directory of `dflashd generate`: training samples in committed shards,
+// every prompt in it exactly once however often the process is killed and restarted.
+//
+//   OUT/generate.json          what the directory is generated from (prompt file, its size and
+//                              checksum, the decoding settings); a restart with other prompts or
+//                              settings is refused rather than mixed in
+//   OUT/shard-NNNNNN.jsonl     samples, token JSON Lines a run's data.paths reads (OUT itself):
+//                              {"input_ids", "loss_mask" (1 on the response), "prompt_index",
+//                              "finish_reason": "stop" | "length"}
+//   OUT/shard-NNNNNN.done      the shard's commit marker, written after its samples are durable:
+//                              every prompt index the shard handled (written or skipped) and counts
+//
+// A commit writes the samples (temporary file, fsync, rename, directory fsync), then the marker
+// the same way. A shard without its marker was cut by a crash: opening the directory deletes it
+// (and any temporary file), and its prompts are generated again. Not thread-safe: one owner.
+#pragma once
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace dflash::decode {
+
+// One finished prompt.
+struct GeneratedSample {
+  int64_t prompt_index = 0;
+  std::vector<int64_t> tokens;  // prompt + response
+  int64_t prompt_tokens = 0;
+  bool stopped = false;  // a stop token ended it ("stop"); else max_new_tokens did ("length": truncated)
+};
+
+class ShardedOutput {
+ public:
+  // Opens (creates) `dir` for a job described by `job` (a JSON object: compared with the
+  // directory's generate.json, which is written when new). Deletes uncommitted shards, reads the
+  // committed ones' markers. Throws std::runtime_error naming the file on a mismatch or damage.
+  // `shard_size`: samples per shard; `keep_truncated`: write "length" samples (else skip them).
+  ShardedOutput(std::string dir, const std::string& job, int64_t shard_size, bool keep_truncated);
+
+  // Prompt indices committed before this process (those to skip).
+  const std::set<int64_t>& done_before() const { return done_before_; }
+  int64_t removed_uncommitted() const { return removed_uncommitted_; }
+
+  // Buffers a finished prompt; commits a shard when `shard_size` are buffered.
+  void add(GeneratedSample sample);
+  // Commits what is buffered (no-op when nothing is).
+  void flush();
+
+  // Since this process started: committed prompts, written samples, truncated samples skipped,
+  // new tokens of the committed prompts.
+  int64_t committed() const { return committed_; }
+  int64_t written() const { return written_; }
+  int64_t skipped_truncated() const { return skipped_; }
+  int64_t new_tokens() const { return new_tokens_; }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  void commit(const std::vector<GeneratedSample>& samples);
+
+  const std::string dir_;
+  const int64_t shard_size_;
+  const bool keep_truncated_;
+  std::set<int64_t> done_before_;
+  int64_t removed_uncommitted_ = 0;
+  int64_t next_shard_ = 0;
+  std::vector<GeneratedSample> buffer_;
+  int64_t committed_ = 0, written_ = 0, skipped_ = 0, new_tokens_ = 0;
+};
+
+// Writes `content` to `path` durably: PATH.tmp, fsync, rename, directory fsync. Throws
+// std::runtime_error naming the path.
+void write_file_durably(const std::string& path, const std::string& content);
+
+}  // namespace dflash::decode
