@@ -175,6 +175,33 @@ TEST(Generate, EveryPromptExactlyOnceAfterSigkill) {
   EXPECT_NE(p.err().find("finished this run: 0 prompts"), std::string::npos) << p.err();
 }
 
+// Two target replicas (-c, gpus.target: [0, 1], on the CPU) share the prompts: the same samples as
+// one replica, each prompt once.
+TEST(Generate, SeveralReplicasShareThePrompts) {
+  const std::string dir = test::make_temp_dir("generate-replicas");
+  write_prompts(dir + "/prompts.jsonl", 24, 500);
+  std::ofstream(dir + "/c.yaml") << "target: {preset: tiny-qwen3_5, weights: random, dtype: float32}\n"
+                                 << "drafter: {mask_token_id: 511}\n"
+                                 << "gpus: {device: cpu, target: [0, 1], drafter: [0]}\n"
+                                 << "data: {synthetic: {sequences: 10}}\n"
+                                 << "metrics: {listen: \"\"}\n";
+  ASSERT_EQ(run("-c " + dir + "/c.yaml --prompts " + dir + "/prompts.jsonl --out " + dir +
+                    "/two --max-new-tokens 8 --max-batch 3 --shard-size 5 --truncated keep",
+                dir + "/two.log"),
+            0)
+      << test::read_file(dir + "/two.log");
+  EXPECT_NE(test::read_file(dir + "/two.log").find("2 replica(s) on cpu, cpu"), std::string::npos)
+      << test::read_file(dir + "/two.log");
+  ASSERT_EQ(run("--preset tiny-qwen3_5 --device cpu --prompts " + dir + "/prompts.jsonl --out " + dir +
+                    "/one --max-new-tokens 8 --max-batch 3 --shard-size 5 --truncated keep",
+                dir + "/one.log"),
+            0)
+      << test::read_file(dir + "/one.log");
+  const auto two = read_output(dir + "/two");
+  EXPECT_EQ(two.size(), 24u);
+  EXPECT_EQ(two, read_output(dir + "/one"));
+}
+
 // Truncated responses are skipped by default (counted, recorded in the marker as handled), the
 // output directory is what a run's data.paths reads, and progress is on /metrics.
 TEST(Generate, TruncatedResponsesAreSkippedAndTheOutputIsTrainingData) {
