@@ -202,7 +202,7 @@ at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const at::Ten
 
 IncrementalTarget::IncrementalTarget(const TargetModel& model, int64_t recurrent_step_tokens)
     : model_(model), recurrent_step_tokens_(recurrent_step_tokens) {
-  if (model.last_layer() != model.config().num_layers - 1) {
+  if (model.first_layer() != 0 || model.last_layer() != model.config().num_layers - 1) {
     throw std::invalid_argument(model.config().source + ": decoding needs every layer of the target (built to layer " +
                                 std::to_string(model.last_layer()) + " of " +
                                 std::to_string(model.config().num_layers) + ")");

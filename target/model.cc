@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/log.h"
@@ -60,10 +61,10 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
   return gdn_output(c, p, o, z, x.scalar_type());
 }
 
-// The first layer (up to last_layer) for which `is`, or -1.
+// The first layer of range for which `is`, or -1.
 template <typename Predicate>
-int64_t first_layer(int64_t last_layer, Predicate is) {
-  for (int64_t i = 0; i <= last_layer; ++i) {
+int64_t first_matching(const LayerRange& range, Predicate is) {
+  for (int64_t i = range.first; i <= range.last; ++i) {
     if (is(i)) return i;
   }
   return -1;
@@ -71,9 +72,9 @@ int64_t first_layer(int64_t last_layer, Predicate is) {
 
 // The MoE layers: grouped GEMMs with device routing where _grouped_mm runs them on the device,
 // the reference host loop elsewhere (kernel_path.h's rule); `grouped` forces them (tests).
-bool use_grouped_moe(const ModelConfig& c, int64_t last_layer, const TargetOptions& options) {
+bool use_grouped_moe(const ModelConfig& c, const LayerRange& range, const TargetOptions& options) {
   using Path = TargetOptions::MoePath;
-  const int64_t first = first_layer(last_layer, [&](int64_t i) { return c.layer_is_moe(i); });
+  const int64_t first = first_matching(range, [&](int64_t i) { return c.layer_is_moe(i); });
   if (first < 0 || options.moe_path == Path::grouped) return options.moe_path == Path::grouped;
   return fast_path_chosen({"target layer " + std::to_string(first) + " (MoE) on " + options.device.str(),
                            options.moe_path == Path::reference ? PathRequest::slow : PathRequest::automatic,
@@ -86,9 +87,9 @@ bool use_grouped_moe(const ModelConfig& c, int64_t last_layer, const TargetOptio
 
 // The GatedDeltaNet layers: the CUDA kernels where they can run, the reference path elsewhere
 // (kernel_path.h's rule).
-bool use_gdn_kernels(const ModelConfig& c, int64_t last_layer, const TargetOptions& options) {
+bool use_gdn_kernels(const ModelConfig& c, const LayerRange& range, const TargetOptions& options) {
   using Path = TargetOptions::GdnPath;
-  const int64_t first = first_layer(last_layer, [&](int64_t i) { return c.layer_types[i] == LayerKind::linear_attention; });
+  const int64_t first = first_matching(range, [&](int64_t i) { return c.layer_types[i] == LayerKind::linear_attention; });
   if (first < 0) return false;
   const PathRequest request = options.gdn_path == Path::kernels     ? PathRequest::fast
                               : options.gdn_path == Path::reference ? PathRequest::slow
@@ -185,31 +186,50 @@ std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& inv_freq, const 
 }
 
 TargetModel::TargetModel(ModelConfig config, WeightSource& w, int64_t last_layer, TargetOptions options)
-    : config_(std::move(config)), options_(options), impl_(std::make_unique<Impl>()) {
+    : TargetModel(std::move(config), w, LayerRange{0, last_layer, true}, options) {}
+
+TargetModel::TargetModel(ModelConfig config, WeightSource& w, LayerRange range, TargetOptions options)
+    : config_(std::move(config)), options_(options), first_layer_(range.first), impl_(std::make_unique<Impl>()) {
   const ModelConfig& c = config_;
-  if (last_layer < 0 || last_layer >= c.num_layers) {
-    throw std::invalid_argument(c.source + ": layer " + std::to_string(last_layer) + " requested but the model has " +
+  if (range.last < 0 || range.last >= c.num_layers || range.first < 0 || range.first > range.last) {
+    throw std::invalid_argument(c.source + ": layers " + std::to_string(range.first) + ".." +
+                                std::to_string(range.last) + " requested but the model has " +
                                 std::to_string(c.num_layers) + " layers (0.." + std::to_string(c.num_layers - 1) + ")");
   }
   const auto opts = at::TensorOptions().device(options.device).dtype(options.dtype);
   const int64_t h = c.hidden_size;
   const Init norm_init = c.zero_centred_norm ? Init::zeros : Init::ones;
-  impl_->embed = w.get("embed_tokens.weight", {c.vocab_size, h}, opts);
-  impl_->head = c.tie_word_embeddings ? impl_->embed : w.get("lm_head.weight", {c.vocab_size, h}, opts);
-  impl_->final_norm = w.get("norm.weight", {h}, opts, norm_init);
+  if (range.first == 0 || (range.head && c.tie_word_embeddings)) {
+    impl_->embed = w.get("embed_tokens.weight", {c.vocab_size, h}, opts);
+  }
+  if (range.head) {
+    impl_->head = c.tie_word_embeddings ? impl_->embed : w.get("lm_head.weight", {c.vocab_size, h}, opts);
+    impl_->final_norm = w.get("norm.weight", {h}, opts, norm_init);
+  }
   impl_->inv_freq = compute_inv_freq(c).to(options.device);
-  for (int64_t i = 0; i <= last_layer; ++i) impl_->layers.push_back(load_layer(c, w, i, opts));
-  grouped_moe_ = use_grouped_moe(c, last_layer, options);
-  gdn_kernels_ = use_gdn_kernels(c, last_layer, options);
+  for (int64_t i = range.first; i <= range.last; ++i) impl_->layers.push_back(load_layer(c, w, i, opts));
+  grouped_moe_ = use_grouped_moe(c, range, options);
+  gdn_kernels_ = use_gdn_kernels(c, range, options);
   for (const auto& [component, path] : kernel_paths()) log::info("kernel path: {}", path.str());
 }
 
 TargetModel::~TargetModel() = default;
 
-int64_t TargetModel::last_layer() const { return static_cast<int64_t>(impl_->layers.size()) - 1; }
-const at::Tensor& TargetModel::embed_tokens() const { return impl_->embed; }
-const at::Tensor& TargetModel::lm_head() const { return impl_->head; }
-const at::Tensor& TargetModel::final_norm_weight() const { return impl_->final_norm; }
+int64_t TargetModel::last_layer() const { return first_layer_ + static_cast<int64_t>(impl_->layers.size()) - 1; }
+
+namespace {
+const at::Tensor& held(const at::Tensor& t, const char* what, const TargetModel& m) {
+  if (!t.defined()) {
+    throw std::logic_error(std::string("the target stage of layers ") + std::to_string(m.first_layer()) + ".." +
+                           std::to_string(m.last_layer()) + " holds no " + what);
+  }
+  return t;
+}
+}  // namespace
+
+const at::Tensor& TargetModel::embed_tokens() const { return held(impl_->embed, "embedding", *this); }
+const at::Tensor& TargetModel::lm_head() const { return held(impl_->head, "LM head", *this); }
+const at::Tensor& TargetModel::final_norm_weight() const { return held(impl_->final_norm, "final norm", *this); }
 
 std::map<std::string, KernelPath> TargetModel::kernel_paths() const {
   std::map<std::string, KernelPath> paths;
@@ -233,13 +253,21 @@ std::map<std::string, KernelPath> TargetModel::kernel_paths() const {
   return paths;
 }
 
+namespace {
+
+void check_cu_seqlens(const std::vector<int64_t>& cu_seqlens, int64_t tokens) {
+  if (cu_seqlens.size() < 2 || cu_seqlens.front() != 0 || cu_seqlens.back() != tokens) {
+    throw std::invalid_argument("target forward: cu_seqlens must run from 0 to the token count " + std::to_string(tokens));
+  }
+}
+
+}  // namespace
+
 std::vector<at::Tensor> TargetModel::forward(const at::Tensor& input_ids, const std::vector<int64_t>& cu_seqlens,
                                              const std::vector<int64_t>& layers) const {
-  c10::InferenceMode inference;
-  const ModelConfig& c = config_;
-  if (cu_seqlens.size() < 2 || cu_seqlens.front() != 0 || cu_seqlens.back() != input_ids.size(0)) {
-    throw std::invalid_argument("target forward: cu_seqlens must run from 0 to the token count " +
-                                std::to_string(input_ids.size(0)));
+  if (first_layer_ != 0) {
+    throw std::logic_error("target forward: this is the stage of layers " + std::to_string(first_layer_) + ".." +
+                           std::to_string(last_layer()) + "; run it with forward_stage");
   }
   for (size_t i = 0; i < layers.size(); ++i) {
     if (layers[i] < 0 || layers[i] > last_layer() || (i > 0 && layers[i] <= layers[i - 1])) {
@@ -247,8 +275,29 @@ std::vector<at::Tensor> TargetModel::forward(const at::Tensor& input_ids, const 
                                   ", got " + std::to_string(layers[i]));
     }
   }
+  std::vector<at::Tensor> tapped;
+  run_layers(input_ids, cu_seqlens, StreamState{}, layers.empty() ? last_layer() : layers.back(), layers, &tapped);
+  return tapped;
+}
+
+StreamState TargetModel::forward_stage(const at::Tensor& input_ids, const std::vector<int64_t>& cu_seqlens,
+                                       const StreamState& in, const std::vector<int64_t>& layers,
+                                       std::vector<at::Tensor>* tapped) const {
+  if ((first_layer_ == 0) == in.x.defined()) {
+    throw std::invalid_argument(first_layer_ == 0 ? "target stage 0 starts from the token ids, not a stream"
+                                                  : "target stage from layer " + std::to_string(first_layer_) +
+                                                        " needs the previous stage's stream");
+  }
+  return run_layers(input_ids, cu_seqlens, in, last_layer(), layers, tapped);
+}
+
+StreamState TargetModel::run_layers(const at::Tensor& input_ids, const std::vector<int64_t>& cu_seqlens,
+                                    const StreamState& in, int64_t through, const std::vector<int64_t>& layers,
+                                    std::vector<at::Tensor>* tapped) const {
+  c10::InferenceMode inference;
+  const ModelConfig& c = config_;
+  check_cu_seqlens(cu_seqlens, input_ids.size(0));
   const at::Device device = options_.device;
-  const at::Tensor ids = input_ids.to(device, at::kLong);
   // Position of each token within its own sequence.
   std::vector<int64_t> position_values(static_cast<size_t>(input_ids.size(0)));
   for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
@@ -261,22 +310,23 @@ std::vector<at::Tensor> TargetModel::forward(const at::Tensor& input_ids, const 
   std::optional<GdnChunkPlan> plan;
   if (gdn_kernels_) plan = make_gdn_chunk_plan(cu_seqlens, device);
 
-  ResidualStream stream(at::embedding(impl_->embed, ids), c);
-  std::vector<at::Tensor> tapped;
-  size_t next = 0;
-  for (int64_t i = 0; i <= layers.back(); ++i) {
-    const Layer& layer = impl_->layers[i];
+  auto on_device = [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; };
+  ResidualStream stream = in.x.defined() ? ResidualStream(on_device(in.x), on_device(in.pending), c)
+                                         : ResidualStream(at::embedding(impl_->embed, input_ids.to(device, at::kLong)), c);
+  auto next = std::lower_bound(layers.begin(), layers.end(), first_layer_);
+  for (int64_t i = first_layer_; i <= through; ++i) {
+    const Layer& layer = impl_->layers[static_cast<size_t>(i - first_layer_)];
     const at::Tensor normed = stream.add_and_norm(layer.input_norm);
     stream.push(layer.kind == LayerKind::full_attention
                     ? attention_forward(c, layer.attention, normed, cos, sin, cu_seqlens)
                     : gdn_forward(c, layer.gdn, normed, positions, cu_seqlens, plan ? &*plan : nullptr));
     stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm), grouped_moe_));
-    if (next < layers.size() && layers[next] == i) {
-      tapped.push_back(stream.output());
+    if (next != layers.end() && *next == i) {
+      tapped->push_back(stream.output());
       ++next;
     }
   }
-  return tapped;
+  return stream.state();
 }
 
 std::unique_ptr<TargetModel> load_target(const std::string& model_dir, int64_t last_layer, TargetOptions options) {

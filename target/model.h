@@ -45,10 +45,27 @@ struct TargetOptions {
 // Raised when a layer would run a path the options do not allow; names the layer and the fix.
 using dflash::SlowPathRefused;
 
+// The residual stream between two pipeline stages (stages.h): the stream x and the last
+// sub-layer's output not yet added to it (the next stage adds it, fused with its first norm, as
+// one model would: a split changes no rounding).
+struct StreamState {
+  at::Tensor x, pending;
+};
+
+// Which part of the model a TargetModel holds: layers first..last; the embedding when it starts
+// at layer 0; the final norm and LM head when `head` (a pipeline stage other than the last has
+// none of them).
+struct LayerRange {
+  int64_t first = 0, last = 0;
+  bool head = true;
+};
+
 class TargetModel {
  public:
   // Builds layers 0..last_layer (inclusive) plus the embedding, final norm and LM head.
   TargetModel(ModelConfig config, WeightSource& weights, int64_t last_layer, TargetOptions options);
+  // Builds the part `range` says (a pipeline stage).
+  TargetModel(ModelConfig config, WeightSource& weights, LayerRange range, TargetOptions options);
   ~TargetModel();
 
   // input_ids: int64 [tokens] (any device); cu_seqlens: B+1 offsets. Returns the output of each
@@ -56,10 +73,19 @@ class TargetModel {
   // model dtype on the model's device.
   std::vector<at::Tensor> forward(const at::Tensor& input_ids, const std::vector<int64_t>& cu_seqlens,
                                   const std::vector<int64_t>& layers) const;
+  // A pipeline stage's part of forward(): from the token ids (the stage holding layer 0) or the
+  // previous stage's stream (moved to this stage's device here), this stage's layers; the outputs
+  // of the requested layers within its range (ascending) are appended to *tapped. Returns the
+  // stream after its last layer.
+  StreamState forward_stage(const at::Tensor& input_ids, const std::vector<int64_t>& cu_seqlens,
+                            const StreamState& in, const std::vector<int64_t>& layers,
+                            std::vector<at::Tensor>* tapped) const;
 
   const ModelConfig& config() const { return config_; }
   const TargetOptions& options() const { return options_; }
+  int64_t first_layer() const { return first_layer_; }
   int64_t last_layer() const;
+  // Throw std::logic_error on a stage that does not hold them (LayerRange).
   const at::Tensor& embed_tokens() const;       // [vocab, hidden]
   const at::Tensor& lm_head() const;            // [vocab, hidden] (the embedding when tied)
   const at::Tensor& final_norm_weight() const;  // [hidden]
@@ -70,8 +96,12 @@ class TargetModel {
  private:
   friend class IncrementalTarget;  // incremental.h: the same layers over a decoding cache
   struct Impl;
+  // Layers first_layer_..through from `in` (or the embedding of the ids), tapping `layers`.
+  StreamState run_layers(const at::Tensor& input_ids, const std::vector<int64_t>& cu_seqlens, const StreamState& in,
+                         int64_t through, const std::vector<int64_t>& layers, std::vector<at::Tensor>* tapped) const;
   ModelConfig config_;
   TargetOptions options_;
+  int64_t first_layer_ = 0;
   bool gdn_kernels_ = false;  // the GatedDeltaNet layers run the CUDA kernels
   bool grouped_moe_ = false;  // the MoE layers run moe_grouped
   std::unique_ptr<Impl> impl_;

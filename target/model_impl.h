@@ -49,6 +49,10 @@ at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x, 
 class ResidualStream {
  public:
   ResidualStream(at::Tensor x, const ModelConfig& c) : x_(std::move(x)), c_(c) {}
+  // A stream continued from another stage's (StreamState: x and the pending sub-layer output).
+  ResidualStream(at::Tensor x, at::Tensor pending, const ModelConfig& c)
+      : x_(std::move(x)), pending_(std::move(pending)), c_(c) {}
+  StreamState state() const { return {x_, pending_}; }
   // The next sub-layer's input: rms_norm(x + pending) with `weight` (x takes the sum).
   at::Tensor add_and_norm(const at::Tensor& weight) {
     if (!pending_.defined()) return rms_norm_rows(x_, weight, c_.rms_norm_eps, c_.zero_centred_norm);

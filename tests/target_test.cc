@@ -16,6 +16,7 @@
 #include "target/gated_delta_net.h"
 #include "target/gdn_cuda.h"
 #include "target/model.h"
+#include "target/stages.h"
 #include "tests/test_util.h"
 
 namespace dflash::target {
@@ -167,6 +168,76 @@ TEST(TargetRandom, PresetsBuildAndRunDeterministically) {
     EXPECT_TRUE(at::isfinite(out_a[1]).all().item<bool>()) << preset;
     EXPECT_GT(out_a[1].std().item<double>(), 0.0) << preset;
   }
+}
+
+// ---- Pipeline stages (stages.h) --------------------------------------------------------------
+
+// A target split into 2, 3 and 4 stages taps bit-identical states to the whole target (the
+// stream crosses a boundary with its pending sub-layer output, so no rounding changes).
+TEST(TargetStages, StagesTapBitIdenticalStates) {
+  for (const char* preset : {"tiny-qwen3_5", "tiny-qwen3_next", "tiny-qwen3", "tiny-llama"}) {
+    SCOPED_TRACE(preset);
+    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
+    const int64_t last = config.num_layers - 2;
+    auto whole = random_target(config, last, TargetOptions{}, 42);
+    const at::Tensor ids = at::randint(0, config.vocab_size, {70}, at::TensorOptions().dtype(at::kLong));
+    const std::vector<int64_t> tap{0, 2, 3, last};
+    const auto expected = whole->forward(ids, {0, 30, 70}, tap);
+    for (size_t stages : {2, 3, 4}) {
+      auto staged = random_staged_target(config, last, std::vector<TargetOptions>(stages), 42);
+      ASSERT_EQ(staged->size(), stages);
+      EXPECT_EQ(staged->ranges().front().first, 0);
+      EXPECT_EQ(staged->ranges().back().last, last);
+      const auto got = staged->forward(ids, {0, 30, 70}, tap);
+      ASSERT_EQ(got.size(), tap.size());
+      for (size_t i = 0; i < tap.size(); ++i) {
+        EXPECT_TRUE(at::equal(got[i], expected[i])) << stages << " stages, layer " << tap[i];
+      }
+      // Only the first stage holds the embedding (tied or not), only the last the LM head.
+      EXPECT_THROW(staged->stage(1).embed_tokens(), std::logic_error);
+      EXPECT_THROW(staged->stage(0).lm_head(), std::logic_error);
+      EXPECT_TRUE(at::equal(staged->lm_head(), whole->lm_head()));
+      EXPECT_THROW(staged->stage(1).forward(ids, {0, 70}, {last}), std::logic_error);
+    }
+  }
+}
+
+// The plan keeps stages contiguous and minimises the largest stage's cost.
+TEST(TargetStages, PlanBalancesTheCost) {
+  const std::vector<LayerRange> even = plan_stages(std::vector<double>(8, 1.0), 4);
+  for (size_t s = 0; s < 4; ++s) {
+    EXPECT_EQ(even[s].first, static_cast<int64_t>(2 * s));
+    EXPECT_EQ(even[s].last, static_cast<int64_t>(2 * s + 1));
+    EXPECT_EQ(even[s].head, s == 3);
+  }
+  // One heavy layer gets a stage to itself.
+  const std::vector<LayerRange> heavy = plan_stages({1, 1, 6, 1, 1, 1}, 3);
+  EXPECT_EQ(heavy[1].first, 2);
+  EXPECT_EQ(heavy[1].last, 2);
+  EXPECT_THROW(plan_stages({1, 1}, 3), std::invalid_argument);
+  // At 27B shapes the full-attention layers cost more per token at long context than the
+  // GatedDeltaNet layers; a MoE layer costs its active experts, not all of them.
+  const ModelConfig hybrid = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny");
+  const std::vector<double> costs = layer_costs(hybrid, 65536);
+  EXPECT_GT(costs[3], costs[0]);  // layer 3 is full attention, layer 0 linear
+  const ModelConfig moe = parse_model_config(preset_config_json("tiny-qwen3_next"), "tiny");
+  ModelConfig every_expert = moe;
+  every_expert.num_experts_per_tok = moe.num_experts;
+  ASSERT_LT(moe.num_experts_per_tok, moe.num_experts);
+  EXPECT_LT(layer_costs(moe, 128)[0], layer_costs(every_expert, 128)[0]);
+}
+
+// Two stages on one GPU: bit-identical to the whole target on that GPU.
+TEST(TargetStages, TwoStagesOnOneGpuAreBitIdentical) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny");
+  TargetOptions gpu{at::Device(at::kCUDA, 0), at::kBFloat16, true};
+  auto whole = random_target(config, config.num_layers - 1, gpu, 9);
+  auto staged = random_staged_target(config, config.num_layers - 1, {gpu, gpu}, 9);
+  const at::Tensor ids = at::randint(0, config.vocab_size, {300}, at::TensorOptions().dtype(at::kLong));
+  const auto a = whole->forward(ids, {0, 100, 300}, {1, 4, 7});
+  const auto b = staged->forward(ids, {0, 100, 300}, {1, 4, 7});
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "tap " << i;
 }
 
 TEST(TargetRandom, ReportsItsKernelPaths) {
