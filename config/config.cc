@@ -66,6 +66,17 @@ Check<std::vector<int>> non_negative_ids() {
   };
 }
 
+Check<std::vector<std::vector<int>>> replica_ids() {
+  return [](const std::vector<std::vector<int>>& replicas) -> std::string {
+    for (const std::vector<int>& ids : replicas) {
+      if (ids.empty()) return "a replica needs at least one GPU, got []";
+      for (int id : ids)
+        if (id < 0) return "ids must be >= 0, got " + std::to_string(id);
+    }
+    return "";
+  };
+}
+
 void read_run(MapReader m, RunConfig* c) {
   m.field("name", &c->name);
   m.field("output_dir", &c->output_dir);
@@ -105,7 +116,9 @@ void read_drafter(MapReader m, DrafterConfig* c) {
 
 void read_gpus(MapReader m, GpuConfig* c) {
   m.choice<Device>("device", &c->device, {{"cuda", Device::cuda}, {"cpu", Device::cpu}});
-  m.field("target", &c->target, non_negative_ids());
+  m.field("target", &c->target_replicas, replica_ids());
+  c->target.clear();
+  for (const std::vector<int>& replica : c->target_replicas) c->target.insert(c->target.end(), replica.begin(), replica.end());
   m.field("drafter", &c->drafter, non_negative_ids());
   m.choice<SharedGpu>("shared_gpu", &c->shared_gpu, {{"turns", SharedGpu::turns}, {"concurrent", SharedGpu::concurrent}});
   m.done();
@@ -231,15 +244,24 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
   }
 
   for (const char* group : {"target", "drafter"}) {
-    const std::vector<int>& ids = std::string(group) == "target" ? c.gpus.target : c.gpus.drafter;
+    // Each id with where it was written: gpus.drafter[i], gpus.target[r] or gpus.target[r][j].
+    std::vector<std::pair<int, std::string>> ids;
     const std::string key = std::string("gpus.") + group;
+    if (std::string(group) == "target") {
+      for (size_t r = 0; r < c.gpus.target_replicas.size(); ++r) {
+        const std::vector<int>& replica = c.gpus.target_replicas[r];
+        for (size_t j = 0; j < replica.size(); ++j) {
+          const std::string nested = key + "[" + std::to_string(r) + "][" + std::to_string(j) + "]";
+          ids.push_back({replica[j], c.positions.count(nested) ? nested : key + "[" + std::to_string(r) + "]"});
+        }
+      }
+    } else {
+      for (size_t i = 0; i < c.gpus.drafter.size(); ++i) ids.push_back({c.gpus.drafter[i], key + "[" + std::to_string(i) + "]"});
+    }
     if (ids.empty()) d->add(at(key), key + ": at least one id is needed");
     std::set<int> seen;
-    for (size_t i = 0; i < ids.size(); ++i) {
-      if (!seen.insert(ids[i]).second) {
-        d->add(at(key + "[" + std::to_string(i) + "]"),
-               key + ": GPU " + std::to_string(ids[i]) + " is listed twice in one group");
-      }
+    for (const auto& [id, where] : ids) {
+      if (!seen.insert(id).second) d->add(at(where), key + ": GPU " + std::to_string(id) + " is listed twice in one group");
     }
   }
 

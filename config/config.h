@@ -93,6 +93,10 @@ struct DrafterConfig {
 
 struct GpuConfig {
   Device device = Device::cuda;    // cuda, or cpu (tests, demo: ids are then replica numbers)
+  // Target replicas: an id is a replica on that GPU; a list of ids is one replica over those GPUs,
+  // its layers in pipeline stages in list order (target/stages.h). `target` lists every id of
+  // them in order.
+  std::vector<std::vector<int>> target_replicas{{0}};
   std::vector<int> target{0};
   std::vector<int> drafter{0};
   // A GPU in both groups: "turns" runs one role at a time (each role's stage times are its own;

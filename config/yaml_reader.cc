@@ -106,7 +106,25 @@ bool MapReader::convert(const YAML::Node& value, const std::string& path, T* out
                                         (value.IsScalar() ? "'" + value.Scalar() + "'" : kind_name(value)));
     return false;
   };
-  if constexpr (std::is_same_v<T, std::vector<int>> || std::is_same_v<T, std::vector<std::string>>) {
+  if constexpr (std::is_same_v<T, std::vector<std::vector<int>>>) {
+    // A list whose items are ids or lists of ids: [0, 1] or [[0, 1], [2, 3]] (an id is a list of one).
+    if (!value.IsSequence()) return wrong_type();
+    T result;
+    bool ok = true;
+    for (size_t i = 0; i < value.size(); ++i) {
+      const std::string item_path = path + "[" + std::to_string(i) + "]";
+      std::vector<int> group;
+      int id = 0;
+      if (value[i].IsSequence() ? convert(value[i], item_path, &group) : (convert(value[i], item_path, &id) && (group = {id}, true))) {
+        result.push_back(group);
+        (*positions_)[item_path] = Diagnostics::to_position(value[i].Mark());
+      } else {
+        ok = false;
+      }
+    }
+    if (ok) *out = std::move(result);
+    return ok;
+  } else if constexpr (std::is_same_v<T, std::vector<int>> || std::is_same_v<T, std::vector<std::string>>) {
     if (!value.IsSequence()) return wrong_type();
     T result;
     bool ok = true;
@@ -240,6 +258,8 @@ template void MapReader::field<int64_t>(const char*, int64_t*, Check<int64_t>);
 template void MapReader::field<double>(const char*, double*, Check<double>);
 template void MapReader::field<std::string>(const char*, std::string*, Check<std::string>);
 template void MapReader::field<std::vector<int>>(const char*, std::vector<int>*, Check<std::vector<int>>);
+template void MapReader::field<std::vector<std::vector<int>>>(const char*, std::vector<std::vector<int>>*,
+                                                              Check<std::vector<std::vector<int>>>);
 template void MapReader::field<std::vector<std::string>>(const char*, std::vector<std::string>*,
                                                          Check<std::vector<std::string>>);
 template void MapReader::field<int>(const char*, std::optional<int>*, Check<int>);

@@ -188,7 +188,14 @@ std::vector<target::TargetOptions> replica_options(const std::optional<config::C
                                                    const target::TargetOptions& base) {
   if (!config) return {base};
   std::vector<target::TargetOptions> out;
-  for (int id : config->gpus.target) {
+  for (size_t r = 0; r < config->gpus.target_replicas.size(); ++r) {
+    const std::vector<int>& ids = config->gpus.target_replicas[r];
+    if (ids.size() != 1) {
+      throw std::runtime_error(config->source + ": gpus.target[" + std::to_string(r) + "] spans " +
+                               std::to_string(ids.size()) + " GPUs; generate decodes with each target replica on "
+                               "one GPU (pipeline stages serve training)");
+    }
+    const int id = ids[0];
     target::TargetOptions o = base;
     o.device = config->gpus.device == config::Device::cpu ? at::Device(at::kCPU) : at::Device(at::kCUDA, id);
     out.push_back(o);

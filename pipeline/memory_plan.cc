@@ -2,17 +2,20 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <set>
+
+#include "target/stage_plan.h"
 
 namespace dflash::pipeline {
 namespace {
 
 
-// Parameters of the target's layers 0..last_layer (every expert of an MoE layer is resident).
-int64_t target_layer_parameters(const target::ModelConfig& c, int64_t last_layer) {
+// Parameters of the target's layers first..last (every expert of an MoE layer is resident).
+int64_t target_layer_parameters(const target::ModelConfig& c, int64_t first, int64_t last) {
   const int64_t h = c.hidden_size;
   int64_t params = 0;
-  for (int64_t i = 0; i <= last_layer && i < c.num_layers; ++i) {
+  for (int64_t i = first; i <= last && i < c.num_layers; ++i) {
     if (c.layer_types[i] == target::LayerKind::full_attention) {
       const int64_t q = c.num_attention_heads * c.head_dim * (c.gated_attention ? 2 : 1);
       params += h * (q + 2 * c.num_key_value_heads * c.head_dim) + c.num_attention_heads * c.head_dim * h;
@@ -61,7 +64,27 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
                              : shape.target_layer_ids.empty() ? 0
                                                               : shape.target_layer_ids.back();
 
-  const int64_t target_weights = target_layer_parameters(target, last_layer) * bytes + head_and_embedding;
+  // Per GPU: the layers of the stages it holds (a replica on one GPU is one stage of every layer),
+  // the embedding with a replica's first stage, the LM head with its last.
+  std::map<int, int64_t> weights_on;
+  std::map<int, std::string> layers_on;
+  const int64_t embedding = v * h * bytes;
+  for (const std::vector<int>& ids : config.gpus.target_replicas) {
+    std::vector<double> costs = target::layer_costs(target, tokens);
+    costs.resize(static_cast<size_t>(last_layer + 1));
+    const std::vector<target::LayerRange> ranges =
+        target::plan_stages(costs, std::min(ids.size(), costs.size()));
+    for (size_t s = 0; s < ranges.size(); ++s) {
+      int64_t w = target_layer_parameters(target, ranges[s].first, ranges[s].last) * bytes;
+      if (ranges[s].first == 0) w += embedding;
+      if (ranges[s].head) w += head_and_embedding - (ranges[s].first == 0 && target.tie_word_embeddings ? embedding : 0);
+      weights_on[ids[s]] += w;
+      if (ids.size() > 1) {
+        layers_on[ids[s]] += (layers_on[ids[s]].empty() ? " L" : ",L") + std::to_string(ranges[s].first) + "-" +
+                             std::to_string(ranges[s].last);
+      }
+    }
+  }
   const int64_t target_activations =
       tokens * (3 * std::max(target_widest_per_token(target), 4 * h) + shape.num_features() * h) * bytes;
 
@@ -89,8 +112,9 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
     g.target = std::count(config.gpus.target.begin(), config.gpus.target.end(), id) > 0;
     g.drafter = std::count(config.gpus.drafter.begin(), config.gpus.drafter.end(), id) > 0;
     if (g.target) {
-      g.target_weights = target_weights;
+      g.target_weights = weights_on[id];
       g.target_activations = target_activations;
+      g.target_layers = layers_on[id];
     }
     if (g.drafter) {
       g.drafter_state = drafter_state + (g.target ? 0 : head_and_embedding);
@@ -108,7 +132,9 @@ std::string format_memory_plan(const std::vector<GpuMemoryPlan>& plan) {
                     "features  drafter act.  total / capacity\n";
   for (const GpuMemoryPlan& g : plan) {
     char line[256];
-    const std::string roles = g.target && g.drafter ? "target+drafter" : g.target ? "target" : "drafter";
+    const std::string roles = g.target && g.drafter ? "target" + g.target_layers + "+drafter"
+                              : g.target            ? "target" + g.target_layers
+                                                    : "drafter";
     std::snprintf(line, sizeof(line), "%33d  %-14s  %14s  %11s  %13s  %8s  %12s  %s / %s\n", g.gpu, roles.c_str(),
                   gb(g.target_weights).c_str(), gb(g.target_activations).c_str(), gb(g.drafter_state).c_str(),
                   gb(g.queued_features).c_str(), gb(g.drafter_activations).c_str(), gb(g.total()).c_str(),

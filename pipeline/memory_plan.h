@@ -32,6 +32,7 @@ namespace dflash::pipeline {
 struct GpuMemoryPlan {
   int gpu = 0;
   bool target = false, drafter = false;  // which roles it carries
+  std::string target_layers;             // a target replica's pipeline stages on it: " L0-15" (empty: all layers)
   int64_t target_weights = 0, target_activations = 0;
   int64_t drafter_state = 0, queued_features = 0, drafter_activations = 0;
   int64_t capacity = 0;  // the GPU's memory, 0 when unknown (offline, or a CPU run)

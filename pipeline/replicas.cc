@@ -68,14 +68,16 @@ std::unique_ptr<Replicas> build_replicas(const config::Config& config, const tar
   const at::ScalarType dtype = model_dtype(config.target.dtype);
   // Every layer when the eval section decodes with the target; else up to the last tapped one.
   const int64_t last_layer = config.eval.every_steps > 0 ? target_config.num_layers - 1 : shape.target_layer_ids.back();
-  for (int id : config.gpus.target) {
-    target::TargetOptions options{device_for(config.gpus, id), dtype, config.target.allow_slow_path};
+  for (const std::vector<int>& ids : config.gpus.target_replicas) {
+    std::vector<target::TargetOptions> stages;
+    for (int id : ids) stages.push_back({device_for(config.gpus, id), dtype, config.target.allow_slow_path});
     if (config.target.weights == config::TargetWeights::random || !config.target.preset.empty()) {
-      r->targets.push_back(target::random_target(target_config, last_layer, options, target::run_target_seed(config.train.seed)));
+      r->targets.push_back(
+          target::random_staged_target(target_config, last_layer, stages, target::run_target_seed(config.train.seed)));
     } else {
-      r->targets.push_back(target::load_target(config.target.path, last_layer, options));
+      r->targets.push_back(target::load_staged_target(config.target.path, last_layer, stages));
     }
-    r->target_clocks.push_back(std::make_unique<StageClock>(options.device));
+    r->target_clocks.push_back(std::make_unique<StageClock>(stages.back().device));
   }
   for (size_t i = 0; i < config.gpus.drafter.size(); ++i) {
     const int id = config.gpus.drafter[i];

@@ -1,5 +1,6 @@
 // replicas.h: the models of a run on their devices, built once at start: one target replica per
-// id of gpus.target and one drafter replica per id of gpus.drafter, each with its stage clock;
+// entry of gpus.target (an id: one GPU; a list of ids: pipeline stages over those GPUs,
+// target/stages.h) and one drafter replica per id of gpus.drafter, each with its stage clock;
 // a drafter replica also holds its optimizer (made once the plan knows its steps), the target's
 // frozen embedding and LM head on its device, and the shared GPU's turn when a target shares it
 // (gpus.shared_gpu: turns).
@@ -26,11 +27,12 @@
 #include "pipeline/drafter_step.h"
 #include "pipeline/streams.h"
 #include "target/model.h"
+#include "target/stages.h"
 
 namespace dflash::pipeline {
 
 struct Replicas {
-  std::vector<std::unique_ptr<target::TargetModel>> targets;
+  std::vector<std::unique_ptr<target::StagedTarget>> targets;  // one stage when on one GPU
   std::vector<std::unique_ptr<StageClock>> target_clocks;
   std::vector<std::unique_ptr<drafter::Drafter>> drafters;
   std::vector<std::unique_ptr<drafter::AdamW>> optimizers;  // empty until add_optimizers()

@@ -1,6 +1,8 @@
 // The constructor's steps (trainer_impl.h): models, data, resume, connections.
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "common/log.h"
 #include "drafter/optimizer.h"
 #include "pipeline/gpu_memory.h"
@@ -38,7 +40,13 @@ void Trainer::Impl::load_models() {
   s.models = build_replicas(config, s.target_config, s.shape);
   // Every implementation choice in one shape (kernel_path.h): the log line and the metric.
   std::vector<KernelPath> paths;
-  for (const auto& [component, path] : s.models->targets[0]->kernel_paths()) paths.push_back(path);
+  for (size_t stage = 0; stage < s.models->targets[0]->size(); ++stage) {
+    for (const auto& [component, path] : s.models->targets[0]->stage(stage).kernel_paths()) {
+      if (std::none_of(paths.begin(), paths.end(), [&](const KernelPath& p) { return p.component == component; })) {
+        paths.push_back(path);
+      }
+    }
+  }
   paths.push_back(s.models->attention);
   for (const KernelPath& p : paths) s.metrics->kernel_path_family->Add({{"component", p.component}, {"path", p.path}}).Set(1);
   log::info("kernel path: {}", s.models->attention.str());
@@ -126,7 +134,12 @@ void Trainer::Impl::prepare_eval() {
                                " held-out samples, none with a prompt (tokens before the first supervised one)");
     }
   }
-  evaluator = std::make_unique<Evaluator>(config, *models->targets[0], shape, std::move(prompts), *registry);
+  if (models->targets[0]->size() != 1) {
+    throw std::runtime_error("eval: target replica 0 spans " + std::to_string(models->targets[0]->size()) +
+                             " GPUs (gpus.target[0]); the eval decodes with a target on one device: list a "
+                             "single-GPU replica first, or leave eval.every_steps at 0");
+  }
+  evaluator = std::make_unique<Evaluator>(config, models->targets[0]->stage(0), shape, std::move(prompts), *registry);
 }
 
 // The collectives and the queues between the threads (the feature queue within

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
+#include <memory>
 #include <optional>
 
 #include "common/log.h"
@@ -32,14 +34,23 @@ void Trainer::Impl::reader_loop(Worker &w) {
 // -----------------------------------------------------------------------
 void Trainer::Impl::target_loop(Worker &w, size_t replica) {
   c10::InferenceMode inference;
-  const target::TargetModel &model = *models->targets[replica];
-  const WorkerStream stream(model.options().device);
+  const target::StagedTarget &model = *models->targets[replica];
+  // Its stages' devices (one for a replica on one GPU), in ascending order: a worker stream on
+  // each, and the shared GPUs' turns taken in that order.
+  std::vector<at::Device> devices;
+  for (size_t s = 0; s < model.size(); ++s) {
+    const at::Device d = model.stage(s).options().device;
+    if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
+  }
+  std::sort(devices.begin(), devices.end(), [](const at::Device &a, const at::Device &b) { return a.index() < b.index(); });
+  std::vector<std::unique_ptr<WorkerStream>> streams;
+  for (const at::Device &d : devices) streams.push_back(std::make_unique<WorkerStream>(d));
   StageClock &clock = *models->target_clocks[replica];
   const std::vector<int64_t> layers(shape.target_layer_ids.begin(), shape.target_layer_ids.end());
   while (auto item = sample_queue->pop([&] { w.beat(); })) {
     w.beat();
-    std::optional<GpuTurn> turn;  // released before the push: a full queue must not hold the GPU
-    turn.emplace(models->turn_of(model.options().device), model.options().device);
+    std::vector<std::unique_ptr<GpuTurn>> turns;  // released before the push: a full queue must not hold a GPU
+    for (const at::Device &d : devices) turns.push_back(std::make_unique<GpuTurn>(models->turn_of(d), d));
     clock.start();
     const int64_t drafter_replica = plan.replica_of(item->q) - node_rank * local_replicas;  // local index
     FeatureItem out;
@@ -70,7 +81,7 @@ void Trainer::Impl::target_loop(Worker &w, size_t replica) {
       out.q = item->q;
     }
     if (!ok) return;
-    turn.reset();
+    turns.clear();
     if (!feature_queues[drafter_replica]->push(std::move(out), [&] { w.beat(); })) return;
   }
 }

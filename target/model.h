@@ -21,6 +21,7 @@
 
 #include "common/kernel_path.h"
 #include "target/model_config.h"
+#include "target/stage_plan.h"
 #include "target/weights.h"
 
 namespace dflash::target {
@@ -50,14 +51,6 @@ using dflash::SlowPathRefused;
 // one model would: a split changes no rounding).
 struct StreamState {
   at::Tensor x, pending;
-};
-
-// Which part of the model a TargetModel holds: layers first..last; the embedding when it starts
-// at layer 0; the final norm and LM head when `head` (a pipeline stage other than the last has
-// none of them).
-struct LayerRange {
-  int64_t first = 0, last = 0;
-  bool head = true;
 };
 
 class TargetModel {

@@ -13,19 +13,9 @@
 #include <vector>
 
 #include "target/model.h"
+#include "target/stage_plan.h"
 
 namespace dflash::target {
-
-// Forward FLOPs per token of each layer 0..num_layers-1 in sequences of `tokens` tokens: twice
-// the weights a token passes through (a MoE layer's routed experts and shared expert, not all
-// experts) plus the attention's scores over the causal context, or the GatedDeltaNet's state
-// updates.
-std::vector<double> layer_costs(const ModelConfig& c, int64_t tokens);
-
-// Contiguous ranges covering layers 0..costs.size()-1, `stages` of them (each at least one
-// layer), that minimise the largest stage's cost. Throws std::invalid_argument when there are
-// more stages than layers.
-std::vector<LayerRange> plan_stages(const std::vector<double>& costs, size_t stages);
 
 class StagedTarget {
  public:

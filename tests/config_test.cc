@@ -53,6 +53,23 @@ TEST(Config, MinimalConfigGetsDocumentedDefaults) {
   EXPECT_EQ(c.checkpoint.resume, "auto");
 }
 
+// gpus.target: an id is a replica on one GPU, a list of ids one replica over those GPUs in
+// pipeline stages; a GPU in two replicas, an empty replica and a negative id are errors.
+TEST(Config, TargetReplicasAreIdsOrListsOfIds) {
+  const Config c = parse(std::string(kMinimal) + "gpus:\n  target: [[0, 1], 2, [3, 4, 5]]\n  drafter: [6]\n", "run.yaml");
+  EXPECT_EQ(c.gpus.target_replicas, (std::vector<std::vector<int>>{{0, 1}, {2}, {3, 4, 5}}));
+  EXPECT_EQ(c.gpus.target, (std::vector<int>{0, 1, 2, 3, 4, 5}));
+  const Config plain = parse(std::string(kMinimal) + "gpus:\n  target: [0, 1]\n", "run.yaml");
+  EXPECT_EQ(plain.gpus.target_replicas, (std::vector<std::vector<int>>{{0}, {1}}));
+  EXPECT_TRUE(has_error(errors_of(std::string(kMinimal) + "gpus:\n  target: [[0, 1], [1, 2]]\n"),
+                        "run.yaml:6:21: gpus.target: GPU 1 is listed twice in one group"));
+  EXPECT_TRUE(has_error(errors_of(std::string(kMinimal) + "gpus:\n  target: [[0, 1], []]\n"),
+                        "gpus.target: a replica needs at least one GPU, got []"));
+  EXPECT_TRUE(has_error(errors_of(std::string(kMinimal) + "gpus:\n  target: [[0, -1]]\n"), "ids must be >= 0, got -1"));
+  EXPECT_TRUE(has_error(errors_of(std::string(kMinimal) + "gpus:\n  target: [[0, x]]\n"),
+                        "gpus.target[0][1]: expected an integer, got 'x'"));
+}
+
 TEST(Config, LossGammaFollowsBlockSize) {
   EXPECT_DOUBLE_EQ(parse(std::string(kMinimal) + "drafter: {block_size: 10}\n", "r").loss_gamma(), 5.0);
   EXPECT_DOUBLE_EQ(parse(std::string(kMinimal) + "drafter: {block_size: 8}\n", "r").loss_gamma(), 4.0);

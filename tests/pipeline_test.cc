@@ -269,6 +269,29 @@ TEST(PipelineRun, TwoReplicasMatchOneReplicaWithAccumulation) {
   EXPECT_LE(worst / scale, 1e-4) << "max abs diff " << worst;
 }
 
+// A target replica in pipeline stages (gpus.target: [[0, 1, 2]], three stages on the CPU)
+// feeds the drafter the same features as one whole target: the trained drafter is bit-identical.
+TEST(PipelineRun, ATargetInStagesTrainsTheSameDrafterAsOneTarget) {
+  const std::string common = "checkpoint: {every_steps: 1000}\ntrain: {max_steps: 6, learning_rate: 0.003}\n";
+  const RunDir staged = make_run("staged", common);
+  const RunDir whole = make_run("whole", common);
+  std::string text = test::read_file(staged.config);
+  text.replace(text.find("gpus: {device: cpu}"), std::string("gpus: {device: cpu}").size(),
+               "gpus: {device: cpu, target: [[0, 1, 2]], drafter: [0]}");
+  std::ofstream(staged.config, std::ios::trunc) << text;
+  test::Process a({kBinary, "run", "-c", staged.config}, {}, staged.dir);
+  test::Process b({kBinary, "run", "-c", whole.config}, {}, whole.dir);
+  ASSERT_EQ(a.wait(180000), 0) << a.err();
+  ASSERT_EQ(b.wait(180000), 0) << b.err();
+  EXPECT_NE(a.err().find("target stage 2: layers"), std::string::npos) << a.err();
+  EXPECT_EQ(final_weights(staged, "000000000006"), final_weights(whole, "000000000006"));
+  // validate's memory plan shows each stage's layers on its GPU.
+  const std::string validate = kBinary + " validate --offline -c " + staged.config + " > " + staged.dir + "/v.log 2>&1";
+  ASSERT_EQ(std::system(validate.c_str()), 0) << test::read_file(staged.dir + "/v.log");
+  EXPECT_NE(test::read_file(staged.dir + "/v.log").find("target L0-"), std::string::npos)
+      << test::read_file(staged.dir + "/v.log");
+}
+
 // Multi-node: two processes (nodes) with one drafter replica each, meeting through the TCP
 // store (node 1 reads torchrun's variables), train bit-for-bit the drafter of one process
 // with two replicas: same samples per replica, same sums in the same order.
