@@ -100,6 +100,15 @@ void read_drafter(MapReader m, DrafterConfig* c) {
   m.field("block_size", &c->block_size, between(2, 64));
   m.field("target_layer_ids", &c->target_layer_ids, non_negative_ids());
   m.field("num_target_features", &c->num_target_features, between(1, 32));
+  m.field("layer_types", &c->layer_types, Check<std::vector<std::string>>([](const std::vector<std::string>& types) -> std::string {
+    for (const std::string& t : types) {
+      if (t != "full_attention" && t != "sliding_attention") {
+        return "each entry is full_attention or sliding_attention, got '" + t + "'";
+      }
+    }
+    return "";
+  }));
+  m.field("sliding_window", &c->sliding_window, positive<int>());
   m.field("mask_token_id", &c->mask_token_id, at_least<int64_t>(0));
   m.field("rope_theta", &c->rope_theta, positive<double>());
   m.field("intermediate_size", &c->intermediate_size, positive<int>());

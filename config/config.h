@@ -79,6 +79,10 @@ struct DrafterConfig {
   int block_size = 16;
   std::vector<int> target_layer_ids;  // empty: the default rule of docs/recipe.md (5 ids spread evenly)
   int num_target_features = 5;        // K, when target_layer_ids is empty
+  // Per layer "full_attention" or "sliding_attention" (empty: all full): a sliding layer's block
+  // sees the last `sliding_window` positions of the context and its own block causally.
+  std::vector<std::string> layer_types;
+  std::optional<int> sliding_window;
   std::optional<int64_t> mask_token_id;  // default: the target family's (Qwen3 151669, Qwen3.5 248070)
   std::optional<double> rope_theta;      // default: the target's
   std::optional<int> intermediate_size;  // defaults: the target's shape

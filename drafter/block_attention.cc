@@ -49,27 +49,45 @@ at::ScalarType operand_type(const at::Tensor& q) {
   return reduced && q.is_cuda() ? q.scalar_type() : at::kFloat;
 }
 
+// A group of blocks and the context keys [begin, begin + context) its part A reads: up to the
+// largest anchor, from the smallest key any of its rows sees (0 for a full layer; with a window
+// W, the first block's anchor - W + 1: anchors ascend).
 struct Group {
-  int64_t first_row, rows, blocks, context;  // context: keys [0, context) of part A
+  int64_t first_row, rows, blocks, begin, context;
 };
 
-std::vector<Group> make_groups(const at::Tensor& anchors, int64_t block_size, int64_t group_blocks) {
+std::vector<Group> make_groups(const at::Tensor& anchors, int64_t block_size, int64_t group_blocks, int64_t window) {
   const int64_t blocks = anchors.size(0);
   const int64_t* a = anchors.data_ptr<int64_t>();
   std::vector<Group> groups;
   for (int64_t first = 0; first < blocks; first += group_blocks) {
     const int64_t count = std::min(group_blocks, blocks - first);
-    groups.push_back({first * block_size, count * block_size, count, a[first + count - 1]});  // sorted: last is max
+    const int64_t end = a[first + count - 1];  // sorted: the last is the largest
+    const int64_t begin = window > 0 ? std::min(end, std::max<int64_t>(0, a[first] - window + 1)) : 0;
+    groups.push_back({first * block_size, count * block_size, count, begin, end - begin});
   }
   return groups;
 }
 
-// Row r of the group (block r / B) may see context key j iff j < its anchor: [rows, context].
-at::Tensor staircase_mask(const at::Tensor& anchors, const Group& g, int64_t block_size, const at::Device& device) {
+// Row r of the group (block r / B, offset r % B) may see context key j iff j < its anchor, and
+// with a window W iff also j > anchor + offset - W: [rows, context] over keys begin.. .
+at::Tensor staircase_mask(const at::Tensor& anchors, const Group& g, int64_t block_size, int64_t window,
+                          const at::Device& device) {
+  const auto long_options = at::TensorOptions().dtype(at::kLong).device(device);
   const at::Tensor block_anchor = anchors.narrow(0, g.first_row / block_size, g.blocks).to(device);
   const at::Tensor row_anchor = block_anchor.repeat_interleave(block_size);  // [rows]
-  const at::Tensor columns = at::arange(g.context, at::TensorOptions().dtype(at::kLong).device(device));
-  return columns.unsqueeze(0) < row_anchor.unsqueeze(1);
+  const at::Tensor columns = at::arange(g.begin, g.begin + g.context, long_options).unsqueeze(0);
+  at::Tensor visible = columns < row_anchor.unsqueeze(1);
+  if (window > 0) {
+    const at::Tensor row_offset = at::arange(g.rows, long_options).remainder(block_size);
+    visible = visible & (columns > (row_anchor + row_offset - window).unsqueeze(1));
+  }
+  return visible;
+}
+
+// A sliding layer's own-block mask [B, B]: row r sees block keys 0..r.
+at::Tensor causal_block_mask(int64_t block_size, const at::Device& device) {
+  return at::ones({block_size, block_size}, at::TensorOptions().dtype(at::kBool).device(device)).tril();
 }
 
 // Per-group views, heads first, fp32. q: [Hkv, rep*rows, d] (query heads of one key-value
@@ -83,7 +101,8 @@ struct GroupTensors {
 };
 
 GroupTensors group_tensors(const at::Tensor& qh, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& kb,
-                           const at::Tensor& vb, const at::Tensor& anchors, const Group& g, int64_t block_size) {
+                           const at::Tensor& vb, const at::Tensor& anchors, const Group& g, int64_t block_size,
+                           int64_t window) {
   const int64_t hkv = kc.size(0), rep = qh.size(0) / hkv, d = qh.size(2);
   GroupTensors t;
   const at::Tensor q = qh.narrow(1, g.first_row, g.rows).view({hkv, rep, g.rows, d});
@@ -92,9 +111,11 @@ GroupTensors group_tensors(const at::Tensor& qh, const at::Tensor& kc, const at:
   t.k_blk = kb.narrow(1, g.first_row, g.rows).view({hkv, 1, g.blocks, block_size, d});
   t.v_blk = vb.narrow(1, g.first_row, g.rows).view({hkv, 1, g.blocks, block_size, d});
   if (g.context > 0) {
-    t.k_ctx = kc.narrow(1, 0, g.context);
-    t.v_ctx = vc.narrow(1, 0, g.context);
-    t.mask = staircase_mask(anchors, g, block_size, qh.device()).unsqueeze(0).expand({rep, g.rows, g.context})
+    t.k_ctx = kc.narrow(1, g.begin, g.context);
+    t.v_ctx = vc.narrow(1, g.begin, g.context);
+    t.mask = staircase_mask(anchors, g, block_size, window, qh.device())
+                 .unsqueeze(0)
+                 .expand({rep, g.rows, g.context})
                  .reshape({1, rep * g.rows, g.context});
   }
   return t;
@@ -103,7 +124,8 @@ GroupTensors group_tensors(const at::Tensor& qh, const at::Tensor& kc, const at:
 struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k_context,
                             const at::Tensor& v_context, const at::Tensor& k_block, const at::Tensor& v_block,
-                            const at::Tensor& anchors, int64_t block_size, int64_t group_blocks, double scale) {
+                            const at::Tensor& anchors, int64_t block_size, int64_t group_blocks, double scale,
+                            int64_t window) {
     const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_context.size(1), rep = hq / hkv;
     // Heads first. Operands stay bf16/fp16 on a GPU (tensor cores, fp32 accumulation and
     // scores); everything else computes in fp32. Output and log-sum-exp are kept in fp32.
@@ -116,10 +138,12 @@ struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionF
     const auto fp32 = qh.options().dtype(at::kFloat);
     at::Tensor out = at::empty({hkv, rep, rows, d}, fp32);
     at::Tensor lse = at::empty({hkv, rep, rows}, fp32);
-    for (const Group& g : make_groups(anchors, block_size, group_blocks)) {
-      const GroupTensors t = group_tensors(qh, kc, vc, kb, vb, anchors, g, block_size);
-      // Part B: own block, unmasked.
-      const at::Tensor scores_b = product(t.q_blocks, t.k_blk.transpose(-1, -2)) * scale;  // [Hkv,rep,G,B,B]
+    const at::Tensor own = window > 0 ? causal_block_mask(block_size, qh.device()) : at::Tensor();
+    for (const Group& g : make_groups(anchors, block_size, group_blocks, window)) {
+      const GroupTensors t = group_tensors(qh, kc, vc, kb, vb, anchors, g, block_size, window);
+      // Part B: own block, unmasked (causal in a sliding layer).
+      at::Tensor scores_b = product(t.q_blocks, t.k_blk.transpose(-1, -2)) * scale;  // [Hkv,rep,G,B,B]
+      if (own.defined()) scores_b = scores_b.masked_fill(own.logical_not(), -INFINITY);
       const at::Tensor lse_b = at::logsumexp(scores_b, -1).reshape({hkv, rep * g.rows});
       at::Tensor lse_g = lse_b;
       at::Tensor scores_a;
@@ -138,6 +162,7 @@ struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionF
     ctx->saved_data["block_size"] = block_size;
     ctx->saved_data["group_blocks"] = group_blocks;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["window"] = window;
     return out.view({hq, rows, d}).permute({1, 0, 2}).to(q.scalar_type()).contiguous();
   }
 
@@ -148,6 +173,7 @@ struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionF
     const int64_t block_size = ctx->saved_data["block_size"].toInt();
     const int64_t group_blocks = ctx->saved_data["group_blocks"].toInt();
     const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t window = ctx->saved_data["window"].toInt();
     const int64_t hq = qh.size(0), rows = qh.size(1), d = qh.size(2), hkv = kc.size(0), rep = hq / hkv;
     const at::ScalarType input_type = grad_outputs[0].scalar_type();
     const at::ScalarType op = qh.scalar_type();
@@ -157,8 +183,9 @@ struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionF
     at::Tensor dq = at::zeros({hkv, rep, rows, d}, fp32);
     at::Tensor dkc = at::zeros(kc.sizes(), fp32), dvc = at::zeros(vc.sizes(), fp32);
     at::Tensor dkb = at::zeros(kb.sizes(), fp32), dvb = at::zeros(vb.sizes(), fp32);
-    for (const Group& g : make_groups(anchors, block_size, group_blocks)) {
-      const GroupTensors t = group_tensors(qh, kc, vc, kb, vb, anchors, g, block_size);
+    const at::Tensor own = window > 0 ? causal_block_mask(block_size, qh.device()) : at::Tensor();
+    for (const Group& g : make_groups(anchors, block_size, group_blocks, window)) {
+      const GroupTensors t = group_tensors(qh, kc, vc, kb, vb, anchors, g, block_size, window);
       const at::Tensor o_g = out.narrow(2, g.first_row, g.rows).reshape({hkv, rep * g.rows, d});
       const at::Tensor do_g = d_out.narrow(2, g.first_row, g.rows).reshape({hkv, rep * g.rows, d});
       const at::Tensor lse_g = lse.narrow(2, g.first_row, g.rows).reshape({hkv, rep * g.rows});
@@ -166,8 +193,9 @@ struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionF
       at::Tensor dq_g;
       // Part B, in [Hkv, rep, G, B, *] views.
       {
-        const at::Tensor p = at::exp(product(t.q_blocks, t.k_blk.transpose(-1, -2)) * scale -
-                                     lse_g.view({hkv, rep, g.blocks, block_size, 1}));
+        at::Tensor scores_b = product(t.q_blocks, t.k_blk.transpose(-1, -2)) * scale;
+        if (own.defined()) scores_b = scores_b.masked_fill(own.logical_not(), -INFINITY);
+        const at::Tensor p = at::exp(scores_b - lse_g.view({hkv, rep, g.blocks, block_size, 1}));
         const at::Tensor p_op = p.to(op);
         const at::Tensor do_b = do_g.view({hkv, rep, g.blocks, block_size, d});
         dvb.narrow(1, g.first_row, g.rows)
@@ -183,10 +211,10 @@ struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionF
         const at::Tensor scores = (product(t.q_rows, t.k_ctx.transpose(-1, -2)) * scale)
                                       .masked_fill(t.mask.logical_not(), -INFINITY);
         const at::Tensor p = at::exp(scores - lse_g.unsqueeze(-1));
-        dvc.narrow(1, 0, g.context).add_(product(p.to(op).transpose(-1, -2), do_g));
+        dvc.narrow(1, g.begin, g.context).add_(product(p.to(op).transpose(-1, -2), do_g));
         const at::Tensor ds = (p * (product(do_g, t.v_ctx.transpose(-1, -2)) - delta.unsqueeze(-1))).to(op);
         dq_g = dq_g + product(ds, t.k_ctx) * scale;
-        dkc.narrow(1, 0, g.context).add_(product(ds.transpose(-1, -2), t.q_rows) * scale);
+        dkc.narrow(1, g.begin, g.context).add_(product(ds.transpose(-1, -2), t.q_rows) * scale);
       }
       dq.narrow(2, g.first_row, g.rows).copy_(dq_g.view({hkv, rep, g.rows, d}));
     }
@@ -194,7 +222,7 @@ struct BlockAttentionFunction : public torch::autograd::Function<BlockAttentionF
       return t.reshape({heads, -1, d}).permute({1, 0, 2}).to(input_type).contiguous();
     };
     return {back(dq, hq), back(dkc, hkv), back(dvc, hkv), back(dkb, hkv), back(dvb, hkv),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -212,9 +240,10 @@ struct EfficientBlockAttentionFunction : public torch::autograd::Function<Effici
   }
   // Additive staircase bias for one group, [1, 1, rows, window] viewed from storage whose rows
   // are padded to a multiple of 16 elements (the kernel's alignment rule).
-  static at::Tensor staircase_bias(const at::Tensor& anchors, const Group& g, int64_t block_size, const at::Tensor& like) {
+  static at::Tensor staircase_bias(const at::Tensor& anchors, const Group& g, int64_t block_size, int64_t window,
+                                   const at::Tensor& like) {
     const int64_t padded = (g.context + 15) / 16 * 16;
-    const at::Tensor visible = staircase_mask(anchors, g, block_size, like.device());  // [rows, context]
+    const at::Tensor visible = staircase_mask(anchors, g, block_size, window, like.device());  // [rows, context]
     at::Tensor storage = at::full({g.rows, padded}, -INFINITY, like.options());
     storage.narrow(1, 0, g.context).masked_fill_(visible, 0.0);
     return storage.narrow(1, 0, g.context).unsqueeze(0).unsqueeze(0);
@@ -228,30 +257,32 @@ struct EfficientBlockAttentionFunction : public torch::autograd::Function<Effici
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k_context,
                             const at::Tensor& v_context, const at::Tensor& k_block, const at::Tensor& v_block,
-                            const at::Tensor& anchors, int64_t block_size, int64_t group_blocks, double scale) {
+                            const at::Tensor& anchors, int64_t block_size, int64_t group_blocks, double scale,
+                            int64_t window) {
     const int64_t rows = q.size(0), hq = q.size(1), rep = hq / k_context.size(1);
+    const int64_t own_mask = window > 0 ? 1 : 0;  // the kernel's causal-from-top-left mask in a sliding layer
     const at::Tensor qc = q.contiguous();
     const at::Tensor kc = expand_heads(k_context, rep), vc = expand_heads(v_context, rep);
     const at::Tensor kb = expand_heads(k_block, rep), vb = expand_heads(v_block, rep);
     const at::Tensor cu = at::arange(0, rows + 1, block_size, qc.options().dtype(at::kInt));
     // Part B: a variable-length batch with one 16-token sequence per block.
     auto part_b = at::_efficient_attention_forward(qc.unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0), std::nullopt, cu,
-                                                   cu, block_size, block_size, 0.0, 0, true, scale);
+                                                   cu, block_size, block_size, 0.0, own_mask, true, scale);
     const at::Tensor o_b = std::get<0>(part_b).squeeze(0).to(at::kFloat);                                  // [M, Hq, d]
     const at::Tensor lse_b = std::get<1>(part_b).narrow(2, 0, block_size).permute({1, 0, 2}).reshape({hq, rows});
     at::Tensor lse = lse_b.clone(), out = o_b.clone();
-    const auto groups = make_groups(anchors, block_size, group_blocks);
+    const auto groups = make_groups(anchors, block_size, group_blocks, window);
     for (const Group& g : groups) {
       if (g.context == 0) continue;
-      const at::Tensor bias = staircase_bias(anchors, g, block_size, qc).expand({1, hq, g.rows, g.context});
+      const at::Tensor bias = staircase_bias(anchors, g, block_size, window, qc).expand({1, hq, g.rows, g.context});
       auto part_a = at::_efficient_attention_forward(qc.narrow(0, g.first_row, g.rows).unsqueeze(0),
-                                                     kc.narrow(0, 0, g.context).unsqueeze(0),
-                                                     vc.narrow(0, 0, g.context).unsqueeze(0), bias, std::nullopt,
+                                                     kc.narrow(0, g.begin, g.context).unsqueeze(0),
+                                                     vc.narrow(0, g.begin, g.context).unsqueeze(0), bias, std::nullopt,
                                                      std::nullopt, std::nullopt, std::nullopt, 0.0, 0, true, scale);
-      // Rows whose anchor is 0 see no context key: their part A is empty (lse -inf, output 0),
-      // whatever the kernel wrote for a fully masked row.
-      const at::Tensor empty_row =
-          (anchors.narrow(0, g.first_row / block_size, g.blocks).repeat_interleave(block_size) == 0).to(qc.device());
+      // Rows that see no context key (anchor 0; in a sliding layer, a window that ends at the
+      // anchor): their part A is empty (lse -inf, output 0), whatever the kernel wrote for a fully
+      // masked row.
+      const at::Tensor empty_row = staircase_mask(anchors, g, block_size, window, qc.device()).any(1).logical_not();
       const at::Tensor lse_a = std::get<1>(part_a).squeeze(0).narrow(1, 0, g.rows).masked_fill(empty_row.unsqueeze(0), -INFINITY);
       const at::Tensor o_a = std::get<0>(part_a).squeeze(0).to(at::kFloat).masked_fill(empty_row.view({-1, 1, 1}), 0.0);
       const at::Tensor lse_b_g = lse_b.narrow(1, g.first_row, g.rows);
@@ -266,6 +297,7 @@ struct EfficientBlockAttentionFunction : public torch::autograd::Function<Effici
     ctx->saved_data["group_blocks"] = group_blocks;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["rep"] = rep;
+    ctx->saved_data["window"] = window;
     return result;
   }
 
@@ -277,6 +309,7 @@ struct EfficientBlockAttentionFunction : public torch::autograd::Function<Effici
     const int64_t group_blocks = ctx->saved_data["group_blocks"].toInt();
     const double scale = ctx->saved_data["scale"].toDouble();
     const int64_t rep = ctx->saved_data["rep"].toInt();
+    const int64_t window = ctx->saved_data["window"].toInt();
     const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2), blocks = rows / block_size;
     const at::Tensor d_out = grad_outputs[0].to(q.scalar_type()).contiguous();
     const at::Tensor cu = at::arange(0, rows + 1, block_size, q.options().dtype(at::kInt));
@@ -284,31 +317,32 @@ struct EfficientBlockAttentionFunction : public torch::autograd::Function<Effici
     const at::Tensor lse_b = kernel_lse(lse.view({hq, blocks, block_size}).permute({1, 0, 2}));
     auto grads_b = at::_efficient_attention_backward(d_out.unsqueeze(0), q.unsqueeze(0), kb.unsqueeze(0),
                                                      vb.unsqueeze(0), std::nullopt, out.unsqueeze(0), cu, cu, block_size,
-                                                     block_size, lse_b, 0.0, seed, offset, 0, false, scale);
+                                                     block_size, lse_b, 0.0, seed, offset, window > 0 ? 1 : 0, false,
+                                                     scale);
     at::Tensor dq = std::get<0>(grads_b).squeeze(0).to(at::kFloat);
     const at::Tensor dkb = std::get<1>(grads_b).squeeze(0).to(at::kFloat);
     const at::Tensor dvb = std::get<2>(grads_b).squeeze(0).to(at::kFloat);
     at::Tensor dkc = at::zeros(kc.sizes(), kc.options().dtype(at::kFloat));
     at::Tensor dvc = at::zeros(vc.sizes(), vc.options().dtype(at::kFloat));
-    for (const Group& g : make_groups(anchors, block_size, group_blocks)) {
+    for (const Group& g : make_groups(anchors, block_size, group_blocks, window)) {
       if (g.context == 0) continue;
-      const at::Tensor bias = staircase_bias(anchors, g, block_size, q).expand({1, hq, g.rows, g.context});
+      const at::Tensor bias = staircase_bias(anchors, g, block_size, window, q).expand({1, hq, g.rows, g.context});
       const at::Tensor lse_g = kernel_lse(lse.narrow(1, g.first_row, g.rows)).unsqueeze(0);
       auto grads_a = at::_efficient_attention_backward(
           d_out.narrow(0, g.first_row, g.rows).unsqueeze(0), q.narrow(0, g.first_row, g.rows).unsqueeze(0),
-          kc.narrow(0, 0, g.context).unsqueeze(0), vc.narrow(0, 0, g.context).unsqueeze(0), bias,
+          kc.narrow(0, g.begin, g.context).unsqueeze(0), vc.narrow(0, g.begin, g.context).unsqueeze(0), bias,
           out.narrow(0, g.first_row, g.rows).unsqueeze(0), std::nullopt, std::nullopt, g.rows, g.context, lse_g, 0.0,
           seed, offset, 0, false, scale);
       dq.narrow(0, g.first_row, g.rows).add_(std::get<0>(grads_a).squeeze(0).to(at::kFloat));
-      dkc.narrow(0, 0, g.context).add_(std::get<1>(grads_a).squeeze(0).to(at::kFloat));
-      dvc.narrow(0, 0, g.context).add_(std::get<2>(grads_a).squeeze(0).to(at::kFloat));
+      dkc.narrow(0, g.begin, g.context).add_(std::get<1>(grads_a).squeeze(0).to(at::kFloat));
+      dvc.narrow(0, g.begin, g.context).add_(std::get<2>(grads_a).squeeze(0).to(at::kFloat));
     }
     // Repeated key-value heads back to their groups: head h_q = h_kv * rep + r.
     auto fold = [&](const at::Tensor& t) {
       return t.view({t.size(0), hq / rep, rep, d}).sum(2).to(q.scalar_type());
     };
     return {dq.to(q.scalar_type()), fold(dkc), fold(dvc), fold(dkb), fold(dvb),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -391,15 +425,15 @@ struct KernelBlockAttentionFunction : public torch::autograd::Function<KernelBlo
 };
 #endif
 
-BlockAttentionPath choose_path(const at::Tensor& q, int64_t block_size, BlockAttentionPath asked) {
+BlockAttentionPath choose_path(const at::Tensor& q, int64_t block_size, int64_t window, BlockAttentionPath asked) {
   if (asked == BlockAttentionPath::kernels) {
-    if (auto why = block_attention_kernels_unavailable(q, block_size)) {
+    if (auto why = block_attention_kernels_unavailable(q, block_size, window)) {
       throw std::invalid_argument("block_attention: the fused kernels cannot run: " + *why);
     }
     return asked;
   }
   if (asked != BlockAttentionPath::automatic) return asked;
-  if (!block_attention_kernels_unavailable(q, block_size)) return BlockAttentionPath::kernels;
+  if (!block_attention_kernels_unavailable(q, block_size, window)) return BlockAttentionPath::kernels;
   const bool efficient = q.is_cuda() && operand_type(q) != at::kFloat && q.size(2) % 8 == 0;
   return efficient ? BlockAttentionPath::efficient : BlockAttentionPath::math;
 }
@@ -422,7 +456,9 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_context, const at::Te
 
 }  // namespace
 
-std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size) {
+std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size,
+                                                               int64_t sliding_window) {
+  if (sliding_window > 0) return std::string("sliding-window layers: the fused kernels take no window yet");
 #ifndef DFLASHD_WITH_CUDA
   (void)q, (void)block_size;
   return std::string("this build has no CUDA kernels (configured with DFLASHD_CUDA=OFF or without a CUDA toolkit)");
@@ -444,9 +480,9 @@ std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor&
 }
 
 BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int64_t block_size,
-                                                    BlockAttentionPath asked) {
+                                                    BlockAttentionPath asked, int64_t sliding_window) {
   BlockAttentionPathInfo info;
-  info.path = choose_path(like, block_size, asked);
+  info.path = choose_path(like, block_size, sliding_window, asked);
   if (info.path == BlockAttentionPath::kernels) {
     info.name = "kernels";
     info.description = "fused CUDA kernels (dflashd DFlash block attention)";
@@ -457,7 +493,7 @@ BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int
                                                                 : "split path, portable math";
   if (asked != BlockAttentionPath::automatic) {
     info.description += " (as configured)";
-  } else if (auto why = block_attention_kernels_unavailable(like, block_size)) {
+  } else if (auto why = block_attention_kernels_unavailable(like, block_size, sliding_window)) {
     info.description += "; the fused kernels do not run: " + *why;
   }
   return info;
@@ -470,31 +506,38 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, con
   check_inputs(q, k_context, v_context, k_block, v_block, a, shape.block_size);
   const double scale = shape.scale > 0 ? shape.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   if (a.size(0) == 0) return at::zeros_like(q);
-  switch (choose_path(q, shape.block_size, shape.path)) {
+  switch (choose_path(q, shape.block_size, shape.sliding_window, shape.path)) {
 #ifdef DFLASHD_WITH_CUDA
     case BlockAttentionPath::kernels:
       return KernelBlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size, scale);
 #endif
     case BlockAttentionPath::efficient:
       return EfficientBlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size,
-                                                shape.group_blocks, scale);
+                                                    shape.group_blocks, scale, shape.sliding_window);
     default:
       break;
   }
   return BlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size,
-                                       shape.group_blocks, scale);
+                                       shape.group_blocks, scale, shape.sliding_window);
 }
 
 at::Tensor block_attention_dense_reference(const at::Tensor& q, const at::Tensor& k_context,
                                            const at::Tensor& v_context, const at::Tensor& k_block,
                                            const at::Tensor& v_block, const at::Tensor& anchors,
-                                           int64_t block_size) {
+                                           int64_t block_size, int64_t sliding_window) {
   const int64_t rows = q.size(0), context = k_context.size(0);
   const auto long_options = at::TensorOptions().dtype(at::kLong).device(q.device());
   const at::Tensor row_anchor = anchors.to(q.device()).repeat_interleave(block_size);
-  const at::Tensor row_block = at::arange(rows, long_options).div(block_size, "floor");
-  const at::Tensor context_visible = at::arange(context, long_options).unsqueeze(0) < row_anchor.unsqueeze(1);
-  const at::Tensor block_visible = row_block.unsqueeze(1) == row_block.unsqueeze(0);
+  const at::Tensor row = at::arange(rows, long_options);
+  const at::Tensor row_block = row.div(block_size, "floor");
+  const at::Tensor keys = at::arange(context, long_options).unsqueeze(0);
+  at::Tensor context_visible = keys < row_anchor.unsqueeze(1);
+  at::Tensor block_visible = row_block.unsqueeze(1) == row_block.unsqueeze(0);
+  if (sliding_window > 0) {  // SpecForge's sliding DFlash mask: the window on the context, causal in the block
+    const at::Tensor position = row_anchor + row.remainder(block_size);
+    context_visible = context_visible & (keys > (position - sliding_window).unsqueeze(1));
+    block_visible = block_visible & (row.unsqueeze(0) <= row.unsqueeze(1));
+  }
   const at::Tensor mask = at::cat({context_visible, block_visible}, 1);  // [M, S + M]
   const at::Tensor k = at::cat({k_context, k_block}).permute({1, 0, 2}).unsqueeze(0);
   const at::Tensor v = at::cat({v_context, v_block}).permute({1, 0, 2}).unsqueeze(0);

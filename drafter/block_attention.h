@@ -45,11 +45,17 @@ struct BlockAttentionShape {
   int64_t group_blocks = 64;  // blocks per group of the split paths: bounds one group's memory
   double scale = 0;           // 0: head_dim^-0.5
   BlockAttentionPath path = BlockAttentionPath::automatic;
+  // A sliding-window layer (> 0): block row r of anchor a (position a + r) sees context keys
+  // j > a + r - sliding_window (and j < a), and its own block's rows 0..r (causal); the split paths
+  // walk only the context inside the group's windows. 0: a full layer (the whole context before
+  // the anchor, the whole block).
+  int64_t sliding_window = 0;
 };
 
 // Why the fused kernels cannot run for these inputs (names the device, dtype or dimension), or
 // nullopt when they can.
-std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size);
+std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size,
+                                                               int64_t sliding_window = 0);
 
 // The path `asked` resolves to for queries like `like` (its device, dtype and head size) with
 // blocks of block_size: the path, its name "kernels" | "efficient" | "math" (metrics) and a
@@ -60,7 +66,8 @@ struct BlockAttentionPathInfo {
   std::string name, description;
 };
 BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int64_t block_size,
-                                                    BlockAttentionPath asked = BlockAttentionPath::automatic);
+                                                    BlockAttentionPath asked = BlockAttentionPath::automatic,
+                                                    int64_t sliding_window = 0);
 
 // q [M=N*B, Hq, d]; k_context, v_context [S, Hkv, d]; k_block, v_block [M, Hkv, d];
 // anchors int64 [N] on the CPU, ascending, each in [0, S). Returns [M, Hq, d] (q's dtype).
@@ -74,6 +81,6 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, con
 at::Tensor block_attention_dense_reference(const at::Tensor& q, const at::Tensor& k_context,
                                            const at::Tensor& v_context, const at::Tensor& k_block,
                                            const at::Tensor& v_block, const at::Tensor& anchors,
-                                           int64_t block_size);
+                                           int64_t block_size, int64_t sliding_window = 0);
 
 }  // namespace dflash::drafter

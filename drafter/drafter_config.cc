@@ -67,6 +67,22 @@ DrafterShape shape_for_target(const target::ModelConfig& t, const config::Drafte
     fail("drafter.num_attention_heads must be a multiple of drafter.num_key_value_heads");
   }
   if (s.head_dim % 2 != 0) fail("drafter.head_dim must be even (rotary embedding)");
+  s.layer_types = c.layer_types;
+  if (s.layer_types.empty()) s.layer_types.assign(static_cast<size_t>(s.num_layers), "full_attention");
+  if (static_cast<int64_t>(s.layer_types.size()) != s.num_layers) {
+    fail("drafter.layer_types: " + std::to_string(s.layer_types.size()) + " entries for drafter.num_layers " +
+         std::to_string(s.num_layers));
+  }
+  const bool slides = std::count(s.layer_types.begin(), s.layer_types.end(), "sliding_attention") > 0;
+  if (slides && !c.sliding_window) fail("drafter.layer_types has sliding_attention layers: set drafter.sliding_window");
+  if (!slides && c.sliding_window) {
+    fail("drafter.sliding_window is set but no layer slides: list sliding_attention in drafter.layer_types");
+  }
+  s.sliding_window = c.sliding_window.value_or(0);
+  if (slides && s.sliding_window < s.block_size) {
+    fail("drafter.sliding_window " + std::to_string(s.sliding_window) + " is smaller than drafter.block_size " +
+         std::to_string(s.block_size) + ": a block must fit its own window");
+  }
   return s;
 }
 
@@ -89,9 +105,14 @@ std::string export_config_json(const DrafterShape& s) {
   j["tie_word_embeddings"] = false;
   j["attention_bias"] = false;
   j["attention_dropout"] = 0.0;
-  j["layer_types"] = std::vector<std::string>(static_cast<size_t>(s.num_layers), "full_attention");
-  j["sliding_window"] = nullptr;
-  j["use_sliding_window"] = false;
+  j["layer_types"] = s.layer_types.empty() ? std::vector<std::string>(static_cast<size_t>(s.num_layers), "full_attention")
+                                           : s.layer_types;
+  if (s.sliding_window > 0) {
+    j["sliding_window"] = s.sliding_window;
+  } else {
+    j["sliding_window"] = nullptr;
+  }
+  j["use_sliding_window"] = s.sliding_window > 0;
   j["dtype"] = "bfloat16";
   j["block_size"] = s.block_size;
   j["num_target_layers"] = s.num_target_layers;
@@ -123,6 +144,23 @@ DrafterShape parse_export_config(const std::string& json_text, const std::string
     s.num_target_layers = j.at("num_target_layers");
     s.mask_token_id = j.at("dflash_config").at("mask_token_id");
     s.target_layer_ids = j.at("dflash_config").at("target_layer_ids").get<std::vector<int64_t>>();
+    s.layer_types = j.value("layer_types", std::vector<std::string>(static_cast<size_t>(s.num_layers), "full_attention"));
+    if (static_cast<int64_t>(s.layer_types.size()) != s.num_layers) {
+      throw std::runtime_error(source + ": layer_types has " + std::to_string(s.layer_types.size()) + " entries for " +
+                               std::to_string(s.num_layers) + " layers");
+    }
+    for (const std::string& t : s.layer_types) {
+      if (t != "full_attention" && t != "sliding_attention") {
+        throw std::runtime_error(source + ": layer_types: unknown layer type '" + t + "'");
+      }
+    }
+    const bool slides = std::count(s.layer_types.begin(), s.layer_types.end(), "sliding_attention") > 0;
+    if (slides) {
+      if (!j.contains("sliding_window") || !j["sliding_window"].is_number_integer() || j["sliding_window"].get<int64_t>() < 1) {
+        throw std::runtime_error(source + ": sliding_attention layers need a positive integer sliding_window");
+      }
+      s.sliding_window = j["sliding_window"].get<int64_t>();
+    }
     return s;
   } catch (const nlohmann::json::exception& e) {
     throw std::runtime_error(source + ": not a DFlash drafter config.json: " + e.what());
@@ -131,6 +169,11 @@ DrafterShape parse_export_config(const std::string& json_text, const std::string
 
 namespace {
 std::string text_of(int64_t v) { return std::to_string(v); }
+std::string text_of(const std::vector<std::string>& names) {
+  std::string out = "[";
+  for (size_t i = 0; i < names.size(); ++i) out += (i ? ", " : "") + names[i];
+  return out + "]";
+}
 std::string text_of(const std::vector<int64_t>& ids) {
   std::string out = "[";
   for (size_t i = 0; i < ids.size(); ++i) out += (i ? ", " : "") + std::to_string(ids[i]);
@@ -154,6 +197,8 @@ std::string shape_differences(const DrafterShape& saved, const DrafterShape& con
   compare("block_size", saved.block_size, configured.block_size);
   compare("mask_token_id", saved.mask_token_id, configured.mask_token_id);
   compare("target_layer_ids", saved.target_layer_ids, configured.target_layer_ids);
+  compare("layer_types", saved.layer_types, configured.layer_types);
+  compare("sliding_window", saved.sliding_window, configured.sliding_window);
   return differences;
 }
 

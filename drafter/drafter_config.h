@@ -36,6 +36,17 @@ struct DrafterShape {
   int64_t mask_token_id = 0;
   std::vector<int64_t> target_layer_ids;  // ascending
   int64_t num_target_layers = 0;
+  // Per layer "full_attention" or "sliding_attention" (num_layers entries); a sliding layer's block
+  // row at position p sees context positions > p - sliding_window and its block's rows up to its
+  // own (z-lab's dflash model code, SpecForge's sliding DFlash mask).
+  std::vector<std::string> layer_types;
+  int64_t sliding_window = 0;  // > 0 when a layer slides
+  // The window of layer i: sliding_window for a sliding layer, 0 (none) for a full one (and for
+  // every layer of a shape without layer_types).
+  int64_t window_of(int64_t layer) const {
+    const size_t i = static_cast<size_t>(layer);
+    return i < layer_types.size() && layer_types[i] == "sliding_attention" ? sliding_window : 0;
+  }
 
   int64_t num_features() const { return static_cast<int64_t>(target_layer_ids.size()); }
   // Parameters of the drafter itself (decoder layers, fc, norms; no embedding, no head).

@@ -152,12 +152,13 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
     c10::NoGradGuard frozen;  // the target's embedding is frozen
     x = at::embedding(embed, at::cat(ids)).to(options_.dtype());
   }
-  const BlockAttentionShape attention_shape{s.block_size, group_blocks, 0, attention_path_};
+  BlockAttentionShape attention_shape{s.block_size, group_blocks, 0, attention_path_};
   const at::ScalarType dtype = options_.dtype().toScalarType();
   const RopeTables block_rope = rope_tables(all_block_pos, d, s.rope_theta, dtype, device);
   const RopeTables context_rope = rope_tables(all_context_pos, d, s.rope_theta, dtype, device);
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const Layer& l = layers_[i];
+    attention_shape.sliding_window = s.window_of(i);
     const at::Tensor h = trained_rms_norm(x, l.input_norm, s.rms_norm_eps);
     const at::Tensor& wk = l.k_proj;
     const at::Tensor& wv = l.v_proj;
@@ -247,11 +248,14 @@ struct BlockGroup {
 };
 
 // Attention of a group's blocks in layer `layer` ([members * rows, Hq, d], member-major): every
-// row of a block sees its sequence's cached context and its whole block (no mask within); with
-// several members the keys are padded to the longest and the padding masked.
+// row of a block sees its sequence's cached context and its whole block (no mask within); in a
+// sliding layer (window > 0) row r at position p sees context positions > p - window and block
+// rows 0..r, as training does. With several members the keys are padded to the longest and the
+// padding masked.
 at::Tensor block_attention_group(const DrafterShape& s, const std::vector<const DrafterContextCache*>& caches,
                                  const BlockGroup& g, const std::vector<int64_t>& first, int64_t layer,
                                  const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block) {
+  const int64_t window = s.window_of(layer);
   const int64_t hq = s.num_attention_heads, hkv = s.num_key_value_heads, d = s.head_dim, rows = g.rows;
   const int64_t size = static_cast<int64_t>(g.members.size());
   std::vector<at::Tensor> keys, values;
@@ -274,13 +278,20 @@ at::Tensor block_attention_group(const DrafterShape& s, const std::vector<const 
     for (int64_t j = 0; j < size; ++j) all[j].narrow(0, 0, parts[j].size(0)).copy_(parts[j]);
     return all.transpose(1, 2);
   };
-  if (size > 1) {
-    std::vector<int64_t> lengths;
-    for (const at::Tensor& k : keys) lengths.push_back(k.size(0));
+  if (size > 1 || window > 0) {
+    // Per member [rows, longest]: key index c < context (a context position) or a block row.
+    std::vector<int64_t> contexts;
+    for (size_t j : g.members) contexts.push_back(caches[j]->length);
     const auto long_options = at::TensorOptions().dtype(at::kLong);
-    mask = (at::arange(longest, long_options).unsqueeze(0) < at::tensor(lengths, long_options).unsqueeze(1))
-               .view({size, 1, 1, longest})
-               .to(q.device());
+    const at::Tensor context = at::tensor(contexts, long_options).view({size, 1, 1});
+    const at::Tensor key = at::arange(longest, long_options).view({1, 1, longest});
+    const at::Tensor row = at::arange(rows, long_options).view({1, rows, 1});
+    at::Tensor visible = key < context + rows;  // the member's keys, not the padding
+    if (window > 0) {
+      const at::Tensor in_block = key >= context;
+      visible = visible & at::where(in_block, key - context <= row, key > context + row - window);
+    }
+    mask = visible.unsqueeze(1).to(q.device());  // [G, 1, rows, longest]
   }
   const at::Tensor o = at::scaled_dot_product_attention(
       q.index_select(0, g.row_ids).view({size, rows, hq, d}).transpose(1, 2), padded(keys), padded(values),

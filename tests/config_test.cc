@@ -70,6 +70,18 @@ TEST(Config, TargetReplicasAreIdsOrListsOfIds) {
                         "gpus.target[0][1]: expected an integer, got 'x'"));
 }
 
+TEST(Config, DrafterLayerTypesAndSlidingWindow) {
+  const Config c = parse(std::string(kMinimal) +
+                             "drafter:\n  num_layers: 2\n  layer_types: [sliding_attention, full_attention]\n"
+                             "  sliding_window: 2048\n",
+                         "run.yaml");
+  EXPECT_EQ(c.drafter.layer_types, (std::vector<std::string>{"sliding_attention", "full_attention"}));
+  EXPECT_EQ(c.drafter.sliding_window, 2048);
+  EXPECT_TRUE(has_error(errors_of(std::string(kMinimal) + "drafter:\n  layer_types: [local_attention]\n"),
+                        "each entry is full_attention or sliding_attention, got 'local_attention'"));
+  EXPECT_TRUE(has_error(errors_of(std::string(kMinimal) + "drafter:\n  sliding_window: 0\n"), "drafter.sliding_window"));
+}
+
 TEST(Config, LossGammaFollowsBlockSize) {
   EXPECT_DOUBLE_EQ(parse(std::string(kMinimal) + "drafter: {block_size: 10}\n", "r").loss_gamma(), 5.0);
   EXPECT_DOUBLE_EQ(parse(std::string(kMinimal) + "drafter: {block_size: 8}\n", "r").loss_gamma(), 4.0);

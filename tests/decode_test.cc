@@ -168,10 +168,14 @@ TEST(IncrementalTarget, RefusesAPartialModelAndCropsOutsideTheLastStep) {
 }
 
 // A small random drafter for `config` (2 layers, block 8, heads of the drafter's default rule).
-drafter::Drafter random_drafter(const ModelConfig& config, uint64_t seed, int block_size = 8) {
+drafter::Drafter random_drafter(const ModelConfig& config, uint64_t seed, int block_size = 8, int sliding_window = 0) {
   config::DrafterConfig dc;
   dc.num_layers = 2;
   dc.block_size = block_size;
+  if (sliding_window > 0) {  // the first layer slides (the recipe: sliding layers, then a full one)
+    dc.layer_types = {"sliding_attention", "full_attention"};
+    dc.sliding_window = sliding_window;
+  }
   dc.num_target_features = 2;
   dc.mask_token_id = config.vocab_size - 1;
   drafter::Drafter d(drafter::shape_for_target(config, dc), at::TensorOptions().dtype(at::kFloat));
@@ -180,28 +184,37 @@ drafter::Drafter random_drafter(const ModelConfig& config, uint64_t seed, int bl
 }
 
 TEST(DrafterDecoding, ABlockOverTheCachedContextIsTheTrainingForwardOfItsAnchor) {
-  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3"), "tiny");
-  const drafter::Drafter d = random_drafter(config, 3);
-  auto target = random_target(config, config.num_layers - 1, TargetOptions{}, 5);
-  const int64_t length = 40, block = d.shape().block_size;
-  const at::Tensor ids = at::randint(0, config.vocab_size, {length}, at::TensorOptions().dtype(at::kLong));
-  const std::vector<int64_t> tap(d.shape().target_layer_ids.begin(), d.shape().target_layer_ids.end());
-  const at::Tensor features = at::cat(target->forward(ids, {0, length}, tap), -1);
-  for (int64_t anchor : {1, 17, 31}) {
-    drafter::DrafterBatch batch;
-    batch.features = features;
-    batch.input_ids = ids;
-    batch.loss_mask = at::ones({length}, at::TensorOptions().dtype(at::kByte));
-    batch.cu_seqlens = {0, length};
-    batch.anchors = {at::tensor(std::vector<int64_t>{anchor}, at::TensorOptions().dtype(at::kLong))};
-    const at::Tensor trained = d.forward(batch, target->embed_tokens()).detach();
-    // The context grown in two pieces, as decoding grows it.
-    drafter::DrafterContextCache cache;
-    d.extend_context(cache, features.narrow(0, 0, anchor / 2));
-    d.extend_context(cache, features.narrow(0, anchor / 2, anchor - anchor / 2));
-    const at::Tensor block_ids = drafter::block_token_ids(ids, batch.anchors[0], block, d.shape().mask_token_id);
-    const at::Tensor decoded = d.block_hidden(cache, block_ids, target->embed_tokens());
-    EXPECT_LT(max_diff(decoded, trained), 1e-5) << "anchor " << anchor;
+  for (int window : {0, 8, 13}) {  // full layers; a sliding first layer with windows of one block and more
+    SCOPED_TRACE("window " + std::to_string(window));
+    const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3"), "tiny");
+    const drafter::Drafter d = random_drafter(config, 3, 8, window);
+    auto target = random_target(config, config.num_layers - 1, TargetOptions{}, 5);
+    const int64_t length = 40, block = d.shape().block_size;
+    const at::Tensor ids = at::randint(0, config.vocab_size, {length}, at::TensorOptions().dtype(at::kLong));
+    const std::vector<int64_t> tap(d.shape().target_layer_ids.begin(), d.shape().target_layer_ids.end());
+    const at::Tensor features = at::cat(target->forward(ids, {0, length}, tap), -1);
+    for (int64_t anchor : {1, 17, 31}) {
+      drafter::DrafterBatch batch;
+      batch.features = features;
+      batch.input_ids = ids;
+      batch.loss_mask = at::ones({length}, at::TensorOptions().dtype(at::kByte));
+      batch.cu_seqlens = {0, length};
+      batch.anchors = {at::tensor(std::vector<int64_t>{anchor}, at::TensorOptions().dtype(at::kLong))};
+      const at::Tensor trained = d.forward(batch, target->embed_tokens()).detach();
+      // The context grown in two pieces, as decoding grows it.
+      drafter::DrafterContextCache cache;
+      d.extend_context(cache, features.narrow(0, 0, anchor / 2));
+      d.extend_context(cache, features.narrow(0, anchor / 2, anchor - anchor / 2));
+      const at::Tensor block_ids = drafter::block_token_ids(ids, batch.anchors[0], block, d.shape().mask_token_id);
+      const at::Tensor decoded = d.block_hidden(cache, block_ids, target->embed_tokens());
+      EXPECT_LT(max_diff(decoded, trained), 1e-5) << "anchor " << anchor;
+      // Batched with another sequence's block (padding and masks per member): the same rows.
+      drafter::DrafterContextCache other;
+      d.extend_context(other, features.narrow(0, 0, 5));
+      const std::vector<at::Tensor> both =
+          d.block_hiddens({&other, &cache}, {block_ids, block_ids}, target->embed_tokens());
+      EXPECT_LT(max_diff(both[1], trained), 1e-5) << "anchor " << anchor << ", batched";
+    }
   }
 }
 
@@ -317,7 +330,8 @@ TEST(SpeculativeDecoding, SamplingIsReproducibleAndHasTheTargetsDistribution) {
   }
   const int runs = 1500;  // one prompt, 1500 sequences with their own random streams, 250 at once
   std::map<std::vector<int64_t>, double> seen;
-  for (const decode::Generation& g : spec.generate_all(std::vector<std::vector<int64_t>>(runs, prompt), settings, 250)) {
+  for (const decode::Generation& g :
+       spec.generate_all(std::vector<std::vector<int64_t>>(runs, prompt), settings, 250)) {
     seen[std::vector<int64_t>(g.tokens.begin() + 3, g.tokens.end())] += 1.0 / runs;
   }
   double tv = 0;  // total variation distance between the empirical and the exact distribution
@@ -336,13 +350,13 @@ TEST(SpeculativeDecoding, SamplingIsReproducibleAndHasTheTargetsDistribution) {
 // lossless, the same tokens and the same acceptance per step as it. (With transformers 5.23 it is
 // not for the hybrid targets: its cache rollback of the GatedDeltaNet layers changes the output,
 // bench/RESULTS.md; those cases are logged.)
-void compare_with_dflash_generate(const std::string& family) {
+void compare_with_dflash_generate(const std::string& family, int sliding_window = 0) {
   const std::string target_dir = std::string(DFLASHD_TARGET_REFERENCE_DIR) + "/" + family;
   auto model = load_target(target_dir, load_model_config(target_dir).num_layers - 1, TargetOptions{});
   const IncrementalTarget target(*model);
   // A random drafter, exported and loaded back (bf16-rounded weights on both sides).
   const std::string dir = test::make_temp_dir("dflash-ref-" + family);
-  random_drafter(model->config(), 29, 8).save_export(dir + "/drafter");
+  random_drafter(model->config(), 29, 8, sliding_window).save_export(dir + "/drafter");
   const std::string json = test::read_file(dir + "/drafter/config.json");
   drafter::Drafter d(drafter::parse_export_config(json, "export"), at::TensorOptions().dtype(at::kFloat));
   d.load_export(dir + "/drafter");
@@ -386,6 +400,9 @@ TEST(SpeculativeDecoding, MatchesDflashGenerateWithTheTransformersQwen3Next) {
 }
 TEST(SpeculativeDecoding, MatchesDflashGenerateWithTheTransformersQwen3) { compare_with_dflash_generate("qwen3"); }
 TEST(SpeculativeDecoding, MatchesDflashGenerateWithTheTransformersLlama) { compare_with_dflash_generate("llama"); }
+// A drafter with a sliding-window layer (window 10 over prompts of up to 40 tokens), exported
+// and served by z-lab's DFlashDraftModel (its layer_types and sliding_window): the same drafts.
+TEST(SpeculativeDecoding, MatchesDflashGenerateWithASlidingWindowDrafter) { compare_with_dflash_generate("qwen3", 10); }
 
 }  // namespace
 }  // namespace dflash::target

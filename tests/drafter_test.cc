@@ -4,24 +4,24 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "common/kernel_variants.h"
+#include <nlohmann/json.hpp>
+#include <sys/stat.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
-#include <sys/stat.h>
-
 #include <thread>
 
+#include "common/kernel_variants.h"
 #include "common/safetensors.h"
 #include "common/tensor_math.h"
 #include "drafter/block_attention.h"
 #include "drafter/checkpoint.h"
+#include "drafter/layer_ops.h"
 #include "drafter/loss.h"
 #include "drafter/model.h"
 #include "drafter/optimizer.h"
-#include "drafter/layer_ops.h"
 #include "tests/test_util.h"
 
 namespace dflash::drafter {
@@ -67,9 +67,9 @@ struct Reference {
   at::Tensor embed, lm_head;
 };
 
-Reference load_reference() {
+Reference load_reference(const std::string& name = "specforge_step") {
   Reference r;
-  r.file = SafetensorsFile::open(kReferenceDir + "/specforge_step.safetensors");
+  r.file = SafetensorsFile::open(kReferenceDir + "/" + name + ".safetensors");
   const at::Tensor ids = load(*r.file, "input_ids"), mask = load(*r.file, "loss_mask");
   const at::Tensor features = load(*r.file, "features"), anchors = load(*r.file, "anchors");
   const at::Tensor keep = load(*r.file, "keep"), lengths = load(*r.file, "lengths");
@@ -91,8 +91,8 @@ Reference load_reference() {
   return r;
 }
 
-Drafter reference_drafter(const Reference& r) {
-  Drafter drafter(tiny_shape(), at::TensorOptions().dtype(at::kFloat));
+Drafter reference_drafter(const Reference& r, const DrafterShape& shape = tiny_shape()) {
+  Drafter drafter(shape, at::TensorOptions().dtype(at::kFloat));
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const auto& [name, p] : drafter.parameters()) tensors.emplace_back(name, load(*r.file, "param." + name));
   drafter.load_tensors(tensors, "reference");
@@ -123,6 +123,28 @@ TEST(DrafterParity, LossAndGradientsMatchSpecForge) {
   }
 }
 
+// The same against SpecForge with layer 0 a sliding_attention layer (window 6): its sliding
+// DFlash mask (the window on the context, causal within the block).
+TEST(DrafterParity, SlidingWindowLossAndGradientsMatchSpecForge) {
+  const Reference r = load_reference("specforge_step_sliding");
+  DrafterShape shape = tiny_shape();
+  shape.layer_types = {"sliding_attention", "full_attention"};
+  shape.sliding_window = 6;
+  for (int64_t group_blocks : {64, 2}) {
+    Drafter drafter = reference_drafter(r, shape);
+    LossStats stats;
+    const at::Tensor loss = step_loss(drafter, r, &stats, group_blocks);
+    loss.backward();
+    EXPECT_LE(relative_error(loss.reshape({1}), load(*r.file, "loss")), 1e-5) << loss.item<double>();
+    for (const auto& [name, p] : drafter.parameters()) {
+      EXPECT_LE(relative_error(p.grad(), load(*r.file, "grad." + name)), 1e-5) << name << " groups " << group_blocks;
+    }
+  }
+  // And the full-attention reference differs from it: the window changed what was computed.
+  const Reference full = load_reference();
+  EXPECT_GT(relative_error(load(*r.file, "loss"), load(*full.file, "loss")), 1e-4);
+}
+
 // ---- Block attention -----------------------------------------------------------------------
 
 struct AttentionInputs {
@@ -133,9 +155,9 @@ AttentionInputs random_attention(int64_t context, std::vector<int64_t> anchors, 
                                  int64_t d) {
   const int64_t rows = static_cast<int64_t>(anchors.size()) * block;
   const auto o = at::TensorOptions().dtype(at::kDouble);
-  return {at::randn({rows, hq, d}, o).requires_grad_(), at::randn({context, hkv, d}, o).requires_grad_(),
+  return {at::randn({rows, hq, d}, o).requires_grad_(),     at::randn({context, hkv, d}, o).requires_grad_(),
           at::randn({context, hkv, d}, o).requires_grad_(), at::randn({rows, hkv, d}, o).requires_grad_(),
-          at::randn({rows, hkv, d}, o).requires_grad_(), at::tensor(anchors, at::TensorOptions().dtype(at::kLong))};
+          at::randn({rows, hkv, d}, o).requires_grad_(),    at::tensor(anchors, at::TensorOptions().dtype(at::kLong))};
 }
 
 TEST(BlockAttention, SplitPathEqualsDenseMaskForwardAndBackward) {
@@ -144,7 +166,8 @@ TEST(BlockAttention, SplitPathEqualsDenseMaskForwardAndBackward) {
   const std::vector<int64_t> anchors{0, 3, 3, 7, 20, 21, 29, 44, 45};
   for (int64_t group_blocks : {1, 2, 4, 64}) {
     AttentionInputs in = random_attention(46, anchors, 5, 6, 2, 12);
-    const at::Tensor dout = at::randn({static_cast<int64_t>(anchors.size()) * 5, 6, 12}, at::TensorOptions().dtype(at::kDouble));
+    const at::Tensor dout =
+        at::randn({static_cast<int64_t>(anchors.size()) * 5, 6, 12}, at::TensorOptions().dtype(at::kDouble));
     const at::Tensor ours = block_attention(in.q, in.kc, in.vc, in.kb, in.vb, in.anchors, {5, group_blocks, 0});
     const auto ours_grads = torch::autograd::grad({ours}, {in.q, in.kc, in.vc, in.kb, in.vb}, {dout});
     const at::Tensor reference = block_attention_dense_reference(in.q, in.kc, in.vc, in.kb, in.vb, in.anchors, 5);
@@ -152,15 +175,52 @@ TEST(BlockAttention, SplitPathEqualsDenseMaskForwardAndBackward) {
     // The split path computes in fp32 internally.
     EXPECT_LE(relative_error(ours, reference), 1e-5) << "groups of " << group_blocks;
     for (size_t i = 0; i < ours_grads.size(); ++i) {
-      EXPECT_LE(relative_error(ours_grads[i], reference_grads[i]), 1e-5) << "grad " << i << " groups of " << group_blocks;
+      EXPECT_LE(relative_error(ours_grads[i], reference_grads[i]), 1e-5)
+          << "grad " << i << " groups of " << group_blocks;
     }
   }
+}
+
+// Sliding-window layers: the split path (context inside the group's windows only, causal within
+// the block) against the dense mask with the window, forward and backward; windows shorter and
+// longer than the context, equal to the block.
+TEST(BlockAttention, SlidingWindowSplitPathEqualsDenseMaskForwardAndBackward) {
+  at::manual_seed(5);
+  const std::vector<int64_t> anchors{0, 3, 3, 7, 20, 21, 29, 44, 45};
+  for (int64_t window : {5, 9, 30, 100}) {
+    for (int64_t group_blocks : {1, 3, 64}) {
+      AttentionInputs in = random_attention(46, anchors, 5, 6, 2, 12);
+      const at::Tensor dout =
+          at::randn({static_cast<int64_t>(anchors.size()) * 5, 6, 12}, at::TensorOptions().dtype(at::kDouble));
+      BlockAttentionShape shape{5, group_blocks, 0};
+      shape.sliding_window = window;
+      const at::Tensor ours = block_attention(in.q, in.kc, in.vc, in.kb, in.vb, in.anchors, shape);
+      const auto ours_grads = torch::autograd::grad({ours}, {in.q, in.kc, in.vc, in.kb, in.vb}, {dout});
+      const at::Tensor reference =
+          block_attention_dense_reference(in.q, in.kc, in.vc, in.kb, in.vb, in.anchors, 5, window);
+      const auto reference_grads = torch::autograd::grad({reference}, {in.q, in.kc, in.vc, in.kb, in.vb}, {dout});
+      const std::string what = "window " + std::to_string(window) + ", groups of " + std::to_string(group_blocks);
+      EXPECT_LE(relative_error(ours, reference), 1e-5) << what;
+      for (size_t i = 0; i < ours_grads.size(); ++i) {
+        EXPECT_LE(relative_error(ours_grads[i], reference_grads[i]), 1e-5) << "grad " << i << ", " << what;
+      }
+    }
+  }
+  // A window covering every context key and a causal block differs from the full layer only
+  // within the block: the full layer's rows see later rows of their block.
+  AttentionInputs in = random_attention(46, anchors, 5, 6, 2, 12);
+  BlockAttentionShape wide{5, 64, 0};
+  wide.sliding_window = 1000;
+  EXPECT_GT(relative_error(block_attention(in.q, in.kc, in.vc, in.kb, in.vb, in.anchors, wide),
+                           block_attention(in.q, in.kc, in.vc, in.kb, in.vb, in.anchors, {5, 64, 0})),
+            1e-3);
+  EXPECT_TRUE(block_attention_kernels_unavailable(in.q, 5, 8).has_value());
 }
 
 // One path on the GPU in bf16 against the dense-mask reference in fp32 on the same rounded
 // inputs: output and the five gradients within 2e-2, never NaN. Returns the gradients.
 std::vector<at::Tensor> check_gpu_path(BlockAttentionPath path, const std::vector<int64_t>& anchors, int64_t context,
-                                       int64_t block, int64_t hq, int64_t hkv, int64_t d) {
+                                       int64_t block, int64_t hq, int64_t hkv, int64_t d, int64_t window = 0) {
   const auto cuda = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
   const int64_t rows = static_cast<int64_t>(anchors.size()) * block;
   const at::Tensor q = at::randn({rows, hq, d}, cuda), kc = at::randn({context, hkv, d}, cuda);
@@ -174,14 +234,16 @@ std::vector<at::Tensor> check_gpu_path(BlockAttentionPath path, const std::vecto
   }
   BlockAttentionShape shape{block, 32, 0};
   shape.path = path;
+  shape.sliding_window = window;
   const at::Tensor ours = block_attention(low[0], low[1], low[2], low[3], low[4], a, shape);
   EXPECT_EQ(ours.scalar_type(), at::kBFloat16);
   const auto ours_grads = torch::autograd::grad({ours}, low, {dout.to(at::kBFloat16)});
-  const at::Tensor ref = block_attention_dense_reference(full[0], full[1], full[2], full[3], full[4], a, block);
+  const at::Tensor ref = block_attention_dense_reference(full[0], full[1], full[2], full[3], full[4], a, block, window);
   const auto ref_grads = torch::autograd::grad({ref}, full, {dout.to(at::kBFloat16).to(at::kFloat)});
   const std::string what = "path " + std::to_string(static_cast<int>(path)) + ", " + std::to_string(anchors.size()) +
                            " blocks of " + std::to_string(block) + ", heads " + std::to_string(hq) + "/" +
-                           std::to_string(hkv) + ", context " + std::to_string(context);
+                           std::to_string(hkv) + ", context " + std::to_string(context) + ", window " +
+                           std::to_string(window);
   EXPECT_LE(relative_error(ours.to(at::kFloat), ref), 2e-2) << what;
   EXPECT_FALSE(at::isnan(ours).any().item<bool>()) << what;
   for (size_t i = 0; i < ours_grads.size(); ++i) {
@@ -189,6 +251,18 @@ std::vector<at::Tensor> check_gpu_path(BlockAttentionPath path, const std::vecto
     EXPECT_FALSE(at::isnan(ours_grads[i]).any().item<bool>()) << "grad " << i << ", " << what;
   }
   return ours_grads;
+}
+
+TEST(BlockAttention, GpuSlidingWindowSplitPathsMatchTheFp32Reference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(19);
+  std::vector<int64_t> anchors;
+  for (int64_t a = 0; a < 700; a += 7) anchors.push_back(a + (a % 3));
+  for (int64_t window : {16, 100}) {
+    for (BlockAttentionPath path : {BlockAttentionPath::math, BlockAttentionPath::efficient}) {
+      check_gpu_path(path, anchors, 710, 16, 8, 2, 64, window);
+    }
+  }
 }
 
 TEST(BlockAttention, GpuBf16OperandsMatchTheFp32Reference) {
@@ -206,7 +280,8 @@ TEST(BlockAttention, GpuBf16OperandsMatchTheFp32Reference) {
 // position, context lengths that are not multiples of 64; enough blocks that the context
 // gradients are split into several chunks; bit-identical on a second run.
 void check_fused_kernels() {
-  if (auto why = block_attention_kernels_unavailable(at::empty({1, 1, 128}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16)), 16)) {
+  if (auto why = block_attention_kernels_unavailable(
+          at::empty({1, 1, 128}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16)), 16)) {
     FAIL() << *why;
   }
   at::manual_seed(11);
@@ -249,7 +324,8 @@ TEST(BlockAttention, AskingForTheFusedKernelsWhereTheyCannotRunSaysWhy) {
     const std::string message = e.what();
     EXPECT_NE(message.find("fused kernels cannot run"), std::string::npos) << message;
     // Names what is wrong: no GPU / no CUDA build on a CPU tensor.
-    EXPECT_TRUE(message.find("not a GPU") != std::string::npos || message.find("no CUDA kernels") != std::string::npos) << message;
+    EXPECT_TRUE(message.find("not a GPU") != std::string::npos || message.find("no CUDA kernels") != std::string::npos)
+        << message;
   }
   // On a GPU, a head size other than 128 is named.
   if (at::hasCUDA()) {
@@ -307,8 +383,8 @@ TEST(DrafterInvariants, SamePositionLabelsAndAnchorEmbedding) {
   const at::Tensor ids = block_token_ids(batch.input_ids, batch.anchors[0], 4, 7);
   EXPECT_TRUE(at::equal(ids, at::tensor(std::vector<int64_t>{103, 7, 7, 7, 114, 7, 7, 7})));
   // Invariant 4: absolute positions.
-  EXPECT_TRUE(at::equal(block_positions(batch.anchors[0], 4),
-                        at::tensor(std::vector<int64_t>{3, 4, 5, 6, 14, 15, 16, 17})));
+  EXPECT_TRUE(
+      at::equal(block_positions(batch.anchors[0], 4), at::tensor(std::vector<int64_t>{3, 4, 5, 6, 14, 15, 16, 17})));
 }
 
 // Invariant 6: labels past the end and other sequences of a packed batch never leak.
@@ -368,7 +444,8 @@ TEST(TrainedRmsNorm, GpuKernelsMatchTheCompositeForwardAndBackward) {
   const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
   for (const auto& [rows, n] : {std::pair<int64_t, int64_t>{37, 5120}, {1001, 128}, {45, 1032}, {3, 64}}) {
     const std::string what = std::to_string(rows) + " x " + std::to_string(n);
-    const at::Tensor x0 = at::randn({rows, n}, bf16) * 3, w0 = at::randn({n}, bf16) * 0.5 + 1, dy = at::randn({rows, n}, bf16);
+    const at::Tensor x0 = at::randn({rows, n}, bf16) * 3, w0 = at::randn({n}, bf16) * 0.5 + 1,
+                     dy = at::randn({rows, n}, bf16);
     const at::Tensor x1 = x0.clone().requires_grad_(), w1 = w0.clone().requires_grad_();
     const at::Tensor x2 = x0.clone().requires_grad_(), w2 = w0.clone().requires_grad_();
     const at::Tensor ours = trained_rms_norm(x1, w1, 1e-6), reference = dflash::rms_norm(x2, w2, 1e-6);
@@ -391,7 +468,8 @@ TEST(TrainedSiluMul, GpuKernelsMatchTheCompositeForwardAndBackward) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(29);
   const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-  const at::Tensor gate0 = at::randn({77, 1736}, bf16) * 3, up0 = at::randn({77, 1736}, bf16), dy = at::randn({77, 1736}, bf16);
+  const at::Tensor gate0 = at::randn({77, 1736}, bf16) * 3, up0 = at::randn({77, 1736}, bf16),
+                   dy = at::randn({77, 1736}, bf16);
   const at::Tensor g1 = gate0.clone().requires_grad_(), u1 = up0.clone().requires_grad_();
   const at::Tensor g2 = gate0.clone().requires_grad_(), u2 = up0.clone().requires_grad_();
   const at::Tensor ours = trained_silu_mul(g1, u1), reference = at::silu(g2) * u2;
@@ -484,7 +562,8 @@ TEST(DrafterThreads, ConcurrentReplicasMatchSequentialRunsBitForBit) {
   for (int t = 0; t < 4; ++t) threads.emplace_back([&, t] { results[t] = train_steps(r, 3); });
   for (auto& t : threads) t.join();
   for (int t = 0; t < 4; ++t) {
-    for (size_t i = 0; i < sequential.size(); ++i) EXPECT_TRUE(at::equal(results[t][i], sequential[i])) << t << " " << i;
+    for (size_t i = 0; i < sequential.size(); ++i)
+      EXPECT_TRUE(at::equal(results[t][i], sequential[i])) << t << " " << i;
   }
   EXPECT_FALSE(at::equal(sequential[0], reference_drafter(r).parameters()[0].second)) << "training changed weights";
 }
@@ -542,7 +621,8 @@ TEST(Optimizer, FusedGpuUpdateMatchesThePerTensorUpdate) {
     at::manual_seed(5);
     const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
     std::vector<at::Tensor> fused_params, plain_params;
-    for (int64_t n : {1000, 37, 131075}) {  // 37 and the last end in single elements; 131075 spans three of the kernel's chunks
+    for (int64_t n :
+         {1000, 37, 131075}) {  // 37 and the last end in single elements; 131075 spans three of the kernel's chunks
       const at::Tensor init = at::randn({n}, options);
       fused_params.push_back(init.clone().requires_grad_());
       plain_params.push_back(init.clone().requires_grad_());
@@ -575,7 +655,8 @@ TEST(Optimizer, FusedGpuUpdateMatchesThePerTensorUpdate) {
     }
     for (size_t i = 0; i < fused_params.size(); ++i) {
       const at::Tensor a = fused_params[i].detach().to(at::kFloat), b = plain_params[i].detach().to(at::kFloat);
-      EXPECT_LE((a - b).abs().max().item<double>(), 8e-3 * b.abs().max().item<double>()) << i << " " << what;  // one bf16 ulp
+      EXPECT_LE((a - b).abs().max().item<double>(), 8e-3 * b.abs().max().item<double>())
+          << i << " " << what;  // one bf16 ulp
     }
   }
 }
@@ -662,19 +743,21 @@ TEST(DrafterExport, LoadsInSpecForgeModelCodeWithTheSameLogits) {
   const at::Tensor logits = at::matmul(reloaded.forward(one, r.embed).detach(), r.lm_head.t()).contiguous();
   const at::Tensor ids = one.input_ids.contiguous(), features = one.features.contiguous();
   const at::Tensor anchors = one.anchors[0].contiguous();
-  write_safetensors(dir + "/inputs.safetensors",
-                    {{"features", DType::F32, features.sizes().vec(), features.data_ptr(), (size_t)features.nbytes()},
-                     {"input_ids", DType::I64, ids.sizes().vec(), ids.data_ptr(), (size_t)ids.nbytes()},
-                     {"anchors", DType::I64, anchors.sizes().vec(), anchors.data_ptr(), (size_t)anchors.nbytes()},
-                     {"target.embed", DType::F32, r.embed.sizes().vec(), r.embed.data_ptr(), (size_t)r.embed.nbytes()},
-                     {"target.lm_head", DType::F32, r.lm_head.sizes().vec(), r.lm_head.data_ptr(), (size_t)r.lm_head.nbytes()},
-                     {"dflashd.logits", DType::F32, logits.sizes().vec(), logits.data_ptr(), (size_t)logits.nbytes()}});
-  const std::string command = kPython + " " + kScript + " check-export " + dir + " " + dir + "/inputs.safetensors > " +
-                              dir + "/check.log 2>&1";
+  write_safetensors(
+      dir + "/inputs.safetensors",
+      {{"features", DType::F32, features.sizes().vec(), features.data_ptr(), (size_t)features.nbytes()},
+       {"input_ids", DType::I64, ids.sizes().vec(), ids.data_ptr(), (size_t)ids.nbytes()},
+       {"anchors", DType::I64, anchors.sizes().vec(), anchors.data_ptr(), (size_t)anchors.nbytes()},
+       {"target.embed", DType::F32, r.embed.sizes().vec(), r.embed.data_ptr(), (size_t)r.embed.nbytes()},
+       {"target.lm_head", DType::F32, r.lm_head.sizes().vec(), r.lm_head.data_ptr(), (size_t)r.lm_head.nbytes()},
+       {"dflashd.logits", DType::F32, logits.sizes().vec(), logits.data_ptr(), (size_t)logits.nbytes()}});
+  const std::string command =
+      kPython + " " + kScript + " check-export " + dir + " " + dir + "/inputs.safetensors > " + dir + "/check.log 2>&1";
   EXPECT_EQ(std::system(command.c_str()), 0) << test::read_file(dir + "/check.log");
   // Round trip through our own loader keeps the (bf16-rounded) weights.
   for (size_t i = 0; i < drafter.parameters().size(); ++i) {
-    EXPECT_TRUE(at::equal(reloaded.parameters()[i].second, drafter.parameters()[i].second.to(at::kBFloat16).to(at::kFloat)));
+    EXPECT_TRUE(
+        at::equal(reloaded.parameters()[i].second, drafter.parameters()[i].second.to(at::kBFloat16).to(at::kFloat)));
   }
   // export_checkpoint produces the same files from a checkpoint.
   AdamW optimizer(drafter.parameters(), OptimizerSettings{});
@@ -682,6 +765,56 @@ TEST(DrafterExport, LoadsInSpecForgeModelCodeWithTheSameLogits) {
   export_checkpoint(ckpt, dir + "/exported");
   EXPECT_EQ(test::read_file(dir + "/exported/config.json"), test::read_file(dir + "/config.json"));
   EXPECT_EQ(test::read_file(dir + "/exported/model.safetensors"), test::read_file(dir + "/model.safetensors"));
+}
+
+// drafter.layer_types / sliding_window: the shape, its errors (naming the key), and the export's
+// config.json (layer_types, sliding_window, use_sliding_window) read back.
+TEST(DrafterShapeTest, SlidingWindowLayersAndTheirExport) {
+  target::ModelConfig t = target::parse_model_config(target::preset_config_json("tiny-qwen3"), "tiny");
+  config::DrafterConfig c;
+  c.mask_token_id = 5;
+  c.num_layers = 3;
+  c.block_size = 8;
+  c.layer_types = {"sliding_attention", "sliding_attention", "full_attention"};
+  c.sliding_window = 32;
+  const DrafterShape s = shape_for_target(t, c);
+  EXPECT_EQ(s.window_of(0), 32);
+  EXPECT_EQ(s.window_of(2), 0);
+  const std::string json = export_config_json(s);
+  const nlohmann::json j = nlohmann::json::parse(json);
+  EXPECT_EQ(j["layer_types"], (std::vector<std::string>{"sliding_attention", "sliding_attention", "full_attention"}));
+  EXPECT_EQ(j["sliding_window"], 32);
+  EXPECT_EQ(j["use_sliding_window"], true);
+  const DrafterShape back = parse_export_config(json, "export");
+  EXPECT_EQ(back.layer_types, s.layer_types);
+  EXPECT_EQ(back.sliding_window, 32);
+  EXPECT_EQ(shape_differences(back, s), "");
+  config::DrafterConfig full = c;
+  full.layer_types.clear();
+  full.sliding_window.reset();
+  EXPECT_NE(shape_differences(back, shape_for_target(t, full)).find("layer_types"), std::string::npos);
+  auto error_of = [&](const config::DrafterConfig& bad) {
+    try {
+      shape_for_target(t, bad);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  config::DrafterConfig bad = c;
+  bad.layer_types = {"sliding_attention", "full_attention"};
+  EXPECT_NE(error_of(bad).find("drafter.layer_types: 2 entries for drafter.num_layers 3"), std::string::npos);
+  bad = c;
+  bad.sliding_window.reset();
+  EXPECT_NE(error_of(bad).find("set drafter.sliding_window"), std::string::npos);
+  bad = c;
+  bad.sliding_window = 4;
+  EXPECT_NE(error_of(bad).find("smaller than drafter.block_size"), std::string::npos);
+  bad = full;
+  bad.sliding_window = 64;
+  EXPECT_NE(error_of(bad).find("no layer slides"), std::string::npos);
+  EXPECT_THROW(parse_export_config(json.substr(0, json.find("\"sliding_window\"")) + "\"x\": 1}", "cut"),
+               std::runtime_error);
 }
 
 TEST(DrafterShapeTest, FromTargetConfigWithDefaultsAndErrors) {

@@ -5,7 +5,9 @@ Usage:
       A tiny drafter (2 layers, GQA 4/2 x 16, block 4, 3 tapped layers) with random weights,
       a padded batch of two sequences, fixed anchors, and SpecForge's OnlineDFlashModel
       (hard-label decay-weighted CE, chunked objective, eager attention with the dense DFlash
-      mask): writes the weights, inputs, anchors, the loss and every parameter gradient.
+      mask): writes the weights, inputs, anchors, the loss and every parameter gradient. Then
+      the same with layer 0 a sliding_attention layer (window 6: SpecForge's sliding DFlash
+      mask) into OUT with "_sliding" before the extension.
   specforge_reference.py check-export DIR INPUTS.safetensors
       Loads an exported drafter with SpecForge's DFlashDraftModel.from_pretrained (what the
       serving engines load), runs it on the inputs and compares its logits with dflashd's
@@ -26,6 +28,9 @@ from transformers import Qwen3Config
 
 
 def import_specforge():
+    if "specforge.modeling.draft.dflash" in sys.modules:  # imported by an earlier call
+        return (sys.modules["specforge.modeling.draft.dflash"],
+                sys.modules["specforge.algorithms.common.dflash_family_model"])
     spec = importlib.util.find_spec("specforge")
     root = os.path.dirname(spec.origin)
     for name in ["specforge", "specforge.core", "specforge.modeling", "specforge.modeling.draft",
@@ -40,12 +45,17 @@ def import_specforge():
 HIDDEN, VOCAB, BLOCK, MASK_ID, LAYER_IDS = 48, 320, 4, 7, [1, 3, 5]
 
 
-def drafter_config():
+SLIDING_WINDOW = 6
+
+
+def drafter_config(sliding=False):
+    layer_types = ["sliding_attention" if sliding else "full_attention", "full_attention"]
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=80, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                          max_position_embeddings=4096, attention_bias=False, tie_word_embeddings=False,
-                         layer_types=["full_attention", "full_attention"])
+                         layer_types=layer_types, use_sliding_window=sliding,
+                         sliding_window=SLIDING_WINDOW if sliding else None)
     config.block_size = BLOCK
     config.num_target_layers = 8
     config.dflash_config = {"mask_token_id": MASK_ID, "target_layer_ids": LAYER_IDS}
@@ -53,10 +63,11 @@ def drafter_config():
     return config
 
 
-def step(out_path):
+def step(out_path, sliding=False):
     dflash, family = import_specforge()
     torch.manual_seed(0)
-    draft = dflash.DFlashDraftModel(drafter_config()).float()
+    draft = dflash.DFlashDraftModel(drafter_config(sliding)).float()
+    assert draft.sliding_window == (SLIDING_WINDOW if sliding else None), draft.sliding_window
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in draft.named_parameters():
@@ -129,6 +140,8 @@ def check_export(directory, inputs_path):
 if __name__ == "__main__":
     if sys.argv[1] == "step":
         step(sys.argv[2])
+        root, extension = os.path.splitext(sys.argv[2])
+        step(root + "_sliding" + extension, sliding=True)
     elif sys.argv[1] == "check-export":
         check_export(sys.argv[2], sys.argv[3])
     else:
