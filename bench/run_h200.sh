@@ -3,7 +3,7 @@
 # doctor, the GPU tests, the drafter step against SpecForge's (flex_attention), and the whole
 # pipeline at Qwen3.5-27B shapes. Expects the offline bundle (deploy/bundle.sh build
 # --with-tests) in dist/ and the specforge wheel in .whl/. Prints a table at the end; full logs
-# go to $OUT when set. Phases: step (default), gdn, decode, ops, moe, e2e 27b|8b|35b-a3b.
+# go to $OUT when set. Phases: step (default), gdn, decode, ops, moe, e2e 27b|27b-long|8b|35b-a3b.
 set -uo pipefail
 out="${OUT:-/tmp/dflashd-bench}"; mkdir -p "$out"
 B="${B:-$(ls -d dist/dflashd-*/ | head -1)}"

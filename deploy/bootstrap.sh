@@ -47,7 +47,7 @@ install_venv() {
     touch "$stamp"
   fi
   if [ "${DFLASHD_TEST_PY:-0}" = 1 ]; then
-    local tstamp="$VENV/.dflashd-test-py-3"  # bumped when the requirements change
+    local tstamp="$VENV/.dflashd-test-py-4"  # bumped when the requirements change
     if [ ! -f "$tstamp" ]; then
       log "pip install the Python reference packages (tests only)"
       "$VENV/bin/pip" install -q --progress-bar off -r "$(dirname "$0")/requirements-test.txt"

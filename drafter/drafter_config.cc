@@ -197,7 +197,12 @@ std::string shape_differences(const DrafterShape& saved, const DrafterShape& con
   compare("block_size", saved.block_size, configured.block_size);
   compare("mask_token_id", saved.mask_token_id, configured.mask_token_id);
   compare("target_layer_ids", saved.target_layer_ids, configured.target_layer_ids);
-  compare("layer_types", saved.layer_types, configured.layer_types);
+  // A shape without layer_types has full layers only.
+  auto types = [](const DrafterShape& s) {
+    return s.layer_types.empty() ? std::vector<std::string>(static_cast<size_t>(s.num_layers), "full_attention")
+                                 : s.layer_types;
+  };
+  compare("layer_types", types(saved), types(configured));
   compare("sliding_window", saved.sliding_window, configured.sliding_window);
   return differences;
 }

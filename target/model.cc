@@ -253,6 +253,12 @@ std::map<std::string, KernelPath> TargetModel::kernel_paths() const {
   return paths;
 }
 
+void log_quantization(const CheckpointWeights& weights, at::ScalarType dtype) {
+  if (weights.fp8_block().empty()) return;
+  log::info("target weights: {}: block-scaled FP8 (e4m3, blocks of {}x{}), dequantized to {} at load", weights.describe(),
+            weights.fp8_block()[0], weights.fp8_block()[1], c10::toString(dtype));
+}
+
 namespace {
 
 void check_cu_seqlens(const std::vector<int64_t>& cu_seqlens, int64_t tokens) {
@@ -332,6 +338,7 @@ StreamState TargetModel::run_layers(const at::Tensor& input_ids, const std::vect
 std::unique_ptr<TargetModel> load_target(const std::string& model_dir, int64_t last_layer, TargetOptions options) {
   ModelConfig config = load_model_config(model_dir);
   CheckpointWeights weights(model_dir);
+  log_quantization(weights, options.dtype);
   return std::make_unique<TargetModel>(std::move(config), weights, last_layer, options);
 }
 

@@ -102,6 +102,8 @@ class TargetModel {
 
 // Loads a target from a Hugging Face directory or initialises it randomly from a config.
 std::unique_ptr<TargetModel> load_target(const std::string& model_dir, int64_t last_layer, TargetOptions options);
+// The startup log's line on a block-scaled FP8 checkpoint (nothing for an unquantized one).
+void log_quantization(const CheckpointWeights& weights, at::ScalarType dtype);
 // The seed of a run's random target weights (target.weights: random, presets) for train.seed:
 // the trainer, `dflashd eval --preset / --random-weights` and tests build the same target.
 inline uint64_t run_target_seed(int64_t train_seed) { return 0x7a11 ^ static_cast<uint64_t>(train_seed); }

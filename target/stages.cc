@@ -54,6 +54,7 @@ std::vector<at::Tensor> StagedTarget::forward(const at::Tensor& input_ids, const
 std::unique_ptr<StagedTarget> load_staged_target(const std::string& model_dir, int64_t last_layer,
                                                  const std::vector<TargetOptions>& stages) {
   CheckpointWeights weights(model_dir);
+  log_quantization(weights, stages.front().dtype);
   return std::make_unique<StagedTarget>(load_model_config(model_dir), weights, last_layer, stages);
 }
 

@@ -28,8 +28,35 @@ at::ScalarType to_scalar_type(DType dtype, const std::string& where) {
     case DType::I8: return at::kChar;
     case DType::U8: return at::kByte;
     case DType::BOOL: return at::kBool;
+    case DType::F8_E4M3: return at::kFloat8_e4m3fn;
     default: throw WeightsError(where + ": unsupported dtype " + dtype_name(dtype) + " for a target weight");
   }
+}
+
+// quantization_config of model_dir/config.json: nothing (unquantized), block-scaled FP8 (its
+// block shape into *block), or a WeightsError naming what is not supported.
+void read_quantization(const std::string& model_dir, std::vector<int64_t>* block) {
+  std::ifstream in(model_dir + "/config.json");
+  if (!in) return;  // the config's own reader reports a missing config.json
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const nlohmann::json::exception&) {
+    return;  // reported by the config's reader
+  }
+  if (!j.contains("quantization_config") || j["quantization_config"].is_null()) return;
+  const nlohmann::json& q = j["quantization_config"];
+  const std::string where = model_dir + "/config.json: quantization_config";
+  const std::string method = q.value("quant_method", "");
+  if (method != "fp8") {
+    throw WeightsError(where + ".quant_method '" + method + "' is not supported (block-scaled fp8 is)");
+  }
+  if (q.value("fmt", "e4m3") != "e4m3") throw WeightsError(where + ".fmt must be e4m3");
+  const std::vector<int64_t> size = q.value("weight_block_size", std::vector<int64_t>{128, 128});
+  if (size.size() != 2 || size[0] < 1 || size[1] < 1) {
+    throw WeightsError(where + ".weight_block_size must be two positive sizes");
+  }
+  *block = size;
 }
 
 std::string shape_text(const std::vector<int64_t>& shape) {
@@ -100,6 +127,7 @@ CheckpointWeights::CheckpointWeights(const std::string& model_dir) : dir_(model_
       by_name_[name] = location;
     }
   }
+  read_quantization(model_dir, &fp8_block_);
   // The LM head sits outside the prefix ("lm_head.weight" beside "model.").
   for (const char* head : {"lm_head.weight", "language_model.lm_head.weight"}) {
     if (full.count(head)) {
@@ -131,6 +159,12 @@ at::Tensor CheckpointWeights::get(const std::string& name, const std::vector<int
     throw WeightsError(where + " has shape " + shape_text(entry.shape) + ", expected " + shape_text(shape));
   }
   const at::ScalarType stored = to_scalar_type(entry.dtype, where);
+  if (stored == at::kFloat8_e4m3fn) {
+    auto keep = file;
+    const at::Tensor fp8 = at::from_blob(
+        const_cast<std::byte*>(entry.data), entry.shape, [keep](void*) {}, at::TensorOptions().dtype(stored));
+    return dequantize(fp8, name, where, options);
+  }
   // Alias the mapping (keeping the file alive through the deleter), then one copy to the target
   // device/dtype. A CPU tensor in the stored dtype stays an alias: no host copy.
   auto keep_alive = file;
@@ -138,6 +172,39 @@ at::Tensor CheckpointWeights::get(const std::string& name, const std::vector<int
       const_cast<std::byte*>(entry.data), entry.shape, [keep_alive](void*) {}, at::TensorOptions().dtype(stored));
   if (options.device().is_cpu() && options.dtype() == view.dtype()) return view;
   return view.to(options, /*non_blocking=*/false, /*copy=*/true);
+}
+
+at::Tensor CheckpointWeights::dequantize(const at::Tensor& weight, const std::string& name, const std::string& where,
+                                         const at::TensorOptions& options) const {
+  if (fp8_block_.empty()) {
+    throw WeightsError(where + " is FP8 (e4m3) but " + dir_ + "/config.json has no quantization_config (quant_method "
+                       "fp8 with weight_block_size) saying how it is scaled");
+  }
+  const auto* scale_location = locate(name + "_scale_inv");
+  if (!scale_location || weight.dim() < 2) {
+    throw WeightsError(where + " is FP8 (e4m3) without its per-block scales '" + name + "_scale_inv'");
+  }
+  const TensorEntry& scale_entry = scale_location->first->get(scale_location->second);
+  const int64_t rows = weight.size(-2), columns = weight.size(-1), br = fp8_block_[0], bc = fp8_block_[1];
+  std::vector<int64_t> expected(weight.sizes().begin(), weight.sizes().end() - 2);
+  expected.push_back((rows + br - 1) / br);
+  expected.push_back((columns + bc - 1) / bc);
+  const std::string scale_where = scale_location->first->path() + ": tensor '" + scale_location->second + "'";
+  if (scale_entry.shape != expected) {
+    throw WeightsError(scale_where + " has shape " + shape_text(scale_entry.shape) + ", expected " +
+                       shape_text(expected) + " (blocks of " + std::to_string(br) + "x" + std::to_string(bc) + ")");
+  }
+  auto keep = scale_location->first;
+  const at::Tensor scale = at::from_blob(const_cast<std::byte*>(scale_entry.data), scale_entry.shape, [keep](void*) {},
+                                         at::TensorOptions().dtype(to_scalar_type(scale_entry.dtype, scale_where)));
+  // On the target's device (a GPU dequantizes fast and the host never holds the fp32 copy).
+  const at::Tensor w = weight.to(options.device()).to(at::kFloat);
+  const at::Tensor factors = scale.to(options.device(), at::kFloat)
+                                 .repeat_interleave(br, -2)
+                                 .narrow(-2, 0, rows)
+                                 .repeat_interleave(bc, -1)
+                                 .narrow(-1, 0, columns);
+  return (w * factors).to(options.dtype());
 }
 
 at::Tensor RandomWeights::get(const std::string& name, const std::vector<int64_t>& shape, const at::TensorOptions& options,

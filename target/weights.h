@@ -44,6 +44,11 @@ class WeightSource {
   virtual std::string describe() const = 0;
 };
 
+// A checkpoint may be block-scaled FP8 (config.json's quantization_config: quant_method "fp8",
+// fmt "e4m3", weight_block_size [rows, columns], as Qwen's *-FP8 releases and transformers'
+// FineGrainedFP8 write them): each e4m3 weight W has a `W_scale_inv` holding one fp32 factor per
+// block, and get() returns weight x factor in the asked dtype (dequantized at load; the FP8 GEMMs
+// that would keep them FP8 are not built yet).
 class CheckpointWeights : public WeightSource {
  public:
   explicit CheckpointWeights(const std::string& model_dir);
@@ -52,12 +57,18 @@ class CheckpointWeights : public WeightSource {
   bool contains(const std::string& name) const override;
   std::string describe() const override { return dir_; }
   const std::string& prefix() const { return prefix_; }
+  // The FP8 block shape (rows, columns), or empty for an unquantized checkpoint.
+  const std::vector<int64_t>& fp8_block() const { return fp8_block_; }
 
  private:
   // The file and full name holding `name`, or nullptr.
   const std::pair<std::shared_ptr<SafetensorsFile>, std::string>* locate(const std::string& name) const;
+  // weight x its per-block factors, on `options`' device and dtype.
+  at::Tensor dequantize(const at::Tensor& weight, const std::string& name, const std::string& where,
+                        const at::TensorOptions& options) const;
   std::string dir_;
   std::string prefix_;  // e.g. "model." or "model.language_model."
+  std::vector<int64_t> fp8_block_;
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::map<std::string, std::pair<std::shared_ptr<SafetensorsFile>, std::string>> by_name_;  // model name -> file, full name
 };

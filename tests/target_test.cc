@@ -82,7 +82,7 @@ TEST_P(TargetParity, OnlyRequestedLayersAreBuiltAndReturned) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, TargetParity,
-                         ::testing::Values("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3", "llama"));
+                         ::testing::Values("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3", "llama", "qwen3_fp8"));
 
 TEST(TargetLoading, HybridConfigsAreReadWithTheirLayouts) {
   const ModelConfig vl = load_model_config(kReferenceDir + "/qwen3_5");
@@ -565,6 +565,7 @@ TEST(TargetLoading, MissingAndMisshapenTensorsNameFileAndTensor) {
   } catch (const WeightsError& e) {
     EXPECT_EQ(std::string(e.what()), dir + ": missing tensor 'lm_head.weight' (looked in 1 safetensors file)");
   }
+  // An FP8 tensor in a checkpoint whose config.json does not say how it is scaled.
   std::vector<uint8_t> bytes(512 * 64, 1);
   write_safetensors(dir + "/model.safetensors",
                     {{"model.embed_tokens.weight", DType::F8_E4M3, {512, 64}, bytes.data(), bytes.size()}});
@@ -572,9 +573,43 @@ TEST(TargetLoading, MissingAndMisshapenTensorsNameFileAndTensor) {
     load_target(dir, 1, TargetOptions{});
     FAIL();
   } catch (const WeightsError& e) {
-    EXPECT_NE(std::string(e.what()).find("tensor 'model.embed_tokens.weight': unsupported dtype F8_E4M3"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("tensor 'model.embed_tokens.weight' is FP8 (e4m3) but " + dir +
+                                         "/config.json has no quantization_config"),
+              std::string::npos)
         << e.what();
   }
+  // With the config: the missing per-block scales, then an unsupported quantization method.
+  std::string config = preset_config_json("tiny-qwen3");
+  config.insert(config.rfind('}'), R"(, "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]})");
+  std::ofstream(dir + "/config.json") << config;
+  try {
+    load_target(dir, 1, TargetOptions{});
+    FAIL();
+  } catch (const WeightsError& e) {
+    EXPECT_NE(std::string(e.what()).find("without its per-block scales 'embed_tokens.weight_scale_inv'"), std::string::npos)
+        << e.what();
+  }
+  std::string awq = preset_config_json("tiny-qwen3");
+  awq.insert(awq.rfind('}'), R"(, "quantization_config": {"quant_method": "awq"})");
+  std::ofstream(dir + "/config.json") << awq;
+  try {
+    load_target(dir, 1, TargetOptions{});
+    FAIL();
+  } catch (const WeightsError& e) {
+    EXPECT_NE(std::string(e.what()).find("quantization_config.quant_method 'awq' is not supported"), std::string::npos)
+        << e.what();
+  }
+}
+
+// The FP8 reference checkpoint is not the unquantized one: e4m3 moved the tapped states (the
+// parity test against transformers' forward of it is then not the unquantized test again).
+TEST(TargetLoading, Fp8CheckpointIsBlockScaledAndDiffersFromItsSource) {
+  auto fp8 = load_target(kReferenceDir + "/qwen3_fp8", 3, TargetOptions{});
+  auto source = load_target(kReferenceDir + "/qwen3", 3, TargetOptions{});
+  const at::Tensor ids = at::randint(0, 320, {40}, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor a = fp8->forward(ids, {0, 40}, {3})[0], b = source->forward(ids, {0, 40}, {3})[0];
+  EXPECT_GT((a - b).abs().max().item<double>(), 1e-3);
+  EXPECT_LT((a - b).abs().max().item<double>() / b.abs().max().item<double>(), 0.2);  // and still the same model
 }
 
 }  // namespace

@@ -13,9 +13,9 @@ import sys
 import time
 
 import torch
-import transformers
 
 import dflash.model as dflash_model
+from reference_targets import load_target
 
 
 def main():
@@ -24,12 +24,7 @@ def main():
     # dflash_generate times with torch.cuda.synchronize when asked for its statistics; on the CPU
     # a plain clock does.
     dflash_model._cuda_time = time.perf_counter
-    config = transformers.AutoConfig.from_pretrained(target_dir)
-    if config.model_type == "qwen3_5":  # the VL checkpoint's language model, as dflashd loads it
-        target = transformers.Qwen3_5ForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    else:
-        target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    target = target.float().eval()
+    target = load_target(target_dir)
     draft = dflash_model.DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).float().eval()
     results = []
     for prompt in json.load(open(prompts_path)):

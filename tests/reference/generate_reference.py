@@ -12,16 +12,13 @@ import sys
 import torch
 import transformers
 
+from reference_targets import load_target
+
 
 def main():
     target_dir, prompts_path, max_new, stops, out_path = sys.argv[1:6]
     stop_ids = [int(s) for s in stops.split(",") if s]
-    config = transformers.AutoConfig.from_pretrained(target_dir)
-    if config.model_type == "qwen3_5":  # the VL checkpoint's language model, as dflashd loads it
-        model = transformers.Qwen3_5ForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    model = model.float().eval()
+    model = load_target(target_dir)
     settings = transformers.GenerationConfig(max_new_tokens=int(max_new), do_sample=False,
                                              eos_token_id=stop_ids or None, pad_token_id=0)
     results = []

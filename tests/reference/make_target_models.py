@@ -138,11 +138,54 @@ def build(family, out):
     write_reference(directory, text_model, seed=len(family))
 
 
+FP8_BLOCK = 16  # smaller than the releases' 128 so that the tiny weights span several blocks
+
+
+def build_fp8(source, out):
+    """OUT/<source>_fp8: the source checkpoint with every projection block-scaled FP8 (e4m3, one
+    fp32 factor per FP8_BLOCK x FP8_BLOCK block in `<name>_scale_inv`, quantization_config as
+    Qwen's *-FP8 releases write it); its reference is transformers' own forward of that
+    checkpoint (FineGrainedFP8Config(dequantize=True), on the CPU)."""
+    src, directory = os.path.join(out, source), os.path.join(out, source + "_fp8")
+    os.makedirs(directory, exist_ok=True)
+    tensors, source_tensors = {}, {}
+    for file_name in sorted(os.listdir(src)):  # the source may be sharded; the FP8 copy is one file
+        if file_name.endswith(".safetensors") and file_name != "reference.safetensors":
+            source_tensors.update(load_file(os.path.join(src, file_name)))
+    for name, w in source_tensors.items():
+        if w.ndim != 2 or not name.endswith("proj.weight"):
+            tensors[name] = w
+            continue
+        rows, columns = w.shape
+        rb, cb = -(-rows // FP8_BLOCK), -(-columns // FP8_BLOCK)
+        padded = torch.zeros(rb * FP8_BLOCK, cb * FP8_BLOCK)
+        padded[:rows, :columns] = w.float()
+        blocks = padded.view(rb, FP8_BLOCK, cb, FP8_BLOCK)
+        factor = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # e4m3's largest finite value
+        q = (blocks / factor[:, None, :, None]).view(rb * FP8_BLOCK, cb * FP8_BLOCK)[:rows, :columns]
+        tensors[name] = q.to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = factor.float()
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32,
+        quantization_config=transformers.FineGrainedFP8Config(dequantize=True,
+                                                              weight_block_size=(FP8_BLOCK, FP8_BLOCK)))
+    write_reference(directory, model.float().eval().model, seed=len(source))
+
+
 def main():
     out = sys.argv[1]
     families = sys.argv[2:] or ["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3", "llama"]
     for family in families:
         build(family, out)
+    if "qwen3" in families:
+        build_fp8("qwen3", out)
     with open(os.path.join(out, "families.json"), "w") as f:
         json.dump({"families": families, "transformers": transformers.__version__}, f)
 
