@@ -274,6 +274,22 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
     }
   }
 
+  // A target replica in stages runs its stages at once: no turns with a drafter on its GPUs.
+  if (c.gpus.device == Device::cuda && c.gpus.shared_gpu == SharedGpu::turns) {
+    for (size_t r = 0; r < c.gpus.target_replicas.size(); ++r) {
+      const std::vector<int>& ids = c.gpus.target_replicas[r];
+      for (int id : ids) {
+        if (ids.size() > 1 && std::count(c.gpus.drafter.begin(), c.gpus.drafter.end(), id) > 0) {
+          d->add(at("gpus.target[" + std::to_string(r) + "]"),
+                 "gpus.target[" + std::to_string(r) + "]: GPU " + std::to_string(id) +
+                     " holds a stage of a target replica in stages and a drafter; their roles cannot take turns "
+                     "(the stages run at once): set gpus.shared_gpu: concurrent, or give the drafter other GPUs");
+          break;
+        }
+      }
+    }
+  }
+
   if (c.distributed.node_rank >= c.distributed.nodes) {
     d->add(at("distributed.node_rank"), "distributed.node_rank: " + std::to_string(c.distributed.node_rank) +
                                             " is not below distributed.nodes (" + std::to_string(c.distributed.nodes) + ")");

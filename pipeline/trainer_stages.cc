@@ -4,6 +4,8 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <deque>
+#include <future>
 #include <memory>
 #include <optional>
 
@@ -36,7 +38,7 @@ void Trainer::Impl::target_loop(Worker &w, size_t replica) {
   c10::InferenceMode inference;
   const target::StagedTarget &model = *models->targets[replica];
   // Its stages' devices (one for a replica on one GPU), in ascending order: a worker stream on
-  // each, and the shared GPUs' turns taken in that order.
+  // each, and (one GPU) the shared GPU's turn.
   std::vector<at::Device> devices;
   for (size_t s = 0; s < model.size(); ++s) {
     const at::Device d = model.stage(s).options().device;
@@ -47,41 +49,75 @@ void Trainer::Impl::target_loop(Worker &w, size_t replica) {
   for (const at::Device &d : devices) streams.push_back(std::make_unique<WorkerStream>(d));
   StageClock &clock = *models->target_clocks[replica];
   const std::vector<int64_t> layers(shape.target_layer_ids.begin(), shape.target_layer_ids.end());
-  while (auto item = sample_queue->pop([&] { w.beat(); })) {
+  // A replica in stages keeps one sequence per stage in flight (StagedTarget::submit: its stage
+  // threads overlap them); a replica on one GPU runs each sequence in turn. Hand-offs keep the
+  // sample order.
+  struct InFlight {
+    SampleItem item;
+    std::optional<std::future<std::vector<at::Tensor>>> result;
+  };
+  auto ids_of = [](const SampleItem &item) {
+    return at::tensor(item.sample.input_ids, at::TensorOptions().dtype(at::kLong));
+  };
+  std::deque<InFlight> in_flight;
+  bool more = true;
+  while (true) {
+    while (more && in_flight.size() < model.size()) {
+      auto item = sample_queue->pop([&] { w.beat(); });
+      if (!item) {
+        more = false;
+        break;
+      }
+      InFlight f{std::move(*item), std::nullopt};
+      if (model.size() > 1 && !failed_samples->skipped(data_index(f.item.q))) {
+        const at::Tensor ids = ids_of(f.item);
+        f.result = model.submit(ids, {0, ids.size(0)}, layers);
+      }
+      in_flight.push_back(std::move(f));
+    }
+    if (in_flight.empty()) return;
+    InFlight f = std::move(in_flight.front());
+    in_flight.pop_front();
+    const SampleItem &item = f.item;
     w.beat();
-    std::vector<std::unique_ptr<GpuTurn>> turns;  // released before the push: a full queue must not hold a GPU
-    for (const at::Device &d : devices) turns.push_back(std::make_unique<GpuTurn>(models->turn_of(d), d));
+    std::optional<GpuTurn> turn;  // released before the push: a full queue must not hold the GPU
+    if (model.size() == 1) turn.emplace(models->turn_of(devices[0]), devices[0]);
     clock.start();
-    const int64_t drafter_replica = plan.replica_of(item->q) - node_rank * local_replicas;  // local index
+    const int64_t drafter_replica = plan.replica_of(item.q) - node_rank * local_replicas;  // local index
     FeatureItem out;
-    out.q = item->q;
-    const int64_t index = data_index(item->q);
+    out.q = item.q;
+    const int64_t index = data_index(item.q);
     bool skipped = failed_samples->skipped(index);  // then `out` goes on without features
     const bool ok = skipped || failure_policy->run(
-                                   w, "sample " + std::to_string(item->q),
+                                   w, "sample " + std::to_string(item.q),
                                    [&] {
-                                     if (hooks.target_forward) hooks.target_forward(item->q);
-                                     const at::Tensor ids =
-                                         at::tensor(item->sample.input_ids, at::TensorOptions().dtype(at::kLong));
-                                     const int64_t tokens = ids.size(0);
-                                     auto tapped = model.forward(ids, {0, tokens}, layers);
+                                     if (hooks.target_forward) hooks.target_forward(item.q);
+                                     const at::Tensor ids = ids_of(item);
+                                     std::vector<at::Tensor> tapped;
+                                     if (f.result) {  // the staged forward started earlier (a retry runs it again)
+                                       auto result = std::move(*f.result);
+                                       f.result.reset();
+                                       tapped = result.get();
+                                     } else {
+                                       tapped = model.forward(ids, {0, ids.size(0)}, layers);
+                                     }
                                      clock.lap("target_forward");
                                      // fc input: the tapped layers concatenated in ascending id order
                                      // (docs/recipe.md).
                                      const at::Device to = models->drafter_devices[drafter_replica];
                                      out.features = at::cat(tapped, -1).to(to, /*non_blocking=*/false, /*copy=*/false);
                                      out.input_ids = ids.to(to);
-                                     out.loss_mask = item->sample.loss_mask;
+                                     out.loss_mask = item.sample.loss_mask;
                                      out.ready = mark_ready(to);
                                      clock.lap("feature_handoff");
                                    },
                                    {index}, &skipped);
     if (skipped) {
       out = FeatureItem{};  // no features: the drafter leaves the sample out
-      out.q = item->q;
+      out.q = item.q;
     }
     if (!ok) return;
-    turns.clear();
+    turn.reset();
     if (!feature_queues[drafter_replica]->push(std::move(out), [&] { w.beat(); })) return;
   }
 }

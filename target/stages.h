@@ -8,8 +8,13 @@
 // and the only traffic between GPUs is one [tokens, hidden] stream per boundary.
 #pragma once
 
+#include <condition_variable>
+#include <deque>
+#include <future>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "target/model.h"
@@ -24,11 +29,22 @@ class StagedTarget {
   // final norm and LM head.
   StagedTarget(const ModelConfig& config, WeightSource& weights, int64_t last_layer,
                const std::vector<TargetOptions>& stages, int64_t plan_tokens = 4096);
+  ~StagedTarget();
+  StagedTarget(const StagedTarget&) = delete;
+  StagedTarget& operator=(const StagedTarget&) = delete;
 
   // As TargetModel::forward: the outputs of `layers` (ascending), each moved to the last stage's
   // device (where the features leave for the drafter).
   std::vector<at::Tensor> forward(const at::Tensor& input_ids, const std::vector<int64_t>& cu_seqlens,
                                   const std::vector<int64_t>& layers) const;
+
+  // forward() in the background, so that several sequences are in flight: each stage runs on
+  // its own thread (started by the first call, on its own CUDA stream), a sequence passes from
+  // stage to stage, and while stage 2 runs sequence n stage 1 runs n + 1. Results arrive in
+  // submission order; an exception of any stage is the future's. Callers keep at most size()
+  // sequences in flight (more only queue). One caller thread at a time.
+  std::future<std::vector<at::Tensor>> submit(const at::Tensor& input_ids, const std::vector<int64_t>& cu_seqlens,
+                                              const std::vector<int64_t>& layers) const;
 
   size_t size() const { return stages_.size(); }
   const TargetModel& stage(size_t i) const { return *stages_[i]; }
@@ -40,9 +56,28 @@ class StagedTarget {
   const at::Tensor& lm_head() const { return stages_.back()->lm_head(); }
 
  private:
+  // One sequence on its way through the stages.
+  struct Job {
+    at::Tensor input_ids;
+    std::vector<int64_t> cu_seqlens, layers;
+    StreamState stream;
+    std::vector<at::Tensor> tapped;
+    std::promise<std::vector<at::Tensor>> result;
+  };
+  void stage_loop(size_t stage) const;
+  void push(size_t stage, std::shared_ptr<Job> job) const;
+
   std::vector<LayerRange> ranges_;
   std::vector<double> shares_;
   std::vector<std::unique_ptr<TargetModel>> stages_;
+
+  // The stage threads and the queue in front of each; guarded by mutex_ (threads_ is started
+  // by the first submit and joined by the destructor).
+  mutable std::mutex mutex_;
+  mutable std::condition_variable changed_;
+  mutable std::vector<std::deque<std::shared_ptr<Job>>> queues_;
+  mutable std::vector<std::thread> threads_;
+  mutable bool stopping_ = false;
 };
 
 // The staged counterparts of load_target and random_target.

@@ -68,6 +68,11 @@ TEST(Config, TargetReplicasAreIdsOrListsOfIds) {
   EXPECT_TRUE(has_error(errors_of(std::string(kMinimal) + "gpus:\n  target: [[0, -1]]\n"), "ids must be >= 0, got -1"));
   EXPECT_TRUE(has_error(errors_of(std::string(kMinimal) + "gpus:\n  target: [[0, x]]\n"),
                         "gpus.target[0][1]: expected an integer, got 'x'"));
+  // A replica in stages on a drafter's GPU: its stages run at once, so no turns.
+  EXPECT_TRUE(has_error(errors_of(std::string(kMinimal) + "gpus:\n  target: [[0, 1]]\n  drafter: [1]\n"),
+                        "GPU 1 holds a stage of a target replica in stages and a drafter"));
+  EXPECT_TRUE(errors_of(std::string(kMinimal) + "gpus:\n  target: [[0, 1]]\n  drafter: [1]\n  shared_gpu: concurrent\n")
+                  .empty());
 }
 
 TEST(Config, DrafterLayerTypesAndSlidingWindow) {

@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <future>
 
 #include "common/safetensors.h"
 #include "common/tensor_math.h"
@@ -199,6 +200,30 @@ TEST(TargetStages, StagesTapBitIdenticalStates) {
       EXPECT_TRUE(at::equal(staged->lm_head(), whole->lm_head()));
       EXPECT_THROW(staged->stage(1).forward(ids, {0, 70}, {last}), std::logic_error);
     }
+  }
+}
+
+// Sequences submitted one after another run through the stage threads at once and come back
+// in order, each equal to its own forward; a failing one fails only its own future.
+TEST(TargetStages, SubmittedSequencesComeBackInOrderEqualToTheirForward) {
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny");
+  auto staged = random_staged_target(config, config.num_layers - 1, std::vector<TargetOptions>(3), 8);
+  const std::vector<int64_t> tap{1, 4, config.num_layers - 1};
+  std::vector<at::Tensor> ids;
+  std::vector<std::future<std::vector<at::Tensor>>> results;
+  for (int64_t length : {40, 7, 90, 1, 33}) {
+    ids.push_back(at::randint(0, config.vocab_size, {length}, at::TensorOptions().dtype(at::kLong)));
+    results.push_back(staged->submit(ids.back(), {0, length}, tap));
+  }
+  auto bad = staged->submit(ids[0], {0, 3}, tap);  // cu_seqlens do not cover the tokens
+  results.push_back(staged->submit(ids[2], {0, 90}, tap));
+  ids.push_back(ids[2]);
+  EXPECT_THROW(bad.get(), std::invalid_argument);
+  for (size_t i = 0; i < results.size(); ++i) {
+    const std::vector<at::Tensor> got = results[i].get();
+    const std::vector<at::Tensor> expected = staged->forward(ids[i], {0, ids[i].size(0)}, tap);
+    ASSERT_EQ(got.size(), tap.size());
+    for (size_t k = 0; k < tap.size(); ++k) EXPECT_TRUE(at::equal(got[k], expected[k])) << "sequence " << i;
   }
 }
 
