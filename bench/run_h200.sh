@@ -3,7 +3,7 @@
 # doctor, the GPU tests, the drafter step against SpecForge's (flex_attention), and the whole
 # pipeline at Qwen3.5-27B shapes. Expects the offline bundle (deploy/bundle.sh build
 # --with-tests) in dist/ and the specforge wheel in .whl/. Prints a table at the end; full logs
-# go to $OUT when set. Phases: step (default), gdn, decode, ops, moe, e2e 27b|27b-long|8b|35b-a3b.
+# go to $OUT when set. Phases: step (default), gdn, decode, generate, ops, moe, e2e 27b|27b-long|8b|35b-a3b.
 set -uo pipefail
 out="${OUT:-/tmp/dflashd-bench}"; mkdir -p "$out"
 B="${B:-$(ls -d dist/dflashd-*/ | head -1)}"
@@ -52,6 +52,25 @@ elif [ "$phase" = decode ]; then
   done
   echo "==== decode summary"
   grep -hE "step|drafter block|tok/s|64 prompts" "$out"/decode_bench_*.txt
+elif [ "$phase" = generate ]; then
+  # Regenerating responses (issue 26): dflashd generate at 27B shapes (random weights) with 64 and
+  # 128 sequences at once, then transformers' batched generate on the same prompts. Goal: >= 50 %
+  # of the weight-read floor (about 54 GB of bf16 weights per step at 4.8 TB/s: 11.6K tok/s at 128).
+  cfg="bench/configs/${GENERATE_CONFIG:-qwen3_5-27b}"
+  new="${GENERATE_NEW_TOKENS:-256}"
+  python3 -c "import json,random; random.seed(1); [print(json.dumps({'input_ids': [random.randrange(1000, 100000) for _ in range(512)]})) for _ in range(256)]" > /tmp/prompts.jsonl
+  for batch in ${GENERATE_BATCHES:-64 128}; do
+    rm -rf "/tmp/generate-$batch"
+    /usr/bin/time -f "wall %e s" timeout 300 "$B/bin/dflashd" generate --target "$cfg" --random-weights --prompts /tmp/prompts.jsonl \
+      --out "/tmp/generate-$batch" --max-new-tokens "$new" --max-batch "$batch" --truncated keep --log-every 10 \
+      > "$out/generate_$batch.log" 2>&1
+    grep -E "generate: .*(tok|finished|stopped)|wall|error" "$out/generate_$batch.log" | tail -3
+  done
+  timeout 300 python3 bench/python/hf_generate.py "$cfg" /tmp/prompts.jsonl "$new" ${GENERATE_BATCHES:-64 128} 2>&1 \
+    | grep -E "^python|Error" | tee "$out/python_generate.txt"
+  echo "==== generate summary"
+  grep -hE "finished this run|new tokens/s" "$out"/generate_*.log | tail -4
+  cat "$out/python_generate.txt"
 elif [ "$phase" = step ]; then
   "$B/bin/dflashd" doctor | tee "$out/doctor.txt"
   "$B/tests/drafter_test" --gtest_filter='BlockAttention.*' 2>&1 | grep -E "OK|FAILED|Failure|Expected|Which|rel|grad" | tee "$out/gpu_tests.txt"
