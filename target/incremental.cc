@@ -159,16 +159,18 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   const int64_t n = group.n, size = static_cast<int64_t>(group.members.size());
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kernel = p.conv.size(1);
-  std::vector<at::Tensor> windows, states_before;
+  // Per member only views: the windows [G, K - 1 + n, C] are built by one gather and one cat.
+  std::vector<at::Tensor> convs, states_before;
   for (int64_t j = 0; j < size; ++j) {
     DecodeCache& cache = *caches[group.members[j]];
     at::Tensor& conv = cache.conv[layer];
     if (!conv.defined()) conv = at::zeros({kernel - 1, proj.mixed.size(1)}, proj.mixed.options());
     if (!cache.state[layer].defined()) cache.state[layer] = at::zeros({hv, dk, dv}, o_out.options());
-    windows.push_back(at::cat({conv, proj.mixed.narrow(0, group.first[j], n)}, 0));
+    convs.push_back(conv);
     states_before.push_back(cache.state[layer]);
   }
-  const at::Tensor window = stacked(windows);
+  const at::Tensor window =
+      at::cat({stacked(convs), proj.mixed.index_select(0, group.rows).view({size, n, proj.mixed.size(1)})}, 1);
   const at::Tensor convolved = conv_over_window(window, p.conv, proj.mixed.scalar_type());
   const at::Tensor q = convolved.narrow(-1, 0, hk * dk).view({size, n, hk, dk});
   const at::Tensor k = convolved.narrow(-1, hk * dk, hk * dk).view({size, n, hk, dk});
@@ -183,7 +185,7 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
     DecodeCache::LastStep::Gdn& last = cache.last.gdn[layer];
     last = {states_before[j], q[j], k[j], v[j], g[j], beta[j], window[j]};
     cache.state[layer] = states[j];
-    cache.conv[layer] = window[j].narrow(0, n, kernel - 1).clone();
+    cache.conv[layer] = window[j].narrow(0, n, kernel - 1);  // a view: the group's window stays alive
   }
 }
 
