@@ -43,6 +43,9 @@ DrafterShape shape_for_target(const target::ModelConfig& t, const config::Drafte
   s.intermediate_size = c.intermediate_size.value_or(t.intermediate_size > 0 ? t.intermediate_size
                                                                               : 4 * t.hidden_size);
   s.rope_theta = c.rope_theta.value_or(t.rope.theta);
+  // The drafter serves the target's whole context (the serving engines size their rotary caches
+  // from this field).
+  if (t.max_position_embeddings > 0) s.max_position_embeddings = t.max_position_embeddings;
   if (c.target_layer_ids.empty()) {
     s.target_layer_ids = t.default_tapped_layers(c.num_target_features);
   } else {

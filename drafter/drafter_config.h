@@ -31,7 +31,7 @@ struct DrafterShape {
   int64_t vocab_size = 0;
   double rms_norm_eps = 1e-6;
   double rope_theta = 1e6;
-  int64_t max_position_embeddings = 40960;
+  int64_t max_position_embeddings = 40960;  // the target's context where its config.json gives it
   int64_t block_size = 16;
   int64_t mask_token_id = 0;
   std::vector<int64_t> target_layer_ids;  // ascending

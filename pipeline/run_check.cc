@@ -23,6 +23,12 @@ target::ModelConfig target_model_config(const config::TargetConfig& target) {
                                : target::parse_model_config(target::preset_config_json(target.preset), target.preset);
 }
 
+std::string context_problem(const config::Config& config, const target::ModelConfig& target) {
+  if (target.max_position_embeddings <= 0 || config.data.max_length <= target.max_position_embeddings) return "";
+  return "data.max_length " + std::to_string(config.data.max_length) + " is past the target's context (" +
+         target.source + ": max_position_embeddings " + std::to_string(target.max_position_embeddings) + ")";
+}
+
 RunCheck check_run(const config::Config& config, const std::vector<int64_t>& capacities, bool offline) {
   RunCheck check;
   auto problem = [&](const std::string& message) { check.problems.push_back(message); };
@@ -39,6 +45,7 @@ RunCheck check_run(const config::Config& config, const std::vector<int64_t>& cap
     }
     shape = drafter::shape_for_target(target, config.drafter);
     shaped = true;
+    if (const std::string p = context_problem(config, target); !p.empty()) problem(p);
     if (config.drafter.init != "random" && !(offline && !is_file(config.drafter.init + "/config.json"))) {
       drafter::check_drafter_init(config.drafter.init, shape);
     }

@@ -27,6 +27,10 @@ target::ModelConfig target_model_config(const config::TargetConfig& target);
 // `capacities`: bytes per CUDA device index; empty when unknown (no GPU). `offline`: the config is
 // for another host, whose files are not here: a target, data or drafter.init path that cannot be
 // read is no problem then (the memory plan needs the target's config.json, so it is left out).
+// data.max_length past the target's context (max_position_embeddings), as a message; empty when
+// it fits or the target's config does not say.
+std::string context_problem(const config::Config& config, const target::ModelConfig& target);
+
 RunCheck check_run(const config::Config& config, const std::vector<int64_t>& capacities, bool offline);
 
 }  // namespace dflash::pipeline

@@ -23,6 +23,7 @@ void Trainer::Impl::load_models() {
   const config::Config &config = s.config;
   s.target_config = target_model_config(config.target);
   s.shape = drafter::shape_for_target(s.target_config, config.drafter);
+  if (const std::string p = context_problem(config, s.target_config); !p.empty()) throw std::runtime_error(p);
   {
     // The memory plan per GPU (what `dflashd validate` prints), refused before
     // anything is loaded when it does not fit.

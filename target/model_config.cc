@@ -177,6 +177,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   c.head_dim = get_int(j, source, "head_dim", c.num_attention_heads ? c.hidden_size / c.num_attention_heads : 0);
   c.intermediate_size = get_int(j, source, "intermediate_size", int64_t{0});
   c.vocab_size = get_int(j, source, "vocab_size");
+  c.max_position_embeddings = get_int(j, source, "max_position_embeddings", int64_t{0});
   c.rms_norm_eps = get_double(j, source, "rms_norm_eps", 1e-6);
   c.attention_bias = get_bool(j, "attention_bias", false);
   c.tie_word_embeddings = get_bool(root, "tie_word_embeddings", get_bool(j, "tie_word_embeddings", false));

@@ -45,6 +45,7 @@ struct ModelConfig {
   int64_t head_dim = 0;
   int64_t intermediate_size = 0;
   int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 0;  // the context the target was trained for (0: config.json does not say)
   double rms_norm_eps = 1e-6;
   bool attention_bias = false;
   bool tie_word_embeddings = false;

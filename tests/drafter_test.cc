@@ -779,6 +779,11 @@ TEST(DrafterShapeTest, SlidingWindowLayersAndTheirExport) {
   c.sliding_window = 32;
   const DrafterShape s = shape_for_target(t, c);
   EXPECT_EQ(s.window_of(0), 32);
+  // The drafter serves the target's context: Qwen3.5-27B's 262,144 positions (not a default).
+  const target::ModelConfig big = target::load_model_config(std::string(DFLASHD_SOURCE_DIR) + "/bench/configs/qwen3_5-27b");
+  config::DrafterConfig recipe;
+  EXPECT_EQ(shape_for_target(big, recipe).max_position_embeddings, 262144);
+  EXPECT_EQ(nlohmann::json::parse(export_config_json(shape_for_target(big, recipe)))["max_position_embeddings"], 262144);
   EXPECT_EQ(s.window_of(2), 0);
   const std::string json = export_config_json(s);
   const nlohmann::json j = nlohmann::json::parse(json);

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 
 #include <cmath>
+#include <filesystem>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -17,6 +18,7 @@
 #include "pipeline/nccl_gradients.h"
 #include "pipeline/streams.h"
 #include "pipeline/dataset.h"
+#include "target/model_config.h"
 #include "tests/run_dir.h"
 #include "tests/test_util.h"
 
@@ -267,6 +269,26 @@ TEST(PipelineRun, TwoReplicasMatchOneReplicaWithAccumulation) {
     scale = std::max(scale, static_cast<double>(std::fabs(y[i])));
   }
   EXPECT_LE(worst / scale, 1e-4) << "max abs diff " << worst;
+}
+
+// data.max_length past the target's context (its config.json's max_position_embeddings) is a
+// validate error and refuses the run, naming both.
+TEST(PipelineRun, SequencesPastTheTargetsContextAreRefused) {
+  const RunDir r = make_run("context");
+  std::string json = target::preset_config_json("tiny-qwen3");
+  json.insert(json.rfind('}'), R"(, "max_position_embeddings": 32)");
+  std::filesystem::create_directories(r.dir + "/target");
+  std::ofstream(r.dir + "/target/config.json") << json;
+  set_section(r, "target", "target: {path: " + r.dir + "/target, weights: random, dtype: float32}");
+  const std::string validate = kBinary + " validate --offline -c " + r.config + " > " + r.dir + "/v.log 2>&1";
+  EXPECT_NE(std::system(validate.c_str()), 0);
+  EXPECT_NE(test::read_file(r.dir + "/v.log").find("data.max_length 3072 is past the target's context (" + r.dir +
+                                                   "/target/config.json: max_position_embeddings 32)"),
+            std::string::npos)
+      << test::read_file(r.dir + "/v.log");
+  test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
+  EXPECT_NE(p.wait(60000), 0);
+  EXPECT_NE(p.err().find("is past the target's context"), std::string::npos) << p.err();
 }
 
 // A target replica in pipeline stages (gpus.target: [[0, 1, 2]], three stages on the CPU)
