@@ -306,6 +306,14 @@ TEST(Generate, BadInputsAreClearErrors) {
                 log),
             1);
   EXPECT_TRUE(said(dir + "/o2/generate.json: this directory holds output of another job")) << test::read_file(log);
+  // A target replica in pipeline stages decodes nowhere yet: said, naming the config entry.
+  std::ofstream(dir + "/staged.yaml") << "target: {preset: tiny-qwen3, weights: random}\n"
+                                      << "drafter: {mask_token_id: 511}\n"
+                                      << "gpus: {device: cpu, target: [[0, 1]], drafter: [0]}\n"
+                                      << "data: {synthetic: {sequences: 10}}\n";
+  EXPECT_EQ(run("-c " + dir + "/staged.yaml --prompts " + dir + "/prompts.jsonl --out " + dir + "/o3", log), 1);
+  EXPECT_TRUE(said("gpus.target[0] spans 2 GPUs; generate decodes with each target replica on one GPU"))
+      << test::read_file(log);
 }
 
 // The commit protocol itself: a shard is visible only with its marker.
