@@ -312,6 +312,16 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
   });
 }
 
+void make_directories(const std::string& path) {
+  for (size_t i = 1; i <= path.size(); ++i) {
+    if (i != path.size() && path[i] != '/') continue;
+    const std::string prefix = path.substr(0, i);
+    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      throw std::runtime_error(prefix + ": cannot create directory: " + std::strerror(errno));
+    }
+  }
+}
+
 void write_file_atomically(const std::string& path, const std::string& content) {
   write_atomically(path, [&](int fd, const std::string& temporary) { write_all(fd, content.data(), content.size(), temporary); });
 }

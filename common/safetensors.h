@@ -83,4 +83,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
 // Writes `content` to `path` atomically (same protocol); throws std::runtime_error naming the path.
 void write_file_atomically(const std::string& path, const std::string& content);
 
+// mkdir -p; throws std::runtime_error naming the directory it could not create.
+void make_directories(const std::string& path);
+
 }  // namespace dflash

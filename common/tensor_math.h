@@ -37,4 +37,43 @@ inline at::Tensor with_rows(const at::Tensor& t, int64_t used, int64_t needed, a
   return grown;
 }
 
+// Batched decoding (the target's step_batch, the drafter's block_hiddens): sequences whose rows
+// lie one after another, grouped by their row count so that each group's attention runs as one
+// batch. Groups come in order of first appearance; members ascend.
+struct RowGroup {
+  int64_t count = 0;             // rows per member
+  std::vector<size_t> members;   // indices of the sequences
+  std::vector<int64_t> first;    // per member: its first row among all sequences' rows
+  at::Tensor rows;               // int64 [members * count] on the device, member-major
+};
+inline std::vector<RowGroup> group_rows_by_count(const std::vector<int64_t>& counts, const at::Device& device) {
+  std::vector<RowGroup> groups;
+  int64_t row = 0;
+  for (size_t s = 0; s < counts.size(); ++s) {
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const RowGroup& g) { return g.count == counts[s]; });
+    if (it == groups.end()) it = groups.insert(groups.end(), RowGroup{counts[s], {}, {}, {}});
+    it->members.push_back(s);
+    it->first.push_back(row);
+    row += counts[s];
+  }
+  for (RowGroup& g : groups) {
+    std::vector<int64_t> rows;
+    for (int64_t first : g.first) {
+      for (int64_t r = 0; r < g.count; ++r) rows.push_back(first + r);
+    }
+    g.rows = at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(device);
+  }
+  return groups;
+}
+
+// G members' keys or values ([length_j, H, d] each) as one batch [G, H, longest, d], heads first:
+// a view for one member, else zero-padded to the longest (the caller masks the padding).
+inline at::Tensor padded_heads_first(const std::vector<at::Tensor>& parts, int64_t longest) {
+  if (parts.size() == 1) return parts[0].transpose(0, 1).unsqueeze(0);
+  const int64_t size = static_cast<int64_t>(parts.size());
+  at::Tensor all = at::zeros({size, longest, parts[0].size(1), parts[0].size(2)}, parts[0].options());
+  for (int64_t j = 0; j < size; ++j) all[j].narrow(0, 0, parts[j].size(0)).copy_(parts[j]);
+  return all.transpose(1, 2);
+}
+
 }  // namespace dflash

@@ -144,11 +144,10 @@ std::vector<std::vector<int64_t>> read_prompts(const std::string& path, int64_t 
     std::vector<int64_t> prompt = decode::prompt_of(s);
     const std::string where = path + ":" + std::to_string(s.line);
     if (prompt.empty()) throw std::runtime_error(where + ": no prompt (empty, or supervised from its first token)");
-    for (int64_t id : prompt) {
-      if (id >= vocab) {
-        throw std::runtime_error(where + ": token id " + std::to_string(id) + " is outside the vocabulary (" +
-                                 std::to_string(vocab) + ")");
-      }
+    try {
+      decode::check_prompt(prompt, vocab);
+    } catch (const std::invalid_argument& e) {
+      throw std::runtime_error(where + ": " + e.what());
     }
     prompts.push_back(std::move(prompt));
   }

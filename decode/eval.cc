@@ -77,11 +77,10 @@ std::vector<Generation> decode_prompts(const Decoder& decoder, const std::vector
   for (const EvalPrompt& p : prompts) ids.push_back(p.ids);
   const int64_t vocab = decoder.target().model().config().vocab_size;
   for (const EvalPrompt& p : prompts) {  // bad ids are named by their line before anything runs
-    for (int64_t id : p.ids) {
-      if (id < 0 || id >= vocab) {
-        throw std::invalid_argument(p.where + ": token id " + std::to_string(id) + " is outside the vocabulary (" +
-                                    std::to_string(vocab) + ")");
-      }
+    try {
+      check_prompt(p.ids, vocab);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(p.where + ": " + e.what());
     }
   }
   const auto begin = std::chrono::steady_clock::now();

@@ -1,8 +1,6 @@
 #include "decode/shards.h"
 
 #include <dirent.h>
-#include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -13,6 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
+
+#include "common/safetensors.h"
 
 namespace dflash::decode {
 namespace {
@@ -25,16 +25,6 @@ std::string read_all(const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
-}
-
-void make_dirs(const std::string& path) {
-  for (size_t at = path.find('/', 1); ; at = path.find('/', at + 1)) {
-    const std::string part = at == std::string::npos ? path : path.substr(0, at);
-    if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) {
-      throw std::runtime_error(part + ": cannot create the directory: " + errno_text());
-    }
-    if (at == std::string::npos) return;
-  }
 }
 
 std::vector<std::string> entries(const std::string& dir) {
@@ -69,43 +59,10 @@ std::string shard_name(int64_t n, const char* suffix) {
 
 }  // namespace
 
-void write_file_durably(const std::string& path, const std::string& content) {
-  const std::string temporary = path + ".tmp";
-  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw std::runtime_error(temporary + ": cannot create: " + errno_text());
-  size_t written = 0;
-  while (written < content.size()) {
-    const ssize_t n = ::write(fd, content.data() + written, content.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string why = errno_text();
-      ::close(fd);
-      ::unlink(temporary.c_str());
-      throw std::runtime_error(temporary + ": write failed: " + why);
-    }
-    written += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    ::unlink(temporary.c_str());
-    throw std::runtime_error(temporary + ": fsync failed: " + errno_text());
-  }
-  if (::rename(temporary.c_str(), path.c_str()) != 0) {
-    ::unlink(temporary.c_str());
-    throw std::runtime_error(path + ": rename failed: " + errno_text());
-  }
-  const size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd >= 0) {
-    ::fsync(dir_fd);  // the rename itself durable
-    ::close(dir_fd);
-  }
-}
-
 ShardedOutput::ShardedOutput(std::string dir, const std::string& job, int64_t shard_size, bool keep_truncated)
     : dir_(std::move(dir)), shard_size_(shard_size), keep_truncated_(keep_truncated) {
   if (shard_size_ < 1) throw std::invalid_argument("generate: a shard must hold at least one sample");
-  make_dirs(dir_);
+  make_directories(dir_);
   const std::string job_path = dir_ + "/generate.json";
   const nlohmann::json wanted = nlohmann::json::parse(job);
   if (::access(job_path.c_str(), F_OK) == 0) {
@@ -121,7 +78,7 @@ ShardedOutput::ShardedOutput(std::string dir, const std::string& job, int64_t sh
                                "and settings to continue it");
     }
   } else {
-    write_file_durably(job_path, wanted.dump(2) + "\n");
+    write_file_atomically(job_path, wanted.dump(2) + "\n");
   }
   std::set<int64_t> markers;
   for (const std::string& name : entries(dir_)) {
@@ -129,7 +86,7 @@ ShardedOutput::ShardedOutput(std::string dir, const std::string& job, int64_t sh
   }
   for (const std::string& name : entries(dir_)) {
     const int64_t n = shard_number(name, ".jsonl");
-    const bool temporary = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
+    const bool temporary = name.find(".tmp") != std::string::npos;  // a write cut short (write_file_atomically)
     if (temporary || (n >= 0 && markers.count(n) == 0)) {
       if (::unlink((dir_ + "/" + name).c_str()) != 0) {
         throw std::runtime_error(dir_ + "/" + name + ": cannot remove an uncommitted shard: " + errno_text());
@@ -184,13 +141,13 @@ void ShardedOutput::commit(const std::vector<GeneratedSample>& samples) {
     lines += line.dump() + "\n";
     ++kept;
   }
-  write_file_durably(dir_ + "/" + shard_name(next_shard_, ".jsonl"), lines);
+  write_file_atomically(dir_ + "/" + shard_name(next_shard_, ".jsonl"), lines);
   nlohmann::ordered_json marker;
   marker["prompts"] = prompts;
   marker["samples"] = kept;
   marker["skipped_truncated"] = skipped;
   marker["new_tokens"] = new_tokens;
-  write_file_durably(dir_ + "/" + shard_name(next_shard_, ".done"), marker.dump() + "\n");
+  write_file_atomically(dir_ + "/" + shard_name(next_shard_, ".done"), marker.dump() + "\n");
   ++next_shard_;
   committed_ += static_cast<int64_t>(samples.size());
   written_ += kept;

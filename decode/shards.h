@@ -10,8 +10,8 @@
 //   OUT/shard-NNNNNN.done      the shard's commit marker, written after its samples are durable:
 //                              every prompt index the shard handled (written or skipped) and counts
 //
-// A commit writes the samples (temporary file, fsync, rename, directory fsync), then the marker
-// the same way. A shard without its marker was cut by a crash: opening the directory deletes it
+// A commit writes the samples (write_file_atomically: temporary file, fsync, rename, directory
+// fsync), then the marker the same way. A shard without its marker was cut by a crash: opening the directory deletes it
 // (and any temporary file), and its prompts are generated again. Not thread-safe: one owner.
 #pragma once
 
@@ -67,9 +67,5 @@ class ShardedOutput {
   std::vector<GeneratedSample> buffer_;
   int64_t committed_ = 0, written_ = 0, skipped_ = 0, new_tokens_ = 0;
 };
-
-// Writes `content` to `path` durably: PATH.tmp, fsync, rename, directory fsync. Throws
-// std::runtime_error naming the path.
-void write_file_durably(const std::string& path, const std::string& content);
 
 }  // namespace dflash::decode

@@ -17,16 +17,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-void check_prompt(const std::vector<int64_t>& prompt, int64_t vocab) {
-  if (prompt.empty()) throw std::invalid_argument("generate: the prompt is empty");
-  for (int64_t id : prompt) {
-    if (id < 0 || id >= vocab) {
-      throw std::invalid_argument("generate: token id " + std::to_string(id) + " is outside the vocabulary (" +
-                                  std::to_string(vocab) + ")");
-    }
-  }
-}
-
 at::Tensor ids_tensor(const std::vector<int64_t>& ids) {
   return at::tensor(ids, at::TensorOptions().dtype(at::kLong));
 }
@@ -71,6 +61,16 @@ int64_t up_to_stop(const std::vector<int64_t>& tokens, size_t from, int64_t coun
 }
 
 }  // namespace
+
+void check_prompt(const std::vector<int64_t>& prompt, int64_t vocab) {
+  if (prompt.empty()) throw std::invalid_argument("the prompt is empty");
+  for (int64_t id : prompt) {
+    if (id < 0 || id >= vocab) {
+      throw std::invalid_argument("token id " + std::to_string(id) + " is outside the vocabulary (" +
+                                  std::to_string(vocab) + ")");
+    }
+  }
+}
 
 struct Decoder::Sequence {
   Request request;

@@ -240,29 +240,22 @@ at::Tensor Drafter::block_hidden(const DrafterContextCache& cache, const at::Ten
 
 namespace {
 
-// The blocks of a batched drafter call that have the same number of rows, and where their rows lie.
-struct BlockGroup {
-  int64_t rows = 0;
-  std::vector<size_t> members;
-  at::Tensor row_ids;  // int64 [members * rows] on the device, member-major
-};
-
 // Attention of a group's blocks in layer `layer` ([members * rows, Hq, d], member-major): every
 // row of a block sees its sequence's cached context and its whole block (no mask within); in a
 // sliding layer (window > 0) row r at position p sees context positions > p - window and block
 // rows 0..r, as training does. With several members the keys are padded to the longest and the
 // padding masked.
 at::Tensor block_attention_group(const DrafterShape& s, const std::vector<const DrafterContextCache*>& caches,
-                                 const BlockGroup& g, const std::vector<int64_t>& first, int64_t layer,
-                                 const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block) {
+                                 const RowGroup& g, int64_t layer, const at::Tensor& q, const at::Tensor& k_block,
+                                 const at::Tensor& v_block) {
   const int64_t window = s.window_of(layer);
-  const int64_t hq = s.num_attention_heads, hkv = s.num_key_value_heads, d = s.head_dim, rows = g.rows;
+  const int64_t hq = s.num_attention_heads, d = s.head_dim, rows = g.count;
   const int64_t size = static_cast<int64_t>(g.members.size());
   std::vector<at::Tensor> keys, values;
   int64_t longest = 0;
-  for (size_t j : g.members) {
-    const DrafterContextCache& cache = *caches[j];
-    at::Tensor k = k_block.narrow(0, first[j], rows), v = v_block.narrow(0, first[j], rows);
+  for (size_t m = 0; m < g.members.size(); ++m) {
+    const DrafterContextCache& cache = *caches[g.members[m]];
+    at::Tensor k = k_block.narrow(0, g.first[m], rows), v = v_block.narrow(0, g.first[m], rows);
     if (cache.length > 0) {
       k = at::cat({cache.keys[layer].narrow(0, 0, cache.length), k});
       v = at::cat({cache.values[layer].narrow(0, 0, cache.length), v});
@@ -272,12 +265,6 @@ at::Tensor block_attention_group(const DrafterShape& s, const std::vector<const 
     longest = std::max(longest, k.size(0));
   }
   at::Tensor mask;
-  auto padded = [&](const std::vector<at::Tensor>& parts) {  // [G, Hkv, longest, d]
-    if (size == 1) return parts[0].transpose(0, 1).unsqueeze(0);
-    at::Tensor all = at::zeros({size, longest, hkv, d}, parts[0].options());
-    for (int64_t j = 0; j < size; ++j) all[j].narrow(0, 0, parts[j].size(0)).copy_(parts[j]);
-    return all.transpose(1, 2);
-  };
   if (size > 1 || window > 0) {
     // Per member [rows, longest]: key index c < context (a context position) or a block row.
     std::vector<int64_t> contexts;
@@ -294,7 +281,8 @@ at::Tensor block_attention_group(const DrafterShape& s, const std::vector<const 
     mask = visible.unsqueeze(1).to(q.device());  // [G, 1, rows, longest]
   }
   const at::Tensor o = at::scaled_dot_product_attention(
-      q.index_select(0, g.row_ids).view({size, rows, hq, d}).transpose(1, 2), padded(keys), padded(values),
+      q.index_select(0, g.rows).view({size, rows, hq, d}).transpose(1, 2), padded_heads_first(keys, longest),
+      padded_heads_first(values, longest),
       mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, 0.0,
       false, 1.0 / std::sqrt(static_cast<double>(d)), /*enable_gqa=*/true);
   return o.transpose(1, 2).reshape({size * rows, hq, d});
@@ -311,26 +299,16 @@ std::vector<at::Tensor> Drafter::block_hiddens(const std::vector<const DrafterCo
   const at::ScalarType dtype = options_.dtype().toScalarType();
   if (caches.empty() || caches.size() != block_ids.size()) throw std::invalid_argument("drafter block: one block per cache");
   std::vector<at::Tensor> ids, positions;
-  std::vector<BlockGroup> groups;
+  std::vector<int64_t> counts;
   int64_t total = 0;
   for (size_t j = 0; j < caches.size(); ++j) {
     ids.push_back(block_ids[j].to(device, at::kLong).reshape({-1}));
     const int64_t rows = ids.back().size(0), begin = caches[j]->length;
     positions.push_back(at::arange(begin, begin + rows, at::TensorOptions().dtype(at::kLong)));
-    auto it = std::find_if(groups.begin(), groups.end(), [&](const BlockGroup& g) { return g.rows == rows; });
-    if (it == groups.end()) it = groups.insert(groups.end(), BlockGroup{rows, {}, {}});
-    it->members.push_back(j);
+    counts.push_back(rows);
     total += rows;
   }
-  std::vector<int64_t> first(caches.size(), 0);
-  for (size_t j = 1; j < caches.size(); ++j) first[j] = first[j - 1] + ids[j - 1].size(0);
-  for (BlockGroup& g : groups) {
-    std::vector<int64_t> rows;
-    for (size_t j : g.members) {
-      for (int64_t r = 0; r < g.rows; ++r) rows.push_back(first[j] + r);
-    }
-    g.row_ids = at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(device);
-  }
+  const std::vector<RowGroup> groups = group_rows_by_count(counts, device);
   const RopeTables rope = rope_tables(at::cat(positions), d, s.rope_theta, dtype, device);
   at::Tensor x = at::embedding(embed, at::cat(ids)).to(dtype);
   for (int64_t i = 0; i < s.num_layers; ++i) {
@@ -341,8 +319,8 @@ std::vector<at::Tensor> Drafter::block_hiddens(const std::vector<const DrafterCo
         apply_rope(trained_rms_norm(at::linear(h, l.k_proj).view({total, hkv, d}), l.k_norm, s.rms_norm_eps), rope);
     const at::Tensor v_block = at::linear(h, l.v_proj).view({total, hkv, d});
     at::Tensor attention = at::empty({total, hq, d}, q.options());
-    for (const BlockGroup& g : groups) {
-      attention.index_copy_(0, g.row_ids, block_attention_group(s, caches, g, first, i, q, k_block, v_block));
+    for (const RowGroup& g : groups) {
+      attention.index_copy_(0, g.rows, block_attention_group(s, caches, g, i, q, k_block, v_block));
     }
     x = x + at::linear(attention.view({total, hq * d}), l.o_proj);
     const at::Tensor m = trained_rms_norm(x, l.post_attention_norm, s.rms_norm_eps);
@@ -350,7 +328,9 @@ std::vector<at::Tensor> Drafter::block_hiddens(const std::vector<const DrafterCo
   }
   const at::Tensor hidden = trained_rms_norm(x, norm_, s.rms_norm_eps);
   std::vector<at::Tensor> out;
-  for (size_t j = 0; j < caches.size(); ++j) out.push_back(hidden.narrow(0, first[j], ids[j].size(0)));
+  for (int64_t j = 0, row = 0; j < static_cast<int64_t>(caches.size()); row += counts[j], ++j) {
+    out.push_back(hidden.narrow(0, row, counts[j]));
+  }
   return out;
 }
 

@@ -2,10 +2,7 @@
 
 #include <ATen/ATen.h>
 
-#include <sys/stat.h>
 
-#include <cerrno>
-#include <cstring>
 #include <stdexcept>
 
 #include "common/safetensors.h"
@@ -37,16 +34,6 @@ NamedTensors read_named_tensors(const std::string& path) {
     out.emplace_back(e.name, at::from_blob(const_cast<std::byte*>(e.data), e.shape, at::TensorOptions().dtype(type)).clone());
   }
   return out;
-}
-
-void make_directories(const std::string& path) {
-  for (size_t i = 1; i <= path.size(); ++i) {
-    if (i != path.size() && path[i] != '/') continue;
-    const std::string prefix = path.substr(0, i);
-    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
-      throw std::runtime_error(prefix + ": cannot create directory: " + std::strerror(errno));
-    }
-  }
 }
 
 }  // namespace dflash::drafter

@@ -18,7 +18,5 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 void write_named_tensors(const std::string& path, const NamedTensors& tensors, at::ScalarType dtype,
                          const std::map<std::string, std::string>& metadata = {});
 NamedTensors read_named_tensors(const std::string& path);
-// mkdir -p; throws std::runtime_error naming the directory it could not create.
-void make_directories(const std::string& path);
 
 }  // namespace dflash::drafter

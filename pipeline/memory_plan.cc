@@ -70,10 +70,8 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
   std::map<int, std::string> layers_on;
   const int64_t embedding = v * h * bytes;
   for (const std::vector<int>& ids : config.gpus.target_replicas) {
-    std::vector<double> costs = target::layer_costs(target, tokens);
-    costs.resize(static_cast<size_t>(last_layer + 1));
-    const std::vector<target::LayerRange> ranges =
-        target::plan_stages(costs, std::min(ids.size(), costs.size()));
+    const std::vector<target::LayerRange> ranges = target::plan_target_stages(
+        target, last_layer, std::min<size_t>(ids.size(), static_cast<size_t>(last_layer + 1)), tokens);
     for (size_t s = 0; s < ranges.size(); ++s) {
       int64_t w = target_layer_parameters(target, ranges[s].first, ranges[s].last) * bytes;
       if (ranges[s].first == 0) w += embedding;

@@ -77,9 +77,10 @@ std::unique_ptr<Replicas> build_replicas(const config::Config& config, const tar
     for (int id : ids) stages.push_back({device_for(config.gpus, id), dtype, config.target.allow_slow_path});
     if (config.target.weights == config::TargetWeights::random || !config.target.preset.empty()) {
       r->targets.push_back(
-          target::random_staged_target(target_config, last_layer, stages, target::run_target_seed(config.train.seed)));
+          target::random_staged_target(target_config, last_layer, stages, target::run_target_seed(config.train.seed),
+                                       config.data.max_length));
     } else {
-      r->targets.push_back(target::load_staged_target(config.target.path, last_layer, stages));
+      r->targets.push_back(target::load_staged_target(config.target.path, last_layer, stages, config.data.max_length));
     }
     r->target_clocks.push_back(std::make_unique<StageClock>(stages.back().device));
   }

@@ -17,39 +17,6 @@
 namespace dflash::target {
 namespace {
 
-// The sequences of a batched step that run the same number of tokens, n each: their attention
-// and their rule run together.
-struct Group {
-  int64_t n = 0;
-  std::vector<size_t> members;  // indices into the step's sequences, ascending
-  std::vector<int64_t> begins;  // per member: the position of its first token (its cache length)
-  std::vector<int64_t> first;   // per member: the row of its first token among the step's tokens
-  at::Tensor rows;              // int64 [members * n] on the device: the members' rows, member-major
-};
-
-// Sequences grouped by their token count (groups in order of first appearance).
-std::vector<Group> group_by_count(const std::vector<int64_t>& counts, const std::vector<int64_t>& begins,
-                                  at::Device device) {
-  std::vector<Group> groups;
-  int64_t row = 0;
-  for (size_t s = 0; s < counts.size(); ++s) {
-    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) { return g.n == counts[s]; });
-    if (it == groups.end()) it = groups.insert(groups.end(), Group{counts[s], {}, {}, {}, {}});
-    it->members.push_back(s);
-    it->begins.push_back(begins[s]);
-    it->first.push_back(row);
-    row += counts[s];
-  }
-  for (Group& g : groups) {
-    std::vector<int64_t> rows;
-    for (int64_t first : g.first) {
-      for (int64_t t = 0; t < g.n; ++t) rows.push_back(first + t);
-    }
-    g.rows = at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(device);
-  }
-  return groups;
-}
-
 // [G, ...] from G tensors of one shape: a view for one, a stacked copy for several.
 at::Tensor stacked(const std::vector<at::Tensor>& parts) {
   return parts.size() == 1 ? parts[0].unsqueeze(0) : at::stack(parts);
@@ -68,15 +35,17 @@ at::Tensor heads_side_by_side(const at::Tensor& t) {
 // One full-attention layer for a group: its members' keys and values appended to their caches
 // (layer `layer`), each query attending to its own sequence's keys up to its position (keys
 // padded to the group's longest and masked). Writes the attention rows into `out` [tokens, Hq, d].
-void attention_group(const ModelConfig& c, const AttentionQkv& a, const Group& group,
+void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup& group,
                      const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& out) {
-  const int64_t n = group.n, size = static_cast<int64_t>(group.members.size());
+  const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
   int64_t longest = 0;
   std::vector<at::Tensor> keys, values;
+  std::vector<int64_t> begins;  // per member: the position of its first token (its cache length)
   for (int64_t j = 0; j < size; ++j) {
     DecodeCache& cache = *caches[group.members[j]];
-    const int64_t begin = group.begins[j], total = begin + n;
+    const int64_t begin = cache.length, total = begin + n;
+    begins.push_back(begin);
     at::Tensor& k = cache.keys[layer];
     at::Tensor& v = cache.values[layer];
     k = with_rows(k, begin, total, {hkv, d}, a.k.options());
@@ -87,20 +56,15 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const Group& g
     values.push_back(v.narrow(0, 0, total));
     longest = std::max(longest, total);
   }
-  auto padded = [&](const std::vector<at::Tensor>& parts) {  // [G, Hkv, longest, d]
-    if (size == 1) return parts[0].transpose(0, 1).unsqueeze(0);
-    at::Tensor all = at::zeros({size, longest, hkv, d}, parts[0].options());
-    for (int64_t j = 0; j < size; ++j) all[j].narrow(0, 0, parts[j].size(0)).copy_(parts[j]);
-    return all.transpose(1, 2);
-  };
   const auto long_options = at::TensorOptions().dtype(at::kLong);
   const at::Tensor last_visible =  // [G, n]: the last key position each query sees
-      at::tensor(group.begins, long_options).unsqueeze(1) + at::arange(n, long_options).unsqueeze(0);
+      at::tensor(begins, long_options).unsqueeze(1) + at::arange(n, long_options).unsqueeze(0);
   const at::Tensor visible = (at::arange(longest, long_options).view({1, 1, longest}) <= last_visible.unsqueeze(2))
                                  .unsqueeze(1)
                                  .to(a.q.device());
   const at::Tensor q = a.q.index_select(0, group.rows).view({size, n, hq, d}).transpose(1, 2);
-  const at::Tensor o = at::scaled_dot_product_attention(q, padded(keys), padded(values), visible, 0.0,
+  const at::Tensor o = at::scaled_dot_product_attention(q, padded_heads_first(keys, longest),
+                                                        padded_heads_first(values, longest), visible, 0.0,
                                                         /*is_causal=*/false, 1.0 / std::sqrt(static_cast<double>(d)),
                                                         /*enable_gqa=*/true);
   out.index_copy_(0, group.rows, o.transpose(1, 2).reshape({size * n, hq, d}));
@@ -108,11 +72,11 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const Group& g
 
 // One full-attention layer over every sequence's tokens.
 at::Tensor attention_layer(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
-                           const at::Tensor& sin, const std::vector<Group>& groups,
+                           const at::Tensor& sin, const std::vector<RowGroup>& groups,
                            const std::vector<DecodeCache*>& caches, size_t layer) {
   const AttentionQkv a = project_attention(c, p, x, cos, sin);
   at::Tensor out = at::empty({x.size(0), c.num_attention_heads, c.head_dim}, a.q.options());
-  for (const Group& group : groups) attention_group(c, a, group, caches, layer, out);
+  for (const RowGroup& group : groups) attention_group(c, a, group, caches, layer, out);
   out = out.view({x.size(0), c.num_attention_heads * c.head_dim});
   if (c.gated_attention) out = sigmoid_gate(out, a.gate);
   return p.o(out);
@@ -154,9 +118,9 @@ at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Te
 // what crop() needs in each member's last step. Writes the rule's o rows into `o_out` [tokens,
 // Hv, dv] (fp32).
 void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjections& proj, const GdnGateValues& gates,
-               const Group& group, const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& o_out,
+               const RowGroup& group, const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& o_out,
                int64_t recurrent_step_tokens) {
-  const int64_t n = group.n, size = static_cast<int64_t>(group.members.size());
+  const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kernel = p.conv.size(1);
   // Per member only views: the windows [G, K - 1 + n, C] are built by one gather and one cat.
@@ -190,13 +154,13 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
 }
 
 // One GatedDeltaNet layer over every sequence's tokens.
-at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, const std::vector<Group>& groups,
+at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, const std::vector<RowGroup>& groups,
                      const std::vector<DecodeCache*>& caches, size_t layer, int64_t recurrent_step_tokens) {
   const GdnProjections proj = project_gdn(c, p, x);
   const GdnGateValues gates = gdn_gates_reference(proj.a, proj.b, p.a_log, p.dt_bias);
   at::Tensor o = at::empty({x.size(0), c.linear_num_value_heads, c.linear_value_head_dim},
                            x.options().dtype(at::kFloat));
-  for (const Group& group : groups) gdn_group(c, p, proj, gates, group, caches, layer, o, recurrent_step_tokens);
+  for (const RowGroup& group : groups) gdn_group(c, p, proj, gates, group, caches, layer, o, recurrent_step_tokens);
   return gdn_output(c, p, o, proj.z, x.scalar_type());
 }
 
@@ -252,7 +216,7 @@ std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<Decode
     positions.push_back(at::arange(cache.length, cache.length + counts.back(),
                                    at::TensorOptions().dtype(at::kLong).device(device)));
   }
-  const std::vector<Group> groups = group_by_count(counts, begins, device);
+  const std::vector<RowGroup> groups = group_rows_by_count(counts, device);
   const auto [cos, sin] = rope_tables(m.inv_freq, at::cat(positions), model_.options().dtype);
 
   ResidualStream stream(at::embedding(m.embed, at::cat(ids)), c);

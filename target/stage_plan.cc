@@ -66,4 +66,22 @@ std::vector<LayerRange> plan_stages(const std::vector<double>& costs, size_t sta
   return ranges;
 }
 
+std::vector<LayerRange> plan_target_stages(const ModelConfig& c, int64_t last_layer, size_t stages, int64_t tokens,
+                                           std::vector<double>* shares) {
+  std::vector<double> costs = layer_costs(c, tokens);
+  costs.resize(static_cast<size_t>(last_layer + 1));
+  const std::vector<LayerRange> ranges = plan_stages(costs, stages);
+  if (shares) {
+    double total = 0;
+    for (double cost : costs) total += cost;
+    shares->clear();
+    for (const LayerRange& r : ranges) {
+      double share = 0;
+      for (int64_t i = r.first; i <= r.last; ++i) share += costs[static_cast<size_t>(i)];
+      shares->push_back(share / total);
+    }
+  }
+  return ranges;
+}
+
 }  // namespace dflash::target

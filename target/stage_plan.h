@@ -30,4 +30,10 @@ std::vector<double> layer_costs(const ModelConfig& c, int64_t tokens);
 // more stages than layers.
 std::vector<LayerRange> plan_stages(const std::vector<double>& costs, size_t stages);
 
+// The cut of a target's layers 0..last_layer into `stages` for sequences of `tokens` tokens: what
+// a StagedTarget builds and the memory plan reports (one rule for both). `shares`, when given,
+// receives each stage's share of the forward cost.
+std::vector<LayerRange> plan_target_stages(const ModelConfig& c, int64_t last_layer, size_t stages, int64_t tokens,
+                                           std::vector<double>* shares = nullptr);
+
 }  // namespace dflash::target

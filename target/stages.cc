@@ -47,15 +47,8 @@ StagedTarget::StagedTarget(const ModelConfig& config, WeightSource& weights, int
     throw std::invalid_argument(config.source + ": layer " + std::to_string(last_layer) + " requested but the model has " +
                                 std::to_string(config.num_layers) + " layers");
   }
-  std::vector<double> costs = layer_costs(config, plan_tokens);
-  costs.resize(static_cast<size_t>(last_layer + 1));
-  ranges_ = plan_stages(costs, stages.size());
-  double total = 0;
-  for (double c : costs) total += c;
+  ranges_ = plan_target_stages(config, last_layer, stages.size(), plan_tokens, &shares_);
   for (size_t s = 0; s < stages.size(); ++s) {
-    double share = 0;
-    for (int64_t i = ranges_[s].first; i <= ranges_[s].last; ++i) share += costs[static_cast<size_t>(i)];
-    shares_.push_back(share / total);
     stages_.push_back(std::make_unique<TargetModel>(config, weights, ranges_[s], stages[s]));
     log::info("target stage {}: layers {}..{} on {} ({} % of the forward)", s, ranges_[s].first, ranges_[s].last,
               stages[s].device.str(), static_cast<int>(100 * shares_.back() + 0.5));
@@ -153,16 +146,17 @@ std::vector<at::Tensor> StagedTarget::forward(const at::Tensor& input_ids, const
 }
 
 std::unique_ptr<StagedTarget> load_staged_target(const std::string& model_dir, int64_t last_layer,
-                                                 const std::vector<TargetOptions>& stages) {
+                                                 const std::vector<TargetOptions>& stages, int64_t plan_tokens) {
   CheckpointWeights weights(model_dir);
   log_quantization(weights, stages.front().dtype);
-  return std::make_unique<StagedTarget>(load_model_config(model_dir), weights, last_layer, stages);
+  return std::make_unique<StagedTarget>(load_model_config(model_dir), weights, last_layer, stages, plan_tokens);
 }
 
 std::unique_ptr<StagedTarget> random_staged_target(const ModelConfig& config, int64_t last_layer,
-                                                   const std::vector<TargetOptions>& stages, uint64_t seed) {
+                                                   const std::vector<TargetOptions>& stages, uint64_t seed,
+                                                   int64_t plan_tokens) {
   RandomWeights weights(seed);
-  return std::make_unique<StagedTarget>(config, weights, last_layer, stages);
+  return std::make_unique<StagedTarget>(config, weights, last_layer, stages, plan_tokens);
 }
 
 }  // namespace dflash::target

@@ -80,10 +80,12 @@ class StagedTarget {
   mutable bool stopping_ = false;
 };
 
-// The staged counterparts of load_target and random_target.
+// The staged counterparts of load_target and random_target (a run plans at data.max_length, as
+// its memory plan does).
 std::unique_ptr<StagedTarget> load_staged_target(const std::string& model_dir, int64_t last_layer,
-                                                 const std::vector<TargetOptions>& stages);
+                                                 const std::vector<TargetOptions>& stages, int64_t plan_tokens = 4096);
 std::unique_ptr<StagedTarget> random_staged_target(const ModelConfig& config, int64_t last_layer,
-                                                   const std::vector<TargetOptions>& stages, uint64_t seed);
+                                                   const std::vector<TargetOptions>& stages, uint64_t seed,
+                                                   int64_t plan_tokens = 4096);
 
 }  // namespace dflash::target
