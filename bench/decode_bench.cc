@@ -20,6 +20,7 @@
 #include <functional>
 #include <vector>
 
+#include "bench/kernel_profile.h"
 #include "bench/timing.h"
 #include "config/config.h"
 #include "decode/eval.h"
@@ -97,6 +98,16 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   print_memory("the batch's prefills");
   const double plain = round(1, {});
   print_memory("plain rounds");
+  // DFLASHD_PROFILE=1: where a batched plain round's GPU time goes (GPU time far below the wall
+  // time means the round is bound by launches, not by the kernels).
+  if (std::getenv("DFLASHD_PROFILE") != nullptr) {
+    const std::vector<at::Tensor> one(static_cast<size_t>(batch), random_ids(1));
+    bench::print_kernel_profile(("plain round of " + std::to_string(batch)).c_str(), [&] {
+      target.step_batch(all, one, {});
+      target.crop_batch(all, lengths);
+      c10::cuda::device_synchronize();
+    }, 15);
+  }
   const double verify = round(block, tap);
   print_memory("verify rounds");
   const std::vector<at::Tensor> blocks(static_cast<size_t>(batch), random_ids(block));
@@ -179,6 +190,13 @@ int main(int argc, char** argv) {
     target.step(cache, one, {});
     target.crop(cache, prompt_tokens);
   });
+  if (std::getenv("DFLASHD_PROFILE") != nullptr) {
+    bench::print_kernel_profile("plain decode step, one sequence", [&] {
+      target.step(cache, one, {});
+      target.crop(cache, prompt_tokens);
+      c10::cuda::device_synchronize();
+    }, 15);
+  }
   const target::IncrementalTarget token_by_token(*model, 64);
   const auto [verify_step, verify_recurrent] = verify_ms(target, token_by_token, cache, verify_block, tap, prompt_tokens);
   drafter::DrafterContextCache context;

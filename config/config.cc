@@ -239,8 +239,8 @@ void read_logging(MapReader m, LoggingConfig* c) {
   m.done();
 }
 
-// Checks that relate several keys. Each message names the keys and points at the first.
-void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
+// The target: a path or a preset, and what a preset allows.
+void check_target(const Config& c, Diagnostics* d) {
   auto at = [&](const std::string& key) { return c.position_of(key); };
 
   if (c.target.path.empty() == c.target.preset.empty()) {
@@ -251,6 +251,11 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
   if (!c.target.preset.empty() && c.positions.count("target.weights") && c.target.weights != TargetWeights::random) {
     d->add(at("target.weights"), "target.weights: a preset has no checkpoint; use weights: random");
   }
+}
+
+// The GPU groups: ids in each group, and roles on one GPU that cannot take turns.
+void check_gpus(const Config& c, Diagnostics* d) {
+  auto at = [&](const std::string& key) { return c.position_of(key); };
 
   for (const char* group : {"target", "drafter"}) {
     // Each id with where it was written: gpus.drafter[i], gpus.target[r] or gpus.target[r][j].
@@ -289,6 +294,11 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
       }
     }
   }
+}
+
+// The nodes, the drafter, the data and the training schedule.
+void check_training(const Config& c, Diagnostics* d) {
+  auto at = [&](const std::string& key) { return c.position_of(key); };
 
   if (c.distributed.node_rank >= c.distributed.nodes) {
     d->add(at("distributed.node_rank"), "distributed.node_rank: " + std::to_string(c.distributed.node_rank) +
@@ -330,6 +340,12 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
     d->add(at("drafter.attention"), std::string("drafter.attention: ") + name_of(c.drafter.attention) +
                                         " needs a GPU (gpus.device: cuda); on the CPU use auto or math");
   }
+}
+
+// Evaluation and checkpoint cadence.
+void check_cadence(const Config& c, Diagnostics* d) {
+  auto at = [&](const std::string& key) { return c.position_of(key); };
+
   if (c.eval.every_steps > 0 && c.eval.prompts.empty() == (c.data.eval_fraction == 0)) {
     d->add(at("eval"), "eval: every_steps needs prompts from exactly one of eval.prompts (a token JSONL file) and "
                        "data.eval_fraction (held-out training samples)");
@@ -341,7 +357,14 @@ void check_contradictions(const Config& c, MapReader& root, Diagnostics* d) {
   if (c.checkpoint.every_steps == 0 && c.checkpoint.every_minutes == 0) {
     d->add(at("checkpoint"), "checkpoint: every_steps and every_minutes are both 0: the run would never checkpoint");
   }
-  (void)root;
+}
+
+// Checks that relate several keys. Each message names the keys and points at the first.
+void check_contradictions(const Config& c, Diagnostics* d) {
+  check_target(c, d);
+  check_gpus(c, d);
+  check_training(c, d);
+  check_cadence(c, d);
 }
 
 }  // namespace
@@ -444,7 +467,7 @@ Config parse(std::string_view yaml_text, const std::string& file_name) {
   top.done();
   if (!top.has("target")) diagnostics.add(top.position(), "target: required section (the frozen target model)");
   if (!top.has("data")) diagnostics.add(top.position(), "data: required section (the training data)");
-  else check_contradictions(config, top, &diagnostics);
+  else check_contradictions(config, &diagnostics);
 
   if (!diagnostics.items().empty()) {
     std::vector<Diagnostic> sorted = diagnostics.items();

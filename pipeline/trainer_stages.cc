@@ -14,6 +14,34 @@
 #include "target/model.h"
 
 namespace dflash::pipeline {
+namespace {
+
+// A replica's stage devices (one for a replica on one GPU), in ascending order.
+std::vector<at::Device> devices_of(const target::StagedTarget &model) {
+  std::vector<at::Device> devices;
+  for (size_t s = 0; s < model.size(); ++s) {
+    const at::Device d = model.stage(s).options().device;
+    if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
+  }
+  std::sort(devices.begin(), devices.end(), [](const at::Device &a, const at::Device &b) { return a.index() < b.index(); });
+  return devices;
+}
+
+at::Tensor ids_of(const SampleItem &item) {
+  return at::tensor(item.sample.input_ids, at::TensorOptions().dtype(at::kLong));
+}
+
+// The drafter's input on its GPU: the fc input is the tapped layers concatenated in ascending id
+// order (docs/recipe.md), beside the sample's ids and loss mask; `ready` orders the copies.
+void hand_off(const std::vector<at::Tensor> &tapped, const at::Tensor &ids, const SampleItem &item, at::Device to,
+              FeatureItem *out) {
+  out->features = at::cat(tapped, -1).to(to, /*non_blocking=*/false, /*copy=*/false);
+  out->input_ids = ids.to(to);
+  out->loss_mask = item.sample.loss_mask;
+  out->ready = mark_ready(to);
+}
+
+}  // namespace
 
 // ---- reader
 // ----------------------------------------------------------------------------
@@ -37,14 +65,8 @@ void Trainer::Impl::reader_loop(Worker &w) {
 void Trainer::Impl::target_loop(Worker &w, size_t replica) {
   c10::InferenceMode inference;
   const target::StagedTarget &model = *models->targets[replica];
-  // Its stages' devices (one for a replica on one GPU), in ascending order: a worker stream on
-  // each, and (one GPU) the shared GPU's turn.
-  std::vector<at::Device> devices;
-  for (size_t s = 0; s < model.size(); ++s) {
-    const at::Device d = model.stage(s).options().device;
-    if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
-  }
-  std::sort(devices.begin(), devices.end(), [](const at::Device &a, const at::Device &b) { return a.index() < b.index(); });
+  // A worker stream on each of its stages' devices, and (one GPU) the shared GPU's turn.
+  const std::vector<at::Device> devices = devices_of(model);
   std::vector<std::unique_ptr<WorkerStream>> streams;
   for (const at::Device &d : devices) streams.push_back(std::make_unique<WorkerStream>(d));
   StageClock &clock = *models->target_clocks[replica];
@@ -55,9 +77,6 @@ void Trainer::Impl::target_loop(Worker &w, size_t replica) {
   struct InFlight {
     SampleItem item;
     std::optional<std::future<std::vector<at::Tensor>>> result;
-  };
-  auto ids_of = [](const SampleItem &item) {
-    return at::tensor(item.sample.input_ids, at::TensorOptions().dtype(at::kLong));
   };
   std::deque<InFlight> in_flight;
   bool more = true;
@@ -102,13 +121,7 @@ void Trainer::Impl::target_loop(Worker &w, size_t replica) {
                                        tapped = model.forward(ids, {0, ids.size(0)}, layers);
                                      }
                                      clock.lap("target_forward");
-                                     // fc input: the tapped layers concatenated in ascending id order
-                                     // (docs/recipe.md).
-                                     const at::Device to = models->drafter_devices[drafter_replica];
-                                     out.features = at::cat(tapped, -1).to(to, /*non_blocking=*/false, /*copy=*/false);
-                                     out.input_ids = ids.to(to);
-                                     out.loss_mask = item.sample.loss_mask;
-                                     out.ready = mark_ready(to);
+                                     hand_off(tapped, ids, item, models->drafter_devices[drafter_replica], &out);
                                      clock.lap("feature_handoff");
                                    },
                                    {index}, &skipped);

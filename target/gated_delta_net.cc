@@ -115,6 +115,7 @@ GdnSteps recurrent_gated_delta_rule_steps(const at::Tensor& q_in, const at::Tens
     outputs.push_back(at::matmul(q[t].unsqueeze(1), state).squeeze(1));
     states.push_back(state);
   }
+  if (length == 1) return {outputs[0].unsqueeze(0), states[0].unsqueeze(0)};  // a decode step: no copies
   return {at::stack(outputs, 0), at::stack(states, 0)};
 }
 

@@ -17,11 +17,6 @@
 namespace dflash::target {
 namespace {
 
-// [G, ...] from G tensors of one shape: a view for one, a stacked copy for several.
-at::Tensor stacked(const std::vector<at::Tensor>& parts) {
-  return parts.size() == 1 ? parts[0].unsqueeze(0) : at::stack(parts);
-}
-
 // The tensors of G sequences [G, n, H, d] as one sequence with the heads side by side [n, G*H, d]
 // (the rule treats heads independently; value head h of member j reads key head h / (Hv/Hk) of
 // member j, as before).
@@ -40,8 +35,10 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
   int64_t longest = 0;
-  std::vector<at::Tensor> keys, values;
+  std::vector<at::Tensor> keys, values, new_keys, new_values;
   std::vector<int64_t> begins;  // per member: the position of its first token (its cache length)
+  // The group's new keys and values, member-major and dense: their appends are one copy_all each.
+  const at::Tensor k_rows = a.k.index_select(0, group.rows), v_rows = a.v.index_select(0, group.rows);
   for (int64_t j = 0; j < size; ++j) {
     DecodeCache& cache = *caches[group.members[j]];
     const int64_t begin = cache.length, total = begin + n;
@@ -50,12 +47,14 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
     at::Tensor& v = cache.values[layer];
     k = with_rows(k, begin, total, {hkv, d}, a.k.options());
     v = with_rows(v, begin, total, {hkv, d}, a.v.options());
-    k.narrow(0, begin, n).copy_(a.k.narrow(0, group.first[j], n));
-    v.narrow(0, begin, n).copy_(a.v.narrow(0, group.first[j], n));
+    new_keys.push_back(k.narrow(0, begin, n));
+    new_values.push_back(v.narrow(0, begin, n));
     keys.push_back(k.narrow(0, 0, total));
     values.push_back(v.narrow(0, 0, total));
     longest = std::max(longest, total);
   }
+  copy_all(new_keys, k_rows.split(n));
+  copy_all(new_values, v_rows.split(n));
   const auto long_options = at::TensorOptions().dtype(at::kLong);
   const at::Tensor last_visible =  // [G, n]: the last key position each query sees
       at::tensor(begins, long_options).unsqueeze(1) + at::arange(n, long_options).unsqueeze(0);
@@ -134,14 +133,14 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
     states_before.push_back(cache.state[layer]);
   }
   const at::Tensor window =
-      at::cat({stacked(convs), proj.mixed.index_select(0, group.rows).view({size, n, proj.mixed.size(1)})}, 1);
+      at::cat({restacked(convs), proj.mixed.index_select(0, group.rows).view({size, n, proj.mixed.size(1)})}, 1);
   const at::Tensor convolved = conv_over_window(window, p.conv, proj.mixed.scalar_type());
   const at::Tensor q = convolved.narrow(-1, 0, hk * dk).view({size, n, hk, dk});
   const at::Tensor k = convolved.narrow(-1, hk * dk, hk * dk).view({size, n, hk, dk});
   const at::Tensor v = convolved.narrow(-1, 2 * hk * dk, hv * dv).view({size, n, hv, dv});
   const at::Tensor g = gates.g.index_select(0, group.rows).view({size, n, hv});
   const at::Tensor beta = gates.beta.index_select(0, group.rows).view({size, n, hv});
-  at::Tensor states = stacked(states_before);
+  at::Tensor states = restacked(states_before);
   const at::Tensor o = run_rule_group(q, k, v, g, beta, &states, recurrent_step_tokens);
   o_out.index_copy_(0, group.rows, o.reshape({size * n, hv, dv}));
   for (int64_t j = 0; j < size; ++j) {
@@ -294,16 +293,16 @@ void IncrementalTarget::crop_batch(const std::vector<DecodeCache*>& caches, cons
         DecodeCache& cache = *caches[s];
         DecodeCache::LastStep::Gdn& last = cache.last.gdn[i];
         const int64_t kernel_minus_1 = last.window.size(0) - cache.last.count;
-        cache.conv[i] = last.window.narrow(0, keep, kernel_minus_1).clone();
+        cache.conv[i] = last.window.narrow(0, keep, kernel_minus_1);  // a view: the group's window stays alive
         last.window = last.window.narrow(0, 0, kernel_minus_1 + keep);
         last.q = last.q.narrow(0, 0, keep), last.k = last.k.narrow(0, 0, keep), last.v = last.v.narrow(0, 0, keep);
         last.g = last.g.narrow(0, 0, keep), last.beta = last.beta.narrow(0, 0, keep);
         states.push_back(last.state_before);
         q.push_back(last.q), k.push_back(last.k), v.push_back(last.v), g.push_back(last.g), beta.push_back(last.beta);
       }
-      at::Tensor kept = stacked(states);
+      at::Tensor kept = restacked(states);
       if (keep > 0) {
-        run_rule_group(stacked(q), stacked(k), stacked(v), stacked(g), stacked(beta), &kept, recurrent_step_tokens_);
+        run_rule_group(restacked(q), restacked(k), restacked(v), restacked(g), restacked(beta), &kept, recurrent_step_tokens_);
       }
       for (size_t j = 0; j < members.size(); ++j) caches[members[j]]->state[i] = kept[static_cast<int64_t>(j)];
     }
