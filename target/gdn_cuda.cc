@@ -123,6 +123,36 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x_in, const at::Tensor& wei
   return y;
 }
 
+GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& g_in, const at::Tensor& beta_in,
+                                                  const at::Tensor& state_in) {
+  constexpr int64_t D = kernels::kGdnHeadDim;
+  const int64_t sequences = q.size(0), key_heads = q.size(1), value_heads = v.size(1);
+  auto heads_dense = [&](const at::Tensor& t, int64_t heads) {
+    return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 3 && t.size(0) == sequences &&
+           t.size(1) == heads && t.size(2) == D && t.stride(2) == 1 && t.stride(1) == D;
+  };
+  expect(heads_dense(q, key_heads) && heads_dense(k, key_heads) && heads_dense(v, value_heads),
+         "decode step: q, k, v must be bf16 [sequences, heads, 128] on a GPU, each row's heads dense");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
+  const at::Tensor state = state_in.to(at::kFloat).contiguous();
+  expect(g.numel() == sequences * value_heads && beta.numel() == g.numel() &&
+             state.numel() == sequences * value_heads * D * D,
+         "decode step: g, beta must be [sequences, value_heads], the state [sequences, value_heads, 128, 128]");
+  GdnDecodeResult r{at::empty({sequences, value_heads, D}, state.options()), at::empty_like(state)};
+  kernels::GdnDecodeStep a;
+  a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr();
+  a.q_stride = q.stride(0), a.k_stride = k.stride(0), a.v_stride = v.stride(0);
+  a.g = g.data_ptr<float>(), a.beta = beta.data_ptr<float>();
+  a.state_in = state.data_ptr<float>(), a.state_out = r.state.data_ptr<float>(), a.out = r.o.data_ptr<float>();
+  a.sequences = static_cast<int>(sequences), a.key_heads = static_cast<int>(key_heads);
+  a.value_heads = static_cast<int>(value_heads);
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  kernels::gated_delta_rule_decode_step(a, at::cuda::getCurrentCUDAStream().stream());
+  return r;
+}
+
 namespace {
 
 // One launch's arguments and the tensors they point into (kept alive until the launch is queued).
@@ -259,6 +289,10 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor&, const at::Tensor&, const a
 at::Tensor gated_delta_rule_cuda(const at::Tensor&, int64_t, int64_t, const GdnGates&,
                                  const GdnChunkPlan&, const at::Tensor&, const at::Tensor&, double, int, float*, at::ScalarType) {
   throw std::logic_error("gated_delta_rule_cuda: this build has no CUDA kernels");
+}
+GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                  const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  throw std::logic_error("gated_delta_rule_decode_step_cuda: this build has no CUDA kernels");
 }
 #endif
 

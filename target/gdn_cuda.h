@@ -63,6 +63,17 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed, int64_t key_heads, int
 // stage_ms (profiling; synchronises): when given, receives the milliseconds of the three
 // kernels (prepare, state, output) of this call.
 
+// One token of the rule per sequence (decoding's plain steps): q, k bf16 [G, key_heads, 128] and v
+// bf16 [G, value_heads, 128] (each head's 128 values dense, any row stride; q and k as the conv
+// returns them, normalised here), g and beta fp32 [G, value_heads], state fp32 [G, value_heads,
+// 128, 128]. Returns o (fp32 [G, value_heads, 128]) and the state after the token, a new tensor
+// (`state` is left as it was: a crop may need it).
+struct GdnDecodeResult {
+  at::Tensor o, state;
+};
+GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state);
+
 // Random inputs of one GatedDeltaNet core on `device` (the GPU tests and doctor's self-test):
 // q, k L2-normalised and v in bf16 [tokens, heads, 128], g = -decay * U(0.05, 1) and beta =
 // sigmoid(N(0, 1)) in fp32 [tokens, value_heads], `mixed` as the conv kernel returns it.

@@ -12,6 +12,7 @@
 #include "common/tensor_math.h"
 #include "target/fused_ops.h"
 #include "target/gated_delta_net.h"
+#include "target/gdn_cuda.h"
 #include "target/model_impl.h"
 
 namespace dflash::target {
@@ -102,9 +103,17 @@ at::Tensor run_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 
 // The rule for a group of sequences from `states` [G, Hv, dk, dv] (replaced by the states after
 // the tokens): q, k [G, n, Hk, dk], v [G, n, Hv, dv], g, beta [G, n, Hv]. Returns o [G, n, Hv, dv].
+// `kernel`: one-token steps run the decode-step kernel (the model's GatedDeltaNet layers run the
+// CUDA kernels; same math, the state read and written once).
 at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                          const at::Tensor& beta, at::Tensor* states, int64_t recurrent_step_tokens) {
+                          const at::Tensor& beta, at::Tensor* states, int64_t recurrent_step_tokens, bool kernel) {
   const int64_t size = q.size(0), n = q.size(1), hv = v.size(2);
+  if (kernel && n == 1) {
+    GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q.select(1, 0), k.select(1, 0), v.select(1, 0),
+                                                          g.select(1, 0), beta.select(1, 0), *states);
+    *states = r.state;
+    return r.o.unsqueeze(1);
+  }
   at::Tensor state = states->reshape({size * hv, states->size(2), states->size(3)});
   const at::Tensor o = run_rule(heads_side_by_side(q), heads_side_by_side(k), heads_side_by_side(v),
                                 heads_side_by_side(g.unsqueeze(-1)).squeeze(-1),
@@ -118,7 +127,7 @@ at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Te
 // Hv, dv] (fp32).
 void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjections& proj, const GdnGateValues& gates,
                const RowGroup& group, const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& o_out,
-               int64_t recurrent_step_tokens) {
+               int64_t recurrent_step_tokens, bool decode_kernel) {
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kernel = p.conv.size(1);
@@ -141,25 +150,29 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   const at::Tensor g = gates.g.index_select(0, group.rows).view({size, n, hv});
   const at::Tensor beta = gates.beta.index_select(0, group.rows).view({size, n, hv});
   at::Tensor states = restacked(states_before);
-  const at::Tensor o = run_rule_group(q, k, v, g, beta, &states, recurrent_step_tokens);
+  const at::Tensor o = run_rule_group(q, k, v, g, beta, &states, recurrent_step_tokens, decode_kernel);
   o_out.index_copy_(0, group.rows, o.reshape({size * n, hv, dv}));
+  // The members' last K - 1 conv inputs, compact, in one copy (a view of the window would keep the
+  // whole step's window alive: 10 MB per layer and sequence after a 512-token prefill at 27B).
+  const at::Tensor tails = window.narrow(1, n, kernel - 1).contiguous();
   for (int64_t j = 0; j < size; ++j) {
     DecodeCache& cache = *caches[group.members[j]];
     DecodeCache::LastStep::Gdn& last = cache.last.gdn[layer];
     last = {states_before[j], q[j], k[j], v[j], g[j], beta[j], window[j]};
     cache.state[layer] = states[j];
-    cache.conv[layer] = window[j].narrow(0, n, kernel - 1);  // a view: the group's window stays alive
+    cache.conv[layer] = tails[j];
   }
 }
 
 // One GatedDeltaNet layer over every sequence's tokens.
 at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, const std::vector<RowGroup>& groups,
-                     const std::vector<DecodeCache*>& caches, size_t layer, int64_t recurrent_step_tokens) {
+                     const std::vector<DecodeCache*>& caches, size_t layer, int64_t recurrent_step_tokens,
+                     bool kernel) {
   const GdnProjections proj = project_gdn(c, p, x);
   const GdnGateValues gates = gdn_gates_reference(proj.a, proj.b, p.a_log, p.dt_bias);
   at::Tensor o = at::empty({x.size(0), c.linear_num_value_heads, c.linear_value_head_dim},
                            x.options().dtype(at::kFloat));
-  for (const RowGroup& group : groups) gdn_group(c, p, proj, gates, group, caches, layer, o, recurrent_step_tokens);
+  for (const RowGroup& group : groups) gdn_group(c, p, proj, gates, group, caches, layer, o, recurrent_step_tokens, kernel);
   return gdn_output(c, p, o, proj.z, x.scalar_type());
 }
 
@@ -226,7 +239,7 @@ std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<Decode
     const at::Tensor normed = stream.add_and_norm(layer.input_norm);
     stream.push(layer.kind == LayerKind::full_attention
                     ? attention_layer(c, layer.attention, normed, cos, sin, groups, caches, i)
-                    : gdn_layer(c, layer.gdn, normed, groups, caches, i, recurrent_step_tokens_));
+                    : gdn_layer(c, layer.gdn, normed, groups, caches, i, recurrent_step_tokens_, model_.gdn_kernels_));
     stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm), model_.grouped_moe_));
     if (next < tap.size() && tap[next] == static_cast<int64_t>(i)) {
       tapped.push_back(stream.output());
@@ -302,7 +315,8 @@ void IncrementalTarget::crop_batch(const std::vector<DecodeCache*>& caches, cons
       }
       at::Tensor kept = restacked(states);
       if (keep > 0) {
-        run_rule_group(restacked(q), restacked(k), restacked(v), restacked(g), restacked(beta), &kept, recurrent_step_tokens_);
+        run_rule_group(restacked(q), restacked(k), restacked(v), restacked(g), restacked(beta), &kept, recurrent_step_tokens_,
+                       model_.gdn_kernels_);
       }
       for (size_t j = 0; j < members.size(); ++j) caches[members[j]]->state[i] = kept[static_cast<int64_t>(j)];
     }

@@ -14,7 +14,8 @@
 //
 // Math as TargetModel::forward (same weights, same roundings of each layer's pieces); the
 // GatedDeltaNet rule runs as libtorch ops (token by token for one-token steps, chunked for
-// verify steps and prefills), on any device. Thread-safety: const methods; a cache belongs to
+// verify steps and prefills), on any device; where the model's GatedDeltaNet layers run the CUDA
+// kernels, one-token steps run the decode-step kernel (the state read and written once). Thread-safety: const methods; a cache belongs to
 // one thread.
 #pragma once
 

@@ -16,6 +16,7 @@
 #include "target/fused_ops.h"
 #include "target/gated_delta_net.h"
 #include "target/gdn_cuda.h"
+#include "target/incremental.h"
 #include "target/model.h"
 #include "target/stages.h"
 #include "tests/test_util.h"
@@ -539,6 +540,65 @@ TEST(GatedDeltaNetKernels, WholeTargetMatchesTheReferencePath) {
   const auto b = slow_model->forward(ids, cu, {1, 6});
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_LE(relative_l2_error(a[i].to(at::kFloat), b[i].to(at::kFloat)), 2e-2) << "tapped state " << i;
+  }
+}
+
+// The decode-step kernel (one token per sequence, decoding's plain steps) against the rule token
+// by token in fp32 on the same bf16 inputs: q, k, v strided as the conv's [G, channels] rows give
+// them, GQA heads, a non-zero state; the state it is given is left as it was.
+TEST(GatedDeltaNetKernels, DecodeStepMatchesTheRecurrentRule) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const int64_t sequences = 5, hk = 2, hv = 6, d = 128;
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const at::Tensor mixed = at::randn({sequences, (2 * hk + hv) * d}, cuda).to(at::kBFloat16);
+  const at::Tensor q = mixed.narrow(1, 0, hk * d).view({sequences, hk, d});
+  const at::Tensor k = mixed.narrow(1, hk * d, hk * d).view({sequences, hk, d});
+  const at::Tensor v = mixed.narrow(1, 2 * hk * d, hv * d).view({sequences, hv, d});
+  const at::Tensor g = -at::rand({sequences, hv}, cuda), beta = at::sigmoid(at::randn({sequences, hv}, cuda));
+  const at::Tensor state = 0.1 * at::randn({sequences, hv, d, d}, cuda), before = state.clone();
+  const GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, state);
+  EXPECT_TRUE(at::equal(state, before));
+  for (int64_t s = 0; s < sequences; ++s) {
+    const GdnSteps ref = recurrent_gated_delta_rule_steps(q[s].unsqueeze(0), k[s].unsqueeze(0), v[s].unsqueeze(0),
+                                                          g[s].unsqueeze(0), beta[s].unsqueeze(0), state[s]);
+    EXPECT_LE(relative_l2_error(r.o[s], ref.o[0]), 1e-5) << "sequence " << s;
+    EXPECT_LE(relative_l2_error(r.state[s], ref.states[0]), 1e-5) << "sequence " << s;
+  }
+}
+
+// Decoding on the GPU: a target whose GatedDeltaNet layers run the kernels decodes its plain
+// steps with the decode-step kernel (batched, after a prefill and a verify step with a crop);
+// its logits stay those of the same target on the reference path.
+TEST(GatedDeltaNetKernels, DecodingStepsMatchTheReferencePath) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig config = kernel_sized_qwen3_5();
+  TargetOptions fast{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+  TargetOptions slow = fast;
+  slow.allow_slow_path = true;
+  slow.gdn_path = TargetOptions::GdnPath::reference;
+  auto fast_model = random_target(config, config.num_layers - 1, fast, 5);
+  auto slow_model = random_target(config, config.num_layers - 1, slow, 5);
+  const IncrementalTarget a(*fast_model), b(*slow_model);
+  const auto ids = [&](int64_t n) { return at::randint(0, config.vocab_size, {n}, at::TensorOptions().dtype(at::kLong)); };
+  std::vector<DecodeCache> ca, cb;
+  std::vector<DecodeCache*> pa, pb;
+  for (int64_t length : {40, 7, 90}) {
+    ca.push_back(a.new_cache()), cb.push_back(b.new_cache());
+    const at::Tensor prompt = ids(length);
+    a.prefill(ca.back(), prompt, {}), b.prefill(cb.back(), prompt, {});
+  }
+  for (size_t s = 0; s < ca.size(); ++s) pa.push_back(&ca[s]), pb.push_back(&cb[s]);
+  for (int step = 0; step < 6; ++step) {
+    const int64_t n = step == 2 ? 4 : 1;  // a verify step, cropped to 2 of its 4 tokens
+    const std::vector<at::Tensor> next{ids(n), ids(n), ids(n)};
+    const std::vector<DecodeOutput> x = a.step_batch(pa, next, {}), y = b.step_batch(pb, next, {});
+    for (size_t s = 0; s < x.size(); ++s) {
+      EXPECT_LE(relative_l2_error(x[s].logits, y[s].logits), 2e-2) << "step " << step << ", sequence " << s;
+    }
+    if (n > 1) {
+      const std::vector<int64_t> lengths{ca[0].length - 2, ca[1].length - 2, ca[2].length - 2};
+      a.crop_batch(pa, lengths), b.crop_batch(pb, lengths);
+    }
   }
 }
 

@@ -6,6 +6,7 @@
 //   gdn/output.cuh            4. the output and the gated norm (mma.sync)
 //   gdn/state_output_sm90.cuh 3 + 4 fused on Hopper: the state chain (mainloop) and the output
 //                             groups (epilogue), warp-specialised (wgmma)
+//   gdn/decode_step.cuh       5. decoding: one token per sequence, the state read and written once
 #include "target/kernels/gated_delta_net.h"
 
 #include <cuda_bf16.h>
@@ -18,6 +19,7 @@
 #include "common/cuda_check.h"
 #include "target/kernels/gdn/common.cuh"
 #include "target/kernels/gdn/conv.cuh"
+#include "target/kernels/gdn/decode_step.cuh"
 #include "target/kernels/gdn/output.cuh"
 #include "target/kernels/gdn/prepare.cuh"
 #include "target/kernels/gdn/state.cuh"
@@ -142,6 +144,15 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
 
 const char* kernels_unavailable_on_current_device() {
   return kernel_image_missing(output_kernel);
+}
+
+void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream) {
+  if (args.sequences == 0) return;
+  if (args.key_heads < 1 || args.value_heads % args.key_heads != 0) {
+    throw std::invalid_argument("gated_delta_rule_decode_step: value heads must be a multiple of key heads");
+  }
+  decode_step_kernel<<<args.sequences * args.value_heads, D, 0, stream>>>(args);
+  check_cuda_launch("GatedDeltaNet kernel decode_step");
 }
 
 }  // namespace dflash::target::kernels

@@ -118,6 +118,26 @@ bool gated_delta_rule_fuses_output(int state_columns);
 // and the CUDA error) when a launch fails.
 void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream);
 
+// One token of the rule per sequence (decoding; gdn/decode_step.cuh), for `sequences` sequences:
+// q, k bf16 [sequences, key_heads, 128] and v bf16 [sequences, value_heads, 128], rows `*_stride`
+// elements apart (q and k as the conv returns them, not yet normalised); g, beta fp32
+// [sequences, value_heads]; state_in, state_out fp32 [sequences, value_heads, 128 key dims, 128
+// value dims] (distinct buffers); out fp32 [sequences, value_heads, 128].
+struct GdnDecodeStep {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t q_stride = 0, k_stride = 0, v_stride = 0;
+  const float* g = nullptr;
+  const float* beta = nullptr;
+  const float* state_in = nullptr;
+  float* state_out = nullptr;
+  float* out = nullptr;
+  int sequences = 0, key_heads = 0, value_heads = 0;
+  float scale = 0;  // q scale (head_dim^-0.5)
+};
+void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream);
+
 // Empty when the kernels have an image for the current device; otherwise the CUDA error.
 const char* kernels_unavailable_on_current_device();
 
