@@ -29,15 +29,17 @@ int64_t choose(const at::Tensor& logits, const Sampling& s, at::Generator& gen) 
 }
 
 // The verify step's decision on a block [last token, drafts...] from the target's logits over it:
-// (accepted drafts, bonus token), greedy by matching argmaxes, else by rejection sampling.
+// (accepted drafts, bonus token), greedy by matching the argmaxes (`posterior`: int64 on the CPU,
+// one per block token), else by rejection sampling.
 std::pair<int64_t, int64_t> verify_block(const std::vector<int64_t>& block, const at::Tensor& logits,
-                                         const at::Tensor& draft_probs, const Sampling& s, at::Generator& gen) {
+                                         const at::Tensor& posterior, const at::Tensor& draft_probs, const Sampling& s,
+                                         at::Generator& gen) {
   const int64_t verify = static_cast<int64_t>(block.size());
   if (s.greedy()) {
-    const at::Tensor posterior = logits.argmax(-1).to(at::kCPU);
+    const int64_t* argmax = posterior.data_ptr<int64_t>();
     int64_t accepted = 0;
-    while (accepted + 1 < verify && block[accepted + 1] == posterior[accepted].item<int64_t>()) ++accepted;
-    return {accepted, posterior[accepted].item<int64_t>()};
+    while (accepted + 1 < verify && block[accepted + 1] == argmax[accepted]) ++accepted;
+    return {accepted, argmax[accepted]};
   }
   const at::Tensor target_probs = sampling_probs(logits, s);
   if (verify == 1) return {0, draw(target_probs.select(0, 0).unsqueeze(0), gen).item<int64_t>()};
@@ -250,6 +252,18 @@ void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const Gen
   for (size_t j = 0; j < count; ++j) caches.push_back(&active[j]->cache), verify_ids.push_back(ids_tensor(blocks[j]));
   const std::vector<target::DecodeOutput> out = target_.step_batch(caches, verify_ids, tap_);
   // 3. Per sequence: the accepted prefix and the bonus token; the caches keep what was committed.
+  // Greedy: every block's argmaxes in one copy to the host.
+  std::vector<at::Tensor> posteriors(count);
+  if (sampling.greedy()) {
+    std::vector<at::Tensor> logits;
+    for (const target::DecodeOutput& o : out) logits.push_back(o.logits);
+    const at::Tensor all = at::cat(logits).argmax(-1).to(at::kCPU);
+    int64_t row = 0;
+    for (size_t j = 0; j < count; ++j) {
+      posteriors[j] = all.narrow(0, row, out[j].logits.size(0));
+      row += out[j].logits.size(0);
+    }
+  }
   std::vector<int64_t> lengths(count);
   std::vector<drafter::DrafterContextCache*> contexts;
   std::vector<at::Tensor> committed_features;
@@ -257,7 +271,7 @@ void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const Gen
     Sequence& s = *active[j];
     const std::vector<int64_t>& block = blocks[j];
     const int64_t verify = static_cast<int64_t>(block.size());
-    const auto [accepted, bonus] = verify_block(block, out[j].logits, draft_probs[j], sampling, s.gen);
+    const auto [accepted, bonus] = verify_block(block, out[j].logits, posteriors[j], draft_probs[j], sampling, s.gen);
     for (int64_t k = 1; k < verify; ++k) {
       ++s.g.drafted_at[k - 1];
       if (k <= accepted) ++s.g.accepted_at[k - 1];

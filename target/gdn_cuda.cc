@@ -123,31 +123,38 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x_in, const at::Tensor& wei
   return y;
 }
 
-GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                                   const at::Tensor& g_in, const at::Tensor& beta_in,
                                                   const at::Tensor& state_in) {
   constexpr int64_t D = kernels::kGdnHeadDim;
-  const int64_t sequences = q.size(0), key_heads = q.size(1), value_heads = v.size(1);
-  auto heads_dense = [&](const at::Tensor& t, int64_t heads) {
-    return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 3 && t.size(0) == sequences &&
-           t.size(1) == heads && t.size(2) == D && t.stride(2) == 1 && t.stride(1) == D;
+  const int64_t sequences = q_in.size(0), tokens = q_in.size(1), key_heads = q_in.size(2), value_heads = v_in.size(2);
+  auto shaped = [&](const at::Tensor& t, int64_t heads) {
+    return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 4 && t.size(0) == sequences &&
+           t.size(1) == tokens && t.size(2) == heads && t.size(3) == D;
   };
-  expect(heads_dense(q, key_heads) && heads_dense(k, key_heads) && heads_dense(v, value_heads),
-         "decode step: q, k, v must be bf16 [sequences, heads, 128] on a GPU, each row's heads dense");
+  expect(tokens >= 1 && shaped(q_in, key_heads) && shaped(k_in, key_heads) && shaped(v_in, value_heads),
+         "decode step: q, k, v must be bf16 [sequences, tokens >= 1, heads, 128] on a GPU");
+  // Rows (token t of sequence s at s * tokens + t) evenly spaced, each row's heads dense: the
+  // conv's [sequences, tokens, channels] output is read in place.
+  auto rows = [&](const at::Tensor& t) {
+    const bool in_place = t.stride(3) == 1 && t.stride(2) == D && t.stride(0) == tokens * t.stride(1);
+    return in_place ? t : t.contiguous();
+  };
+  const at::Tensor q = rows(q_in), k = rows(k_in), v = rows(v_in);
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
   const at::Tensor state = state_in.to(at::kFloat).contiguous();
-  expect(g.numel() == sequences * value_heads && beta.numel() == g.numel() &&
+  expect(g.numel() == sequences * tokens * value_heads && beta.numel() == g.numel() &&
              state.numel() == sequences * value_heads * D * D,
-         "decode step: g, beta must be [sequences, value_heads], the state [sequences, value_heads, 128, 128]");
-  GdnDecodeResult r{at::empty({sequences, value_heads, D}, state.options()), at::empty_like(state)};
+         "decode step: g, beta must be [sequences, tokens, value_heads], the state [sequences, value_heads, 128, 128]");
+  GdnDecodeResult r{at::empty({sequences, tokens, value_heads, D}, state.options()), at::empty_like(state)};
   kernels::GdnDecodeStep a;
   a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr();
-  a.q_stride = q.stride(0), a.k_stride = k.stride(0), a.v_stride = v.stride(0);
+  a.q_stride = q.stride(1), a.k_stride = k.stride(1), a.v_stride = v.stride(1);
   a.g = g.data_ptr<float>(), a.beta = beta.data_ptr<float>();
   a.state_in = state.data_ptr<float>(), a.state_out = r.state.data_ptr<float>(), a.out = r.o.data_ptr<float>();
-  a.sequences = static_cast<int>(sequences), a.key_heads = static_cast<int>(key_heads);
-  a.value_heads = static_cast<int>(value_heads);
+  a.sequences = static_cast<int>(sequences), a.tokens = static_cast<int>(tokens);
+  a.key_heads = static_cast<int>(key_heads), a.value_heads = static_cast<int>(value_heads);
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   kernels::gated_delta_rule_decode_step(a, at::cuda::getCurrentCUDAStream().stream());
   return r;

@@ -28,22 +28,38 @@ at::Tensor heads_side_by_side(const at::Tensor& t) {
   return t.transpose(0, 1).reshape(shape);
 }
 
+// Which cached keys each query of a group sees ([G, 1, n, longest] bool on `device`: key
+// positions up to the query's own, in its own sequence; the rest is the padding to the group's
+// longest). The same for every attention layer of a step: built once per step (building it per
+// layer made the host wait for the GPU at each of them, a copy from host memory).
+at::Tensor visible_keys(const RowGroup& group, const std::vector<DecodeCache*>& caches, at::Device device) {
+  std::vector<int64_t> begins;  // per member: the position of its first token (its cache length)
+  int64_t longest = 0;
+  for (size_t member : group.members) {
+    begins.push_back(caches[member]->length);
+    longest = std::max(longest, begins.back() + group.count);
+  }
+  const auto long_options = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor last_visible =  // [G, n]: the last key position each query sees
+      at::tensor(begins, long_options).unsqueeze(1) + at::arange(group.count, long_options).unsqueeze(0);
+  return (at::arange(longest, long_options).view({1, 1, longest}) <= last_visible.unsqueeze(2)).unsqueeze(1).to(device);
+}
+
 // One full-attention layer for a group: its members' keys and values appended to their caches
 // (layer `layer`), each query attending to its own sequence's keys up to its position (keys
-// padded to the group's longest and masked). Writes the attention rows into `out` [tokens, Hq, d].
-void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup& group,
+// padded to the group's longest and masked by `visible`, visible_keys). Writes the attention rows
+// into `out` [tokens, Hq, d].
+void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup& group, const at::Tensor& visible,
                      const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& out) {
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
   int64_t longest = 0;
   std::vector<at::Tensor> keys, values, new_keys, new_values;
-  std::vector<int64_t> begins;  // per member: the position of its first token (its cache length)
   // The group's new keys and values, member-major and dense: their appends are one copy_all each.
   const at::Tensor k_rows = a.k.index_select(0, group.rows), v_rows = a.v.index_select(0, group.rows);
   for (int64_t j = 0; j < size; ++j) {
     DecodeCache& cache = *caches[group.members[j]];
     const int64_t begin = cache.length, total = begin + n;
-    begins.push_back(begin);
     at::Tensor& k = cache.keys[layer];
     at::Tensor& v = cache.values[layer];
     k = with_rows(k, begin, total, {hkv, d}, a.k.options());
@@ -56,12 +72,6 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
   }
   copy_all(new_keys, k_rows.split(n));
   copy_all(new_values, v_rows.split(n));
-  const auto long_options = at::TensorOptions().dtype(at::kLong);
-  const at::Tensor last_visible =  // [G, n]: the last key position each query sees
-      at::tensor(begins, long_options).unsqueeze(1) + at::arange(n, long_options).unsqueeze(0);
-  const at::Tensor visible = (at::arange(longest, long_options).view({1, 1, longest}) <= last_visible.unsqueeze(2))
-                                 .unsqueeze(1)
-                                 .to(a.q.device());
   const at::Tensor q = a.q.index_select(0, group.rows).view({size, n, hq, d}).transpose(1, 2);
   const at::Tensor o = at::scaled_dot_product_attention(q, padded_heads_first(keys, longest),
                                                         padded_heads_first(values, longest), visible, 0.0,
@@ -73,10 +83,11 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
 // One full-attention layer over every sequence's tokens.
 at::Tensor attention_layer(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
                            const at::Tensor& sin, const std::vector<RowGroup>& groups,
-                           const std::vector<DecodeCache*>& caches, size_t layer) {
+                           const std::vector<at::Tensor>& visible, const std::vector<DecodeCache*>& caches,
+                           size_t layer) {
   const AttentionQkv a = project_attention(c, p, x, cos, sin);
   at::Tensor out = at::empty({x.size(0), c.num_attention_heads, c.head_dim}, a.q.options());
-  for (const RowGroup& group : groups) attention_group(c, a, group, caches, layer, out);
+  for (size_t i = 0; i < groups.size(); ++i) attention_group(c, a, groups[i], visible[i], caches, layer, out);
   out = out.view({x.size(0), c.num_attention_heads * c.head_dim});
   if (c.gated_attention) out = sigmoid_gate(out, a.gate);
   return p.o(out);
@@ -101,18 +112,21 @@ at::Tensor run_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   return chunk_gated_delta_rule_reference(q, k, v, g, beta, 64, state);
 }
 
+// Steps and crops of at most this many tokens per sequence run the decode-step kernel on the GPU.
+constexpr int64_t kKernelStepTokens = 64;
+
 // The rule for a group of sequences from `states` [G, Hv, dk, dv] (replaced by the states after
 // the tokens): q, k [G, n, Hk, dk], v [G, n, Hv, dv], g, beta [G, n, Hv]. Returns o [G, n, Hv, dv].
-// `kernel`: one-token steps run the decode-step kernel (the model's GatedDeltaNet layers run the
-// CUDA kernels; same math, the state read and written once).
+// `kernel`: steps and crops of up to kKernelStepTokens tokens run the decode-step kernel (the
+// model's GatedDeltaNet layers run the CUDA kernels; same math, the state read and written once;
+// longer ones, prefills, the chunked rule).
 at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                           const at::Tensor& beta, at::Tensor* states, int64_t recurrent_step_tokens, bool kernel) {
   const int64_t size = q.size(0), n = q.size(1), hv = v.size(2);
-  if (kernel && n == 1) {
-    GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q.select(1, 0), k.select(1, 0), v.select(1, 0),
-                                                          g.select(1, 0), beta.select(1, 0), *states);
+  if (kernel && n <= kKernelStepTokens) {
+    GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, *states);
     *states = r.state;
-    return r.o.unsqueeze(1);
+    return r.o;
   }
   at::Tensor state = states->reshape({size * hv, states->size(2), states->size(3)});
   const at::Tensor o = run_rule(heads_side_by_side(q), heads_side_by_side(k), heads_side_by_side(v),
@@ -123,11 +137,12 @@ at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 // One GatedDeltaNet layer for a group, from its members' cached conv inputs and states; keeps
-// what crop() needs in each member's last step. Writes the rule's o rows into `o_out` [tokens,
+// what crop() needs in each member's last step when the step is croppable (per member six views
+// and layer: a few thousand host-side ops per step at 64 sequences, skipped for plain decoding). Writes the rule's o rows into `o_out` [tokens,
 // Hv, dv] (fp32).
 void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjections& proj, const GdnGateValues& gates,
                const RowGroup& group, const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& o_out,
-               int64_t recurrent_step_tokens, bool decode_kernel) {
+               int64_t recurrent_step_tokens, bool decode_kernel, bool croppable) {
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kernel = p.conv.size(1);
@@ -157,8 +172,7 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   const at::Tensor tails = window.narrow(1, n, kernel - 1).contiguous();
   for (int64_t j = 0; j < size; ++j) {
     DecodeCache& cache = *caches[group.members[j]];
-    DecodeCache::LastStep::Gdn& last = cache.last.gdn[layer];
-    last = {states_before[j], q[j], k[j], v[j], g[j], beta[j], window[j]};
+    if (croppable) cache.last.gdn[layer] = {states_before[j], q[j], k[j], v[j], g[j], beta[j], window[j]};
     cache.state[layer] = states[j];
     cache.conv[layer] = tails[j];
   }
@@ -167,12 +181,12 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
 // One GatedDeltaNet layer over every sequence's tokens.
 at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, const std::vector<RowGroup>& groups,
                      const std::vector<DecodeCache*>& caches, size_t layer, int64_t recurrent_step_tokens,
-                     bool kernel) {
+                     bool kernel, bool croppable) {
   const GdnProjections proj = project_gdn(c, p, x);
   const GdnGateValues gates = gdn_gates_reference(proj.a, proj.b, p.a_log, p.dt_bias);
   at::Tensor o = at::empty({x.size(0), c.linear_num_value_heads, c.linear_value_head_dim},
                            x.options().dtype(at::kFloat));
-  for (const RowGroup& group : groups) gdn_group(c, p, proj, gates, group, caches, layer, o, recurrent_step_tokens, kernel);
+  for (const RowGroup& group : groups) gdn_group(c, p, proj, gates, group, caches, layer, o, recurrent_step_tokens, kernel, croppable);
   return gdn_output(c, p, o, proj.z, x.scalar_type());
 }
 
@@ -213,33 +227,38 @@ std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<Decode
     throw std::invalid_argument("decode step: " + std::to_string(caches.size()) + " caches for " +
                                 std::to_string(input_ids.size()) + " token lists");
   }
-  std::vector<at::Tensor> ids, positions;
-  std::vector<int64_t> counts, begins;
+  // The tokens and their positions of all sequences, each in one copy to the device (a copy per
+  // sequence waited for the stream each time).
+  std::vector<at::Tensor> ids;
+  std::vector<int64_t> counts, begins, positions;
   for (size_t s = 0; s < caches.size(); ++s) {
     DecodeCache& cache = *caches[s];
     if (cache.keys.size() != m.layers.size()) throw std::invalid_argument("decode step: the cache is not this model's");
     if (std::find(caches.begin(), caches.begin() + s, caches[s]) != caches.begin() + s) {
       throw std::invalid_argument("decode step: a cache appears twice in one step");
     }
-    ids.push_back(input_ids[s].to(device, at::kLong).reshape({-1}));
+    ids.push_back(input_ids[s].to(input_ids[0].device(), at::kLong).reshape({-1}));
     counts.push_back(ids.back().size(0));
     if (counts.back() == 0) throw std::invalid_argument("decode step: no tokens");
     begins.push_back(cache.length);
-    positions.push_back(at::arange(cache.length, cache.length + counts.back(),
-                                   at::TensorOptions().dtype(at::kLong).device(device)));
+    for (int64_t p = cache.length; p < cache.length + counts.back(); ++p) positions.push_back(p);
   }
   const std::vector<RowGroup> groups = group_rows_by_count(counts, device);
-  const auto [cos, sin] = rope_tables(m.inv_freq, at::cat(positions), model_.options().dtype);
+  std::vector<at::Tensor> visible;
+  for (const RowGroup& group : groups) visible.push_back(visible_keys(group, caches, device));
+  const at::Tensor position_ids = at::tensor(positions, at::TensorOptions().dtype(at::kLong)).to(device);
+  const auto [cos, sin] = rope_tables(m.inv_freq, position_ids, model_.options().dtype);
 
-  ResidualStream stream(at::embedding(m.embed, at::cat(ids)), c);
+  ResidualStream stream(at::embedding(m.embed, at::cat(ids).to(device)), c);
   std::vector<at::Tensor> tapped;
   size_t next = 0;
   for (size_t i = 0; i < m.layers.size(); ++i) {
     const Layer& layer = m.layers[i];
     const at::Tensor normed = stream.add_and_norm(layer.input_norm);
     stream.push(layer.kind == LayerKind::full_attention
-                    ? attention_layer(c, layer.attention, normed, cos, sin, groups, caches, i)
-                    : gdn_layer(c, layer.gdn, normed, groups, caches, i, recurrent_step_tokens_, model_.gdn_kernels_));
+                    ? attention_layer(c, layer.attention, normed, cos, sin, groups, visible, caches, i)
+                    : gdn_layer(c, layer.gdn, normed, groups, caches, i, recurrent_step_tokens_, model_.gdn_kernels_,
+                                croppable));
     stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm), model_.grouped_moe_));
     if (next < tap.size() && tap[next] == static_cast<int64_t>(i)) {
       tapped.push_back(stream.output());

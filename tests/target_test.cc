@@ -543,26 +543,33 @@ TEST(GatedDeltaNetKernels, WholeTargetMatchesTheReferencePath) {
   }
 }
 
-// The decode-step kernel (one token per sequence, decoding's plain steps) against the rule token
-// by token in fp32 on the same bf16 inputs: q, k, v strided as the conv's [G, channels] rows give
-// them, GQA heads, a non-zero state; the state it is given is left as it was.
+// The decode-step kernel (a few tokens per sequence: decoding's steps and crops) against the rule
+// token by token in fp32 on the same bf16 inputs: q, k, v strided as the conv's [G, n, channels]
+// output gives them, GQA heads, a non-zero state; the state it is given is left as it was.
 TEST(GatedDeltaNetKernels, DecodeStepMatchesTheRecurrentRule) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const int64_t sequences = 5, hk = 2, hv = 6, d = 128;
   const auto cuda = at::TensorOptions().device(at::kCUDA);
-  const at::Tensor mixed = at::randn({sequences, (2 * hk + hv) * d}, cuda).to(at::kBFloat16);
-  const at::Tensor q = mixed.narrow(1, 0, hk * d).view({sequences, hk, d});
-  const at::Tensor k = mixed.narrow(1, hk * d, hk * d).view({sequences, hk, d});
-  const at::Tensor v = mixed.narrow(1, 2 * hk * d, hv * d).view({sequences, hv, d});
-  const at::Tensor g = -at::rand({sequences, hv}, cuda), beta = at::sigmoid(at::randn({sequences, hv}, cuda));
-  const at::Tensor state = 0.1 * at::randn({sequences, hv, d, d}, cuda), before = state.clone();
-  const GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, state);
-  EXPECT_TRUE(at::equal(state, before));
-  for (int64_t s = 0; s < sequences; ++s) {
-    const GdnSteps ref = recurrent_gated_delta_rule_steps(q[s].unsqueeze(0), k[s].unsqueeze(0), v[s].unsqueeze(0),
-                                                          g[s].unsqueeze(0), beta[s].unsqueeze(0), state[s]);
-    EXPECT_LE(relative_l2_error(r.o[s], ref.o[0]), 1e-5) << "sequence " << s;
-    EXPECT_LE(relative_l2_error(r.state[s], ref.states[0]), 1e-5) << "sequence " << s;
+  for (int64_t n : {1, 5, 16}) {  // a plain step, a crop's kept tokens, a verify step
+    SCOPED_TRACE(std::to_string(n) + " tokens");
+    const at::Tensor mixed = at::randn({sequences, n, (2 * hk + hv) * d}, cuda).to(at::kBFloat16);
+    const at::Tensor q = mixed.narrow(2, 0, hk * d).view({sequences, n, hk, d});
+    const at::Tensor k = mixed.narrow(2, hk * d, hk * d).view({sequences, n, hk, d});
+    const at::Tensor v = mixed.narrow(2, 2 * hk * d, hv * d).view({sequences, n, hv, d});
+    const at::Tensor g = -at::rand({sequences, n, hv}, cuda), beta = at::sigmoid(at::randn({sequences, n, hv}, cuda));
+    const at::Tensor state = 0.1 * at::randn({sequences, hv, d, d}, cuda), before = state.clone();
+    const GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, state);
+    EXPECT_TRUE(at::equal(state, before));
+    for (int64_t s = 0; s < sequences; ++s) {
+      const GdnSteps ref = recurrent_gated_delta_rule_steps(q[s], k[s], v[s], g[s], beta[s], state[s]);
+      EXPECT_LE(relative_l2_error(r.o[s], ref.o), 1e-5) << "sequence " << s;
+      EXPECT_LE(relative_l2_error(r.state[s], ref.states[n - 1]), 1e-5) << "sequence " << s;
+    }
+    // Dense inputs (a crop's stacked rule inputs) give the same.
+    const GdnDecodeResult dense = gated_delta_rule_decode_step_cuda(q.contiguous(), k.contiguous(), v.contiguous(), g,
+                                                                    beta, state);
+    EXPECT_TRUE(at::equal(dense.o, r.o));
+    EXPECT_TRUE(at::equal(dense.state, r.state));
   }
 }
 

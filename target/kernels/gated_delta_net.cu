@@ -6,7 +6,7 @@
 //   gdn/output.cuh            4. the output and the gated norm (mma.sync)
 //   gdn/state_output_sm90.cuh 3 + 4 fused on Hopper: the state chain (mainloop) and the output
 //                             groups (epilogue), warp-specialised (wgmma)
-//   gdn/decode_step.cuh       5. decoding: one token per sequence, the state read and written once
+//   gdn/decode_step.cuh       5. decoding: a few tokens per sequence, the state read and written once
 #include "target/kernels/gated_delta_net.h"
 
 #include <cuda_bf16.h>
@@ -147,7 +147,7 @@ const char* kernels_unavailable_on_current_device() {
 }
 
 void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream) {
-  if (args.sequences == 0) return;
+  if (args.sequences == 0 || args.tokens == 0) return;
   if (args.key_heads < 1 || args.value_heads % args.key_heads != 0) {
     throw std::invalid_argument("gated_delta_rule_decode_step: value heads must be a multiple of key heads");
   }

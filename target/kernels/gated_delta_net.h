@@ -118,11 +118,12 @@ bool gated_delta_rule_fuses_output(int state_columns);
 // and the CUDA error) when a launch fails.
 void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream);
 
-// One token of the rule per sequence (decoding; gdn/decode_step.cuh), for `sequences` sequences:
-// q, k bf16 [sequences, key_heads, 128] and v bf16 [sequences, value_heads, 128], rows `*_stride`
-// elements apart (q and k as the conv returns them, not yet normalised); g, beta fp32
-// [sequences, value_heads]; state_in, state_out fp32 [sequences, value_heads, 128 key dims, 128
-// value dims] (distinct buffers); out fp32 [sequences, value_heads, 128].
+// A few tokens of the rule per sequence (decoding; gdn/decode_step.cuh), `tokens` each for
+// `sequences` sequences, token t of sequence s at row s * tokens + t: q, k bf16 [rows, key_heads,
+// 128] and v bf16 [rows, value_heads, 128], rows `*_stride` elements apart (q and k as the conv
+// returns them, not yet normalised); g, beta fp32 [rows, value_heads]; state_in, state_out fp32
+// [sequences, value_heads, 128 key dims, 128 value dims] (distinct buffers: the states before and
+// after the tokens); out fp32 [rows, value_heads, 128].
 struct GdnDecodeStep {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -133,7 +134,7 @@ struct GdnDecodeStep {
   const float* state_in = nullptr;
   float* state_out = nullptr;
   float* out = nullptr;
-  int sequences = 0, key_heads = 0, value_heads = 0;
+  int sequences = 0, tokens = 0, key_heads = 0, value_heads = 0;
   float scale = 0;  // q scale (head_dim^-0.5)
 };
 void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream);
