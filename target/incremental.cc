@@ -169,7 +169,8 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   o_out.index_copy_(0, group.rows, o.reshape({size * n, hv, dv}));
   // The members' last K - 1 conv inputs, compact, in one copy (a view of the window would keep the
   // whole step's window alive: 10 MB per layer and sequence after a 512-token prefill at 27B).
-  const at::Tensor tails = window.narrow(1, n, kernel - 1).contiguous();
+  // clone, not contiguous(): with one member the narrowed window counts as contiguous, no copy.
+  const at::Tensor tails = window.narrow(1, n, kernel - 1).clone(at::MemoryFormat::Contiguous);
   for (int64_t j = 0; j < size; ++j) {
     DecodeCache& cache = *caches[group.members[j]];
     if (croppable) cache.last.gdn[layer] = {states_before[j], q[j], k[j], v[j], g[j], beta[j], window[j]};

@@ -100,6 +100,32 @@ TEST(IncrementalTarget, APromptPrefilledInChunksIsThePromptInOneStep) {
   }
 }
 
+// What a cache keeps after a prefill and a plain step: its conv windows are K - 1 rows of their
+// own, not views that keep the prefill's whole window alive (0.5 GB per sequence at 27B shapes).
+TEST(IncrementalTarget, ACacheKeepsOnlyItsOwnConvWindow) {
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny-qwen3_5");
+  auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 3);
+  const IncrementalTarget decoder(*model);
+  const auto options = at::TensorOptions().dtype(at::kLong);
+  DecodeCache a = decoder.new_cache(), b = decoder.new_cache();
+  decoder.prefill(a, at::randint(0, config.vocab_size, {300}, options), {});
+  auto own = [](const DecodeCache& cache, const char* when) {
+    int layers = 0;
+    for (const at::Tensor& conv : cache.conv) {
+      if (!conv.defined()) continue;
+      ++layers;
+      EXPECT_EQ(conv.size(0), 3) << when;
+      EXPECT_LE(conv.storage().nbytes(), 2 * conv.numel() * conv.element_size()) << when;  // at most a batch of 2
+    }
+    EXPECT_GT(layers, 0);
+  };
+  own(a, "after a prefill");
+  decoder.prefill(b, at::randint(0, config.vocab_size, {40}, options), {});
+  decoder.step_batch({&a, &b}, {at::randint(0, config.vocab_size, {1}, options), at::randint(0, config.vocab_size, {1}, options)},
+                     {}, /*croppable=*/false);
+  own(a, "after a batched plain step");
+}
+
 // Several sequences in one step (mixed token counts and cache lengths) and one crop: each
 // sequence's logits, features and later steps are those of its own steps alone.
 TEST(IncrementalTarget, ABatchedStepIsEachSequencesOwnStep) {

@@ -22,7 +22,7 @@ DEVICE = os.environ.get("DFLASHD_BENCH_DEVICE", "cuda")  # cpu: a check of the s
 
 def sync():
     if DEVICE == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def build(config_dir):
