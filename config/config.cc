@@ -195,6 +195,7 @@ void read_train(MapReader m, TrainConfig* c) {
   m.field("grad_clip_norm", &c->grad_clip_norm, at_least(0.0));
   m.field("loss_gamma", &c->loss_gamma, positive<double>());
   m.field("lm_head_chunk_blocks", &c->lm_head_chunk_blocks, between(1, 65536));
+  m.field("activation_checkpointing", &c->activation_checkpointing);
   m.field("seed", &c->seed);
   m.field("deterministic", &c->deterministic);
   m.choice<OnNonfinite>("on_nonfinite", &c->on_nonfinite, {{"skip", OnNonfinite::skip}, {"stop", OnNonfinite::stop}});

@@ -161,6 +161,9 @@ struct TrainConfig {
   double grad_clip_norm = 1.0;
   std::optional<double> loss_gamma;  // default: 7 / 5 / 4 for block size 16 / 10 / 8
   int lm_head_chunk_blocks = 128;
+  // Drafter layers keep only their input for backward and run again in it (long sequences: the
+  // activations of one layer instead of all; about a third more drafter compute).
+  bool activation_checkpointing = false;
   int64_t seed = 0;
   bool deterministic = false;
   OnNonfinite on_nonfinite = OnNonfinite::skip;  // skip the step, or stop with a checkpoint

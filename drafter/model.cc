@@ -4,6 +4,8 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -124,9 +126,96 @@ void write_export(const std::string& dir, const DrafterShape& shape,
 
 void Drafter::save_export(const std::string& dir) const { write_export(dir, shape_, parameters_); }
 
-at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, int64_t group_blocks) const {
+struct Drafter::LayerInputs {
+  RopeTables block_rope, context_rope;
+  std::vector<int64_t> cu_seqlens, block_rows;  // the batch's sequences in tokens, in block rows
+  std::vector<at::Tensor> anchors;              // per sequence
+  BlockAttentionShape attention;
+};
+
+at::Tensor Drafter::layer_forward(int64_t i, const at::Tensor& x_in, const at::Tensor& context,
+                                  const LayerInputs& in) const {
   const DrafterShape& s = shape_;
   const int64_t hq = s.num_attention_heads, hkv = s.num_key_value_heads, d = s.head_dim;
+  const Layer& l = layers_[i];
+  const at::Tensor h = trained_rms_norm(x_in, l.input_norm, s.rms_norm_eps);
+  const int64_t rows = h.size(0), tokens = context.size(0);
+  const at::Tensor q =
+      apply_rope(trained_rms_norm(at::linear(h, l.q_proj).view({rows, hq, d}), l.q_norm, s.rms_norm_eps), in.block_rope);
+  const at::Tensor k_block =
+      apply_rope(trained_rms_norm(at::linear(h, l.k_proj).view({rows, hkv, d}), l.k_norm, s.rms_norm_eps), in.block_rope);
+  const at::Tensor v_block = at::linear(h, l.v_proj).view({rows, hkv, d});
+  const at::Tensor k_context = apply_rope(
+      trained_rms_norm(at::linear(context, l.k_proj).view({tokens, hkv, d}), l.k_norm, s.rms_norm_eps), in.context_rope);
+  const at::Tensor v_context = at::linear(context, l.v_proj).view({tokens, hkv, d});
+  std::vector<at::Tensor> attended;
+  for (size_t q_index = 0; q_index + 1 < in.cu_seqlens.size(); ++q_index) {
+    const int64_t begin = in.cu_seqlens[q_index], length = in.cu_seqlens[q_index + 1] - begin;
+    const int64_t row0 = in.block_rows[q_index], nrows = in.block_rows[q_index + 1] - row0;
+    if (nrows == 0) continue;
+    attended.push_back(block_attention(q.narrow(0, row0, nrows), k_context.narrow(0, begin, length),
+                                       v_context.narrow(0, begin, length), k_block.narrow(0, row0, nrows),
+                                       v_block.narrow(0, row0, nrows), in.anchors[q_index], in.attention));
+  }
+  const at::Tensor attention = at::cat(attended).reshape({rows, hq * d});
+  const at::Tensor x = x_in + at::linear(attention, l.o_proj);
+  const at::Tensor m = trained_rms_norm(x, l.post_attention_norm, s.rms_norm_eps);
+  return x + at::linear(trained_silu_mul(at::linear(m, l.gate_proj), at::linear(m, l.up_proj)), l.down_proj);
+}
+
+// One drafter layer under activation checkpointing: forward runs it without recording anything
+// and keeps its inputs; backward runs it again with autograd and backpropagates the output's
+// gradient through it (into the layer's parameters' .grad, and out as the gradients of x and the
+// context). The layer's other inputs (rotary tables, packing, attention shape) are kept beside,
+// as tensors and integers; the drafter outlives the step's backward.
+class CheckpointedLayer : public torch::autograd::Function<CheckpointedLayer> {
+ public:
+  using AutogradContext = torch::autograd::AutogradContext;
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& context, const Drafter* drafter,
+                            int64_t layer, const Drafter::LayerInputs& in) {
+    ctx->save_for_backward({x, context});
+    auto& data = ctx->saved_data;
+    data["drafter"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(drafter));
+    data["layer"] = layer;
+    data["rope"] = std::vector<at::Tensor>{in.block_rope.cos, in.block_rope.sin, in.context_rope.cos, in.context_rope.sin};
+    data["cu_seqlens"] = in.cu_seqlens;
+    data["block_rows"] = in.block_rows;
+    data["anchors"] = in.anchors;
+    data["attention"] = std::vector<int64_t>{in.attention.block_size, in.attention.group_blocks,
+                                             static_cast<int64_t>(in.attention.path), in.attention.sliding_window};
+    data["scale"] = in.attention.scale;
+    return drafter->layer_forward(layer, x, context, in);
+  }
+
+  static torch::autograd::variable_list backward(AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto& data = ctx->saved_data;
+    const auto* drafter = reinterpret_cast<const Drafter*>(static_cast<intptr_t>(data["drafter"].toInt()));
+    Drafter::LayerInputs in;
+    const std::vector<at::Tensor> rope = data["rope"].toTensorVector();
+    in.block_rope = {rope[0], rope[1]};
+    in.context_rope = {rope[2], rope[3]};
+    in.cu_seqlens = data["cu_seqlens"].toIntVector();
+    in.block_rows = data["block_rows"].toIntVector();
+    in.anchors = data["anchors"].toTensorVector();
+    const std::vector<int64_t> attention = data["attention"].toIntVector();
+    in.attention = BlockAttentionShape{attention[0], attention[1], data["scale"].toDouble(),
+                                       static_cast<BlockAttentionPath>(attention[2]), attention[3]};
+    const at::Tensor x = saved[0].detach().requires_grad_(ctx->needs_input_grad(0));
+    const at::Tensor context = saved[1].detach().requires_grad_(ctx->needs_input_grad(1));
+    {
+      const c10::AutoGradMode recording(true);
+      const at::Tensor out = drafter->layer_forward(data["layer"].toInt(), x, context, in);
+      torch::autograd::backward({out}, {grads[0]});
+    }
+    return {x.requires_grad() ? x.grad() : at::Tensor(), context.requires_grad() ? context.grad() : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, int64_t group_blocks) const {
+  const DrafterShape& s = shape_;
+  const int64_t d = s.head_dim;
   const int64_t sequences = static_cast<int64_t>(batch.cu_seqlens.size()) - 1;
   const at::Device device = batch.input_ids.device();
   // Per sequence: block ids, block positions, context positions; all sequences packed.
@@ -152,41 +241,18 @@ at::Tensor Drafter::forward(const DrafterBatch& batch, const at::Tensor& embed, 
     c10::NoGradGuard frozen;  // the target's embedding is frozen
     x = at::embedding(embed, at::cat(ids)).to(options_.dtype());
   }
-  BlockAttentionShape attention_shape{s.block_size, group_blocks, 0, attention_path_};
+  LayerInputs in;
+  in.attention = BlockAttentionShape{s.block_size, group_blocks, 0, attention_path_};
   const at::ScalarType dtype = options_.dtype().toScalarType();
-  const RopeTables block_rope = rope_tables(all_block_pos, d, s.rope_theta, dtype, device);
-  const RopeTables context_rope = rope_tables(all_context_pos, d, s.rope_theta, dtype, device);
+  in.block_rope = rope_tables(all_block_pos, d, s.rope_theta, dtype, device);
+  in.context_rope = rope_tables(all_context_pos, d, s.rope_theta, dtype, device);
+  in.cu_seqlens = batch.cu_seqlens;
+  in.block_rows = block_rows;
+  in.anchors = batch.anchors;
+  const bool checkpoint = checkpoint_layers_ && at::GradMode::is_enabled();
   for (int64_t i = 0; i < s.num_layers; ++i) {
-    const Layer& l = layers_[i];
-    attention_shape.sliding_window = s.window_of(i);
-    const at::Tensor h = trained_rms_norm(x, l.input_norm, s.rms_norm_eps);
-    const at::Tensor& wk = l.k_proj;
-    const at::Tensor& wv = l.v_proj;
-    const at::Tensor& q_norm = l.q_norm;
-    const at::Tensor& k_norm = l.k_norm;
-    const int64_t rows = h.size(0), tokens = context.size(0);
-    const at::Tensor q = apply_rope(
-        trained_rms_norm(at::linear(h, l.q_proj).view({rows, hq, d}), q_norm, s.rms_norm_eps),
-        block_rope);
-    const at::Tensor k_block =
-        apply_rope(trained_rms_norm(at::linear(h, wk).view({rows, hkv, d}), k_norm, s.rms_norm_eps), block_rope);
-    const at::Tensor v_block = at::linear(h, wv).view({rows, hkv, d});
-    const at::Tensor k_context = apply_rope(
-        trained_rms_norm(at::linear(context, wk).view({tokens, hkv, d}), k_norm, s.rms_norm_eps), context_rope);
-    const at::Tensor v_context = at::linear(context, wv).view({tokens, hkv, d});
-    std::vector<at::Tensor> attended;
-    for (int64_t q_index = 0; q_index < sequences; ++q_index) {
-      const int64_t begin = batch.cu_seqlens[q_index], length = batch.cu_seqlens[q_index + 1] - begin;
-      const int64_t row0 = block_rows[q_index], nrows = block_rows[q_index + 1] - row0;
-      if (nrows == 0) continue;
-      attended.push_back(block_attention(q.narrow(0, row0, nrows), k_context.narrow(0, begin, length),
-                                         v_context.narrow(0, begin, length), k_block.narrow(0, row0, nrows),
-                                         v_block.narrow(0, row0, nrows), batch.anchors[q_index], attention_shape));
-    }
-    const at::Tensor attention = at::cat(attended).reshape({rows, hq * d});
-    x = x + at::linear(attention, l.o_proj);
-    const at::Tensor m = trained_rms_norm(x, l.post_attention_norm, s.rms_norm_eps);
-    x = x + at::linear(trained_silu_mul(at::linear(m, l.gate_proj), at::linear(m, l.up_proj)), l.down_proj);
+    in.attention.sliding_window = s.window_of(i);
+    x = checkpoint ? CheckpointedLayer::apply(x, context, this, i, in) : layer_forward(i, x, context, in);
   }
   return trained_rms_norm(x, norm_, s.rms_norm_eps);
 }

@@ -44,6 +44,10 @@ class Drafter {
   const DrafterShape& shape() const { return shape_; }
   // The block attention's implementation (default automatic: block_attention.h decides per call).
   void set_attention_path(BlockAttentionPath path) { attention_path_ = path; }
+  // Activation checkpointing (train.activation_checkpointing): with gradients on, each layer of
+  // forward() keeps only its input for backward, which runs the layer again. Same gradients;
+  // about a third more drafter compute; the activations of one layer instead of all of them.
+  void set_activation_checkpointing(bool on) { checkpoint_layers_ = on; }
   // Seeded initialisation like the HF init (normal 0.02 for matrices, ones for norms).
   void init_random(uint64_t seed);
   // Copies values into the parameters by name; throws naming the missing or misshapen one.
@@ -77,6 +81,13 @@ class Drafter {
                                         const std::vector<at::Tensor>& block_ids, const at::Tensor& embed) const;
 
  private:
+  friend class CheckpointedLayer;  // model.cc: forward()'s layers under activation checkpointing
+  // What every layer of one forward() shares: rotary tables, the packing of the batch, the
+  // attention shape (its window set per layer). Defined in model.cc.
+  struct LayerInputs;
+  // Layer i of forward(): x [rows, H] -> x after the layer, over the fused context [tokens, H].
+  at::Tensor layer_forward(int64_t i, const at::Tensor& x, const at::Tensor& context, const LayerInputs& in) const;
+
   // The parameters by role (handles to the same tensors as parameters_, typed as the target's
   // layers are): built once at construction.
   struct Layer {
@@ -88,6 +99,7 @@ class Drafter {
   DrafterShape shape_;
   at::TensorOptions options_;
   BlockAttentionPath attention_path_ = BlockAttentionPath::automatic;
+  bool checkpoint_layers_ = false;
   std::vector<std::pair<std::string, at::Tensor>> parameters_;
 };
 

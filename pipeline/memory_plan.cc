@@ -99,7 +99,10 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
   const int64_t per_layer = rows * (4 * h + 2 * q_width + kv_width + 3 * shape.intermediate_size) * bytes +
                             tokens * kv_width * bytes;
   const int64_t chunk_rows = std::min<int64_t>(rows, static_cast<int64_t>(config.train.lm_head_chunk_blocks) * shape.block_size);
-  const int64_t drafter_activations = shape.num_layers * per_layer + tokens * h * bytes * 2 + 2 * chunk_rows * v * 4;
+  // Checkpointed layers keep their input rows; backward holds one layer's activations at a time.
+  const int64_t layers_kept = config.train.activation_checkpointing ? rows * h * bytes * shape.num_layers + per_layer
+                                                                    : shape.num_layers * per_layer;
+  const int64_t drafter_activations = layers_kept + tokens * h * bytes * 2 + 2 * chunk_rows * v * 4;
 
   std::set<int> ids(config.gpus.target.begin(), config.gpus.target.end());
   ids.insert(config.gpus.drafter.begin(), config.gpus.drafter.end());
@@ -118,6 +121,7 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
       g.drafter_state = drafter_state + (g.target ? 0 : head_and_embedding);
       g.queued_features = queued;
       g.drafter_activations = drafter_activations;
+      g.activations_checkpointed = config.train.activation_checkpointing;
     }
     if (config.gpus.device == config::Device::cuda && id >= 0 && id < static_cast<int>(capacities.size())) g.capacity = capacities[id];
     plan.push_back(g);
@@ -149,6 +153,7 @@ std::vector<std::string> memory_plan_problems(const std::vector<GpuMemoryPlan>& 
     if (g.capacity <= 0 || g.total() <= static_cast<int64_t>(kHeadroom * static_cast<double>(g.capacity))) continue;
     std::string advice;
     if (g.target && g.drafter) advice = "give the target and the drafter separate GPUs (gpus.target, gpus.drafter), ";
+    if (g.drafter && !g.activations_checkpointed) advice += "set train.activation_checkpointing: true, ";
     problems.push_back("GPU " + std::to_string(g.gpu) + ": the run needs about " + gb(g.total()) + " GB (target weights " +
                        gb(g.target_weights) + ", target activations " + gb(g.target_activations) + ", drafter state " +
                        gb(g.drafter_state) + ", queued features " + gb(g.queued_features) + ", drafter activations " +

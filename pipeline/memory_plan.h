@@ -35,6 +35,7 @@ struct GpuMemoryPlan {
   std::string target_layers;             // a target replica's pipeline stages on it: " L0-15" (empty: all layers)
   int64_t target_weights = 0, target_activations = 0;
   int64_t drafter_state = 0, queued_features = 0, drafter_activations = 0;
+  bool activations_checkpointed = false;  // train.activation_checkpointing (drafter_activations counts it)
   int64_t capacity = 0;  // the GPU's memory, 0 when unknown (offline, or a CPU run)
   int64_t total() const {
     return target_weights + target_activations + drafter_state + queued_features + drafter_activations;

@@ -102,8 +102,17 @@ std::unique_ptr<Replicas> build_replicas(const config::Config& config, const tar
     drafter::BlockAttentionPath path = drafter::BlockAttentionPath::automatic;
     r->attention = attention_path_for(config, shape, device, dtype, &path);
     d.set_attention_path(path);
+    d.set_activation_checkpointing(config.train.activation_checkpointing);
   }
   return r;
+}
+
+KernelPath activations_path(const config::TrainConfig& train) {
+  if (train.activation_checkpointing) {
+    return {"drafter.activations", "checkpointed",
+            "each layer keeps its input and runs again in backward: train.activation_checkpointing"};
+  }
+  return {"drafter.activations", "kept", "every layer's activations kept for backward"};
 }
 
 void add_optimizers(Replicas& r, const config::TrainConfig& train, int64_t total_steps) {

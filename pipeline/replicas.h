@@ -52,6 +52,11 @@ std::unique_ptr<Replicas> build_replicas(const config::Config& config, const tar
                                          const drafter::DrafterShape& shape);
 // One AdamW per drafter replica for a plan of `total_steps` (train.* settings), and the
 // DrafterReplica views.
+// How the drafter keeps its activations for backward (train.activation_checkpointing), as the
+// other implementation choices are reported: component "drafter.activations", path "checkpointed"
+// or "kept".
+KernelPath activations_path(const config::TrainConfig& train);
+
 void add_optimizers(Replicas& replicas, const config::TrainConfig& train, int64_t total_steps);
 
 // The model dtype of target.dtype (validated by the config: bfloat16, float16 or float32).

@@ -49,8 +49,10 @@ void Trainer::Impl::load_models() {
     }
   }
   paths.push_back(s.models->attention);
+  paths.push_back(activations_path(config.train));
   for (const KernelPath& p : paths) s.metrics->kernel_path_family->Add({{"component", p.component}, {"path", p.path}}).Set(1);
   log::info("kernel path: {}", s.models->attention.str());
+  log::info("kernel path: {}", paths.back().str());
 }
 
 // The data, the plan of steps, the nodes, the failure policy, the optimizers.

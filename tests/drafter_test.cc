@@ -7,10 +7,12 @@
 #include <nlohmann/json.hpp>
 #include <sys/stat.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include "common/kernel_variants.h"
@@ -143,6 +145,59 @@ TEST(DrafterParity, SlidingWindowLossAndGradientsMatchSpecForge) {
   // And the full-attention reference differs from it: the window changed what was computed.
   const Reference full = load_reference();
   EXPECT_GT(relative_error(load(*r.file, "loss"), load(*full.file, "loss")), 1e-4);
+}
+
+// The nodes of t's autograd graph whose name contains `name`.
+int64_t graph_nodes_named(const at::Tensor& t, const std::string& name) {
+  std::vector<torch::autograd::Node*> todo{t.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  int64_t found = 0;
+  while (!todo.empty()) {
+    torch::autograd::Node* node = todo.back();
+    todo.pop_back();
+    if (node == nullptr || !seen.insert(node).second) continue;
+    if (node->name().find(name) != std::string::npos) ++found;
+    for (const torch::autograd::Edge& e : node->next_edges()) todo.push_back(e.function.get());
+  }
+  return found;
+}
+
+// Activation checkpointing (train.activation_checkpointing): every layer run again in backward
+// gives the loss and gradients of the plain forward, full and sliding-window layers (whose window
+// the recomputed layer must keep), one attention group per sequence and several; and they still
+// match SpecForge's.
+TEST(DrafterParity, ActivationCheckpointingGivesTheSameLossAndGradients) {
+  for (const char* name : {"specforge_step", "specforge_step_sliding"}) {
+    const Reference r = load_reference(name);
+    DrafterShape shape = tiny_shape();
+    if (std::string(name) == "specforge_step_sliding") {
+      shape.layer_types = {"sliding_attention", "full_attention"};
+      shape.sliding_window = 6;
+    }
+    for (int64_t group_blocks : {64, 2}) {
+      SCOPED_TRACE(std::string(name) + ", groups of " + std::to_string(group_blocks) + " blocks");
+      Drafter plain = reference_drafter(r, shape), checkpointed = reference_drafter(r, shape);
+      checkpointed.set_activation_checkpointing(true);
+      // The checkpointed forward's graph holds one checkpoint node per layer and not the layers'
+      // own operations; the plain one none.
+      EXPECT_EQ(graph_nodes_named(checkpointed.forward(r.batch, r.embed, group_blocks), "CheckpointedLayer"),
+                shape.num_layers);
+      EXPECT_EQ(graph_nodes_named(plain.forward(r.batch, r.embed, group_blocks), "CheckpointedLayer"), 0);
+      LossStats a, b;
+      const at::Tensor loss_plain = step_loss(plain, r, &a, group_blocks);
+      const at::Tensor loss_checkpointed = step_loss(checkpointed, r, &b, group_blocks);
+      EXPECT_TRUE(at::equal(loss_plain, loss_checkpointed));
+      loss_plain.backward();
+      loss_checkpointed.backward();
+      for (size_t i = 0; i < plain.parameters().size(); ++i) {
+        const auto& [param, p] = plain.parameters()[i];
+        const at::Tensor& g = checkpointed.parameters()[i].second.grad();
+        ASSERT_TRUE(g.defined()) << param;
+        EXPECT_LE(relative_error(g, p.grad()), 1e-6) << param;
+        EXPECT_LE(relative_error(g, load(*r.file, "grad." + param)), 1e-5) << param;
+      }
+    }
+  }
 }
 
 // ---- Block attention -----------------------------------------------------------------------

@@ -331,7 +331,8 @@ TEST(DrafterInit, TrainingContinuesFromAnExportedDrafterOrACheckpoint) {
 
 TEST(AttentionChoice, IsAConfigOptionShownInTheLogAndMetrics) {
   const int port = test::free_port();
-  const RunDir r = make_run("attention-math", "train: {max_steps: 100000}\n", port);
+  // With the drafter's activations checkpointed (train.activation_checkpointing), reported the same way.
+  const RunDir r = make_run("attention-math", "train: {max_steps: 100000, activation_checkpointing: true}\n", port);
   std::string text = test::read_file(r.config);
   text.replace(text.find("drafter: {"), 10, "drafter: {attention: math, ");
   std::ofstream(r.config) << text;
@@ -344,6 +345,14 @@ TEST(AttentionChoice, IsAConfigOptionShownInTheLogAndMetrics) {
   }
   EXPECT_EQ(metric(body, "dflashd_kernel_path{component=\"drafter.attention\",path=\"math\"}"), 1) << body;
   EXPECT_NE(p.err().find("kernel path: drafter.attention: math (split path, portable math (as configured))"), std::string::npos) << p.err();
+  EXPECT_EQ(metric(body, "dflashd_kernel_path{component=\"drafter.activations\",path=\"checkpointed\"}"), 1) << body;
+  EXPECT_NE(p.err().find("kernel path: drafter.activations: checkpointed"), std::string::npos) << p.err();
+  // Steps train with the layers run again in backward.
+  for (int i = 0; i < 300 && !(metric(body, "dflashd_optimizer_steps_total") >= 2); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (auto response = client.Get("/metrics")) body = response->body;
+  }
+  EXPECT_GE(metric(body, "dflashd_optimizer_steps_total"), 2) << p.err();
   p.signal(SIGTERM);
   EXPECT_EQ(p.wait(60000), 0);
   // The GPU-only implementations are refused for a CPU run by the config check.
@@ -443,6 +452,22 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
   c.gpus.drafter = {1};
   const auto split = plan_memory(c, target, shape, {80LL << 30, 80LL << 30});
   EXPECT_TRUE(memory_plan_problems(split).empty()) << format_memory_plan(split);
+
+  // 65,536-token sequences with 2,048 anchors on one H200 (issue 25's long-sequence goal): the
+  // drafter's activations do not fit kept, and the refusal says how to checkpoint them; with
+  // train.activation_checkpointing they do.
+  c.gpus.target = {0};
+  c.gpus.drafter = {0};
+  c.data.max_length = 65536;
+  c.train.anchors_per_sequence = 2048;
+  const auto kept = plan_memory(c, target, shape, {143'771LL << 20});
+  const auto kept_problems = memory_plan_problems(kept);
+  ASSERT_EQ(kept_problems.size(), 1u) << format_memory_plan(kept);
+  EXPECT_NE(kept_problems[0].find("set train.activation_checkpointing: true"), std::string::npos) << kept_problems[0];
+  c.train.activation_checkpointing = true;
+  const auto checkpointed = plan_memory(c, target, shape, {143'771LL << 20});
+  EXPECT_LT(checkpointed[0].drafter_activations, kept[0].drafter_activations / 2) << format_memory_plan(checkpointed);
+  EXPECT_TRUE(memory_plan_problems(checkpointed).empty()) << format_memory_plan(checkpointed);
 }
 
 // ---- item 10: config.json as a new user's files may have it ------------------------------------
