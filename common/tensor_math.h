@@ -89,25 +89,4 @@ inline at::Tensor padded_heads_first(const std::vector<at::Tensor>& parts, int64
   return all.transpose(1, 2);
 }
 
-// [G, ...] from G tensors of one shape. A view when they already lie one after another in one
-// storage, evenly spaced (the members of the previous batched step, in the same order: their
-// states and conv windows are views of that step's batch), else a stacked copy. Batched decoding
-// restacks every layer's recurrent state each step; at 27B shapes and 64 sequences a copy moves
-// 400 MB per layer.
-inline at::Tensor restacked(const std::vector<at::Tensor>& parts) {
-  if (parts.size() == 1) return parts[0].unsqueeze(0);
-  const at::Tensor& first = parts[0];
-  const int64_t spacing = parts[1].storage_offset() - first.storage_offset();
-  bool views = first.is_contiguous() && spacing >= first.numel();
-  for (size_t j = 1; views && j < parts.size(); ++j) {
-    views = parts[j].is_alias_of(first) && parts[j].sizes() == first.sizes() && parts[j].is_contiguous() &&
-            parts[j].storage_offset() == first.storage_offset() + static_cast<int64_t>(j) * spacing;
-  }
-  if (!views) return at::stack(parts);
-  std::vector<int64_t> sizes{static_cast<int64_t>(parts.size())}, strides{spacing};
-  sizes.insert(sizes.end(), first.sizes().begin(), first.sizes().end());
-  strides.insert(strides.end(), first.strides().begin(), first.strides().end());
-  return first.as_strided(sizes, strides, first.storage_offset());
-}
-
 }  // namespace dflash

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -28,6 +29,101 @@ at::Tensor heads_side_by_side(const at::Tensor& t) {
   return t.transpose(0, 1).reshape(shape);
 }
 
+// Where a group's members' rows lie in the batch tensors they share (a GatedDeltaNet layer's
+// cache.state and conv, or last.* for a crop; an attention layer's keys and values): runs of
+// members reading one batch tensor, each run a slice of consecutive rows or an index on the
+// device. The same for every layer of a kind (a step or a crop updates all of a cache's layers
+// together): built once per step from one layer, so a step of the same sequences as the last
+// reads each layer's batch as it is, and one after a sequence left slices it, with no op per
+// sequence.
+class RowGather {
+ public:
+  // sources[j]: member j's batch tensor in one layer, slots[j] its row there.
+  RowGather(const std::vector<const at::Tensor*>& sources, const std::vector<int64_t>& slots, at::Device device) {
+    for (size_t j = 0; j < sources.size();) {
+      Run r;
+      r.begin = j;
+      std::vector<int64_t> rows;
+      for (; j < sources.size() && sources[j]->unsafeGetTensorImpl() == sources[r.begin]->unsafeGetTensorImpl(); ++j) {
+        rows.push_back(slots[j]);
+      }
+      r.end = j;
+      r.first = rows[0];
+      for (size_t i = 1; i < rows.size(); ++i) r.consecutive = r.consecutive && rows[i] == rows[0] + static_cast<int64_t>(i);
+      if (!r.consecutive) r.index = at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(device);
+      runs_.push_back(std::move(r));
+    }
+    whole_ = runs_.size() == 1 && runs_[0].consecutive && runs_[0].first == 0 &&
+             sources[0]->size(0) == static_cast<int64_t>(sources.size());
+  }
+
+  // Whether the members are their batch's rows, in order (the sequences of the last step).
+  bool whole() const { return whole_; }
+
+  // The members' rows [G, ...] of one layer's batch tensors (laid out as the plan's layer), each
+  // batch first seen through `view` when given (a crop's kept tokens: batches of steps of
+  // different lengths then agree).
+  using View = std::function<at::Tensor(const at::Tensor&)>;
+  at::Tensor gather(const std::vector<const at::Tensor*>& sources, const std::vector<int64_t>& slots,
+                    const View& view = nullptr) const {
+    if (!laid_out_as_planned(sources)) return stack_rows(sources, slots, view);
+    if (whole_) return view ? view(*sources[0]) : *sources[0];
+    std::vector<at::Tensor> parts;
+    for (const Run& r : runs_) parts.push_back(rows_of(r, view ? view(*sources[r.begin]) : *sources[r.begin]));
+    return parts.size() == 1 ? parts[0] : at::cat(parts);
+  }
+
+  // Copies the members' rows of `sources` into `dst` ([G, ...]: member j at row j), each run's
+  // rows cut to `length` along dimension 1 (an attention batch's held positions).
+  void copy_into(const at::Tensor& dst, const std::vector<const at::Tensor*>& sources, const std::vector<int64_t>& slots,
+                 int64_t length) const {
+    if (!laid_out_as_planned(sources)) {
+      for (size_t j = 0; j < sources.size(); ++j) {
+        const int64_t l = std::min(length, sources[j]->size(1));
+        dst[static_cast<int64_t>(j)].narrow(0, 0, l).copy_(sources[j]->select(0, slots[j]).narrow(0, 0, l));
+      }
+      return;
+    }
+    for (const Run& r : runs_) {
+      const int64_t l = std::min(length, sources[r.begin]->size(1));
+      dst.narrow(0, static_cast<int64_t>(r.begin), static_cast<int64_t>(r.end - r.begin))
+          .narrow(1, 0, l)
+          .copy_(rows_of(r, sources[r.begin]->narrow(1, 0, l)));
+    }
+  }
+
+ private:
+  struct Run {
+    size_t begin = 0, end = 0;  // members [begin, end) read one batch tensor
+    int64_t first = 0;          // their rows first .. first + (end - begin) - 1 when consecutive
+    bool consecutive = true;
+    at::Tensor index;           // else their rows, int64 on the device
+  };
+
+  at::Tensor rows_of(const Run& r, const at::Tensor& t) const {
+    return r.consecutive ? t.narrow(0, r.first, static_cast<int64_t>(r.end - r.begin)) : t.index_select(0, r.index);
+  }
+  bool laid_out_as_planned(const std::vector<const at::Tensor*>& sources) const {
+    for (const Run& r : runs_) {
+      for (size_t j = r.begin + 1; j < r.end; ++j) {
+        if (sources[j]->unsafeGetTensorImpl() != sources[r.begin]->unsafeGetTensorImpl()) return false;
+      }
+    }
+    return true;
+  }
+
+  // A layer laid out unlike the plan's (not expected: every layer of a cache moves together).
+  static at::Tensor stack_rows(const std::vector<const at::Tensor*>& sources, const std::vector<int64_t>& slots,
+                               const View& view) {
+    std::vector<at::Tensor> rows;
+    for (size_t j = 0; j < sources.size(); ++j) rows.push_back((view ? view(*sources[j]) : *sources[j]).select(0, slots[j]));
+    return at::stack(rows);
+  }
+
+  std::vector<Run> runs_;
+  bool whole_ = false;  // the members are the batch, in order
+};
+
 // Which cached keys each query of a group sees ([G, 1, n, longest] bool on `device`: key
 // positions up to the query's own, in its own sequence; the rest is the padding to the group's
 // longest). The same for every attention layer of a step: built once per step (building it per
@@ -45,49 +141,99 @@ at::Tensor visible_keys(const RowGroup& group, const std::vector<DecodeCache*>& 
   return (at::arange(longest, long_options).view({1, 1, longest}) <= last_visible.unsqueeze(2)).unsqueeze(1).to(device);
 }
 
-// One full-attention layer for a group: its members' keys and values appended to their caches
-// (layer `layer`), each query attending to its own sequence's keys up to its position (keys
-// padded to the group's longest and masked by `visible`, visible_keys). Writes the attention rows
-// into `out` [tokens, Hq, d].
-void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup& group, const at::Tensor& visible,
-                     const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& out) {
-  const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
-  const int64_t d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
-  int64_t longest = 0;
-  std::vector<at::Tensor> keys, values, new_keys, new_values;
-  // The group's new keys and values, member-major and dense: their appends are one copy_all each.
-  const at::Tensor k_rows = a.k.index_select(0, group.rows), v_rows = a.v.index_select(0, group.rows);
-  for (int64_t j = 0; j < size; ++j) {
-    DecodeCache& cache = *caches[group.members[j]];
-    const int64_t begin = cache.length, total = begin + n;
-    at::Tensor& k = cache.keys[layer];
-    at::Tensor& v = cache.values[layer];
-    k = with_rows(k, begin, total, {hkv, d}, a.k.options());
-    v = with_rows(v, begin, total, {hkv, d}, a.v.options());
-    new_keys.push_back(k.narrow(0, begin, n));
-    new_values.push_back(v.narrow(0, begin, n));
-    keys.push_back(k.narrow(0, 0, total));
-    values.push_back(v.narrow(0, 0, total));
-    longest = std::max(longest, total);
+// A group's step in the attention layers, the same in each: where its members' keys and values
+// lie (`rows`, from the first attention layer), how many positions they hold and will hold, and
+// where the step's keys go: positions `begin` .. of every row when the members start alike,
+// else (row, position) pairs on the device.
+struct KvStep {
+  RowGather rows;
+  int64_t held = 0, longest = 0;  // the longest member before and after the step
+  bool same_begin = true;
+  int64_t begin = 0;
+  at::Tensor append_rows, append_positions;  // int64 [G * n] when !same_begin
+};
+
+KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& caches, size_t first_attention,
+                    at::Device device) {
+  std::vector<const at::Tensor*> sources;
+  std::vector<int64_t> slots, rows, positions;
+  KvStep step{RowGather({}, {}, device)};
+  for (size_t j = 0; j < group.members.size(); ++j) {
+    const DecodeCache& cache = *caches[group.members[j]];
+    sources.push_back(&cache.keys[first_attention]);
+    slots.push_back(cache.kv_slot);
+    step.held = std::max(step.held, cache.length);
+    step.longest = std::max(step.longest, cache.length + group.count);
+    step.same_begin = step.same_begin && cache.length == caches[group.members[0]]->length;
+    for (int64_t t = 0; t < group.count; ++t) {
+      rows.push_back(static_cast<int64_t>(j));
+      positions.push_back(cache.length + t);
+    }
   }
-  copy_all(new_keys, k_rows.split(n));
-  copy_all(new_values, v_rows.split(n));
+  step.rows = RowGather(sources, slots, device);
+  step.begin = caches[group.members[0]]->length;
+  if (!step.same_begin) {
+    const auto long_options = at::TensorOptions().dtype(at::kLong);
+    const at::Tensor both = at::stack({at::tensor(rows, long_options), at::tensor(positions, long_options)}).to(device);
+    step.append_rows = both[0], step.append_positions = both[1];
+  }
+  return step;
+}
+
+// One attention layer's keys or values of a group: the members' batch [G, capacity, Hkv, d] as
+// it is when they are its rows in order and it has room, else a new one (capacity doubled, at
+// least 256 positions; zeros past each member's positions, which the mask hides: garbage there
+// could be NaN, and 0 x NaN is NaN) with their rows copied in; then the step's rows written.
+at::Tensor kv_batch(const KvStep& step, const std::vector<const at::Tensor*>& sources, const std::vector<int64_t>& slots,
+                    const at::Tensor& step_rows, int64_t n) {
+  at::Tensor batch = *sources[0];
+  if (!step.rows.whole() || batch.size(1) < step.longest) {
+    int64_t capacity = std::max<int64_t>(256, step.rows.whole() ? 2 * batch.size(1) : 0);
+    while (capacity < step.longest) capacity *= 2;
+    batch = at::zeros({static_cast<int64_t>(sources.size()), capacity, step_rows.size(1), step_rows.size(2)},
+                      step_rows.options());
+    step.rows.copy_into(batch, sources, slots, step.held);
+  }
+  if (step.same_begin) {
+    batch.narrow(1, step.begin, n).copy_(step_rows.view({batch.size(0), n, step_rows.size(1), step_rows.size(2)}));
+  } else {
+    batch.index_put_({step.append_rows, step.append_positions}, step_rows);
+  }
+  return batch;
+}
+
+// One full-attention layer for a group: its members' keys and values written into the batch
+// they share (kv_batch), each query attending to its own sequence's keys up to its position
+// (`visible`, visible_keys, hides the rest). Writes the attention rows into `out` [tokens, Hq, d].
+void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup& group, const KvStep& step,
+                     const at::Tensor& visible, const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& out) {
+  const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
+  const int64_t d = c.head_dim, hq = c.num_attention_heads;
+  std::vector<const at::Tensor*> keys, values;
+  std::vector<int64_t> slots;
+  for (size_t member : group.members) {
+    keys.push_back(&caches[member]->keys[layer]);
+    values.push_back(&caches[member]->values[layer]);
+    slots.push_back(caches[member]->kv_slot);
+  }
+  const at::Tensor k = kv_batch(step, keys, slots, a.k.index_select(0, group.rows), n);
+  const at::Tensor v = kv_batch(step, values, slots, a.v.index_select(0, group.rows), n);
+  for (size_t member : group.members) caches[member]->keys[layer] = k, caches[member]->values[layer] = v;
   const at::Tensor q = a.q.index_select(0, group.rows).view({size, n, hq, d}).transpose(1, 2);
-  const at::Tensor o = at::scaled_dot_product_attention(q, padded_heads_first(keys, longest),
-                                                        padded_heads_first(values, longest), visible, 0.0,
-                                                        /*is_causal=*/false, 1.0 / std::sqrt(static_cast<double>(d)),
-                                                        /*enable_gqa=*/true);
+  const at::Tensor o = at::scaled_dot_product_attention(
+      q, k.narrow(1, 0, step.longest).transpose(1, 2), v.narrow(1, 0, step.longest).transpose(1, 2), visible, 0.0,
+      /*is_causal=*/false, 1.0 / std::sqrt(static_cast<double>(d)), /*enable_gqa=*/true);
   out.index_copy_(0, group.rows, o.transpose(1, 2).reshape({size * n, hq, d}));
 }
 
 // One full-attention layer over every sequence's tokens.
 at::Tensor attention_layer(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
-                           const at::Tensor& sin, const std::vector<RowGroup>& groups,
+                           const at::Tensor& sin, const std::vector<RowGroup>& groups, const std::vector<KvStep>& steps,
                            const std::vector<at::Tensor>& visible, const std::vector<DecodeCache*>& caches,
                            size_t layer) {
   const AttentionQkv a = project_attention(c, p, x, cos, sin);
   at::Tensor out = at::empty({x.size(0), c.num_attention_heads, c.head_dim}, a.q.options());
-  for (size_t i = 0; i < groups.size(); ++i) attention_group(c, a, groups[i], visible[i], caches, layer, out);
+  for (size_t i = 0; i < groups.size(); ++i) attention_group(c, a, groups[i], steps[i], visible[i], caches, layer, out);
   out = out.view({x.size(0), c.num_attention_heads * c.head_dim});
   if (c.gated_attention) out = sigmoid_gate(out, a.gate);
   return p.o(out);
@@ -136,58 +282,67 @@ at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Te
   return o.view({n, size, hv, v.size(3)}).transpose(0, 1);
 }
 
-// One GatedDeltaNet layer for a group, from its members' cached conv inputs and states; keeps
-// what crop() needs in each member's last step when the step is croppable (per member six views
-// and layer: a few thousand host-side ops per step at 64 sequences, skipped for plain decoding). Writes the rule's o rows into `o_out` [tokens,
-// Hv, dv] (fp32).
+// The first GatedDeltaNet layer (-1: none): the layout of every GatedDeltaNet layer's batches.
+int64_t first_gdn_layer(const std::vector<Layer>& layers) {
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].kind != LayerKind::full_attention) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+// One GatedDeltaNet layer for a group, from its members' conv inputs and states (rows of the
+// batch tensors they share, read through `rows`): the group's new conv inputs and states become
+// their batch (member j its row j); keeps what crop() needs, as the group's batch tensors, when
+// the step is croppable. Writes the rule's o rows into `o_out` [tokens, Hv, dv] (fp32).
 void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjections& proj, const GdnGateValues& gates,
-               const RowGroup& group, const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& o_out,
-               int64_t recurrent_step_tokens, bool decode_kernel, bool croppable) {
+               const RowGroup& group, const RowGather& rows, const std::vector<DecodeCache*>& caches, size_t layer,
+               at::Tensor& o_out, int64_t recurrent_step_tokens, bool decode_kernel, bool croppable) {
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kernel = p.conv.size(1);
-  // Per member only views: the windows [G, K - 1 + n, C] are built by one gather and one cat.
-  std::vector<at::Tensor> convs, states_before;
-  for (int64_t j = 0; j < size; ++j) {
-    DecodeCache& cache = *caches[group.members[j]];
-    at::Tensor& conv = cache.conv[layer];
-    if (!conv.defined()) conv = at::zeros({kernel - 1, proj.mixed.size(1)}, proj.mixed.options());
-    if (!cache.state[layer].defined()) cache.state[layer] = at::zeros({hv, dk, dv}, o_out.options());
-    convs.push_back(conv);
-    states_before.push_back(cache.state[layer]);
+  std::vector<const at::Tensor*> convs, states;
+  std::vector<int64_t> slots;
+  for (size_t member : group.members) {
+    const DecodeCache& cache = *caches[member];
+    convs.push_back(&cache.conv[layer]);
+    states.push_back(&cache.state[layer]);
+    slots.push_back(cache.slot);
   }
-  const at::Tensor window =
-      at::cat({restacked(convs), proj.mixed.index_select(0, group.rows).view({size, n, proj.mixed.size(1)})}, 1);
+  const at::Tensor window = at::cat(
+      {rows.gather(convs, slots), proj.mixed.index_select(0, group.rows).view({size, n, proj.mixed.size(1)})}, 1);
   const at::Tensor convolved = conv_over_window(window, p.conv, proj.mixed.scalar_type());
   const at::Tensor q = convolved.narrow(-1, 0, hk * dk).view({size, n, hk, dk});
   const at::Tensor k = convolved.narrow(-1, hk * dk, hk * dk).view({size, n, hk, dk});
   const at::Tensor v = convolved.narrow(-1, 2 * hk * dk, hv * dv).view({size, n, hv, dv});
   const at::Tensor g = gates.g.index_select(0, group.rows).view({size, n, hv});
   const at::Tensor beta = gates.beta.index_select(0, group.rows).view({size, n, hv});
-  at::Tensor states = restacked(states_before);
-  const at::Tensor o = run_rule_group(q, k, v, g, beta, &states, recurrent_step_tokens, decode_kernel);
+  const at::Tensor before = rows.gather(states, slots);
+  at::Tensor after = before;
+  const at::Tensor o = run_rule_group(q, k, v, g, beta, &after, recurrent_step_tokens, decode_kernel);
   o_out.index_copy_(0, group.rows, o.reshape({size * n, hv, dv}));
-  // The members' last K - 1 conv inputs, compact, in one copy (a view of the window would keep the
-  // whole step's window alive: 10 MB per layer and sequence after a 512-token prefill at 27B).
-  // clone, not contiguous(): with one member the narrowed window counts as contiguous, no copy.
+  // The members' last K - 1 conv inputs, compact, in one copy (a view would keep the whole step's
+  // window alive: 10 MB per layer and sequence after a 512-token prefill at 27B shapes). clone,
+  // not contiguous(): with one member the narrowed window counts as contiguous.
   const at::Tensor tails = window.narrow(1, n, kernel - 1).clone(at::MemoryFormat::Contiguous);
-  for (int64_t j = 0; j < size; ++j) {
-    DecodeCache& cache = *caches[group.members[j]];
-    if (croppable) cache.last.gdn[layer] = {states_before[j], q[j], k[j], v[j], g[j], beta[j], window[j]};
-    cache.state[layer] = states[j];
-    cache.conv[layer] = tails[j];
+  for (size_t member : group.members) {
+    DecodeCache& cache = *caches[member];
+    if (croppable) cache.last.gdn[layer] = {before, q, k, v, g, beta, window};
+    cache.state[layer] = after;
+    cache.conv[layer] = tails;
   }
 }
 
 // One GatedDeltaNet layer over every sequence's tokens.
 at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, const std::vector<RowGroup>& groups,
-                     const std::vector<DecodeCache*>& caches, size_t layer, int64_t recurrent_step_tokens,
-                     bool kernel, bool croppable) {
+                     const std::vector<RowGather>& rows, const std::vector<DecodeCache*>& caches, size_t layer,
+                     int64_t recurrent_step_tokens, bool kernel, bool croppable) {
   const GdnProjections proj = project_gdn(c, p, x);
   const GdnGateValues gates = gdn_gates_reference(proj.a, proj.b, p.a_log, p.dt_bias);
   at::Tensor o = at::empty({x.size(0), c.linear_num_value_heads, c.linear_value_head_dim},
                            x.options().dtype(at::kFloat));
-  for (const RowGroup& group : groups) gdn_group(c, p, proj, gates, group, caches, layer, o, recurrent_step_tokens, kernel, croppable);
+  for (size_t i = 0; i < groups.size(); ++i) {
+    gdn_group(c, p, proj, gates, groups[i], rows[i], caches, layer, o, recurrent_step_tokens, kernel, croppable);
+  }
   return gdn_output(c, p, o, proj.z, x.scalar_type());
 }
 
@@ -247,6 +402,54 @@ std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<Decode
   const std::vector<RowGroup> groups = group_rows_by_count(counts, device);
   std::vector<at::Tensor> visible;
   for (const RowGroup& group : groups) visible.push_back(visible_keys(group, caches, device));
+  // The GatedDeltaNet layers' batches: a new cache starts from zeros, then each group reads its
+  // members' rows the same way in every layer.
+  const int64_t first_gdn = first_gdn_layer(m.layers);
+  auto start_gdn_state = [&](DecodeCache& cache) {
+    for (size_t i = 0; i < m.layers.size(); ++i) {
+      if (m.layers[i].kind == LayerKind::full_attention) continue;
+      const at::Tensor& conv = m.layers[i].gdn.conv;  // [channels, K]
+      cache.conv[i] = at::zeros({1, conv.size(1) - 1, conv.size(0)},
+                                at::TensorOptions().dtype(model_.options().dtype).device(device));
+      cache.state[i] = at::zeros({1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim},
+                                 at::TensorOptions().dtype(at::kFloat).device(device));
+    }
+    cache.slot = 0;
+  };
+  // The attention layers' batches: a new cache starts from an empty one per layer.
+  int64_t first_attention = -1;
+  for (size_t i = 0; i < m.layers.size() && first_attention < 0; ++i) {
+    if (m.layers[i].kind == LayerKind::full_attention) first_attention = static_cast<int64_t>(i);
+  }
+  std::vector<KvStep> kv_steps;
+  if (first_attention >= 0) {
+    for (DecodeCache* cache : caches) {
+      if (cache->keys[first_attention].defined()) continue;
+      for (size_t i = 0; i < m.layers.size(); ++i) {
+        if (m.layers[i].kind != LayerKind::full_attention) continue;
+        cache->keys[i] = at::zeros({1, 0, c.num_key_value_heads, c.head_dim},
+                                   at::TensorOptions().dtype(model_.options().dtype).device(device));
+        cache->values[i] = cache->keys[i];
+      }
+      cache->kv_slot = 0;
+    }
+    for (const RowGroup& group : groups) kv_steps.push_back(plan_kv_step(group, caches, first_attention, device));
+  }
+  std::vector<RowGather> gdn_rows;
+  if (first_gdn >= 0) {
+    for (DecodeCache* cache : caches) {
+      if (!cache->state[first_gdn].defined()) start_gdn_state(*cache);
+    }
+    for (const RowGroup& group : groups) {
+      std::vector<const at::Tensor*> sources;
+      std::vector<int64_t> slots;
+      for (size_t member : group.members) {
+        sources.push_back(&caches[member]->state[first_gdn]);
+        slots.push_back(caches[member]->slot);
+      }
+      gdn_rows.emplace_back(sources, slots, device);
+    }
+  }
   const at::Tensor position_ids = at::tensor(positions, at::TensorOptions().dtype(at::kLong)).to(device);
   const auto [cos, sin] = rope_tables(m.inv_freq, position_ids, model_.options().dtype);
 
@@ -257,9 +460,9 @@ std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<Decode
     const Layer& layer = m.layers[i];
     const at::Tensor normed = stream.add_and_norm(layer.input_norm);
     stream.push(layer.kind == LayerKind::full_attention
-                    ? attention_layer(c, layer.attention, normed, cos, sin, groups, visible, caches, i)
-                    : gdn_layer(c, layer.gdn, normed, groups, caches, i, recurrent_step_tokens_, model_.gdn_kernels_,
-                                croppable));
+                    ? attention_layer(c, layer.attention, normed, cos, sin, groups, kv_steps, visible, caches, i)
+                    : gdn_layer(c, layer.gdn, normed, groups, gdn_rows, caches, i, recurrent_step_tokens_,
+                                model_.gdn_kernels_, croppable));
     stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm), model_.grouped_moe_));
     if (next < tap.size() && tap[next] == static_cast<int64_t>(i)) {
       tapped.push_back(stream.output());
@@ -269,6 +472,13 @@ std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<Decode
   if (next != tap.size()) throw std::invalid_argument("decode step: tapped layers must ascend within the model's layers");
   const at::Tensor logits = at::matmul(stream.add_and_norm(m.final_norm), m.head.t()).to(at::kFloat);
   const at::Tensor features = tapped.empty() ? at::Tensor() : at::cat(tapped, -1);
+  for (const RowGroup& group : groups) {  // member j is now row j of its group's batches
+    for (size_t j = 0; j < group.members.size(); ++j) {
+      caches[group.members[j]]->slot = static_cast<int64_t>(j);
+      caches[group.members[j]]->kv_slot = static_cast<int64_t>(j);
+      caches[group.members[j]]->last.slot = static_cast<int64_t>(j);
+    }
+  }
   std::vector<DecodeOutput> out(caches.size());
   int64_t row = 0;
   for (size_t s = 0; s < caches.size(); ++s) {
@@ -318,28 +528,41 @@ void IncrementalTarget::crop_batch(const std::vector<DecodeCache*>& caches, cons
     }
     if (lengths[s] - last.begin < last.count) by_kept[lengths[s] - last.begin].push_back(s);
   }
+  const std::vector<Layer>& layers = model_.impl_->layers;
+  const int64_t first_gdn = first_gdn_layer(layers);
   for (const auto& [keep, members] : by_kept) {
-    for (size_t i = 0; i < model_.impl_->layers.size(); ++i) {
-      if (!caches[members[0]]->last.gdn[i].window.defined()) continue;  // full attention: rows past `length` are ignored
-      std::vector<at::Tensor> states, q, k, v, g, beta;
-      for (size_t s : members) {
-        DecodeCache& cache = *caches[s];
-        DecodeCache::LastStep::Gdn& last = cache.last.gdn[i];
-        const int64_t kernel_minus_1 = last.window.size(0) - cache.last.count;
-        cache.conv[i] = last.window.narrow(0, keep, kernel_minus_1);  // a view: the group's window stays alive
-        last.window = last.window.narrow(0, 0, kernel_minus_1 + keep);
-        last.q = last.q.narrow(0, 0, keep), last.k = last.k.narrow(0, 0, keep), last.v = last.v.narrow(0, 0, keep);
-        last.g = last.g.narrow(0, 0, keep), last.beta = last.beta.narrow(0, 0, keep);
-        states.push_back(last.state_before);
-        q.push_back(last.q), k.push_back(last.k), v.push_back(last.v), g.push_back(last.g), beta.push_back(last.beta);
-      }
-      at::Tensor kept = restacked(states);
+    if (first_gdn < 0) break;  // full attention only: rows past `length` are ignored
+    // Where the members' rows lie in their last steps' batches: the same in every layer.
+    std::vector<int64_t> slots;
+    std::vector<const at::Tensor*> sources;
+    for (size_t s : members) {
+      slots.push_back(caches[s]->last.slot);
+      sources.push_back(&caches[s]->last.gdn[first_gdn].state_before);
+    }
+    const RowGather rows(sources, slots, model_.options().device);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (layers[i].kind == LayerKind::full_attention) continue;
+      // The members' last steps may have run different numbers of tokens: each batch is cut to
+      // the kept tokens before its rows are gathered.
+      using Gdn = DecodeCache::LastStep::Gdn;
+      auto gather = [&](at::Tensor Gdn::*field, const RowGather::View& view) {
+        for (size_t j = 0; j < members.size(); ++j) sources[j] = &(caches[members[j]]->last.gdn[i].*field);
+        return rows.gather(sources, slots, view);
+      };
+      const auto kept_tokens = [&](const at::Tensor& t) { return t.narrow(1, 0, keep); };
+      const int64_t kernel_minus_1 = layers[i].gdn.conv.size(1) - 1;
+      // The conv inputs before the first token not kept: rows keep .. keep + K - 2 of the window.
+      const at::Tensor conv = gather(&Gdn::window, [&](const at::Tensor& w) { return w.narrow(1, keep, kernel_minus_1); })
+                                  .clone(at::MemoryFormat::Contiguous);
+      at::Tensor state = gather(&Gdn::state_before, nullptr);
       if (keep > 0) {
-        run_rule_group(restacked(q), restacked(k), restacked(v), restacked(g), restacked(beta), &kept, recurrent_step_tokens_,
+        run_rule_group(gather(&Gdn::q, kept_tokens), gather(&Gdn::k, kept_tokens), gather(&Gdn::v, kept_tokens),
+                       gather(&Gdn::g, kept_tokens), gather(&Gdn::beta, kept_tokens), &state, recurrent_step_tokens_,
                        model_.gdn_kernels_);
       }
-      for (size_t j = 0; j < members.size(); ++j) caches[members[j]]->state[i] = kept[static_cast<int64_t>(j)];
+      for (size_t s : members) caches[s]->state[i] = state, caches[s]->conv[i] = conv;
     }
+    for (size_t j = 0; j < members.size(); ++j) caches[members[j]]->slot = static_cast<int64_t>(j);
   }
   for (size_t s = 0; s < caches.size(); ++s) {
     caches[s]->last.count = lengths[s] - caches[s]->last.begin;

@@ -30,14 +30,23 @@ namespace dflash::target {
 // One sequence's decoding state.
 struct DecodeCache {
   int64_t length = 0;  // tokens held: positions 0 .. length - 1
-  // Per layer. Full attention: keys, values [capacity, Hkv, d] (rows < length valid).
-  // GatedDeltaNet: conv [K - 1, channels] (the last K - 1 conv inputs), state [Hv, dk, dv] fp32.
-  std::vector<at::Tensor> keys, values, conv, state;
-  // The last step, for crop(): its first position and token count; per GatedDeltaNet layer the
-  // state before it, the rule's inputs over it (q, k, v, g, beta) and the conv inputs over it
-  // ([K - 1 + count, channels]).
+  // Full-attention layers: the sequence's keys and values are row `kv_slot` of batch tensors
+  // [G, capacity, Hkv, d] it shares with the sequences it last stepped with (positions < length
+  // valid; the step's keys are written in place).
+  std::vector<at::Tensor> keys, values;
+  int64_t kv_slot = 0;
+  // GatedDeltaNet layers: the sequence's conv inputs and state are row `slot` of batch tensors it
+  // shares with the sequences it last stepped (or was cropped) with: conv [G, K - 1, channels]
+  // (the last K - 1 conv inputs), state [G, Hv, dk, dv] fp32. Sharing them costs no op per
+  // sequence and layer, and the next step of the same sequences reads the batch as it is.
+  std::vector<at::Tensor> conv, state;
+  int64_t slot = 0;
+  // The last step, for crop(): its first position and token count (the tokens still held of it);
+  // per GatedDeltaNet layer, as batch tensors of the step's group (row last.slot): the state
+  // before it, the rule's inputs over it (q, k, v [G, n, heads, d], g, beta [G, n, Hv]) and the
+  // conv inputs over it ([G, K - 1 + n, channels]), n the tokens the step ran.
   struct LastStep {
-    int64_t begin = 0, count = 0;
+    int64_t begin = 0, count = 0, slot = 0;
     struct Gdn {
       at::Tensor state_before, q, k, v, g, beta, window;
     };

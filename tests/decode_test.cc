@@ -100,8 +100,8 @@ TEST(IncrementalTarget, APromptPrefilledInChunksIsThePromptInOneStep) {
   }
 }
 
-// What a cache keeps after a prefill and a plain step: its conv windows are K - 1 rows of their
-// own, not views that keep the prefill's whole window alive (0.5 GB per sequence at 27B shapes).
+// What a cache keeps after a prefill and a plain step: its conv windows are K - 1 rows per
+// sequence, not views that keep the prefill's whole window alive (0.5 GB per sequence at 27B).
 TEST(IncrementalTarget, ACacheKeepsOnlyItsOwnConvWindow) {
   const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny-qwen3_5");
   auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 3);
@@ -114,8 +114,8 @@ TEST(IncrementalTarget, ACacheKeepsOnlyItsOwnConvWindow) {
     for (const at::Tensor& conv : cache.conv) {
       if (!conv.defined()) continue;
       ++layers;
-      EXPECT_EQ(conv.size(0), 3) << when;
-      EXPECT_LE(conv.storage().nbytes(), 2 * conv.numel() * conv.element_size()) << when;  // at most a batch of 2
+      EXPECT_EQ(conv.size(1), 3) << when;  // [sequences stepped together, K - 1, channels]
+      EXPECT_EQ(conv.storage().nbytes(), conv.numel() * conv.element_size()) << when;
     }
     EXPECT_GT(layers, 0);
   };
@@ -164,6 +164,30 @@ TEST(IncrementalTarget, ABatchedStepIsEachSequencesOwnStep) {
     const std::vector<DecodeOutput> after = decoder.step_batch(batch, next, tap);
     for (size_t s = 0; s < alone.size(); ++s) {
       EXPECT_LT(max_diff(after[s].logits, decoder.step(alone[s], next[s], tap).logits), 1e-4) << "sequence " << s;
+    }
+    // Steps of 4, 4, 3 and 4 tokens (two groups), of which 1, 3, 1, 2 are kept (the crop gathers
+    // sequences 0 and 2 from two batches of steps of different lengths, sequences 0, 1 and 3 are
+    // rows 0, 1, 2 of one), then a step without sequence 1 (rows of several batches), in another order.
+    std::vector<at::Tensor> fours, ones;
+    std::vector<int64_t> kept;
+    const int64_t keep4[] = {1, 3, 1, 2}, count4[] = {4, 4, 3, 4};
+    for (size_t s = 0; s < alone.size(); ++s) {
+      fours.push_back(at::randint(0, config.vocab_size, {count4[s]}, options));
+      ones.push_back(at::randint(0, config.vocab_size, {1}, options));
+      kept.push_back(together[s].length + keep4[s]);
+    }
+    decoder.step_batch(batch, fours, tap);
+    decoder.crop_batch(batch, kept);
+    const std::vector<DecodeOutput> later =
+        decoder.step_batch({batch[3], batch[0], batch[2]}, {ones[3], ones[0], ones[2]}, {}, /*croppable=*/false);
+    for (size_t s = 0; s < alone.size(); ++s) {
+      decoder.step(alone[s], fours[s], tap);
+      decoder.crop(alone[s], kept[s]);
+    }
+    const size_t order[] = {3, 0, 2};
+    for (size_t j = 0; j < 3; ++j) {
+      EXPECT_LT(max_diff(later[j].logits, decoder.step(alone[order[j]], ones[order[j]], {}).logits), 1e-4)
+          << "sequence " << order[j];
     }
     DecodeCache& first = together[0];
     EXPECT_THROW(decoder.step_batch({&first, &first}, {next[0], next[0]}, {}), std::invalid_argument);

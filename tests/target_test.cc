@@ -704,32 +704,6 @@ TEST(TargetLoading, Fp8CheckpointIsBlockScaledAndDiffersFromItsSource) {
   EXPECT_LT((a - b).abs().max().item<double>() / b.abs().max().item<double>(), 0.2);  // and still the same model
 }
 
-// Batched decoding's restack: members that are the previous step's batch in order come back as a
-// view of it (no copy); any other set (another order, a member of another batch, a gap) is
-// stacked; both equal at::stack.
-TEST(TensorMath, RestackedIsAViewOnlyWhenThePartsLieInOrder) {
-  const at::Tensor batch = at::randn({4, 3, 5});
-  const std::vector<at::Tensor> in_order{batch[0], batch[1], batch[2], batch[3]};
-  const at::Tensor view = restacked(in_order);
-  EXPECT_TRUE(view.is_alias_of(batch));
-  EXPECT_TRUE(at::equal(view, batch));
-  const std::vector<at::Tensor> every_other{batch[0], batch[2]};  // evenly spaced: still a view
-  EXPECT_TRUE(restacked(every_other).is_alias_of(batch));
-  EXPECT_TRUE(at::equal(restacked(every_other), at::stack(every_other)));
-  for (const std::vector<at::Tensor>& parts : std::vector<std::vector<at::Tensor>>{
-           {batch[1], batch[0]}, {batch[0], batch[1], batch[3]}, {batch[0], at::randn({3, 5})},
-           {batch[0].narrow(0, 0, 2), batch[1].narrow(0, 0, 2), batch[2].narrow(0, 1, 2)}}) {
-    const at::Tensor copy = restacked(parts);
-    EXPECT_FALSE(copy.is_alias_of(batch));
-    EXPECT_TRUE(at::equal(copy, at::stack(parts)));
-  }
-  // Rows of a window narrowed per member (the conv windows after a step): spaced views.
-  const at::Tensor windows = at::randn({3, 6, 4});
-  const std::vector<at::Tensor> tails{windows[0].narrow(0, 3, 3), windows[1].narrow(0, 3, 3), windows[2].narrow(0, 3, 3)};
-  EXPECT_TRUE(restacked(tails).is_alias_of(windows));
-  EXPECT_TRUE(at::equal(restacked(tails), at::stack(tails)));
-}
-
 TEST(TensorMath, CopyAllAndPaddedHeadsFirst) {
   const std::vector<at::Tensor> parts{at::randn({2, 3, 4}), at::randn({5, 3, 4}), at::randn({1, 3, 4})};
   const at::Tensor padded = padded_heads_first(parts, 6);  // [G, H, longest, d]
