@@ -523,15 +523,23 @@ TEST(GatedDeltaNetKernels, ConvSiluAndL2NormMatchTheReference) {
   }
 }
 
-TEST(GatedDeltaNetKernels, WholeTargetMatchesTheReferencePath) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  const ModelConfig config = kernel_sized_qwen3_5();
+// The kernel-sized Qwen3.5 on the GPU twice with the same weights: its GatedDeltaNet layers on
+// the kernels and on the reference path.
+struct KernelAndReference {
+  std::unique_ptr<TargetModel> kernels, reference;
+};
+KernelAndReference kernel_and_reference_targets(const ModelConfig& config, int64_t last_layer, uint64_t seed) {
   TargetOptions fast{at::Device(at::kCUDA, 0), at::kBFloat16, false};
   TargetOptions slow = fast;
   slow.allow_slow_path = true;
   slow.gdn_path = TargetOptions::GdnPath::reference;
-  auto fast_model = random_target(config, 6, fast, 11);
-  auto slow_model = random_target(config, 6, slow, 11);
+  return {random_target(config, last_layer, fast, seed), random_target(config, last_layer, slow, seed)};
+}
+
+TEST(GatedDeltaNetKernels, WholeTargetMatchesTheReferencePath) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig config = kernel_sized_qwen3_5();
+  auto [fast_model, slow_model] = kernel_and_reference_targets(config, 6, 11);
   EXPECT_EQ(fast_model->kernel_paths().at("target.linear_attention").path, "kernels");
   EXPECT_EQ(slow_model->kernel_paths().at("target.linear_attention").path, "reference");
   const std::vector<int64_t> cu = {0, 100, 101, 400};
@@ -579,12 +587,7 @@ TEST(GatedDeltaNetKernels, DecodeStepMatchesTheRecurrentRule) {
 TEST(GatedDeltaNetKernels, DecodingStepsMatchTheReferencePath) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const ModelConfig config = kernel_sized_qwen3_5();
-  TargetOptions fast{at::Device(at::kCUDA, 0), at::kBFloat16, false};
-  TargetOptions slow = fast;
-  slow.allow_slow_path = true;
-  slow.gdn_path = TargetOptions::GdnPath::reference;
-  auto fast_model = random_target(config, config.num_layers - 1, fast, 5);
-  auto slow_model = random_target(config, config.num_layers - 1, slow, 5);
+  const auto [fast_model, slow_model] = kernel_and_reference_targets(config, config.num_layers - 1, 5);
   const IncrementalTarget a(*fast_model), b(*slow_model);
   const auto ids = [&](int64_t n) { return at::randint(0, config.vocab_size, {n}, at::TensorOptions().dtype(at::kLong)); };
   std::vector<DecodeCache> ca, cb;
