@@ -9,14 +9,20 @@
 // Several sequences step together (step_batch, crop_batch: batched decoding of many prompts):
 // the token-wise work (embedding, projections, MLP or experts, norms, LM head) runs once over all
 // their tokens; the attention and the GatedDeltaNet rule once per group of sequences stepping the
-// same number of tokens (keys padded to the group's longest cache and masked; the rule's heads of
-// the group's sequences side by side, which is exact: heads are independent).
+// same number of tokens (each query masked to its own sequence's keys; the rule's heads of the
+// group's sequences side by side, which is exact: heads are independent). The caches of a group
+// are rows of batch tensors the group shares (DecodeCache): the next step of the same sequences
+// reads them as they are, so a step costs no op per sequence and layer; when the set changes (a
+// sequence finished, a crop kept different numbers of tokens), rows are sliced or gathered once
+// per run of sequences that share a batch.
 //
 // Math as TargetModel::forward (same weights, same roundings of each layer's pieces); the
 // GatedDeltaNet rule runs as libtorch ops (token by token for one-token steps, chunked for
 // verify steps and prefills), on any device; where the model's GatedDeltaNet layers run the CUDA
-// kernels, one-token steps run the decode-step kernel (the state read and written once). Thread-safety: const methods; a cache belongs to
-// one thread.
+// kernels, steps and crops of up to 64 tokens run the decode-step kernel (the state read and
+// written once). Thread-safety: const methods; a cache belongs to one thread, and caches that
+// stepped together share tensors that no step modifies in place except the attention batch
+// their group shares (its new keys and values).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,7 +33,8 @@
 
 namespace dflash::target {
 
-// One sequence's decoding state.
+// One sequence's decoding state. A copy shares its tensors with the original (keys and values are
+// written in place): step only one of them.
 struct DecodeCache {
   int64_t length = 0;  // tokens held: positions 0 .. length - 1
   // Full-attention layers: the sequence's keys and values are row `kv_slot` of batch tensors
