@@ -46,6 +46,16 @@ std::pair<int64_t, int64_t> verify_block(const std::vector<int64_t>& block, cons
   return rejection_sample(ids_tensor(std::vector<int64_t>(block.begin() + 1, block.end())), target_probs, draft_probs, gen);
 }
 
+// Each output's argmaxes (int64 on the CPU, one per row), all in one copy to the host.
+std::vector<at::Tensor> argmaxes(const std::vector<target::DecodeOutput>& out) {
+  std::vector<at::Tensor> logits;
+  for (const target::DecodeOutput& o : out) logits.push_back(o.logits);
+  const at::Tensor all = at::cat(logits).argmax(-1).to(at::kCPU);
+  std::vector<at::Tensor> rows;
+  for (int64_t row = 0; const at::Tensor& l : logits) rows.push_back(all.narrow(0, row, l.size(0))), row += l.size(0);
+  return rows;
+}
+
 bool is_stop(int64_t token, const std::vector<int64_t>& stops) {
   return std::find(stops.begin(), stops.end(), token) != stops.end();
 }
@@ -242,7 +252,8 @@ void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const Gen
         draft_probs[j] = sampling_probs(logits.narrow(0, row, n), sampling);
         drafts = draw(draft_probs[j], active[j]->gen);
       }
-      for (int64_t k = 0; k < n; ++k) blocks[j][static_cast<size_t>(k + 1)] = drafts[k].item<int64_t>();
+      const at::Tensor drafted = drafts.to(at::kCPU).contiguous();
+      std::copy_n(drafted.data_ptr<int64_t>(), n, blocks[j].begin() + 1);
       row += n;
     }
   }
@@ -252,18 +263,7 @@ void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const Gen
   for (size_t j = 0; j < count; ++j) caches.push_back(&active[j]->cache), verify_ids.push_back(ids_tensor(blocks[j]));
   const std::vector<target::DecodeOutput> out = target_.step_batch(caches, verify_ids, tap_);
   // 3. Per sequence: the accepted prefix and the bonus token; the caches keep what was committed.
-  // Greedy: every block's argmaxes in one copy to the host.
-  std::vector<at::Tensor> posteriors(count);
-  if (sampling.greedy()) {
-    std::vector<at::Tensor> logits;
-    for (const target::DecodeOutput& o : out) logits.push_back(o.logits);
-    const at::Tensor all = at::cat(logits).argmax(-1).to(at::kCPU);
-    int64_t row = 0;
-    for (size_t j = 0; j < count; ++j) {
-      posteriors[j] = all.narrow(0, row, out[j].logits.size(0));
-      row += out[j].logits.size(0);
-    }
-  }
+  const std::vector<at::Tensor> posteriors = sampling.greedy() ? argmaxes(out) : std::vector<at::Tensor>(count);
   std::vector<int64_t> lengths(count);
   std::vector<drafter::DrafterContextCache*> contexts;
   std::vector<at::Tensor> committed_features;
@@ -304,16 +304,10 @@ void PlainDecoder::advance(const std::vector<Sequence*>& active, const GenerateS
   std::vector<at::Tensor> ids;
   for (Sequence* s : active) caches.push_back(&s->cache), ids.push_back(ids_tensor({s->g.tokens.back()}));
   const std::vector<target::DecodeOutput> out = target_.step_batch(caches, ids, {}, /*croppable=*/false);
-  at::Tensor greedy;  // one argmax over every sequence's logits
-  if (settings.sampling.greedy()) {
-    std::vector<at::Tensor> logits;
-    for (const target::DecodeOutput& o : out) logits.push_back(o.logits);
-    greedy = at::cat(logits).argmax(-1).to(at::kCPU);
-  }
+  const std::vector<at::Tensor> greedy = settings.sampling.greedy() ? argmaxes(out) : std::vector<at::Tensor>();
   for (size_t j = 0; j < active.size(); ++j) {
     Sequence& s = *active[j];
-    const int64_t token = greedy.defined() ? greedy[static_cast<int64_t>(j)].item<int64_t>()
-                                           : choose(out[j].logits, settings.sampling, s.gen);
+    const int64_t token = !greedy.empty() ? *greedy[j].data_ptr<int64_t>() : choose(out[j].logits, settings.sampling, s.gen);
     s.g.tokens.push_back(token);
     s.g.stopped = is_stop(token, settings.stop_token_ids);
     s.start += 1;

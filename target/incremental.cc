@@ -346,6 +346,112 @@ at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const at::Ten
   return gdn_output(c, p, o, proj.z, x.scalar_type());
 }
 
+// A step's tokens: every sequence's ids in one tensor (copied to the device once: a copy per
+// sequence waited for the stream each time), their counts, the sequences' first positions, and
+// every token's position. Throws on a malformed step.
+struct StepTokens {
+  at::Tensor ids;
+  std::vector<int64_t> counts, begins, positions;
+};
+StepTokens step_tokens(const std::vector<DecodeCache*>& caches, const std::vector<at::Tensor>& input_ids,
+                       size_t layers) {
+  if (caches.empty() || caches.size() != input_ids.size()) {
+    throw std::invalid_argument("decode step: " + std::to_string(caches.size()) + " caches for " +
+                                std::to_string(input_ids.size()) + " token lists");
+  }
+  StepTokens t;
+  std::vector<at::Tensor> ids;
+  for (size_t s = 0; s < caches.size(); ++s) {
+    const DecodeCache& cache = *caches[s];
+    if (cache.keys.size() != layers) throw std::invalid_argument("decode step: the cache is not this model's");
+    if (std::find(caches.begin(), caches.begin() + s, caches[s]) != caches.begin() + s) {
+      throw std::invalid_argument("decode step: a cache appears twice in one step");
+    }
+    ids.push_back(input_ids[s].to(input_ids[0].device(), at::kLong).reshape({-1}));
+    t.counts.push_back(ids.back().size(0));
+    if (t.counts.back() == 0) throw std::invalid_argument("decode step: no tokens");
+    t.begins.push_back(cache.length);
+    for (int64_t p = cache.length; p < cache.length + t.counts.back(); ++p) t.positions.push_back(p);
+  }
+  t.ids = at::cat(ids);
+  return t;
+}
+
+// A cache's first step: its attention layers start from empty batches, its GatedDeltaNet layers
+// from zero conv inputs and states (`activations`: the model's dtype and device).
+void start_caches(const std::vector<Layer>& layers, const ModelConfig& c, const std::vector<DecodeCache*>& caches,
+                  const at::TensorOptions& activations) {
+  for (DecodeCache* cache : caches) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (layers[i].kind == LayerKind::full_attention) {
+        if (cache->keys[i].defined()) continue;
+        cache->keys[i] = at::zeros({1, 0, c.num_key_value_heads, c.head_dim}, activations);
+        cache->values[i] = cache->keys[i];
+        cache->kv_slot = 0;
+      } else {
+        if (cache->state[i].defined()) continue;
+        const at::Tensor& conv = layers[i].gdn.conv;  // [channels, K]
+        cache->conv[i] = at::zeros({1, conv.size(1) - 1, conv.size(0)}, activations);
+        cache->state[i] = at::zeros({1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim},
+                                    activations.dtype(at::kFloat));
+        cache->slot = 0;
+      }
+    }
+  }
+}
+
+// The attention layers' plan of a step, per group (none without attention layers).
+std::vector<KvStep> plan_kv_steps(const std::vector<Layer>& layers, const std::vector<RowGroup>& groups,
+                                  const std::vector<DecodeCache*>& caches, at::Device device) {
+  std::vector<KvStep> steps;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].kind != LayerKind::full_attention) continue;
+    for (const RowGroup& group : groups) steps.push_back(plan_kv_step(group, caches, i, device));
+    break;
+  }
+  return steps;
+}
+
+// Where each group's members' rows lie in the GatedDeltaNet layers' batches (the same in every
+// layer; none without GatedDeltaNet layers).
+std::vector<RowGather> plan_gdn_rows(const std::vector<Layer>& layers, const std::vector<RowGroup>& groups,
+                                     const std::vector<DecodeCache*>& caches, at::Device device) {
+  std::vector<RowGather> rows;
+  const int64_t first = first_gdn_layer(layers);
+  for (const RowGroup& group : groups) {
+    if (first < 0) break;
+    std::vector<const at::Tensor*> sources;
+    std::vector<int64_t> slots;
+    for (size_t member : group.members) {
+      sources.push_back(&caches[member]->state[first]);
+      slots.push_back(caches[member]->slot);
+    }
+    rows.emplace_back(sources, slots, device);
+  }
+  return rows;
+}
+
+// After a step: member j of a group is row j of the group's batches; the caches hold the step's
+// tokens, and what crop() may roll back (nothing when the step is not croppable).
+void record_step(const std::vector<RowGroup>& groups, const StepTokens& tokens, bool croppable,
+                 const std::vector<DecodeCache*>& caches) {
+  for (const RowGroup& group : groups) {
+    for (size_t j = 0; j < group.members.size(); ++j) {
+      DecodeCache& cache = *caches[group.members[j]];
+      cache.slot = cache.kv_slot = cache.last.slot = static_cast<int64_t>(j);
+    }
+  }
+  for (size_t s = 0; s < caches.size(); ++s) {
+    DecodeCache& cache = *caches[s];
+    cache.length = tokens.begins[s] + tokens.counts[s];
+    cache.last.begin = croppable ? tokens.begins[s] : cache.length;
+    cache.last.count = croppable ? tokens.counts[s] : 0;
+    if (!croppable) {
+      for (DecodeCache::LastStep::Gdn& g : cache.last.gdn) g = {};
+    }
+  }
+}
+
 }  // namespace
 
 IncrementalTarget::IncrementalTarget(const TargetModel& model, int64_t recurrent_step_tokens)
@@ -379,81 +485,17 @@ std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<Decode
   const TargetModel::Impl& m = *model_.impl_;
   const ModelConfig& c = model_.config();
   const at::Device device = model_.options().device;
-  if (caches.empty() || caches.size() != input_ids.size()) {
-    throw std::invalid_argument("decode step: " + std::to_string(caches.size()) + " caches for " +
-                                std::to_string(input_ids.size()) + " token lists");
-  }
-  // The tokens and their positions of all sequences, each in one copy to the device (a copy per
-  // sequence waited for the stream each time).
-  std::vector<at::Tensor> ids;
-  std::vector<int64_t> counts, begins, positions;
-  for (size_t s = 0; s < caches.size(); ++s) {
-    DecodeCache& cache = *caches[s];
-    if (cache.keys.size() != m.layers.size()) throw std::invalid_argument("decode step: the cache is not this model's");
-    if (std::find(caches.begin(), caches.begin() + s, caches[s]) != caches.begin() + s) {
-      throw std::invalid_argument("decode step: a cache appears twice in one step");
-    }
-    ids.push_back(input_ids[s].to(input_ids[0].device(), at::kLong).reshape({-1}));
-    counts.push_back(ids.back().size(0));
-    if (counts.back() == 0) throw std::invalid_argument("decode step: no tokens");
-    begins.push_back(cache.length);
-    for (int64_t p = cache.length; p < cache.length + counts.back(); ++p) positions.push_back(p);
-  }
-  const std::vector<RowGroup> groups = group_rows_by_count(counts, device);
+  const StepTokens tokens = step_tokens(caches, input_ids, m.layers.size());
+  const std::vector<RowGroup> groups = group_rows_by_count(tokens.counts, device);
   std::vector<at::Tensor> visible;
   for (const RowGroup& group : groups) visible.push_back(visible_keys(group, caches, device));
-  // The GatedDeltaNet layers' batches: a new cache starts from zeros, then each group reads its
-  // members' rows the same way in every layer.
-  const int64_t first_gdn = first_gdn_layer(m.layers);
-  auto start_gdn_state = [&](DecodeCache& cache) {
-    for (size_t i = 0; i < m.layers.size(); ++i) {
-      if (m.layers[i].kind == LayerKind::full_attention) continue;
-      const at::Tensor& conv = m.layers[i].gdn.conv;  // [channels, K]
-      cache.conv[i] = at::zeros({1, conv.size(1) - 1, conv.size(0)},
-                                at::TensorOptions().dtype(model_.options().dtype).device(device));
-      cache.state[i] = at::zeros({1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim},
-                                 at::TensorOptions().dtype(at::kFloat).device(device));
-    }
-    cache.slot = 0;
-  };
-  // The attention layers' batches: a new cache starts from an empty one per layer.
-  int64_t first_attention = -1;
-  for (size_t i = 0; i < m.layers.size() && first_attention < 0; ++i) {
-    if (m.layers[i].kind == LayerKind::full_attention) first_attention = static_cast<int64_t>(i);
-  }
-  std::vector<KvStep> kv_steps;
-  if (first_attention >= 0) {
-    for (DecodeCache* cache : caches) {
-      if (cache->keys[first_attention].defined()) continue;
-      for (size_t i = 0; i < m.layers.size(); ++i) {
-        if (m.layers[i].kind != LayerKind::full_attention) continue;
-        cache->keys[i] = at::zeros({1, 0, c.num_key_value_heads, c.head_dim},
-                                   at::TensorOptions().dtype(model_.options().dtype).device(device));
-        cache->values[i] = cache->keys[i];
-      }
-      cache->kv_slot = 0;
-    }
-    for (const RowGroup& group : groups) kv_steps.push_back(plan_kv_step(group, caches, first_attention, device));
-  }
-  std::vector<RowGather> gdn_rows;
-  if (first_gdn >= 0) {
-    for (DecodeCache* cache : caches) {
-      if (!cache->state[first_gdn].defined()) start_gdn_state(*cache);
-    }
-    for (const RowGroup& group : groups) {
-      std::vector<const at::Tensor*> sources;
-      std::vector<int64_t> slots;
-      for (size_t member : group.members) {
-        sources.push_back(&caches[member]->state[first_gdn]);
-        slots.push_back(caches[member]->slot);
-      }
-      gdn_rows.emplace_back(sources, slots, device);
-    }
-  }
-  const at::Tensor position_ids = at::tensor(positions, at::TensorOptions().dtype(at::kLong)).to(device);
+  start_caches(m.layers, c, caches, at::TensorOptions().dtype(model_.options().dtype).device(device));
+  const std::vector<KvStep> kv_steps = plan_kv_steps(m.layers, groups, caches, device);
+  const std::vector<RowGather> gdn_rows = plan_gdn_rows(m.layers, groups, caches, device);
+  const at::Tensor position_ids = at::tensor(tokens.positions, at::TensorOptions().dtype(at::kLong)).to(device);
   const auto [cos, sin] = rope_tables(m.inv_freq, position_ids, model_.options().dtype);
 
-  ResidualStream stream(at::embedding(m.embed, at::cat(ids).to(device)), c);
+  ResidualStream stream(at::embedding(m.embed, tokens.ids.to(device)), c);
   std::vector<at::Tensor> tapped;
   size_t next = 0;
   for (size_t i = 0; i < m.layers.size(); ++i) {
@@ -472,25 +514,11 @@ std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<Decode
   if (next != tap.size()) throw std::invalid_argument("decode step: tapped layers must ascend within the model's layers");
   const at::Tensor logits = at::matmul(stream.add_and_norm(m.final_norm), m.head.t()).to(at::kFloat);
   const at::Tensor features = tapped.empty() ? at::Tensor() : at::cat(tapped, -1);
-  for (const RowGroup& group : groups) {  // member j is now row j of its group's batches
-    for (size_t j = 0; j < group.members.size(); ++j) {
-      caches[group.members[j]]->slot = static_cast<int64_t>(j);
-      caches[group.members[j]]->kv_slot = static_cast<int64_t>(j);
-      caches[group.members[j]]->last.slot = static_cast<int64_t>(j);
-    }
-  }
+  record_step(groups, tokens, croppable, caches);
   std::vector<DecodeOutput> out(caches.size());
-  int64_t row = 0;
-  for (size_t s = 0; s < caches.size(); ++s) {
-    caches[s]->length = begins[s] + counts[s];
-    caches[s]->last.begin = croppable ? begins[s] : caches[s]->length;
-    caches[s]->last.count = croppable ? counts[s] : 0;
-    if (!croppable) {
-      for (DecodeCache::LastStep::Gdn& g : caches[s]->last.gdn) g = {};
-    }
-    out[s].logits = logits.narrow(0, row, counts[s]);
-    if (features.defined()) out[s].features = features.narrow(0, row, counts[s]);
-    row += counts[s];
+  for (size_t s = 0, row = 0; s < caches.size(); row += static_cast<size_t>(tokens.counts[s]), ++s) {
+    out[s].logits = logits.narrow(0, static_cast<int64_t>(row), tokens.counts[s]);
+    if (features.defined()) out[s].features = features.narrow(0, static_cast<int64_t>(row), tokens.counts[s]);
   }
   return out;
 }
