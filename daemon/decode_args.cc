@@ -3,7 +3,10 @@
 #include <ATen/ATen.h>
 
 #include <iostream>
+#include <stdexcept>
 
+#include "pipeline/gpu_memory.h"
+#include "target/decode_plan.h"
 #include "target/model_config.h"
 
 namespace dflash::daemon {
@@ -70,6 +73,33 @@ std::unique_ptr<target::TargetModel> load_decoding_target(const TargetArgs& a, c
                                          : target::parse_model_config(target::preset_config_json(a.preset), a.preset);
   if (a.preset.empty() && !a.random_weights) return target::load_target(a.dir, config.num_layers - 1, options);
   return target::random_target(config, config.num_layers - 1, options, target::run_target_seed(a.target_seed));
+}
+
+void check_decoding_batch(const std::string& command, const target::TargetModel& model, int64_t sequences,
+                          int64_t tokens, int64_t step_tokens) {
+  const at::Device device = model.options().device;
+  const std::vector<int64_t> capacities = pipeline::gpu_capacities();
+  if (!device.is_cuda() || device.index() < 0 || device.index() >= static_cast<int>(capacities.size())) return;
+  const std::vector<pipeline::GpuMemory> used = pipeline::gpu_memory({device.index()});
+  // What the weights left, less 1 GB for the CUDA context and the libraries' workspaces.
+  const int64_t left = capacities[static_cast<size_t>(device.index())] - (used.empty() ? 0 : used[0].allocated_bytes) -
+                       (int64_t{1} << 30);
+  const int64_t dtype_bytes = static_cast<int64_t>(c10::elementSize(model.options().dtype));
+  const int64_t each = target::decoding_sequence_bytes(model.config(), tokens, step_tokens, dtype_bytes);
+  const int64_t fits = target::decoding_batch_that_fits(left, each);
+  if (sequences <= fits) return;
+  auto gb = [](int64_t bytes) {
+    std::ostringstream text;
+    text.precision(1);
+    text << std::fixed << static_cast<double>(bytes) / 1e9;
+    return text.str();
+  };
+  throw std::runtime_error(
+      command + ": " + std::to_string(sequences) + " sequences at once (--max-batch) of up to " +
+      std::to_string(tokens) + " tokens need about " + gb(sequences * each) + " GB of decoding caches on " +
+      device.str() + " (" + gb(each) + " GB each), but the target's weights leave about " + gb(left) + " GB: " +
+      (fits > 0 ? "use --max-batch " + std::to_string(fits) + " or fewer" : "not one sequence of that length fits") +
+      ", or shorter prompts / --max-new-tokens");
 }
 
 }  // namespace dflash::daemon

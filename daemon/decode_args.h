@@ -46,6 +46,13 @@ bool parse_decoding_option(const std::string& key, const std::string& value, dec
 // visible, else cpu and float32); nullopt after printing "dflashd COMMAND: ..." otherwise.
 std::optional<target::TargetOptions> target_options(const std::string& command, const TargetArgs& a);
 
+// Refuses (std::runtime_error naming the command, the device, the numbers and the largest batch
+// that fits) a batch of `sequences` decoding sequences of up to `tokens` positions, in steps of
+// `step_tokens`, whose caches (target/decode_plan.h) do not fit in what the target's weights left
+// of its GPU. A batch that cannot fit would run out of memory mid-run. Nothing to check on a CPU.
+void check_decoding_batch(const std::string& command, const target::TargetModel& model, int64_t sequences,
+                          int64_t tokens, int64_t step_tokens);
+
 // The target's config and model with every layer (decoding needs them all).
 std::unique_ptr<target::TargetModel> load_decoding_target(const TargetArgs& a, const target::TargetOptions& options);
 

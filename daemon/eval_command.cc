@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -140,6 +141,8 @@ int command_eval(const std::vector<std::string>& args) {
     const std::vector<decode::EvalPrompt> prompts = decode::read_eval_prompts(a.prompts, a.max_prompts);
     const std::unique_ptr<target::TargetModel> model = load_decoding_target(a.target, *options);
     const target::IncrementalTarget target(*model);
+    size_t longest = 0;
+    for (const decode::EvalPrompt& p : prompts) longest = std::max(longest, p.ids.size());
     std::ifstream in(a.drafter_dir + "/config.json");
     if (!in) throw std::runtime_error(a.drafter_dir + "/config.json: cannot read (is it an exported drafter?)");
     std::stringstream text;
@@ -147,6 +150,9 @@ int command_eval(const std::vector<std::string>& args) {
     drafter::Drafter d(drafter::parse_export_config(text.str(), a.drafter_dir + "/config.json"),
                        at::TensorOptions().device(options->device).dtype(options->dtype));
     d.load_export(a.drafter_dir);
+    const int64_t block = d.shape().block_size;
+    check_decoding_batch("dflashd eval", *model, std::min<int64_t>(a.max_batch, static_cast<int64_t>(prompts.size())),
+                         static_cast<int64_t>(longest) + a.settings.max_new_tokens + block, block);
     const decode::SpeculativeDecoder spec(target, d);
     const decode::EvalReport report = decode::evaluate(spec, target, prompts, a.settings, a.baseline, a.max_batch);
     print_report(report);

@@ -5,6 +5,7 @@
 #include <prometheus/gauge.h>
 #include <prometheus/registry.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -273,6 +274,12 @@ int generate(const GenerateArgs& a_in) {
     places += (places.empty() ? "" : ", ") + o.device.str();
   }
   const std::vector<std::vector<int64_t>> prompts = read_prompts(a.prompts, models[0]->config().vocab_size);
+  size_t longest = 0;
+  for (const std::vector<int64_t>& p : prompts) longest = std::max(longest, p.size());
+  for (const auto& model : models) {
+    check_decoding_batch("dflashd generate", *model, std::min<int64_t>(a.max_batch, static_cast<int64_t>(prompts.size())),
+                         static_cast<int64_t>(longest) + a.settings.max_new_tokens, 1);
+  }
   decode::ShardedOutput out(a.out, job_description(a, prompts), a.shard_size, a.keep_truncated);
   log::info("generate: {} prompts from {}, {} done before{}; {} replica(s) on {}, {} sequences at once each; {}, up "
             "to {} new tokens, truncated responses {}; output {}",

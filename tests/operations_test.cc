@@ -18,6 +18,7 @@
 #include "pipeline/failed_samples.h"
 #include "pipeline/memory_plan.h"
 #include "pipeline/role_balance.h"
+#include "target/decode_plan.h"
 #include "target/model_config.h"
 #include "tests/run_dir.h"
 #include "tests/test_util.h"
@@ -468,6 +469,29 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
   const auto checkpointed = plan_memory(c, target, shape, {143'771LL << 20});
   EXPECT_LT(checkpointed[0].drafter_activations, kept[0].drafter_activations / 2) << format_memory_plan(checkpointed);
   EXPECT_TRUE(memory_plan_problems(checkpointed).empty()) << format_memory_plan(checkpointed);
+}
+
+// What a decoding sequence holds at 27B shapes (dflashd generate / eval refuse a batch that does
+// not fit): 48 GatedDeltaNet layers x (two fp32 states of 48 x 128 x 128 + 3 conv rows of 10,240
+// bf16) + 16 attention layers x keys and values at 1,024 positions of 4 x 256 bf16 + one step's
+// logits over 248,320 in fp32 and bf16 = 373,537,792 bytes for 768 tokens.
+TEST(DecodePlan, A27BSequencesCachesAndTheBatchThatFits) {
+  auto root = nlohmann::json::parse(target::preset_config_json("tiny-qwen3_5"));
+  auto& j = root["text_config"];
+  j["hidden_size"] = 5120, j["num_hidden_layers"] = 64, j["intermediate_size"] = 17408, j["vocab_size"] = 248320;
+  j["num_attention_heads"] = 24, j["num_key_value_heads"] = 4, j["head_dim"] = 256;
+  j["linear_num_key_heads"] = 16, j["linear_num_value_heads"] = 48, j["linear_key_head_dim"] = 128;
+  j["linear_value_head_dim"] = 128, j["linear_conv_kernel_dim"] = 4;
+  const target::ModelConfig c = target::parse_model_config(root.dump(), "27b.json");
+  EXPECT_EQ(target::decoding_sequence_bytes(c, 768, 1, 2), 373'537'792);
+  EXPECT_EQ(target::decoding_sequence_bytes(c, 1024, 1, 2), 373'537'792);  // the same capacity
+  EXPECT_GT(target::decoding_sequence_bytes(c, 1025, 1, 2), 373'537'792 + 60'000'000);  // keys and values doubled
+  EXPECT_GT(target::decoding_sequence_bytes(c, 768, 16, 2), 373'537'792 + 15 * 248320 * 6 - 1);  // a verify step's logits
+  // An H200 after the weights (about 94 GB left): 128 sequences of 768 tokens fit, 256 do not.
+  const int64_t fits = target::decoding_batch_that_fits(94'000'000'000, target::decoding_sequence_bytes(c, 768, 1, 2));
+  EXPECT_GE(fits, 128);
+  EXPECT_LT(fits, 256);
+  EXPECT_EQ(target::decoding_batch_that_fits(1000, 2000), 0);
 }
 
 // ---- item 10: config.json as a new user's files may have it ------------------------------------

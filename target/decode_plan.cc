@@ -1,0 +1,29 @@
+#include "target/decode_plan.h"
+
+#include <algorithm>
+
+namespace dflash::target {
+
+int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t step_tokens, int64_t dtype_bytes) {
+  int64_t capacity = 256;
+  while (capacity < tokens) capacity *= 2;
+  int64_t bytes = 0;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    if (c.layer_types[static_cast<size_t>(i)] == LayerKind::full_attention) {
+      bytes += 2 * capacity * c.num_key_value_heads * c.head_dim * dtype_bytes;
+    } else {
+      const int64_t channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim +
+                               c.linear_num_value_heads * c.linear_value_head_dim;
+      bytes += 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4 +
+               (c.linear_conv_kernel_dim - 1) * channels * dtype_bytes;
+    }
+  }
+  return bytes + step_tokens * c.vocab_size * (4 + dtype_bytes);
+}
+
+int64_t decoding_batch_that_fits(int64_t free_bytes, int64_t per_sequence) {
+  if (per_sequence <= 0) return 0;
+  return std::max<int64_t>(0, free_bytes - free_bytes / 10) / per_sequence;
+}
+
+}  // namespace dflash::target

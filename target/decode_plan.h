@@ -1,0 +1,24 @@
+// decode_plan.h: what decoding a sequence holds on the device, without torch: the incremental
+// target's cache (target/incremental.h) at the length a sequence reaches, so that `dflashd
+// generate` and `dflashd eval` refuse a batch that cannot fit before they start, naming the
+// largest that does, instead of running out of memory mid-run.
+#pragma once
+
+#include <cstdint>
+
+#include "target/model_config.h"
+
+namespace dflash::target {
+
+// Device bytes one sequence of up to `tokens` positions holds while it decodes in steps of
+// `step_tokens` tokens: per GatedDeltaNet layer its fp32 state twice (a step reads the states
+// before it and writes new ones) and its conv inputs; per attention layer its keys and values at
+// the capacity they grow to (a power of two, at least 256 positions); a step's fp32 and model-dtype
+// logits. dtype_bytes: the model's dtype (2 for bf16).
+int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t step_tokens, int64_t dtype_bytes);
+
+// The most sequences of decoding_sequence_bytes `per_sequence` that fit in `free_bytes`, keeping
+// a tenth for the prefill's activations, the allocator's fragmentation and the GEMMs' workspaces.
+int64_t decoding_batch_that_fits(int64_t free_bytes, int64_t per_sequence);
+
+}  // namespace dflash::target
