@@ -330,7 +330,9 @@ TEST(SpeculativeDecoding, BatchedDecodingIsEachPromptDecodedAlone) {
         EXPECT_EQ(fast[i].tokens, alone.tokens) << "prompt " << i << ", temperature " << temperature;
         EXPECT_EQ(fast[i].acceptance, alone.acceptance) << "prompt " << i << ", temperature " << temperature;
         EXPECT_EQ(slow[i].tokens, decode::plain_generate(target, prompts[i], own).tokens) << "prompt " << i;
-        if (temperature == 0) EXPECT_EQ(fast[i].tokens, slow[i].tokens) << "prompt " << i;
+        if (temperature == 0) {
+          EXPECT_EQ(fast[i].tokens, slow[i].tokens) << "prompt " << i;
+        }
       }
     }
   }
@@ -440,7 +442,9 @@ void compare_with_dflash_generate(const std::string& family, int sliding_window 
     }
   }
   // The attention-only targets must have compared against dflash_generate itself.
-  if (family == "qwen3" || family == "llama") EXPECT_EQ(lossless_references, 3);
+  if (family == "qwen3" || family == "llama") {
+    EXPECT_EQ(lossless_references, 3);
+  }
 }
 
 // One test per family: each runs the reference in its own Python process (tests run in parallel).
