@@ -38,6 +38,7 @@ at::Tensor heads_side_by_side(const at::Tensor& t) {
 // sequence.
 class RowGather {
  public:
+  RowGather() = default;
   // sources[j]: member j's batch tensor in one layer, slots[j] its row there.
   RowGather(const std::vector<const at::Tensor*>& sources, const std::vector<int64_t>& slots, at::Device device) {
     for (size_t j = 0; j < sources.size();) {
@@ -64,9 +65,8 @@ class RowGather {
   // batch first seen through `view` when given (a crop's kept tokens: batches of steps of
   // different lengths then agree).
   using View = std::function<at::Tensor(const at::Tensor&)>;
-  at::Tensor gather(const std::vector<const at::Tensor*>& sources, const std::vector<int64_t>& slots,
-                    const View& view = nullptr) const {
-    if (!laid_out_as_planned(sources)) return stack_rows(sources, slots, view);
+  at::Tensor gather(const std::vector<const at::Tensor*>& sources, const View& view = nullptr) const {
+    expect_planned_layout(sources);
     if (whole_) return view ? view(*sources[0]) : *sources[0];
     std::vector<at::Tensor> parts;
     for (const Run& r : runs_) parts.push_back(rows_of(r, view ? view(*sources[r.begin]) : *sources[r.begin]));
@@ -75,15 +75,8 @@ class RowGather {
 
   // Copies the members' rows of `sources` into `dst` ([G, ...]: member j at row j), each run's
   // rows cut to `length` along dimension 1 (an attention batch's held positions).
-  void copy_into(const at::Tensor& dst, const std::vector<const at::Tensor*>& sources, const std::vector<int64_t>& slots,
-                 int64_t length) const {
-    if (!laid_out_as_planned(sources)) {
-      for (size_t j = 0; j < sources.size(); ++j) {
-        const int64_t l = std::min(length, sources[j]->size(1));
-        dst[static_cast<int64_t>(j)].narrow(0, 0, l).copy_(sources[j]->select(0, slots[j]).narrow(0, 0, l));
-      }
-      return;
-    }
+  void copy_into(const at::Tensor& dst, const std::vector<const at::Tensor*>& sources, int64_t length) const {
+    expect_planned_layout(sources);
     for (const Run& r : runs_) {
       const int64_t l = std::min(length, sources[r.begin]->size(1));
       dst.narrow(0, static_cast<int64_t>(r.begin), static_cast<int64_t>(r.end - r.begin))
@@ -103,65 +96,49 @@ class RowGather {
   at::Tensor rows_of(const Run& r, const at::Tensor& t) const {
     return r.consecutive ? t.narrow(0, r.first, static_cast<int64_t>(r.end - r.begin)) : t.index_select(0, r.index);
   }
-  bool laid_out_as_planned(const std::vector<const at::Tensor*>& sources) const {
+  // Every layer of a cache moves together (a step or a crop updates all of them), so each layer's
+  // batches lie as the plan's layer's; anything else is a bug in this file.
+  void expect_planned_layout(const std::vector<const at::Tensor*>& sources) const {
     for (const Run& r : runs_) {
       for (size_t j = r.begin + 1; j < r.end; ++j) {
-        if (sources[j]->unsafeGetTensorImpl() != sources[r.begin]->unsafeGetTensorImpl()) return false;
+        if (sources[j]->unsafeGetTensorImpl() != sources[r.begin]->unsafeGetTensorImpl()) {
+          throw std::logic_error("decoding caches: a layer's batches are not laid out as the step's plan");
+        }
       }
     }
-    return true;
-  }
-
-  // A layer laid out unlike the plan's (not expected: every layer of a cache moves together).
-  static at::Tensor stack_rows(const std::vector<const at::Tensor*>& sources, const std::vector<int64_t>& slots,
-                               const View& view) {
-    std::vector<at::Tensor> rows;
-    for (size_t j = 0; j < sources.size(); ++j) rows.push_back((view ? view(*sources[j]) : *sources[j]).select(0, slots[j]));
-    return at::stack(rows);
   }
 
   std::vector<Run> runs_;
   bool whole_ = false;  // the members are the batch, in order
 };
 
-// Which cached keys each query of a group sees ([G, 1, n, longest] bool on `device`: key
-// positions up to the query's own, in its own sequence; the rest is the padding to the group's
-// longest). The same for every attention layer of a step: built once per step (building it per
-// layer made the host wait for the GPU at each of them, a copy from host memory).
-at::Tensor visible_keys(const RowGroup& group, const std::vector<DecodeCache*>& caches, at::Device device) {
-  std::vector<int64_t> begins;  // per member: the position of its first token (its cache length)
-  int64_t longest = 0;
-  for (size_t member : group.members) {
-    begins.push_back(caches[member]->length);
-    longest = std::max(longest, begins.back() + group.count);
-  }
-  const auto long_options = at::TensorOptions().dtype(at::kLong);
-  const at::Tensor last_visible =  // [G, n]: the last key position each query sees
-      at::tensor(begins, long_options).unsqueeze(1) + at::arange(group.count, long_options).unsqueeze(0);
-  return (at::arange(longest, long_options).view({1, 1, longest}) <= last_visible.unsqueeze(2)).unsqueeze(1).to(device);
-}
-
 // A group's step in the attention layers, the same in each: where its members' keys and values
-// lie (`rows`, from the first attention layer), how many positions they hold and will hold, and
-// where the step's keys go: positions `begin` .. of every row when the members start alike,
-// else (row, position) pairs on the device.
+// lie (`rows`, from the first attention layer), how many positions they hold and will hold, where
+// the step's keys go (positions `begin` .. of every row when the members start alike, else
+// (row, position) pairs on the device), and which keys each query sees. All built once per step:
+// building the mask per layer made the host wait for the GPU at each of them (a copy from host
+// memory).
 struct KvStep {
   RowGather rows;
   int64_t held = 0, longest = 0;  // the longest member before and after the step
   bool same_begin = true;
   int64_t begin = 0;
   at::Tensor append_rows, append_positions;  // int64 [G * n] when !same_begin
+  // [G, 1, n, longest] bool: key positions up to the query's own, in its own sequence; the rest
+  // is another member's length or the batch's unused capacity.
+  at::Tensor visible;
 };
 
 KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& caches, size_t first_attention,
                     at::Device device) {
   std::vector<const at::Tensor*> sources;
-  std::vector<int64_t> slots, rows, positions;
-  KvStep step{RowGather({}, {}, device)};
+  std::vector<int64_t> slots, begins, rows, positions;
+  KvStep step;
   for (size_t j = 0; j < group.members.size(); ++j) {
     const DecodeCache& cache = *caches[group.members[j]];
     sources.push_back(&cache.keys[first_attention]);
-    slots.push_back(cache.kv_slot);
+    slots.push_back(cache.step_slot);
+    begins.push_back(cache.length);
     step.held = std::max(step.held, cache.length);
     step.longest = std::max(step.longest, cache.length + group.count);
     step.same_begin = step.same_begin && cache.length == caches[group.members[0]]->length;
@@ -171,12 +148,17 @@ KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& cach
     }
   }
   step.rows = RowGather(sources, slots, device);
-  step.begin = caches[group.members[0]]->length;
+  step.begin = begins[0];
+  const auto long_options = at::TensorOptions().dtype(at::kLong);
   if (!step.same_begin) {
-    const auto long_options = at::TensorOptions().dtype(at::kLong);
     const at::Tensor both = at::stack({at::tensor(rows, long_options), at::tensor(positions, long_options)}).to(device);
     step.append_rows = both[0], step.append_positions = both[1];
   }
+  const at::Tensor last_visible =  // [G, n]: the last key position each query sees
+      at::tensor(begins, long_options).unsqueeze(1) + at::arange(group.count, long_options).unsqueeze(0);
+  step.visible = (at::arange(step.longest, long_options).view({1, 1, step.longest}) <= last_visible.unsqueeze(2))
+                     .unsqueeze(1)
+                     .to(device);
   return step;
 }
 
@@ -184,15 +166,15 @@ KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& cach
 // it is when they are its rows in order and it has room, else a new one (capacity doubled, at
 // least 256 positions; zeros past each member's positions, which the mask hides: garbage there
 // could be NaN, and 0 x NaN is NaN) with their rows copied in; then the step's rows written.
-at::Tensor kv_batch(const KvStep& step, const std::vector<const at::Tensor*>& sources, const std::vector<int64_t>& slots,
-                    const at::Tensor& step_rows, int64_t n) {
+at::Tensor kv_batch(const KvStep& step, const std::vector<const at::Tensor*>& sources, const at::Tensor& step_rows,
+                    int64_t n) {
   at::Tensor batch = *sources[0];
   if (!step.rows.whole() || batch.size(1) < step.longest) {
     int64_t capacity = std::max<int64_t>(256, step.rows.whole() ? 2 * batch.size(1) : 0);
     while (capacity < step.longest) capacity *= 2;
     batch = at::zeros({static_cast<int64_t>(sources.size()), capacity, step_rows.size(1), step_rows.size(2)},
                       step_rows.options());
-    step.rows.copy_into(batch, sources, slots, step.held);
+    step.rows.copy_into(batch, sources, step.held);
   }
   if (step.same_begin) {
     batch.narrow(1, step.begin, n).copy_(step_rows.view({batch.size(0), n, step_rows.size(1), step_rows.size(2)}));
@@ -204,24 +186,22 @@ at::Tensor kv_batch(const KvStep& step, const std::vector<const at::Tensor*>& so
 
 // One full-attention layer for a group: its members' keys and values written into the batch
 // they share (kv_batch), each query attending to its own sequence's keys up to its position
-// (`visible`, visible_keys, hides the rest). Writes the attention rows into `out` [tokens, Hq, d].
+// (step.visible hides the rest). Writes the attention rows into `out` [tokens, Hq, d].
 void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup& group, const KvStep& step,
-                     const at::Tensor& visible, const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& out) {
+                     const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& out) {
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t d = c.head_dim, hq = c.num_attention_heads;
   std::vector<const at::Tensor*> keys, values;
-  std::vector<int64_t> slots;
   for (size_t member : group.members) {
     keys.push_back(&caches[member]->keys[layer]);
     values.push_back(&caches[member]->values[layer]);
-    slots.push_back(caches[member]->kv_slot);
   }
-  const at::Tensor k = kv_batch(step, keys, slots, a.k.index_select(0, group.rows), n);
-  const at::Tensor v = kv_batch(step, values, slots, a.v.index_select(0, group.rows), n);
+  const at::Tensor k = kv_batch(step, keys, a.k.index_select(0, group.rows), n);
+  const at::Tensor v = kv_batch(step, values, a.v.index_select(0, group.rows), n);
   for (size_t member : group.members) caches[member]->keys[layer] = k, caches[member]->values[layer] = v;
   const at::Tensor q = a.q.index_select(0, group.rows).view({size, n, hq, d}).transpose(1, 2);
   const at::Tensor o = at::scaled_dot_product_attention(
-      q, k.narrow(1, 0, step.longest).transpose(1, 2), v.narrow(1, 0, step.longest).transpose(1, 2), visible, 0.0,
+      q, k.narrow(1, 0, step.longest).transpose(1, 2), v.narrow(1, 0, step.longest).transpose(1, 2), step.visible, 0.0,
       /*is_causal=*/false, 1.0 / std::sqrt(static_cast<double>(d)), /*enable_gqa=*/true);
   out.index_copy_(0, group.rows, o.transpose(1, 2).reshape({size * n, hq, d}));
 }
@@ -229,11 +209,10 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
 // One full-attention layer over every sequence's tokens.
 at::Tensor attention_layer(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
                            const at::Tensor& sin, const std::vector<RowGroup>& groups, const std::vector<KvStep>& steps,
-                           const std::vector<at::Tensor>& visible, const std::vector<DecodeCache*>& caches,
-                           size_t layer) {
+                           const std::vector<DecodeCache*>& caches, size_t layer) {
   const AttentionQkv a = project_attention(c, p, x, cos, sin);
   at::Tensor out = at::empty({x.size(0), c.num_attention_heads, c.head_dim}, a.q.options());
-  for (size_t i = 0; i < groups.size(); ++i) attention_group(c, a, groups[i], steps[i], visible[i], caches, layer, out);
+  for (size_t i = 0; i < groups.size(); ++i) attention_group(c, a, groups[i], steps[i], caches, layer, out);
   out = out.view({x.size(0), c.num_attention_heads * c.head_dim});
   if (c.gated_attention) out = sigmoid_gate(out, a.gate);
   return p.o(out);
@@ -282,10 +261,11 @@ at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Te
   return o.view({n, size, hv, v.size(3)}).transpose(0, 1);
 }
 
-// The first GatedDeltaNet layer (-1: none): the layout of every GatedDeltaNet layer's batches.
-int64_t first_gdn_layer(const std::vector<Layer>& layers) {
+// The first full-attention layer, or the first GatedDeltaNet layer (-1: none): its batches' layout
+// is that of every layer of its kind.
+int64_t first_layer(const std::vector<Layer>& layers, bool attention) {
   for (size_t i = 0; i < layers.size(); ++i) {
-    if (layers[i].kind != LayerKind::full_attention) return static_cast<int64_t>(i);
+    if ((layers[i].kind == LayerKind::full_attention) == attention) return static_cast<int64_t>(i);
   }
   return -1;
 }
@@ -301,22 +281,19 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kernel = p.conv.size(1);
   std::vector<const at::Tensor*> convs, states;
-  std::vector<int64_t> slots;
   for (size_t member : group.members) {
-    const DecodeCache& cache = *caches[member];
-    convs.push_back(&cache.conv[layer]);
-    states.push_back(&cache.state[layer]);
-    slots.push_back(cache.slot);
+    convs.push_back(&caches[member]->conv[layer]);
+    states.push_back(&caches[member]->state[layer]);
   }
   const at::Tensor window = at::cat(
-      {rows.gather(convs, slots), proj.mixed.index_select(0, group.rows).view({size, n, proj.mixed.size(1)})}, 1);
+      {rows.gather(convs), proj.mixed.index_select(0, group.rows).view({size, n, proj.mixed.size(1)})}, 1);
   const at::Tensor convolved = conv_over_window(window, p.conv, proj.mixed.scalar_type());
   const at::Tensor q = convolved.narrow(-1, 0, hk * dk).view({size, n, hk, dk});
   const at::Tensor k = convolved.narrow(-1, hk * dk, hk * dk).view({size, n, hk, dk});
   const at::Tensor v = convolved.narrow(-1, 2 * hk * dk, hv * dv).view({size, n, hv, dv});
   const at::Tensor g = gates.g.index_select(0, group.rows).view({size, n, hv});
   const at::Tensor beta = gates.beta.index_select(0, group.rows).view({size, n, hv});
-  const at::Tensor before = rows.gather(states, slots);
+  const at::Tensor before = rows.gather(states);
   at::Tensor after = before;
   const at::Tensor o = run_rule_group(q, k, v, g, beta, &after, recurrent_step_tokens, decode_kernel);
   o_out.index_copy_(0, group.rows, o.reshape({size * n, hv, dv}));
@@ -387,7 +364,7 @@ void start_caches(const std::vector<Layer>& layers, const ModelConfig& c, const 
         if (cache->keys[i].defined()) continue;
         cache->keys[i] = at::zeros({1, 0, c.num_key_value_heads, c.head_dim}, activations);
         cache->values[i] = cache->keys[i];
-        cache->kv_slot = 0;
+        cache->step_slot = 0;
       } else {
         if (cache->state[i].defined()) continue;
         const at::Tensor& conv = layers[i].gdn.conv;  // [channels, K]
@@ -404,10 +381,10 @@ void start_caches(const std::vector<Layer>& layers, const ModelConfig& c, const 
 std::vector<KvStep> plan_kv_steps(const std::vector<Layer>& layers, const std::vector<RowGroup>& groups,
                                   const std::vector<DecodeCache*>& caches, at::Device device) {
   std::vector<KvStep> steps;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    if (layers[i].kind != LayerKind::full_attention) continue;
-    for (const RowGroup& group : groups) steps.push_back(plan_kv_step(group, caches, i, device));
-    break;
+  const int64_t first = first_layer(layers, /*attention=*/true);
+  for (const RowGroup& group : groups) {
+    if (first < 0) break;
+    steps.push_back(plan_kv_step(group, caches, static_cast<size_t>(first), device));
   }
   return steps;
 }
@@ -417,7 +394,7 @@ std::vector<KvStep> plan_kv_steps(const std::vector<Layer>& layers, const std::v
 std::vector<RowGather> plan_gdn_rows(const std::vector<Layer>& layers, const std::vector<RowGroup>& groups,
                                      const std::vector<DecodeCache*>& caches, at::Device device) {
   std::vector<RowGather> rows;
-  const int64_t first = first_gdn_layer(layers);
+  const int64_t first = first_layer(layers, /*attention=*/false);
   for (const RowGroup& group : groups) {
     if (first < 0) break;
     std::vector<const at::Tensor*> sources;
@@ -438,7 +415,7 @@ void record_step(const std::vector<RowGroup>& groups, const StepTokens& tokens, 
   for (const RowGroup& group : groups) {
     for (size_t j = 0; j < group.members.size(); ++j) {
       DecodeCache& cache = *caches[group.members[j]];
-      cache.slot = cache.kv_slot = cache.last.slot = static_cast<int64_t>(j);
+      cache.slot = cache.step_slot = static_cast<int64_t>(j);
     }
   }
   for (size_t s = 0; s < caches.size(); ++s) {
@@ -487,8 +464,6 @@ std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<Decode
   const at::Device device = model_.options().device;
   const StepTokens tokens = step_tokens(caches, input_ids, m.layers.size());
   const std::vector<RowGroup> groups = group_rows_by_count(tokens.counts, device);
-  std::vector<at::Tensor> visible;
-  for (const RowGroup& group : groups) visible.push_back(visible_keys(group, caches, device));
   start_caches(m.layers, c, caches, at::TensorOptions().dtype(model_.options().dtype).device(device));
   const std::vector<KvStep> kv_steps = plan_kv_steps(m.layers, groups, caches, device);
   const std::vector<RowGather> gdn_rows = plan_gdn_rows(m.layers, groups, caches, device);
@@ -502,7 +477,7 @@ std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<Decode
     const Layer& layer = m.layers[i];
     const at::Tensor normed = stream.add_and_norm(layer.input_norm);
     stream.push(layer.kind == LayerKind::full_attention
-                    ? attention_layer(c, layer.attention, normed, cos, sin, groups, kv_steps, visible, caches, i)
+                    ? attention_layer(c, layer.attention, normed, cos, sin, groups, kv_steps, caches, i)
                     : gdn_layer(c, layer.gdn, normed, groups, gdn_rows, caches, i, recurrent_step_tokens_,
                                 model_.gdn_kernels_, croppable));
     stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm), model_.grouped_moe_));
@@ -557,14 +532,14 @@ void IncrementalTarget::crop_batch(const std::vector<DecodeCache*>& caches, cons
     if (lengths[s] - last.begin < last.count) by_kept[lengths[s] - last.begin].push_back(s);
   }
   const std::vector<Layer>& layers = model_.impl_->layers;
-  const int64_t first_gdn = first_gdn_layer(layers);
+  const int64_t first_gdn = first_layer(layers, /*attention=*/false);
   for (const auto& [keep, members] : by_kept) {
     if (first_gdn < 0) break;  // full attention only: rows past `length` are ignored
     // Where the members' rows lie in their last steps' batches: the same in every layer.
     std::vector<int64_t> slots;
     std::vector<const at::Tensor*> sources;
     for (size_t s : members) {
-      slots.push_back(caches[s]->last.slot);
+      slots.push_back(caches[s]->step_slot);
       sources.push_back(&caches[s]->last.gdn[first_gdn].state_before);
     }
     const RowGather rows(sources, slots, model_.options().device);
@@ -575,7 +550,7 @@ void IncrementalTarget::crop_batch(const std::vector<DecodeCache*>& caches, cons
       using Gdn = DecodeCache::LastStep::Gdn;
       auto gather = [&](at::Tensor Gdn::*field, const RowGather::View& view) {
         for (size_t j = 0; j < members.size(); ++j) sources[j] = &(caches[members[j]]->last.gdn[i].*field);
-        return rows.gather(sources, slots, view);
+        return rows.gather(sources, view);
       };
       const auto kept_tokens = [&](const at::Tensor& t) { return t.narrow(1, 0, keep); };
       const int64_t kernel_minus_1 = layers[i].gdn.conv.size(1) - 1;

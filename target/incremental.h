@@ -37,11 +37,12 @@ namespace dflash::target {
 // written in place): step only one of them.
 struct DecodeCache {
   int64_t length = 0;  // tokens held: positions 0 .. length - 1
-  // Full-attention layers: the sequence's keys and values are row `kv_slot` of batch tensors
+  // Full-attention layers: the sequence's keys and values are row `step_slot` of batch tensors
   // [G, capacity, Hkv, d] it shares with the sequences it last stepped with (positions < length
-  // valid; the step's keys are written in place).
+  // valid; the step's keys are written in place). step_slot is its row in its last step's group,
+  // which also indexes last.gdn's batches.
   std::vector<at::Tensor> keys, values;
-  int64_t kv_slot = 0;
+  int64_t step_slot = 0;
   // GatedDeltaNet layers: the sequence's conv inputs and state are row `slot` of batch tensors it
   // shares with the sequences it last stepped (or was cropped) with: conv [G, K - 1, channels]
   // (the last K - 1 conv inputs), state [G, Hv, dk, dv] fp32. Sharing them costs no op per
@@ -49,11 +50,11 @@ struct DecodeCache {
   std::vector<at::Tensor> conv, state;
   int64_t slot = 0;
   // The last step, for crop(): its first position and token count (the tokens still held of it);
-  // per GatedDeltaNet layer, as batch tensors of the step's group (row last.slot): the state
+  // per GatedDeltaNet layer, as batch tensors of the step's group (row step_slot): the state
   // before it, the rule's inputs over it (q, k, v [G, n, heads, d], g, beta [G, n, Hv]) and the
   // conv inputs over it ([G, K - 1 + n, channels]), n the tokens the step ran.
   struct LastStep {
-    int64_t begin = 0, count = 0, slot = 0;
+    int64_t begin = 0, count = 0;
     struct Gdn {
       at::Tensor state_before, q, k, v, g, beta, window;
     };
