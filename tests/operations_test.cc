@@ -421,15 +421,19 @@ TEST(Validate, ChecksTargetDrafterDataAndPrintsTheMemoryPlan) {
   EXPECT_NE(w.err().find(bad.dir + "/no-drafter/config.json: cannot read"), std::string::npos) << w.err();
 }
 
-TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNumbers) {
+// Qwen3.5-27B's shapes (docs/targets.md) on the tiny preset's config.
+target::ModelConfig qwen3_5_27b_shapes() {
   auto root = nlohmann::json::parse(target::preset_config_json("tiny-qwen3_5"));
   auto& j = root["text_config"];
-  // Qwen3.5-27B's shapes (docs/targets.md).
   j["hidden_size"] = 5120, j["num_hidden_layers"] = 64, j["intermediate_size"] = 17408, j["vocab_size"] = 248320;
   j["num_attention_heads"] = 24, j["num_key_value_heads"] = 4, j["head_dim"] = 256;
   j["linear_num_key_heads"] = 16, j["linear_num_value_heads"] = 48, j["linear_key_head_dim"] = 128;
-  j["linear_value_head_dim"] = 128;
-  const target::ModelConfig target = target::parse_model_config(root.dump(), "27b.json");
+  j["linear_value_head_dim"] = 128, j["linear_conv_kernel_dim"] = 4;
+  return target::parse_model_config(root.dump(), "27b.json");
+}
+
+TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNumbers) {
+  const target::ModelConfig target = qwen3_5_27b_shapes();
   config::Config c = config::load_default();
   c.gpus.device = config::Device::cuda;
   c.target.dtype = config::ModelDtype::bfloat16;
@@ -476,13 +480,7 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
 // bf16) + 16 attention layers x keys and values at 1,024 positions of 4 x 256 bf16 + one step's
 // logits over 248,320 in fp32 and bf16 = 373,537,792 bytes for 768 tokens.
 TEST(DecodePlan, A27BSequencesCachesAndTheBatchThatFits) {
-  auto root = nlohmann::json::parse(target::preset_config_json("tiny-qwen3_5"));
-  auto& j = root["text_config"];
-  j["hidden_size"] = 5120, j["num_hidden_layers"] = 64, j["intermediate_size"] = 17408, j["vocab_size"] = 248320;
-  j["num_attention_heads"] = 24, j["num_key_value_heads"] = 4, j["head_dim"] = 256;
-  j["linear_num_key_heads"] = 16, j["linear_num_value_heads"] = 48, j["linear_key_head_dim"] = 128;
-  j["linear_value_head_dim"] = 128, j["linear_conv_kernel_dim"] = 4;
-  const target::ModelConfig c = target::parse_model_config(root.dump(), "27b.json");
+  const target::ModelConfig c = qwen3_5_27b_shapes();
   EXPECT_EQ(target::decoding_sequence_bytes(c, 768, 1, 2), 373'537'792);
   EXPECT_EQ(target::decoding_sequence_bytes(c, 1024, 1, 2), 373'537'792);  // the same capacity
   EXPECT_GT(target::decoding_sequence_bytes(c, 1025, 1, 2), 373'537'792 + 60'000'000);  // keys and values doubled
