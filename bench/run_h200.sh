@@ -3,7 +3,8 @@
 # doctor, the GPU tests, the drafter step against SpecForge's (flex_attention), and the whole
 # pipeline at Qwen3.5-27B shapes. Expects the offline bundle (deploy/bundle.sh build
 # --with-tests) in dist/ and the specforge wheel in .whl/. Prints a table at the end; full logs
-# go to $OUT when set. Phases: step (default), gdn, decode, generate, ops, moe, e2e 27b|27b-long|8b|35b-a3b.
+# go to $OUT when set. Phases: step (default), gdn, decode, generate, ops, moe, fp8,
+# e2e 27b|27b-fp8|27b-long|8b|35b-a3b.
 set -uo pipefail
 out="${OUT:-/tmp/dflashd-bench}"; mkdir -p "$out"
 B="${B:-$(ls -d dist/dflashd-*/ | head -1)}"
@@ -29,6 +30,18 @@ if [ "$phase" = ops ]; then
   cat "$out"/*_gpu_tests.txt | grep -cE "^\[ +OK" | sed 's/^/GPU tests passed: /'
   cat "$out"/*_gpu_tests.txt | grep -E "FAILED|SKIPPED" || true
   tail -5 "$out/checkpoint_bench.txt"
+elif [ "$phase" = fp8 ]; then
+  # FP8 targets (issue 24): transformers' FP8 checkpoint and forward (the reference), the FP8 GPU
+  # tests against it and against the CPU emulation, the 27B target forward in bf16 and FP8 (and
+  # how far FP8's tapped states are), then the pipeline with an FP8 target.
+  timeout 200 python3 tests/reference/make_fp8_reference.py /tmp/fp8-ref 2>&1 | grep -v -i warn | tail -4 | tee "$out/fp8_reference.txt"
+  DFLASHD_FP8_REFERENCE_DIR=/tmp/fp8-ref "$B/tests/target_test" --gtest_filter='Fp8.*:TargetRandom.*:TargetStages.*' 2>&1 | grep -E "^\[ +(OK|FAILED|SKIPPED) |Failure|Expected|Which|^layer " | tee "$out/fp8_tests.txt"
+  timeout 300 env DFLASHD_EXEC=target_bench "$B/bin/dflashd" bench/configs/qwen3_5-27b 2>&1 | tee "$out/target_bench_27b.txt"
+  [ -z "${SKIP_E2E:-}" ] && MEASURE_SECONDS="${MEASURE_SECONDS:-60}" SKIP_PYTHON=1 bash "$0" e2e 27b-fp8
+  echo "==== fp8 summary"
+  grep -cE "^\[ +OK" "$out/fp8_tests.txt" | sed 's/^/GPU tests passed: /'
+  grep -E "FAILED|^layer " "$out/fp8_tests.txt" || true
+  grep -E "^target forward|FP8 vs bf16" "$out/target_bench_27b.txt"
 elif [ "$phase" = moe ]; then
   # MoE targets (issue 21): the MoE GPU tests, then the target forward of Qwen3.5-35B-A3B and one
   # MoE block of 35B-A3B, Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B (whose weights do not fit one

@@ -1,7 +1,9 @@
 // target_bench: the target forward of any config on a GPU, and one MoE layer against its floor.
 //   1. the bf16 matmul rate of this GPU (8192^3), the floor's denominator;
 //   2. the whole target forward (random weights, bf16, up to the deepest tapped layer by the
-//      DFlash rule, or to LAST_LAYER), 3072 tokens: seconds, tokens/s, MFU;
+//      DFlash rule, or to LAST_LAYER), 3072 tokens: seconds, tokens/s, MFU; then the same target
+//      with FP8 projections (target.dtype: float8, on Hopper) and how far its tapped states are
+//      from the bf16 ones;
 //   3. one MoE block at the config's expert shapes, 3072 tokens: the grouped path (moe.h), the
 //      reference host loop (what ran before), and the floor: its FLOPs (router, top-k experts'
 //      SwiGLU, shared expert) at the measured matmul rate.
@@ -22,6 +24,7 @@
 #include "bench/kernel_profile.h"
 #include "bench/timing.h"
 #include "pipeline/flops.h"
+#include "target/fp8.h"
 #include "target/model.h"
 #include "target/moe.h"
 
@@ -45,14 +48,41 @@ int main(int argc, char** argv) {
   const int64_t last = argc > 2 ? std::atoll(argv[2]) : config.default_tapped_layers(5).back();
   if (last >= 0) {
     target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
-    auto model = target::random_target(config, last, options, 1);
     const at::Tensor ids = at::randint(0, config.vocab_size, {tokens}, at::TensorOptions().dtype(at::kLong));
-    const double ms = median_ms(5, [&] { model->forward(ids, {0, tokens}, {last}); });
+    std::vector<int64_t> tapped = config.default_tapped_layers(5);
+    while (!tapped.empty() && tapped.back() > last) tapped.pop_back();
+    if (tapped.empty() || tapped.back() != last) tapped.push_back(last);
     const double flops = pipeline::target_flops(config, last, tokens);
-    std::printf("target forward %s, layers 0..%lld, %lld tokens: %.4f s, %.0f tokens/s, MFU %.1f%%\n", argv[1],
-                static_cast<long long>(last), static_cast<long long>(tokens), ms / 1e3, tokens / (ms / 1e3),
-                100.0 * flops / (ms / 1e3) / rate);
-    for (const auto& [component, path] : model->kernel_paths()) std::printf("  %s\n", path.str().c_str());
+    // The forward's time and the tapped states (on the CPU, so that the next model fits).
+    auto run = [&](const target::TargetOptions& o, const char* name) {
+      auto model = target::random_target(config, last, o, 1);
+      const double ms = median_ms(5, [&] { model->forward(ids, {0, tokens}, {last}); });
+      std::printf("target forward %s (%s, weights %.1f GB), layers 0..%lld, %lld tokens: %.4f s, %.0f tokens/s, MFU %.1f%%\n",
+                  argv[1], name, model->weight_bytes() / 1e9, static_cast<long long>(last),
+                  static_cast<long long>(tokens), ms / 1e3, tokens / (ms / 1e3), 100.0 * flops / (ms / 1e3) / rate);
+      for (const auto& [component, path] : model->kernel_paths()) std::printf("  %s\n", path.str().c_str());
+      std::vector<at::Tensor> states = model->forward(ids, {0, tokens}, tapped);
+      for (at::Tensor& t : states) t = t.cpu().to(at::kDouble);
+      return states;
+    };
+    const std::vector<at::Tensor> bf16 = run(options, "bf16");
+    // target.dtype: float8 (the bf16 model's weights quantised) and how far its tapped states are.
+    if (!target::fp8_gemm_unavailable(options.device)) {
+      target::TargetOptions fp8_options = options;
+      fp8_options.fp8_weights = true;
+      try {
+        const std::vector<at::Tensor> fp8 = run(fp8_options, "fp8");
+        for (size_t i = 0; i < tapped.size(); ++i) {
+          const at::Tensor d = fp8[i] - bf16[i];
+          std::printf("  FP8 vs bf16 tapped layer %lld: relative error %.4f (Frobenius), max %.4f of max |bf16|, cosine %.5f\n",
+                      static_cast<long long>(tapped[i]), (d.norm() / bf16[i].norm()).item<double>(),
+                      (d.abs().max() / bf16[i].abs().max()).item<double>(),
+                      (fp8[i] * bf16[i]).sum().item<double>() / (fp8[i].norm() * bf16[i].norm()).item<double>());
+        }
+      } catch (const std::exception& e) {
+        std::printf("  fp8: %s\n", e.what());
+      }
+    }
   }
   if (config.num_experts > 0) {
     const int64_t h = config.hidden_size, e = config.num_experts, k = config.num_experts_per_tok;

@@ -89,7 +89,10 @@ void read_target(MapReader m, TargetConfig* c) {
   m.choice("preset", &c->preset, {"tiny-qwen3_5", "tiny-qwen3_next", "tiny-qwen3", "tiny-llama"});
   m.choice<TargetWeights>("weights", &c->weights, {{"checkpoint", TargetWeights::checkpoint}, {"random", TargetWeights::random}});
   m.choice<ModelDtype>("dtype", &c->dtype,
-                       {{"bfloat16", ModelDtype::bfloat16}, {"float16", ModelDtype::float16}, {"float32", ModelDtype::float32}});
+                       {{"bfloat16", ModelDtype::bfloat16},
+                        {"float16", ModelDtype::float16},
+                        {"float32", ModelDtype::float32},
+                        {"float8", ModelDtype::float8}});
   m.field("allow_slow_path", &c->allow_slow_path);
   m.done();
 }
@@ -380,6 +383,7 @@ const char* name_of(ModelDtype dtype) {
     case ModelDtype::bfloat16: return "bfloat16";
     case ModelDtype::float16: return "float16";
     case ModelDtype::float32: return "float32";
+    case ModelDtype::float8: return "float8";
   }
   return "?";
 }

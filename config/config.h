@@ -51,12 +51,13 @@ enum class OnFailure { stop, restart };        // workers.on_failure
 enum class OnNonfinite { skip, stop };         // train.on_nonfinite
 enum class OnMalformed { error, skip };        // data.on_malformed
 enum class TargetWeights { checkpoint, random };  // target.weights: safetensors, or init from config.json
-enum class ModelDtype { bfloat16, float16, float32 };  // target.dtype
+// target.dtype. float8: the projections block-scaled FP8 (target/fp8.h), activations and the rest bf16.
+enum class ModelDtype { bfloat16, float16, float32, float8 };
 enum class AttentionChoice { automatic, kernels, efficient, math };  // drafter.attention ("auto" is automatic)
 const char* name_of(Device device);
 const char* name_of(ModelDtype dtype);
 const char* name_of(AttentionChoice attention);
-int64_t bytes_of(ModelDtype dtype);  // per element
+int64_t bytes_of(ModelDtype dtype);  // per element of activations (and of weights but FP8 projections)
 
 struct RunConfig {
   std::string name = "dflashd";

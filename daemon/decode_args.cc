@@ -60,8 +60,11 @@ std::optional<target::TargetOptions> target_options(const std::string& command, 
     o.dtype = at::kBFloat16;
   } else if (dtype == "float32") {
     o.dtype = at::kFloat;
+  } else if (dtype == "float8") {
+    o.dtype = at::kBFloat16;
+    o.fp8_weights = true;
   } else {
-    std::cerr << "dflashd " << command << ": --dtype must be bfloat16 or float32\n";
+    std::cerr << "dflashd " << command << ": --dtype must be bfloat16, float32 or float8\n";
     return std::nullopt;
   }
   o.allow_slow_path = a.allow_slow_path;

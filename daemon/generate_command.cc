@@ -34,7 +34,7 @@ namespace {
 constexpr const char* kHelp = R"(Usage: dflashd generate (--target DIR | --preset NAME) --prompts FILE.jsonl --out DIR
                         [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                         [--stop-token-ids 1,2] [--max-batch N] [--shard-size N] [--truncated skip|keep]
-                        [-c CONFIG] [--device cpu|cuda:N] [--dtype bfloat16|float32] [--random-weights]
+                        [-c CONFIG] [--device cpu|cuda:N] [--dtype bfloat16|float32|float8] [--random-weights]
                         [--target-seed S] [--allow-slow-path] [--metrics HOST:PORT] [--log-every SECONDS]
 
 Regenerates training responses with the target: every prompt decoded by the target (plain
@@ -250,7 +250,10 @@ int generate(const GenerateArgs& a_in) {
       a.target.random_weights = config->target.weights == config::TargetWeights::random;
       a.target.allow_slow_path = a.target.allow_slow_path || config->target.allow_slow_path;
     }
-    if (a.target.dtype_text.empty()) a.target.dtype_text = config->target.dtype == config::ModelDtype::float32 ? "float32" : "bfloat16";
+    if (a.target.dtype_text.empty()) {
+      const config::ModelDtype d = config->target.dtype;
+      a.target.dtype_text = d == config::ModelDtype::float32 || d == config::ModelDtype::float8 ? config::name_of(d) : "bfloat16";
+    }
     a.target.target_seed = config->train.seed;
     if (a.metrics.empty()) a.metrics = config->metrics.listen;
     if (!a.log_every_given) a.log_every = config->metrics.log_every_seconds;

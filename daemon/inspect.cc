@@ -15,13 +15,14 @@ namespace dflash::daemon {
 namespace {
 
 constexpr const char* kHelp = R"(Usage: dflashd inspect target --model DIR --tokens FILE --layers 1,3 --out OUT.safetensors
-                              [--device cpu|cuda:N] [--dtype float32|bfloat16] [--allow-slow-path]
+                              [--device cpu|cuda:N] [--dtype float32|bfloat16|float8] [--allow-slow-path]
 
 Runs the target of DIR (a Hugging Face model directory) on every sequence of FILE (JSON Lines,
 {"input_ids": [...]} per line) and writes the outputs of the given decoder layers (layer id i =
 the output of decoder layer i) to OUT.safetensors: one tensor `layer.<id>` of shape
 [sequences, tokens, hidden] per layer (shorter sequences zero-padded to the longest), plus
-`lengths` (int64 [sequences]).
+`lengths` (int64 [sequences]). --dtype float8 keeps the projections block-scaled FP8 (bf16
+activations and outputs), as target.dtype: float8.
 )";
 
 }  // namespace
@@ -93,8 +94,9 @@ std::optional<int> parse_inspect_args(const std::vector<std::string>& args, Insp
   }
   if (out->dtype_text == "float32") out->options.dtype = at::kFloat;
   else if (out->dtype_text == "bfloat16") out->options.dtype = at::kBFloat16;
+  else if (out->dtype_text == "float8") out->options.dtype = at::kBFloat16, out->options.fp8_weights = true;
   else {
-    std::cerr << "dflashd inspect: --dtype must be float32 or bfloat16\n";
+    std::cerr << "dflashd inspect: --dtype must be float32, bfloat16 or float8\n";
     return exit_code::kUsage;
   }
   return std::nullopt;

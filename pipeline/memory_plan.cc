@@ -11,29 +11,33 @@ namespace dflash::pipeline {
 namespace {
 
 
-// Parameters of the target's layers first..last (every expert of an MoE layer is resident).
-int64_t target_layer_parameters(const target::ModelConfig& c, int64_t first, int64_t last) {
+// The bytes of the target's layers first..last (every expert of an MoE layer is resident): the
+// attention, GatedDeltaNet and dense MLP projections at one byte each plus a factor per 128x128
+// block under target.dtype: float8 (target/fp8.h), everything else at the model dtype's size.
+int64_t target_layer_bytes(const target::ModelConfig& c, int64_t first, int64_t last, config::ModelDtype dtype) {
   const int64_t h = c.hidden_size;
-  int64_t params = 0;
+  int64_t projections = 0, other = 0;
   for (int64_t i = first; i <= last && i < c.num_layers; ++i) {
     if (c.layer_types[i] == target::LayerKind::full_attention) {
       const int64_t q = c.num_attention_heads * c.head_dim * (c.gated_attention ? 2 : 1);
-      params += h * (q + 2 * c.num_key_value_heads * c.head_dim) + c.num_attention_heads * c.head_dim * h;
+      projections += h * (q + 2 * c.num_key_value_heads * c.head_dim) + c.num_attention_heads * c.head_dim * h;
     } else {
       const int64_t key = c.linear_num_key_heads * c.linear_key_head_dim;
       const int64_t value = c.linear_num_value_heads * c.linear_value_head_dim;
-      params += h * (2 * key + 2 * value + 2 * c.linear_num_value_heads) + value * h +
-                (2 * key + value) * c.linear_conv_kernel_dim;
+      projections += h * (2 * key + 2 * value + 2 * c.linear_num_value_heads) + value * h;
+      other += (2 * key + value) * c.linear_conv_kernel_dim;
     }
     if (c.layer_is_moe(i)) {
-      params += h * c.num_experts + 3 * h * c.moe_intermediate_size * c.num_experts +
-                3 * h * c.shared_expert_intermediate_size + h;
+      other += h * c.num_experts + 3 * h * c.moe_intermediate_size * c.num_experts +
+               3 * h * c.shared_expert_intermediate_size + h;
     } else {
-      params += 3 * h * c.intermediate_size;
+      projections += 3 * h * c.intermediate_size;
     }
-    params += 2 * h;  // the layer's norms
+    other += 2 * h;  // the layer's norms
   }
-  return params;
+  const int64_t bytes = config::bytes_of(dtype);
+  if (dtype != config::ModelDtype::float8) return (projections + other) * bytes;
+  return projections + projections / (128 * 128) * 4 + other * bytes;
 }
 
 // The widest intermediate a target layer makes per token (elements).
@@ -73,7 +77,7 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
     const std::vector<target::LayerRange> ranges = target::plan_target_stages(
         target, last_layer, std::min<size_t>(ids.size(), static_cast<size_t>(last_layer + 1)), tokens);
     for (size_t s = 0; s < ranges.size(); ++s) {
-      int64_t w = target_layer_parameters(target, ranges[s].first, ranges[s].last) * bytes;
+      int64_t w = target_layer_bytes(target, ranges[s].first, ranges[s].last, config.target.dtype);
       if (ranges[s].first == 0) w += embedding;
       if (ranges[s].head) w += head_and_embedding - (ranges[s].first == 0 && target.tie_word_embeddings ? embedding : 0);
       weights_on[ids[s]] += w;

@@ -57,6 +57,7 @@ at::ScalarType model_dtype(config::ModelDtype dtype) {
     case config::ModelDtype::bfloat16: return at::kBFloat16;
     case config::ModelDtype::float16: return at::kHalf;
     case config::ModelDtype::float32: return at::kFloat;
+    case config::ModelDtype::float8: return at::kBFloat16;  // the activations; the projections are FP8
   }
   throw std::invalid_argument("target.dtype: not a model dtype");
 }
@@ -74,7 +75,11 @@ std::unique_ptr<Replicas> build_replicas(const config::Config& config, const tar
   const int64_t last_layer = config.eval.every_steps > 0 ? target_config.num_layers - 1 : shape.target_layer_ids.back();
   for (const std::vector<int>& ids : config.gpus.target_replicas) {
     std::vector<target::TargetOptions> stages;
-    for (int id : ids) stages.push_back({device_for(config.gpus, id), dtype, config.target.allow_slow_path});
+    for (int id : ids) {
+      target::TargetOptions o{device_for(config.gpus, id), dtype, config.target.allow_slow_path};
+      o.fp8_weights = config.target.dtype == config::ModelDtype::float8;
+      stages.push_back(o);
+    }
     if (config.target.weights == config::TargetWeights::random || !config.target.preset.empty()) {
       r->targets.push_back(
           target::random_staged_target(target_config, last_layer, stages, target::run_target_seed(config.train.seed),

@@ -13,23 +13,49 @@ struct LayerReader {
   WeightSource& w;
   at::TensorOptions opts;
   Init norm_init;
+  bool fp8;  // projections kept block-scaled FP8
 
-  Linear linear(const std::string& name, int64_t out, int64_t in, bool bias = false) const {
+  // One GEMM over the projections `parts` (name, rows) of `in` features, stacked by rows.
+  Linear stacked(const std::vector<std::pair<std::string, int64_t>>& parts, int64_t in, bool bias = false) const {
     Linear l;
-    l.weight = w.get(name + ".weight", {out, in}, opts);
-    if (bias) l.bias = w.get(name + ".bias", {out}, opts, Init::zeros);
+    std::vector<WeightRows> rows;
+    std::vector<at::Tensor> weights, biases;
+    int64_t out = 0;
+    for (const auto& [name, n] : parts) {
+      if (fp8) {
+        rows.push_back(w.get_rows(name + ".weight", {n, in}, opts.device()));
+      } else {
+        weights.push_back(w.get(name + ".weight", {n, in}, opts));
+      }
+      if (bias) biases.push_back(w.get(name + ".bias", {n}, opts, Init::zeros));
+      out += n;
+    }
+    if (fp8) {
+      if (const auto why = fp8_shape_unsupported(out, in)) {
+        throw WeightsError(w.describe() + ": " + parts.front().first + (parts.size() > 1 ? " (with the projections stacked on it)" : "") +
+                           " cannot be kept FP8 (target.dtype: float8): " + *why);
+      }
+      l.fp8 = stack_fp8(rows);
+    } else {
+      l.weight = weights.size() == 1 ? weights[0] : at::cat(weights, 0);
+    }
+    if (bias) l.bias = biases.size() == 1 ? biases[0] : at::cat(biases, 0);
     return l;
+  }
+  Linear linear(const std::string& name, int64_t out, int64_t in, bool bias = false) const {
+    return stacked({{name, out}}, in, bias);
+  }
+  // A projection kept in the model dtype whatever the target's (router and shared expert inputs).
+  at::Tensor plain(const std::string& name, int64_t out, int64_t in) const {
+    return w.get(name + ".weight", {out, in}, opts);
   }
 
   Attention attention(const std::string& p) const {
     const int64_t h = c.hidden_size, d = c.head_dim;
     Attention a;
     const int64_t q_out = c.num_attention_heads * d * (c.gated_attention ? 2 : 1);
-    const Linear q = linear(p + "q_proj", q_out, h, c.attention_bias);
-    const Linear k = linear(p + "k_proj", c.num_key_value_heads * d, h, c.attention_bias);
-    const Linear v = linear(p + "v_proj", c.num_key_value_heads * d, h, c.attention_bias);
-    a.qkv.weight = at::cat({q.weight, k.weight, v.weight}, 0);
-    if (c.attention_bias) a.qkv.bias = at::cat({q.bias, k.bias, v.bias}, 0);
+    const int64_t kv_out = c.num_key_value_heads * d;
+    a.qkv = stacked({{p + "q_proj", q_out}, {p + "k_proj", kv_out}, {p + "v_proj", kv_out}}, h, c.attention_bias);
     a.o = linear(p + "o_proj", h, c.num_attention_heads * d, c.attention_bias && c.family == Family::llama);
     if (c.qk_norm) {
       a.q_norm = w.get(p + "q_norm.weight", {d}, opts, norm_init);
@@ -44,18 +70,14 @@ struct LayerReader {
     const int64_t value_channels = hv * c.linear_value_head_dim;
     const int64_t conv_channels = 2 * key_channels + value_channels;
     const auto fp32 = opts.dtype(at::kFloat);
-    auto concatenated = [&](std::initializer_list<std::pair<const char*, int64_t>> parts) {
-      std::vector<at::Tensor> weights;
-      for (const auto& [name, out] : parts) weights.push_back(linear(p + name, out, h).weight);
-      return Linear{at::cat(weights, 0), {}};
-    };
     GatedDeltaNet g;
     g.in_proj = c.fused_gdn_projections
-                    ? concatenated({{"in_proj_qkvz", 2 * key_channels + 2 * value_channels}, {"in_proj_ba", 2 * hv}})
-                    : concatenated({{"in_proj_qkv", conv_channels},
-                                    {"in_proj_z", value_channels},
-                                    {"in_proj_b", hv},
-                                    {"in_proj_a", hv}});
+                    ? stacked({{p + "in_proj_qkvz", 2 * key_channels + 2 * value_channels}, {p + "in_proj_ba", 2 * hv}}, h)
+                    : stacked({{p + "in_proj_qkv", conv_channels},
+                               {p + "in_proj_z", value_channels},
+                               {p + "in_proj_b", hv},
+                               {p + "in_proj_a", hv}},
+                              h);
     g.conv = w.get(p + "conv1d.weight", {conv_channels, 1, c.linear_conv_kernel_dim}, opts).squeeze(1);
     g.a_log = w.get(p + "A_log", {hv}, fp32, Init::a_log);
     g.dt_bias = w.get(p + "dt_bias", {hv}, fp32, Init::dt_bias);
@@ -67,7 +89,7 @@ struct LayerReader {
   // Router, experts in the grouped layout [E, 2I, H] / [E, H, I], shared expert.
   MoeWeights moe(const std::string& p) const {
     const int64_t h = c.hidden_size, e = c.num_experts, inner = c.moe_intermediate_size;
-    const at::Tensor router = w.get(p + "gate.weight", {e, h}, opts);
+    const at::Tensor router = plain(p + "gate", e, h);
     at::Tensor gate_up, down;
     if (w.contains(p + "experts.gate_up_proj")) {  // transformers 5 fused layout: already grouped
       gate_up = w.get(p + "experts.gate_up_proj", {e, 2 * inner, h}, opts);
@@ -85,10 +107,10 @@ struct LayerReader {
     at::Tensor shared_gate, shared_up, shared_down, shared_expert_gate;
     if (c.shared_expert_intermediate_size > 0) {
       const int64_t s = c.shared_expert_intermediate_size;
-      shared_gate = linear(p + "shared_expert.gate_proj", s, h).weight;
-      shared_up = linear(p + "shared_expert.up_proj", s, h).weight;
-      shared_down = linear(p + "shared_expert.down_proj", h, s).weight;
-      shared_expert_gate = linear(p + "shared_expert_gate", 1, h).weight;
+      shared_gate = plain(p + "shared_expert.gate_proj", s, h);
+      shared_up = plain(p + "shared_expert.up_proj", s, h);
+      shared_down = plain(p + "shared_expert.down_proj", h, s);
+      shared_expert_gate = plain(p + "shared_expert_gate", 1, h);
     }
     return MoeWeights::make(router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate);
   }
@@ -100,9 +122,7 @@ struct LayerReader {
       m.experts = moe(p);
     } else {
       const int64_t h = c.hidden_size;
-      m.gate_up.weight = at::cat({linear(p + "gate_proj", c.intermediate_size, h).weight,
-                                  linear(p + "up_proj", c.intermediate_size, h).weight},
-                                 0);
+      m.gate_up = stacked({{p + "gate_proj", c.intermediate_size}, {p + "up_proj", c.intermediate_size}}, h);
       m.down = linear(p + "down_proj", h, c.intermediate_size);
     }
     return m;
@@ -111,8 +131,26 @@ struct LayerReader {
 
 }  // namespace
 
-Layer load_layer(const ModelConfig& c, WeightSource& w, int64_t i, const at::TensorOptions& opts) {
-  const LayerReader r{c, w, opts, c.zero_centred_norm ? Init::zeros : Init::ones};
+int64_t Linear::bytes() const {
+  int64_t n = fp8.defined() ? fp8.bytes() : weight.defined() ? weight.numel() * weight.element_size() : 0;
+  return n + (bias.defined() ? bias.numel() * bias.element_size() : 0);
+}
+
+int64_t layer_bytes(const Layer& l) {
+  int64_t n = 0;
+  for (const at::Tensor* t : {&l.input_norm, &l.post_attention_norm, &l.attention.q_norm, &l.attention.k_norm,
+                              &l.gdn.conv, &l.gdn.a_log, &l.gdn.dt_bias, &l.gdn.norm, &l.mlp.experts.input_proj,
+                              &l.mlp.experts.experts_gate_up, &l.mlp.experts.experts_down, &l.mlp.experts.shared_down}) {
+    if (t->defined()) n += t->numel() * t->element_size();
+  }
+  for (const Linear* p : {&l.attention.qkv, &l.attention.o, &l.gdn.in_proj, &l.gdn.out, &l.mlp.gate_up, &l.mlp.down}) {
+    n += p->bytes();
+  }
+  return n;
+}
+
+Layer load_layer(const ModelConfig& c, WeightSource& w, int64_t i, const at::TensorOptions& opts, bool fp8) {
+  const LayerReader r{c, w, opts, c.zero_centred_norm ? Init::zeros : Init::ones, fp8};
   Layer layer;
   layer.kind = c.layer_types[i];
   layer.input_norm = w.get(layer_name(i, "input_layernorm.weight"), {c.hidden_size}, opts, r.norm_init);

@@ -6,16 +6,22 @@
 
 #include <string>
 
+#include "target/fp8.h"
 #include "target/model_config.h"
 #include "target/moe.h"
 #include "target/weights.h"
 
 namespace dflash::target {
 
+// A projection: weight in the model dtype, or (an FP8 target) block-scaled FP8 weights (fp8.h).
 struct Linear {
-  at::Tensor weight;  // [out, in]
+  at::Tensor weight;  // [out, in]; undefined when fp8 holds it
+  Fp8Weight fp8;      // target.dtype: float8
   at::Tensor bias;    // undefined when absent
-  at::Tensor operator()(const at::Tensor& x) const { return at::linear(x, weight, bias); }
+  at::Tensor operator()(const at::Tensor& x) const {
+    return fp8.defined() ? fp8_linear(x, fp8, bias) : at::linear(x, weight, bias);
+  }
+  int64_t bytes() const;  // what the weights hold on the device
 };
 
 struct Attention {
@@ -47,8 +53,12 @@ struct Layer {
 };
 
 // Decoder layer i's weights from `w` (names and layouts: docs/targets.md); projections that run
-// as one GEMM are concatenated here.
-Layer load_layer(const ModelConfig& c, WeightSource& w, int64_t i, const at::TensorOptions& opts);
+// as one GEMM are concatenated here. With fp8, the attention, GatedDeltaNet and dense MLP
+// projections are kept block-scaled FP8 (the router, norms, conv and MoE experts in opts' dtype).
+Layer load_layer(const ModelConfig& c, WeightSource& w, int64_t i, const at::TensorOptions& opts, bool fp8);
+
+// The device bytes of a layer's weights.
+int64_t layer_bytes(const Layer& layer);
 
 // RoPE inverse frequencies [rotary_dim / 2] fp32 on the CPU (Llama 3.1 scaling applied).
 at::Tensor compute_inv_freq(const ModelConfig& c);

@@ -85,6 +85,17 @@ bool use_grouped_moe(const ModelConfig& c, const LayerRange& range, const Target
                            "Set target.allow_slow_path: true to accept the slow path knowingly."});
 }
 
+// The FP8 projections: the block-scaled GEMM where it runs, the emulation elsewhere (the CPU;
+// a GPU only when the slow path is allowed).
+bool use_fp8_gemms(const TargetOptions& options) {
+  if (!options.fp8_weights) return false;
+  return fast_path_chosen({"the target's FP8 projections on " + options.device.str(), PathRequest::automatic,
+                           fp8_gemm_unavailable(options.device), !options.device.is_cpu(), options.allow_slow_path,
+                           "the block-scaled FP8 GEMMs", "an emulation (every weight dequantized per GEMM)",
+                           "many times slower than bf16",
+                           "Set target.dtype: bfloat16, or target.allow_slow_path: true to accept the emulation."});
+}
+
 // The GatedDeltaNet layers: the CUDA kernels where they can run, the reference path elsewhere
 // (kernel_path.h's rule).
 bool use_gdn_kernels(const ModelConfig& c, const LayerRange& range, const TargetOptions& options) {
@@ -207,7 +218,14 @@ TargetModel::TargetModel(ModelConfig config, WeightSource& w, LayerRange range, 
     impl_->final_norm = w.get("norm.weight", {h}, opts, norm_init);
   }
   impl_->inv_freq = compute_inv_freq(c).to(options.device);
-  for (int64_t i = range.first; i <= range.last; ++i) impl_->layers.push_back(load_layer(c, w, i, opts));
+  if (options.fp8_weights && options.dtype != at::kBFloat16) {
+    throw std::invalid_argument("target: FP8 weights run with bf16 activations, not " +
+                                std::string(c10::toString(options.dtype)));
+  }
+  fp8_gemms_ = use_fp8_gemms(options);
+  for (int64_t i = range.first; i <= range.last; ++i) {
+    impl_->layers.push_back(load_layer(c, w, i, opts, options.fp8_weights));
+  }
   grouped_moe_ = use_grouped_moe(c, range, options);
   gdn_kernels_ = use_gdn_kernels(c, range, options);
   for (const auto& [component, path] : kernel_paths()) log::info("kernel path: {}", path.str());
@@ -250,13 +268,42 @@ std::map<std::string, KernelPath> TargetModel::kernel_paths() const {
       add("target.moe", grouped_moe_ ? "grouped" : "reference", grouped_moe_ ? kMoeGroupedPath : kMoeReferencePath);
     }
   }
+  if (!options_.fp8_weights) {
+    add("target.projections", c10::toString(options_.dtype), "ATen GEMMs");
+  } else if (fp8_gemms_) {
+    add("target.projections", "fp8", kFp8GemmPath);
+  } else {
+    add("target.projections", "fp8_emulated",
+        std::string(kFp8EmulatedPath) + ": " + fp8_gemm_unavailable(options_.device).value_or(""));
+  }
   return paths;
 }
 
-void log_quantization(const CheckpointWeights& weights, at::ScalarType dtype) {
+int64_t TargetModel::weight_bytes() const {
+  int64_t n = 0;
+  for (const at::Tensor* t : {&impl_->embed, &impl_->final_norm}) {
+    if (t->defined()) n += t->numel() * t->element_size();
+  }
+  if (impl_->head.defined() && !impl_->head.is_same(impl_->embed)) n += impl_->head.numel() * impl_->head.element_size();
+  for (const Layer& l : impl_->layers) n += layer_bytes(l);
+  return n;
+}
+
+void log_quantization(const CheckpointWeights& weights, const TargetOptions& options) {
   if (weights.fp8_block().empty()) return;
-  log::info("target weights: {}: block-scaled FP8 (e4m3, blocks of {}x{}), dequantized to {} at load", weights.describe(),
-            weights.fp8_block()[0], weights.fp8_block()[1], c10::toString(dtype));
+  const int64_t rows = weights.fp8_block()[0], columns = weights.fp8_block()[1];
+  if (!options.fp8_weights) {
+    log::info("target weights: {}: block-scaled FP8 (e4m3, blocks of {}x{}), dequantized to {} at load "
+              "(target.dtype: float8 keeps them FP8)",
+              weights.describe(), rows, columns, c10::toString(options.dtype));
+  } else if (rows == kFp8Block && columns == kFp8Block) {
+    log::info("target weights: {}: block-scaled FP8 (e4m3, blocks of 128x128), kept FP8 (MoE experts, router and "
+              "shared expert dequantized to {})",
+              weights.describe(), c10::toString(options.dtype));
+  } else {
+    log::info("target weights: {}: block-scaled FP8 in blocks of {}x{}, requantized to the GEMMs' 128x128 blocks at load",
+              weights.describe(), rows, columns);
+  }
 }
 
 namespace {
@@ -338,7 +385,7 @@ StreamState TargetModel::run_layers(const at::Tensor& input_ids, const std::vect
 std::unique_ptr<TargetModel> load_target(const std::string& model_dir, int64_t last_layer, TargetOptions options) {
   ModelConfig config = load_model_config(model_dir);
   CheckpointWeights weights(model_dir);
-  log_quantization(weights, options.dtype);
+  log_quantization(weights, options);
   return std::make_unique<TargetModel>(std::move(config), weights, last_layer, options);
 }
 

@@ -28,7 +28,7 @@ namespace dflash::target {
 
 struct TargetOptions {
   at::Device device = at::kCPU;
-  at::ScalarType dtype = at::kFloat;
+  at::ScalarType dtype = at::kFloat;  // the activations' (and the weights' unless fp8_weights)
   // The GatedDeltaNet reference path on a GPU is refused unless allowed (it is ~10x slower).
   bool allow_slow_path = false;
   // Which GatedDeltaNet implementation: the kernels where they can run (automatic), the kernels
@@ -41,6 +41,10 @@ struct TargetOptions {
   // reference path on a GPU (about 5x slower at 35B-A3B shapes) still needs allow_slow_path.
   enum class MoePath { automatic, grouped, reference };
   MoePath moe_path = MoePath::automatic;
+  // The attention, GatedDeltaNet and dense MLP projections kept block-scaled FP8 and run as FP8
+  // GEMMs (fp8.h; target.dtype: float8, with dtype bf16). A checkpoint's own 128x128 FP8 blocks
+  // are kept as they are; anything else is quantised at load.
+  bool fp8_weights = false;
 };
 
 // Raised when a layer would run a path the options do not allow; names the layer and the fix.
@@ -83,8 +87,11 @@ class TargetModel {
   const at::Tensor& lm_head() const;            // [vocab, hidden] (the embedding when tied)
   const at::Tensor& final_norm_weight() const;  // [hidden]
   // Which implementation each layer kind runs, by component: "target.full_attention" (sdpa),
-  // "target.linear_attention" (kernels or reference), "target.moe" (grouped or reference).
+  // "target.linear_attention" (kernels or reference), "target.moe" (grouped or reference),
+  // "target.projections" (bf16 / fp16 / fp32 GEMMs, fp8, or fp8 emulated).
   std::map<std::string, KernelPath> kernel_paths() const;
+  // The bytes this model's weights hold on its device.
+  int64_t weight_bytes() const;
 
  private:
   friend class IncrementalTarget;  // incremental.h: the same layers over a decoding cache
@@ -97,13 +104,14 @@ class TargetModel {
   int64_t first_layer_ = 0;
   bool gdn_kernels_ = false;  // the GatedDeltaNet layers run the CUDA kernels
   bool grouped_moe_ = false;  // the MoE layers run moe_grouped
+  bool fp8_gemms_ = false;    // the FP8 projections run the block-scaled GEMM (else emulated)
   std::unique_ptr<Impl> impl_;
 };
 
 // Loads a target from a Hugging Face directory or initialises it randomly from a config.
 std::unique_ptr<TargetModel> load_target(const std::string& model_dir, int64_t last_layer, TargetOptions options);
 // The startup log's line on a block-scaled FP8 checkpoint (nothing for an unquantized one).
-void log_quantization(const CheckpointWeights& weights, at::ScalarType dtype);
+void log_quantization(const CheckpointWeights& weights, const TargetOptions& options);
 // The seed of a run's random target weights (target.weights: random, presets) for train.seed:
 // the trainer, `dflashd eval --preset / --random-weights` and tests build the same target.
 inline uint64_t run_target_seed(int64_t train_seed) { return 0x7a11 ^ static_cast<uint64_t>(train_seed); }

@@ -148,7 +148,7 @@ std::vector<at::Tensor> StagedTarget::forward(const at::Tensor& input_ids, const
 std::unique_ptr<StagedTarget> load_staged_target(const std::string& model_dir, int64_t last_layer,
                                                  const std::vector<TargetOptions>& stages, int64_t plan_tokens) {
   CheckpointWeights weights(model_dir);
-  log_quantization(weights, stages.front().dtype);
+  log_quantization(weights, stages.front());
   return std::make_unique<StagedTarget>(load_model_config(model_dir), weights, last_layer, stages, plan_tokens);
 }
 

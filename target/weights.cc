@@ -144,8 +144,7 @@ const std::pair<std::shared_ptr<SafetensorsFile>, std::string>* CheckpointWeight
 
 bool CheckpointWeights::contains(const std::string& name) const { return locate(name) != nullptr; }
 
-at::Tensor CheckpointWeights::get(const std::string& name, const std::vector<int64_t>& shape,
-                                  const at::TensorOptions& options, Init) {
+CheckpointWeights::Stored CheckpointWeights::stored(const std::string& name, const std::vector<int64_t>& shape) const {
   const auto* location = locate(name);
   if (!location) {
     const std::string file_name = name == "lm_head.weight" ? name : prefix_ + name;  // the head sits outside the prefix
@@ -158,24 +157,34 @@ at::Tensor CheckpointWeights::get(const std::string& name, const std::vector<int
   if (entry.shape != shape) {
     throw WeightsError(where + " has shape " + shape_text(entry.shape) + ", expected " + shape_text(shape));
   }
-  const at::ScalarType stored = to_scalar_type(entry.dtype, where);
-  if (stored == at::kFloat8_e4m3fn) {
-    auto keep = file;
-    const at::Tensor fp8 = at::from_blob(
-        const_cast<std::byte*>(entry.data), entry.shape, [keep](void*) {}, at::TensorOptions().dtype(stored));
-    return dequantize(fp8, name, where, options);
-  }
-  // Alias the mapping (keeping the file alive through the deleter), then one copy to the target
-  // device/dtype. A CPU tensor in the stored dtype stays an alias: no host copy.
+  // Alias the mapping, keeping the file alive through the deleter.
   auto keep_alive = file;
-  at::Tensor view = at::from_blob(
-      const_cast<std::byte*>(entry.data), entry.shape, [keep_alive](void*) {}, at::TensorOptions().dtype(stored));
-  if (options.device().is_cpu() && options.dtype() == view.dtype()) return view;
-  return view.to(options, /*non_blocking=*/false, /*copy=*/true);
+  const at::Tensor view = at::from_blob(const_cast<std::byte*>(entry.data), entry.shape, [keep_alive](void*) {},
+                                        at::TensorOptions().dtype(to_scalar_type(entry.dtype, where)));
+  return {view, where};
 }
 
-at::Tensor CheckpointWeights::dequantize(const at::Tensor& weight, const std::string& name, const std::string& where,
-                                         const at::TensorOptions& options) const {
+at::Tensor CheckpointWeights::get(const std::string& name, const std::vector<int64_t>& shape,
+                                  const at::TensorOptions& options, Init) {
+  const Stored s = stored(name, shape);
+  if (s.view.scalar_type() == at::kFloat8_e4m3fn) return dequantize(s.view, name, s.where, options);
+  // One copy to the target device/dtype. A CPU tensor in the stored dtype stays an alias: no host copy.
+  if (options.device().is_cpu() && options.dtype() == s.view.dtype()) return s.view;
+  return s.view.to(options, /*non_blocking=*/false, /*copy=*/true);
+}
+
+WeightRows CheckpointWeights::get_rows(const std::string& name, const std::vector<int64_t>& shape, at::Device device) {
+  const Stored s = stored(name, shape);
+  if (s.view.scalar_type() == at::kFloat8_e4m3fn && fp8_block_ == std::vector<int64_t>{kFp8Block, kFp8Block} &&
+      shape.size() == 2) {
+    // The checkpoint's own blocks are the GEMM's: its bytes and factors are kept as they are.
+    return {{}, {s.view.to(device), block_factors(s.view, name, s.where).to(device, at::kFloat).contiguous()}};
+  }
+  return {get(name, shape, at::TensorOptions().device(device).dtype(at::kFloat), Init::normal), {}};
+}
+
+at::Tensor CheckpointWeights::block_factors(const at::Tensor& weight, const std::string& name,
+                                            const std::string& where) const {
   if (fp8_block_.empty()) {
     throw WeightsError(where + " is FP8 (e4m3) but " + dir_ + "/config.json has no quantization_config (quant_method "
                        "fp8 with weight_block_size) saying how it is scaled");
@@ -195,8 +204,14 @@ at::Tensor CheckpointWeights::dequantize(const at::Tensor& weight, const std::st
                        shape_text(expected) + " (blocks of " + std::to_string(br) + "x" + std::to_string(bc) + ")");
   }
   auto keep = scale_location->first;
-  const at::Tensor scale = at::from_blob(const_cast<std::byte*>(scale_entry.data), scale_entry.shape, [keep](void*) {},
-                                         at::TensorOptions().dtype(to_scalar_type(scale_entry.dtype, scale_where)));
+  return at::from_blob(const_cast<std::byte*>(scale_entry.data), scale_entry.shape, [keep](void*) {},
+                       at::TensorOptions().dtype(to_scalar_type(scale_entry.dtype, scale_where)));
+}
+
+at::Tensor CheckpointWeights::dequantize(const at::Tensor& weight, const std::string& name, const std::string& where,
+                                         const at::TensorOptions& options) const {
+  const at::Tensor scale = block_factors(weight, name, where);
+  const int64_t rows = weight.size(-2), columns = weight.size(-1), br = fp8_block_[0], bc = fp8_block_[1];
   // On the target's device (a GPU dequantizes fast and the host never holds the fp32 copy).
   const at::Tensor w = weight.to(options.device()).to(at::kFloat);
   const at::Tensor factors = scale.to(options.device(), at::kFloat)

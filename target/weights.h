@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "target/fp8.h"
+
 namespace dflash {
 class SafetensorsFile;
 }
@@ -40,6 +42,11 @@ class WeightSource {
   // The tensor `name` with exactly `shape`, on `options`' device and dtype.
   virtual at::Tensor get(const std::string& name, const std::vector<int64_t>& shape, const at::TensorOptions& options,
                          Init init = Init::normal) = 0;
+  // A projection's weight [out, in] for an FP8 target (fp8.h): the checkpoint's own 128x128 FP8
+  // blocks where it stores them so, else the weight in fp32 (to be quantised by the caller).
+  virtual WeightRows get_rows(const std::string& name, const std::vector<int64_t>& shape, at::Device device) {
+    return {get(name, shape, at::TensorOptions().device(device).dtype(at::kFloat)), {}};
+  }
   virtual bool contains(const std::string& name) const = 0;
   virtual std::string describe() const = 0;
 };
@@ -47,13 +54,14 @@ class WeightSource {
 // A checkpoint may be block-scaled FP8 (config.json's quantization_config: quant_method "fp8",
 // fmt "e4m3", weight_block_size [rows, columns], as Qwen's *-FP8 releases and transformers'
 // FineGrainedFP8 write them): each e4m3 weight W has a `W_scale_inv` holding one fp32 factor per
-// block, and get() returns weight x factor in the asked dtype (dequantized at load; the FP8 GEMMs
-// that would keep them FP8 are not built yet).
+// block. get() returns weight x factor in the asked dtype (dequantized at load); get_rows() keeps
+// 128x128 blocks as they are for an FP8 target (target.dtype: float8).
 class CheckpointWeights : public WeightSource {
  public:
   explicit CheckpointWeights(const std::string& model_dir);
   at::Tensor get(const std::string& name, const std::vector<int64_t>& shape, const at::TensorOptions& options,
                  Init init) override;
+  WeightRows get_rows(const std::string& name, const std::vector<int64_t>& shape, at::Device device) override;
   bool contains(const std::string& name) const override;
   std::string describe() const override { return dir_; }
   const std::string& prefix() const { return prefix_; }
@@ -63,6 +71,14 @@ class CheckpointWeights : public WeightSource {
  private:
   // The file and full name holding `name`, or nullptr.
   const std::pair<std::shared_ptr<SafetensorsFile>, std::string>* locate(const std::string& name) const;
+  // The stored tensor `name` (checked to have `shape`) aliasing the mapping, and "file: tensor 'x'".
+  struct Stored {
+    at::Tensor view;
+    std::string where;
+  };
+  Stored stored(const std::string& name, const std::vector<int64_t>& shape) const;
+  // An FP8 weight's per-block factors (its `_scale_inv`, shape checked), aliasing the mapping.
+  at::Tensor block_factors(const at::Tensor& weight, const std::string& name, const std::string& where) const;
   // weight x its per-block factors, on `options`' device and dtype.
   at::Tensor dequantize(const at::Tensor& weight, const std::string& name, const std::string& where,
                         const at::TensorOptions& options) const;

@@ -447,6 +447,14 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
   EXPECT_LT(on_h200[0].target_weights, 60'000'000'000);
   EXPECT_GT(on_h200[0].drafter_state, 20'000'000'000);  // fp32 masters + moments of ~1.7B parameters
   EXPECT_TRUE(memory_plan_problems(on_h200).empty()) << format_memory_plan(on_h200);
+  // target.dtype: float8 keeps the projections at a byte each (plus a factor per 128x128 block);
+  // the embedding, head, norms and convs stay bf16: the 27B target's weights a little over half.
+  c.target.dtype = config::ModelDtype::float8;
+  const auto fp8 = plan_memory(c, target, shape, {143'771LL << 20});
+  EXPECT_LT(fp8[0].target_weights, on_h200[0].target_weights * 6 / 10) << format_memory_plan(fp8);
+  EXPECT_GT(fp8[0].target_weights, on_h200[0].target_weights / 2) << format_memory_plan(fp8);
+  EXPECT_EQ(fp8[0].drafter_state, on_h200[0].drafter_state);  // the drafter trains in bf16 either way
+  c.target.dtype = config::ModelDtype::bfloat16;
   const auto on_h100 = plan_memory(c, target, shape, {80LL << 30});
   const auto problems = memory_plan_problems(on_h100);
   ASSERT_EQ(problems.size(), 1u) << format_memory_plan(on_h100);

@@ -1,0 +1,129 @@
+#include "target/fp8.h"
+
+#include <ATen/ATen.h>
+
+#include <stdexcept>
+
+#ifdef DFLASHD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+
+#include "target/kernels/fp8.h"
+#endif
+
+namespace dflash::target {
+namespace {
+
+constexpr double kE4m3Max = 448.0;
+
+// max|x| / 448 over the last dimension, 1 where the maximum is zero.
+at::Tensor factors_of(const at::Tensor& amax) { return at::where(amax > 0, amax / kE4m3Max, at::ones_like(amax)); }
+
+bool gemm_runs(const at::Tensor& x) { return x.is_cuda() && !fp8_gemm_unavailable(x.device()); }
+
+}  // namespace
+
+int64_t Fp8Weight::bytes() const { return data.numel() + scale.numel() * 4; }
+
+std::optional<std::string> fp8_shape_unsupported(int64_t out, int64_t in) {
+  if (in % kFp8Block != 0) {
+    return std::to_string(in) + " input features: block-scaled FP8 GEMMs take whole groups of " +
+           std::to_string(kFp8Block);
+  }
+  if (out % 16 != 0) return std::to_string(out) + " output features: FP8 GEMMs take a multiple of 16";
+  return std::nullopt;
+}
+
+Fp8Weight quantize_blocks(const at::Tensor& w) {
+  const int64_t out = w.size(0), in = w.size(1), row_blocks = (out + kFp8Block - 1) / kFp8Block;
+  if (in % kFp8Block != 0) throw std::invalid_argument("quantize_blocks: the inner size must be a multiple of 128");
+  at::Tensor padded = w.to(at::kFloat);
+  if (row_blocks * kFp8Block != out) padded = at::constant_pad_nd(padded, {0, 0, 0, row_blocks * kFp8Block - out});
+  const at::Tensor blocks = padded.view({row_blocks, kFp8Block, in / kFp8Block, kFp8Block});
+  const at::Tensor scale = factors_of(blocks.abs().amax({1, 3}));
+  const at::Tensor q = (blocks / scale.view({row_blocks, 1, in / kFp8Block, 1})).to(at::kFloat8_e4m3fn);
+  return {q.view({row_blocks * kFp8Block, in}).narrow(0, 0, out).contiguous(), scale.contiguous()};
+}
+
+at::Tensor dequantize_blocks(const Fp8Weight& w, at::ScalarType dtype) {
+  const int64_t out = w.data.size(0), in = w.data.size(1);
+  const at::Tensor factors = w.scale.repeat_interleave(kFp8Block, 0).narrow(0, 0, out).repeat_interleave(kFp8Block, 1);
+  return (w.data.to(at::kFloat) * factors.narrow(1, 0, in)).to(dtype);
+}
+
+Fp8Weight stack_fp8(const std::vector<WeightRows>& parts) {
+  std::vector<at::Tensor> data, scales;
+  int64_t offset = 0;
+  size_t kept = 0;
+  for (; kept < parts.size(); ++kept) {
+    const WeightRows& p = parts[kept];
+    const bool last = kept + 1 == parts.size();
+    if (!p.fp8.defined() || offset % kFp8Block != 0 || (!last && p.rows() % kFp8Block != 0)) break;
+    data.push_back(p.fp8.data);
+    scales.push_back(p.fp8.scale);
+    offset += p.rows();
+  }
+  if (kept < parts.size()) {
+    std::vector<at::Tensor> rest;
+    for (size_t i = kept; i < parts.size(); ++i) {
+      rest.push_back(parts[i].fp8.defined() ? dequantize_blocks(parts[i].fp8, at::kFloat) : parts[i].weight);
+    }
+    const Fp8Weight quantised = quantize_blocks(rest.size() == 1 ? rest[0] : at::cat(rest, 0));
+    data.push_back(quantised.data);
+    scales.push_back(quantised.scale);
+  }
+  if (data.size() == 1) return {data[0], scales[0]};
+  return {at::cat(data, 0), at::cat(scales, 0)};
+}
+
+Fp8Activations quantize_groups(const at::Tensor& x) {
+  const int64_t rows = x.size(0), in = x.size(1), groups = in / kFp8Block;
+  if (in % kFp8Block != 0) throw std::invalid_argument("quantize_groups: the inner size must be a multiple of 128");
+#ifdef DFLASHD_WITH_CUDA
+  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 4 == 0 &&
+      reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0) {
+    at::Tensor q = at::empty({rows, in}, x.options().dtype(at::kFloat8_e4m3fn));
+    at::Tensor factors = at::empty({groups, rows}, x.options().dtype(at::kFloat));
+    kernels::quantize_groups_e4m3(x.data_ptr(), x.stride(0), rows, in, q.data_ptr(), factors.data_ptr<float>(),
+                                  at::cuda::getCurrentCUDAStream().stream());
+    return {q, factors.t()};
+  }
+#endif
+  const at::Tensor grouped = x.to(at::kFloat).reshape({rows, groups, kFp8Block});
+  const at::Tensor factors = factors_of(grouped.abs().amax(-1));
+  const at::Tensor q = (grouped / factors.unsqueeze(-1)).to(at::kFloat8_e4m3fn).view({rows, in});
+  return {q, factors.t().contiguous().t()};
+}
+
+at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor& bias) {
+  const int64_t in = x.size(-1), out = w.data.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  const Fp8Activations a = quantize_groups(x.reshape({-1, in}));
+  at::Tensor y;
+  if (gemm_runs(x)) {
+    const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+    y = at::_scaled_mm(a.q, w.data.t(), a.factors, w.scale.t(), b, std::nullopt, x.scalar_type());
+  } else {
+    const at::Tensor activations = a.q.to(at::kFloat) * a.factors.repeat_interleave(kFp8Block, 1);
+    y = at::matmul(activations, dequantize_blocks(w, at::kFloat).t());
+    if (bias.defined()) y = y + bias.to(at::kFloat);
+    y = y.to(x.scalar_type());
+  }
+  return y.view(shape);
+}
+
+std::optional<std::string> fp8_gemm_unavailable(at::Device device) {
+  if (!device.is_cuda()) return "the CPU has no FP8 GEMM (the emulation runs)";
+#ifdef DFLASHD_WITH_CUDA
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(device.index());
+  if (props->major != 9) {
+    return "cuda:" + std::to_string(device.index()) + " is compute capability " + std::to_string(props->major) + "." +
+           std::to_string(props->minor) + "; cuBLASLt's 128x128 block-scaled FP8 GEMM runs on 9.x (Hopper)";
+  }
+  return std::nullopt;
+#else
+  return "this build has no CUDA";
+#endif
+}
+
+}  // namespace dflash::target

@@ -1,0 +1,76 @@
+// fp8.h: block-scaled FP8 weights and the GEMM that reads them (target.dtype: float8).
+//
+// A projection W [out, in] is kept as e4m3 with one fp32 factor per 128x128 block (W = data x
+// factor), the layout of Qwen's *-FP8 releases (DeepSeek-V3's recipe). A GEMM quantises its
+// activations per 1x128 group of each row (factor = max|group| / 448, as FP8 inference of these
+// models does: transformers' FineGrainedFP8, SGLang, vLLM), multiplies the e4m3 operands and
+// applies both factors per 128-wide slice of the inner dimension in fp32:
+// - on Hopper, cuBLASLt's block-scaled FP8 GEMM (ATen's _scaled_mm with 1x128 x 128x128 scales),
+//   the activations quantised by one kernel (kernels/fp8.h);
+// - elsewhere (the CPU: tests) the same arithmetic emulated: quantise, dequantise, fp32 matmul.
+//   A GPU without the Hopper GEMM refuses FP8 (fp8_gemm_unavailable) unless the slow path is
+//   allowed.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dflash::target {
+
+inline constexpr int64_t kFp8Block = 128;
+
+struct Fp8Weight {
+  at::Tensor data;   // e4m3 [out, in], contiguous
+  at::Tensor scale;  // fp32 [ceil(out / 128), in / 128], contiguous: block (i, j)'s factor
+  bool defined() const { return data.defined(); }
+  int64_t bytes() const;
+};
+
+// Why a projection [out, in] cannot run as a block-scaled FP8 GEMM here, or nullopt: the inner
+// size must be whole 128-wide groups and the output a multiple of 16 (cuBLASLt's FP8 layouts).
+std::optional<std::string> fp8_shape_unsupported(int64_t out, int64_t in);
+
+// A float weight [out, in] (in a multiple of 128) quantised to 128x128 blocks on its device:
+// factor = max|block| / 448 (1 for an all-zero block), data = e4m3(w / factor).
+Fp8Weight quantize_blocks(const at::Tensor& w);
+// data x factor in `dtype`.
+at::Tensor dequantize_blocks(const Fp8Weight& w, at::ScalarType dtype);
+
+// One piece of a projection concatenated at load: a checkpoint's own 128x128 FP8 blocks (fp8
+// defined) or a float weight.
+struct WeightRows {
+  at::Tensor weight;
+  Fp8Weight fp8;
+  int64_t rows() const { return fp8.defined() ? fp8.data.size(0) : weight.size(0); }
+};
+// The parts stacked by rows as one FP8 weight. A part stored as 128x128 FP8 that starts on a
+// block boundary keeps its bytes and factors (exactly the checkpoint's); from the first part
+// that is stored in float, or would leave a block straddling two parts, the rest is quantised
+// here (e.g. the 48-row b / a projections after a GatedDeltaNet's in_proj_qkv and in_proj_z).
+Fp8Weight stack_fp8(const std::vector<WeightRows>& parts);
+
+// A 2-D x [rows, in] quantised per 1x128 group: q e4m3 [rows, in]; factors fp32 [rows, in /
+// 128] stored column-major (stride (1, rows)), as the GEMM reads them.
+struct Fp8Activations {
+  at::Tensor q, factors;
+};
+Fp8Activations quantize_groups(const at::Tensor& x);
+
+// x [..., in] @ W^T (+ bias) with W block-scaled FP8: [..., out] in x's dtype.
+at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor& bias);
+
+// Why fp8_linear would not run the block-scaled GEMM on `device` (it needs a Hopper GPU:
+// compute capability 9.x, as cuBLASLt's 128x128 block scaling), or nullopt. The CPU always gets
+// a reason: there the emulation runs.
+std::optional<std::string> fp8_gemm_unavailable(at::Device device);
+
+// What kernel_paths() says of the projections' GEMMs.
+inline constexpr const char* kFp8GemmPath =
+    "block-scaled FP8 GEMMs (e4m3 weights in 128x128 blocks, activations in 1x128 groups; cuBLASLt via ATen _scaled_mm)";
+inline constexpr const char* kFp8EmulatedPath = "block-scaled FP8 emulated (quantise, dequantise, fp32 matmul)";
+
+}  // namespace dflash::target

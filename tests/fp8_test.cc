@@ -1,0 +1,327 @@
+// Block-scaled FP8 (target/fp8.h, target.dtype: float8): the weight and activation quantisation
+// against their definition and e4m3's precision, stacking projections without touching a
+// checkpoint's own blocks, the GEMM against the fp64 product of its quantised operands, a whole
+// target kept FP8 against the bf16 / fp32 one, and (GPU) cuBLASLt's block-scaled GEMM and the
+// quantisation kernel against the CPU emulation.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/safetensors.h"
+#include "target/fp8.h"
+#include "target/model.h"
+#include "target/weights.h"
+#include "tests/test_util.h"
+
+namespace dflash::target {
+namespace {
+
+// e4m3 keeps 3 mantissa bits: a rounded normal value is within 2^-4 of itself.
+constexpr double kE4m3Relative = 1.0 / 16;
+
+bool bytes_equal(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && at::equal(a.contiguous().view(at::kByte), b.contiguous().view(at::kByte));
+}
+
+// Rows of very different magnitudes, so that blocks get different factors.
+at::Tensor uneven_weight(int64_t out, int64_t in, uint64_t seed) {
+  at::manual_seed(seed);
+  return at::randn({out, in}) * at::pow(10.0, at::randint(-3, 2, {out, 1}).to(at::kFloat));
+}
+
+TEST(Fp8, BlockQuantisationIsWithinE4m3PrecisionOfEachBlock) {
+  at::Tensor w = uneven_weight(300, 256, 1);
+  w.narrow(0, 256, 44).narrow(1, 128, 128).zero_();  // an all-zero block (the last row block is partial)
+  const Fp8Weight q = quantize_blocks(w);
+  ASSERT_EQ(q.data.sizes(), (std::vector<int64_t>{300, 256}));
+  ASSERT_EQ(q.scale.sizes(), (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(q.data.scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_EQ(q.bytes(), 300 * 256 + 6 * 4);
+  for (int64_t i = 0; i < 3; ++i) {
+    for (int64_t j = 0; j < 2; ++j) {
+      const at::Tensor block = w.narrow(0, i * 128, std::min<int64_t>(128, 300 - i * 128)).narrow(1, j * 128, 128);
+      const at::Tensor stored = q.data.narrow(0, i * 128, block.size(0)).narrow(1, j * 128, 128).to(at::kFloat);
+      const double amax = block.abs().max().item<double>();
+      if (amax == 0) {
+        EXPECT_EQ(q.scale[i][j].item<float>(), 1.f);
+        EXPECT_EQ(stored.abs().max().item<float>(), 0.f);
+        continue;
+      }
+      EXPECT_FLOAT_EQ(q.scale[i][j].item<float>(), static_cast<float>(amax / 448));
+      EXPECT_EQ(stored.abs().max().item<float>(), 448.f) << "the block's largest element maps to e4m3's largest";
+      // Normal e4m3 values (>= 2^-6 before scaling) are within 2^-4; below, an absolute step.
+      const at::Tensor back = stored.to(at::kDouble) * q.scale[i][j].item<double>();
+      const at::Tensor error = (back - block.to(at::kDouble)).abs();
+      const at::Tensor bound = block.to(at::kDouble).abs() * kE4m3Relative + q.scale[i][j].item<double>() * std::pow(2.0, -10);
+      EXPECT_TRUE((error <= bound).all().item<bool>()) << "block " << i << "," << j;
+    }
+  }
+  const at::Tensor dequantized = dequantize_blocks(q, at::kFloat);
+  EXPECT_LT((dequantized - w).abs().max().item<double>(), w.abs().max().item<double>() * kE4m3Relative);
+}
+
+TEST(Fp8, StackingKeepsACheckpointsAlignedBlocksAndQuantisesTheRest) {
+  const Fp8Weight a = quantize_blocks(uneven_weight(256, 256, 2)), b = quantize_blocks(uneven_weight(128, 256, 3));
+  const at::Tensor c = uneven_weight(48, 256, 4), d = uneven_weight(48, 256, 5);
+  // A GatedDeltaNet's in_proj: qkv and z stored FP8 on block boundaries, b and a in bf16 / float.
+  const Fp8Weight stacked = stack_fp8({{{}, a}, {{}, b}, {c, {}}, {d, {}}});
+  ASSERT_EQ(stacked.data.sizes(), (std::vector<int64_t>{480, 256}));
+  ASSERT_EQ(stacked.scale.sizes(), (std::vector<int64_t>{4, 2}));
+  EXPECT_TRUE(bytes_equal(stacked.data.narrow(0, 0, 256), a.data));
+  EXPECT_TRUE(bytes_equal(stacked.data.narrow(0, 256, 128), b.data));
+  EXPECT_TRUE(at::equal(stacked.scale.narrow(0, 0, 2), a.scale));
+  EXPECT_TRUE(at::equal(stacked.scale.narrow(0, 2, 1), b.scale));
+  const Fp8Weight tail = quantize_blocks(at::cat({c, d}, 0));
+  EXPECT_TRUE(bytes_equal(stacked.data.narrow(0, 384, 96), tail.data));
+  EXPECT_TRUE(at::equal(stacked.scale.narrow(0, 3, 1), tail.scale));
+
+  // A stored part that would leave a block straddling two parts: from there on, requantised.
+  const Fp8Weight odd = quantize_blocks(uneven_weight(100, 256, 6)), after = quantize_blocks(uneven_weight(60, 256, 7));
+  const Fp8Weight mixed = stack_fp8({{{}, a}, {{}, odd}, {{}, after}});
+  ASSERT_EQ(mixed.scale.sizes(), (std::vector<int64_t>{4, 2}));
+  EXPECT_TRUE(bytes_equal(mixed.data.narrow(0, 0, 256), a.data));
+  const at::Tensor expected = at::cat({dequantize_blocks(odd, at::kFloat), dequantize_blocks(after, at::kFloat)}, 0);
+  const at::Tensor got = dequantize_blocks(mixed, at::kFloat).narrow(0, 256, 160);
+  EXPECT_LT((got - expected).abs().max().item<double>(), expected.abs().max().item<double>() * kE4m3Relative);
+  EXPECT_GT((got - expected).abs().max().item<double>(), 0.0) << "the straddling rows were requantised";
+}
+
+TEST(Fp8, ActivationGroupsFollowTheirDefinition) {
+  at::manual_seed(8);
+  at::Tensor x = (at::randn({5, 384}) * 3).to(at::kBFloat16);
+  x[2].narrow(0, 128, 128).zero_();
+  const Fp8Activations a = quantize_groups(x);
+  ASSERT_EQ(a.factors.sizes(), (std::vector<int64_t>{5, 3}));
+  EXPECT_EQ(a.factors.strides(), (std::vector<int64_t>{1, 5})) << "column-major, as cuBLASLt reads 1x128 factors";
+  EXPECT_EQ(a.factors[2][1].item<float>(), 1.f);
+  for (int64_t r = 0; r < 5; ++r) {
+    for (int64_t g = 0; g < 3; ++g) {
+      const at::Tensor group = x[r].narrow(0, g * 128, 128).to(at::kFloat);
+      const float amax = group.abs().max().item<float>();
+      if (amax == 0) continue;
+      EXPECT_EQ(a.factors[r][g].item<float>(), amax / 448.f);
+      const at::Tensor q = a.q[r].narrow(0, g * 128, 128).to(at::kDouble);
+      EXPECT_EQ(q.abs().max().item<double>(), 448.0);
+      const at::Tensor error = (q * a.factors[r][g].item<double>() - group.to(at::kDouble)).abs();
+      EXPECT_TRUE((error <= group.to(at::kDouble).abs() * kE4m3Relative + amax / 448.0 * std::pow(2.0, -10)).all().item<bool>());
+    }
+  }
+}
+
+// The GEMM is the product of its quantised operands (each factor applied per 128-wide slice),
+// rounded to bf16 once; and it is FP8: visibly off the bf16 product, within FP8's error.
+TEST(Fp8, LinearIsTheFp64ProductOfTheQuantisedOperands) {
+  at::manual_seed(9);
+  const at::Tensor x = at::randn({2, 7, 256}).to(at::kBFloat16), bias = at::randn({64}).to(at::kBFloat16);
+  const at::Tensor w = uneven_weight(64, 256, 10);
+  const Fp8Weight q = quantize_blocks(w);
+  const at::Tensor y = fp8_linear(x, q, bias);
+  ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, 7, 64}));
+  EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+  const Fp8Activations a = quantize_groups(x.reshape({14, 256}));
+  const at::Tensor xs = a.q.to(at::kDouble) * a.factors.to(at::kDouble).repeat_interleave(128, 1);
+  const at::Tensor exact = (at::matmul(xs, dequantize_blocks(q, at::kDouble).t()) + bias.to(at::kDouble)).view({2, 7, 64});
+  const double scale = exact.abs().max().item<double>();
+  EXPECT_LT((y.to(at::kDouble) - exact).abs().max().item<double>() / scale, 1.0 / 128);  // bf16's rounding
+  const at::Tensor plain = at::linear(x.to(at::kDouble), w.to(at::kDouble), bias.to(at::kDouble));
+  const double off = (y.to(at::kDouble) - plain).abs().max().item<double>() / scale;
+  EXPECT_GT(off, 1e-3);
+  EXPECT_LT(off, 0.1);
+}
+
+// A qwen3_5 target whose projections take 128-wide groups (hidden 128, in_proj 400 rows).
+ModelConfig fp8_friendly_config() {
+  auto root = nlohmann::json::parse(preset_config_json("tiny-qwen3_5"));
+  auto& j = root["text_config"];
+  j["hidden_size"] = 128, j["num_hidden_layers"] = 4, j["full_attention_interval"] = 2, j["intermediate_size"] = 256;
+  j["num_attention_heads"] = 2, j["num_key_value_heads"] = 1, j["head_dim"] = 64;
+  j["linear_num_key_heads"] = 2, j["linear_num_value_heads"] = 8, j["linear_key_head_dim"] = 32;
+  j["linear_value_head_dim"] = 16;
+  return parse_model_config(root.dump(), "fp8-friendly.json");
+}
+
+TEST(Fp8, ATargetKeptFp8HalvesItsProjectionsAndStaysNearTheBf16One) {
+  const ModelConfig c = fp8_friendly_config();
+  TargetOptions fp8_options{at::kCPU, at::kBFloat16};
+  fp8_options.fp8_weights = true;
+  auto fp8 = random_target(c, 3, fp8_options, 11);
+  auto bf16 = random_target(c, 3, TargetOptions{at::kCPU, at::kBFloat16}, 11);
+  auto fp32 = random_target(c, 3, TargetOptions{}, 11);
+  EXPECT_EQ(fp8->kernel_paths().at("target.projections").path, "fp8_emulated");
+  EXPECT_EQ(bf16->kernel_paths().at("target.projections").path, "BFloat16");
+  // Embedding and head stay bf16 (2 x 512 x 128 x 2 bytes); the projections take one byte each.
+  const int64_t embedding_and_head = 2 * 512 * 128 * 2;
+  EXPECT_LT(fp8->weight_bytes() - embedding_and_head, (bf16->weight_bytes() - embedding_and_head) * 6 / 10);
+  EXPECT_GT(fp8->weight_bytes() - embedding_and_head, (bf16->weight_bytes() - embedding_and_head) / 2);
+
+  at::manual_seed(12);
+  const at::Tensor ids = at::randint(0, 512, {70}, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor reference = fp32->forward(ids, {0, 30, 70}, {3})[0].to(at::kDouble);
+  auto distance = [&](const TargetModel& m) {
+    return (m.forward(ids, {0, 30, 70}, {3})[0].to(at::kDouble) - reference).abs().max().item<double>() /
+           reference.abs().max().item<double>();
+  };
+  const double fp8_distance = distance(*fp8), bf16_distance = distance(*bf16);
+  EXPECT_GT(fp8_distance, 2 * bf16_distance) << "FP8 quantisation moved the states more than bf16 rounding";
+  EXPECT_LT(fp8_distance, 0.15);
+}
+
+TEST(Fp8, ProjectionsThatAreNotWholeGroupsAreRefusedByName) {
+  TargetOptions options{at::kCPU, at::kBFloat16};
+  options.fp8_weights = true;
+  try {
+    random_target(parse_model_config(preset_config_json("tiny-qwen3"), "tiny-qwen3"), 1, options, 1);
+    FAIL() << "hidden size 64 loaded as FP8";
+  } catch (const WeightsError& e) {
+    EXPECT_NE(std::string(e.what()).find("layers.0.self_attn.q_proj (with the projections stacked on it) cannot be kept "
+                                         "FP8 (target.dtype: float8): 64 input features"),
+              std::string::npos)
+        << e.what();
+  }
+  TargetOptions fp32_fp8;
+  fp32_fp8.fp8_weights = true;
+  EXPECT_THROW(random_target(fp8_friendly_config(), 1, fp32_fp8, 1), std::invalid_argument);
+}
+
+// A checkpoint in Qwen's FP8 layout (128x128 blocks) gives its bytes as they are; in other blocks
+// (transformers' tiny test checkpoints use 16x16), the weight dequantised for requantising.
+TEST(Fp8, CheckpointBlocksOf128AreKeptAsStored) {
+  const std::string dir = test::make_temp_dir("fp8-checkpoint");
+  const Fp8Weight w = quantize_blocks(uneven_weight(256, 256, 13));
+  const std::vector<uint16_t> embed(512 * 128, 0);
+  write_safetensors(dir + "/model.safetensors",
+                    {{"model.embed_tokens.weight", DType::BF16, {512, 128}, embed.data(), embed.size() * 2},
+                     {"model.layers.0.mlp.down_proj.weight", DType::F8_E4M3, {256, 256}, w.data.data_ptr(), 256 * 256},
+                     {"model.layers.0.mlp.down_proj.weight_scale_inv", DType::F32, {2, 2}, w.scale.data_ptr(), 16}});
+  auto write_config = [&](int block) {
+    std::string config = preset_config_json("tiny-qwen3");
+    config.insert(config.rfind('}'), R"(, "quantization_config": {"quant_method": "fp8", "weight_block_size": [)" +
+                                         std::to_string(block) + ", " + std::to_string(block) + "]}");
+    std::ofstream(dir + "/config.json") << config;
+  };
+  write_config(128);
+  {
+    CheckpointWeights weights(dir);
+    const WeightRows rows = weights.get_rows("layers.0.mlp.down_proj.weight", {256, 256}, at::kCPU);
+    ASSERT_TRUE(rows.fp8.defined());
+    EXPECT_TRUE(bytes_equal(rows.fp8.data, w.data));
+    EXPECT_TRUE(at::equal(rows.fp8.scale, w.scale));
+  }
+  write_config(64);  // the same bytes read as 64x64 blocks: a scale of the wrong shape
+  {
+    CheckpointWeights weights(dir);
+    EXPECT_THROW(weights.get_rows("layers.0.mlp.down_proj.weight", {256, 256}, at::kCPU), WeightsError);
+  }
+}
+
+TEST(Fp8, GpuQuantisationAndGemmMatchTheEmulation) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
+  if (const auto why = fp8_gemm_unavailable(at::Device(at::kCUDA, 0))) GTEST_SKIP() << *why;
+  const at::Device gpu(at::kCUDA, 0);
+  for (const int64_t rows : {1, 5, 16, 300}) {
+    for (const auto& [out, in] : std::vector<std::pair<int64_t, int64_t>>{{384, 256}, {400, 5120}}) {
+      at::manual_seed(rows * 7 + in);
+      // A strided view (the kernel's row stride), as the target passes column slices.
+      const at::Tensor wide = (at::randn({rows, in + 128}) * 2).to(at::kBFloat16);
+      const at::Tensor x = wide.narrow(1, 64, in);
+      const Fp8Weight w = quantize_blocks(uneven_weight(out, in, 14));
+      const Fp8Activations cpu = quantize_groups(x.contiguous());
+      const Fp8Activations cuda = quantize_groups(x.to(gpu));
+      EXPECT_TRUE(bytes_equal(cuda.q.cpu(), cpu.q)) << rows << "x" << in;
+      EXPECT_TRUE(at::equal(cuda.factors.cpu(), cpu.factors)) << rows << "x" << in;
+      EXPECT_EQ(cuda.factors.strides(), cpu.factors.strides());
+      const at::Tensor bias = at::randn({out}).to(at::kBFloat16);
+      const at::Tensor expected = fp8_linear(x.contiguous(), w, bias).to(at::kDouble);
+      const at::Tensor got = fp8_linear(x.to(gpu), Fp8Weight{w.data.to(gpu), w.scale.to(gpu)}, bias.to(gpu));
+      const double scale = expected.abs().max().item<double>();
+      EXPECT_LT((got.cpu().to(at::kDouble) - expected).abs().max().item<double>() / scale, 1.0 / 128)
+          << rows << " x " << in << " -> " << out;
+    }
+  }
+}
+
+// Random weights drawn on the CPU whatever the device (RandomWeights draws on the device itself).
+class CpuDrawnWeights : public WeightSource {
+ public:
+  explicit CpuDrawnWeights(uint64_t seed) : random_(seed) {}
+  at::Tensor get(const std::string& name, const std::vector<int64_t>& shape, const at::TensorOptions& options,
+                 Init init) override {
+    return random_.get(name, shape, options.device(at::kCPU), init).to(options.device());
+  }
+  bool contains(const std::string&) const override { return true; }
+  std::string describe() const override { return "random weights drawn on the CPU"; }
+
+ private:
+  RandomWeights random_;
+};
+
+TEST(Fp8, GpuTargetMatchesItsCpuEmulation) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
+  if (const auto why = fp8_gemm_unavailable(at::Device(at::kCUDA, 0))) GTEST_SKIP() << *why;
+  const ModelConfig c = fp8_friendly_config();
+  TargetOptions cpu_options{at::kCPU, at::kBFloat16}, gpu_options{at::Device(at::kCUDA, 0), at::kBFloat16, true};
+  cpu_options.fp8_weights = gpu_options.fp8_weights = true;
+  gpu_options.gdn_path = TargetOptions::GdnPath::reference;  // the same GatedDeltaNet path as the CPU's
+  CpuDrawnWeights cpu_weights(15), gpu_weights(15);
+  auto cpu = std::make_unique<TargetModel>(c, cpu_weights, 3, cpu_options);
+  auto gpu = std::make_unique<TargetModel>(c, gpu_weights, 3, gpu_options);
+  EXPECT_EQ(gpu->kernel_paths().at("target.projections").path, "fp8");
+  at::manual_seed(16);
+  const at::Tensor ids = at::randint(0, 512, {70}, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor a = cpu->forward(ids, {0, 30, 70}, {3})[0].to(at::kDouble);
+  const at::Tensor b = gpu->forward(ids, {0, 30, 70}, {3})[0].cpu().to(at::kDouble);
+  EXPECT_LT((a - b).abs().max().item<double>() / a.abs().max().item<double>(), 0.03);
+}
+
+// The tapped states of an FP8 checkpoint saved by transformers (FineGrainedFP8, 128x128 blocks)
+// against transformers' own FP8 forward of it (tests/reference/make_fp8_reference.py, run on the
+// GPU host; DFLASHD_FP8_REFERENCE_DIR names its output). Stated tolerance: per layer, the
+// Frobenius error relative to the reference's norm <= 2 %, and less than half of the distance
+// between transformers' FP8 and bf16 forwards (we are transformers' FP8 model, not another
+// quantisation of the bf16 one).
+TEST(Fp8, GpuTappedStatesMatchTransformersFp8) {
+  const char* dir = std::getenv("DFLASHD_FP8_REFERENCE_DIR");
+  if (!at::hasCUDA() || dir == nullptr) GTEST_SKIP() << "needs a GPU and DFLASHD_FP8_REFERENCE_DIR";
+  if (const auto why = fp8_gemm_unavailable(at::Device(at::kCUDA, 0))) GTEST_SKIP() << *why;
+  const std::string model_dir = std::string(dir) + "/qwen3_fp8";
+  auto reference = SafetensorsFile::open(model_dir + "/reference.safetensors");
+  auto bf16_reference = SafetensorsFile::open(model_dir + "/bf16_reference.safetensors");
+  TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16};
+  options.fp8_weights = true;
+  auto model = load_target(model_dir, 3, options);
+  EXPECT_EQ(model->kernel_paths().at("target.projections").path, "fp8");
+  auto read = [](const SafetensorsFile& f, const std::string& name) {
+    const TensorEntry& e = f.get(name);
+    const at::ScalarType type = e.dtype == DType::I64 ? at::kLong : at::kFloat;
+    return at::from_blob(const_cast<std::byte*>(e.data), e.shape, at::TensorOptions().dtype(type)).clone();
+  };
+  std::vector<at::Tensor> ids;
+  std::vector<int64_t> cu_seqlens{0};
+  for (int s = 0; s < 3; ++s) {
+    ids.push_back(read(*reference, "seq." + std::to_string(s) + ".input_ids"));
+    cu_seqlens.push_back(cu_seqlens.back() + ids.back().size(0));
+  }
+  const std::vector<at::Tensor> ours = model->forward(at::cat(ids), cu_seqlens, {0, 1, 2, 3});
+  for (int layer = 0; layer < 4; ++layer) {
+    std::vector<at::Tensor> fp8_parts, bf16_parts;
+    for (int s = 0; s < 3; ++s) {
+      const std::string name = "seq." + std::to_string(s) + ".layer." + std::to_string(layer);
+      fp8_parts.push_back(read(*reference, name));
+      bf16_parts.push_back(read(*bf16_reference, name));
+    }
+    const at::Tensor expected = at::cat(fp8_parts).to(at::kDouble), bf16 = at::cat(bf16_parts).to(at::kDouble);
+    const at::Tensor got = ours[layer].cpu().to(at::kDouble);
+    const double error = ((got - expected).norm() / expected.norm()).item<double>();
+    const double fp8_from_bf16 = ((bf16 - expected).norm() / expected.norm()).item<double>();
+    std::printf("layer %d: ours vs transformers FP8 %.5f; transformers FP8 vs bf16 %.5f\n", layer, error, fp8_from_bf16);
+    EXPECT_LE(error, 0.02) << "layer " << layer;
+    EXPECT_LT(error, fp8_from_bf16 / 2) << "layer " << layer;
+  }
+}
+
+}  // namespace
+}  // namespace dflash::target
