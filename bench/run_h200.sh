@@ -36,12 +36,14 @@ elif [ "$phase" = fp8 ]; then
   # how far FP8's tapped states are), then the pipeline with an FP8 target.
   timeout 200 python3 tests/reference/make_fp8_reference.py /tmp/fp8-ref 2>&1 | grep -v -i warn | tail -4 | tee "$out/fp8_reference.txt"
   DFLASHD_FP8_REFERENCE_DIR=/tmp/fp8-ref "$B/tests/target_test" --gtest_filter='Fp8.*:TargetRandom.*:TargetStages.*' 2>&1 | grep -E "^\[ +(OK|FAILED|SKIPPED) |Failure|Expected|Which|^layer " | tee "$out/fp8_tests.txt"
-  timeout 300 env DFLASHD_EXEC=target_bench "$B/bin/dflashd" bench/configs/qwen3_5-27b 2>&1 | tee "$out/target_bench_27b.txt"
+  for cfg in ${FP8_CONFIGS:-qwen3_5-27b}; do
+    timeout 300 env DFLASHD_EXEC=target_bench "$B/bin/dflashd" "bench/configs/$cfg" 2>&1 | tee "$out/target_bench_$cfg.txt"
+  done
   [ -z "${SKIP_E2E:-}" ] && MEASURE_SECONDS="${MEASURE_SECONDS:-60}" SKIP_PYTHON=1 bash "$0" e2e 27b-fp8
   echo "==== fp8 summary"
   grep -cE "^\[ +OK" "$out/fp8_tests.txt" | sed 's/^/GPU tests passed: /'
   grep -E "FAILED|^layer " "$out/fp8_tests.txt" || true
-  grep -E "^target forward|FP8 vs bf16" "$out/target_bench_27b.txt"
+  grep -hE "^target forward|FP8 vs bf16|^  (floor|grouped)" "$out"/target_bench_*.txt
 elif [ "$phase" = moe ]; then
   # MoE targets (issue 21): the MoE GPU tests, then the target forward of Qwen3.5-35B-A3B and one
   # MoE block of 35B-A3B, Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B (whose weights do not fit one

@@ -12,8 +12,9 @@ namespace {
 
 
 // The bytes of the target's layers first..last (every expert of an MoE layer is resident): the
-// attention, GatedDeltaNet and dense MLP projections at one byte each plus a factor per 128x128
-// block under target.dtype: float8 (target/fp8.h), everything else at the model dtype's size.
+// attention, GatedDeltaNet and dense MLP projections and the MoE experts at one byte each plus a
+// factor per 128x128 block under target.dtype: float8 (target/fp8.h), everything else at the
+// model dtype's size.
 int64_t target_layer_bytes(const target::ModelConfig& c, int64_t first, int64_t last, config::ModelDtype dtype) {
   const int64_t h = c.hidden_size;
   int64_t projections = 0, other = 0;
@@ -28,8 +29,8 @@ int64_t target_layer_bytes(const target::ModelConfig& c, int64_t first, int64_t 
       other += (2 * key + value) * c.linear_conv_kernel_dim;
     }
     if (c.layer_is_moe(i)) {
-      other += h * c.num_experts + 3 * h * c.moe_intermediate_size * c.num_experts +
-               3 * h * c.shared_expert_intermediate_size + h;
+      projections += 3 * h * c.moe_intermediate_size * c.num_experts;
+      other += h * c.num_experts + 3 * h * c.shared_expert_intermediate_size + h;
     } else {
       projections += 3 * h * c.intermediate_size;
     }
@@ -87,8 +88,13 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
       }
     }
   }
+  // FP8 experts are dequantized to bf16 one layer at a time for the grouped GEMMs.
+  const int64_t dequantized_experts = config.target.dtype == config::ModelDtype::float8
+                                          ? 3 * h * target.moe_intermediate_size * target.num_experts * bytes
+                                          : 0;
   const int64_t target_activations =
-      tokens * (3 * std::max(target_widest_per_token(target), 4 * h) + shape.num_features() * h) * bytes;
+      tokens * (3 * std::max(target_widest_per_token(target), 4 * h) + shape.num_features() * h) * bytes +
+      dequantized_experts;
 
   const int64_t p = shape.parameter_count();
   const int64_t drafter_state = p * (2 * bytes + (bytes == 4 ? 0 : 4) + 8);

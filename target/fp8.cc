@@ -45,9 +45,18 @@ Fp8Weight quantize_blocks(const at::Tensor& w) {
 }
 
 at::Tensor dequantize_blocks(const Fp8Weight& w, at::ScalarType dtype) {
-  const int64_t out = w.data.size(0), in = w.data.size(1);
-  const at::Tensor factors = w.scale.repeat_interleave(kFp8Block, 0).narrow(0, 0, out).repeat_interleave(kFp8Block, 1);
-  return (w.data.to(at::kFloat) * factors.narrow(1, 0, in)).to(dtype);
+  const int64_t out = w.data.size(-2), in = w.data.size(-1);
+#ifdef DFLASHD_WITH_CUDA
+  if (w.data.is_cuda() && dtype == at::kBFloat16 && in % 8 == 0 && w.data.is_contiguous() && w.scale.is_contiguous()) {
+    at::Tensor result = at::empty(w.data.sizes(), w.data.options().dtype(at::kBFloat16));
+    kernels::dequantize_blocks_bf16(w.data.data_ptr(), w.scale.data_ptr<float>(), w.data.numel() / (out * in), out, in,
+                                    result.data_ptr(), at::cuda::getCurrentCUDAStream().stream());
+    return result;
+  }
+#endif
+  const at::Tensor factors =
+      w.scale.repeat_interleave(kFp8Block, -2).narrow(-2, 0, out).repeat_interleave(kFp8Block, -1).narrow(-1, 0, in);
+  return (w.data.to(at::kFloat) * factors).to(dtype);
 }
 
 Fp8Weight stack_fp8(const std::vector<WeightRows>& parts) {

@@ -24,8 +24,8 @@ namespace dflash::target {
 inline constexpr int64_t kFp8Block = 128;
 
 struct Fp8Weight {
-  at::Tensor data;   // e4m3 [out, in], contiguous
-  at::Tensor scale;  // fp32 [ceil(out / 128), in / 128], contiguous: block (i, j)'s factor
+  at::Tensor data;   // e4m3 [out, in] (or a batch [E, out, in]: MoE experts), contiguous
+  at::Tensor scale;  // fp32 [ceil(out / 128), in / 128] (or [E, ...]), contiguous: block (i, j)'s factor
   bool defined() const { return data.defined(); }
   int64_t bytes() const;
 };
@@ -37,7 +37,8 @@ std::optional<std::string> fp8_shape_unsupported(int64_t out, int64_t in);
 // A float weight [out, in] (in a multiple of 128) quantised to 128x128 blocks on its device:
 // factor = max|block| / 448 (1 for an all-zero block), data = e4m3(w / factor).
 Fp8Weight quantize_blocks(const at::Tensor& w);
-// data x factor in `dtype`.
+// data x factor in `dtype` (2-D or a batch): one kernel on a GPU in bf16, ATen's ops otherwise;
+// the same rounding either way (fp32 product, one rounding to dtype).
 at::Tensor dequantize_blocks(const Fp8Weight& w, at::ScalarType dtype);
 
 // One piece of a projection concatenated at load: a checkpoint's own 128x128 FP8 blocks (fp8

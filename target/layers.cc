@@ -86,12 +86,42 @@ struct LayerReader {
     return g;
   }
 
+  // The experts block-scaled FP8 in the grouped layout [E, 2I, H] / [E, H, I]: each expert's own
+  // 128x128 blocks kept where the checkpoint stores them so (the released per-expert layout),
+  // anything else quantised here.
+  std::pair<Fp8Weight, Fp8Weight> fp8_experts(const std::string& p, int64_t e, int64_t inner, int64_t h) const {
+    for (const auto& [out, in] : {std::pair{2 * inner, h}, std::pair{h, inner}}) {
+      if (const auto why = fp8_shape_unsupported(out, in)) {
+        throw WeightsError(w.describe() + ": " + p + "experts cannot be kept FP8 (target.dtype: float8): " + *why);
+      }
+    }
+    const bool fused = w.contains(p + "experts.gate_up_proj");
+    const auto fp32 = opts.dtype(at::kFloat);
+    const at::Tensor fused_gate_up = fused ? w.get(p + "experts.gate_up_proj", {e, 2 * inner, h}, fp32) : at::Tensor();
+    const at::Tensor fused_down = fused ? w.get(p + "experts.down_proj", {e, h, inner}, fp32) : at::Tensor();
+    std::vector<at::Tensor> gate_up_data, gate_up_scale, down_data, down_scale;
+    for (int64_t x = 0; x < e; ++x) {
+      const std::string ep = p + "experts." + std::to_string(x) + ".";
+      const Fp8Weight gu = fused ? quantize_blocks(fused_gate_up[x])
+                                 : stack_fp8({w.get_rows(ep + "gate_proj.weight", {inner, h}, opts.device()),
+                                              w.get_rows(ep + "up_proj.weight", {inner, h}, opts.device())});
+      const Fp8Weight d = fused ? quantize_blocks(fused_down[x])
+                                : stack_fp8({w.get_rows(ep + "down_proj.weight", {h, inner}, opts.device())});
+      gate_up_data.push_back(gu.data), gate_up_scale.push_back(gu.scale);
+      down_data.push_back(d.data), down_scale.push_back(d.scale);
+    }
+    return {{at::stack(gate_up_data), at::stack(gate_up_scale)}, {at::stack(down_data), at::stack(down_scale)}};
+  }
+
   // Router, experts in the grouped layout [E, 2I, H] / [E, H, I], shared expert.
   MoeWeights moe(const std::string& p) const {
     const int64_t h = c.hidden_size, e = c.num_experts, inner = c.moe_intermediate_size;
     const at::Tensor router = plain(p + "gate", e, h);
     at::Tensor gate_up, down;
-    if (w.contains(p + "experts.gate_up_proj")) {  // transformers 5 fused layout: already grouped
+    std::pair<Fp8Weight, Fp8Weight> fp8_weights;
+    if (fp8) {
+      fp8_weights = fp8_experts(p, e, inner, h);
+    } else if (w.contains(p + "experts.gate_up_proj")) {  // transformers 5 fused layout: already grouped
       gate_up = w.get(p + "experts.gate_up_proj", {e, 2 * inner, h}, opts);
       down = w.get(p + "experts.down_proj", {e, h, inner}, opts);
     } else {  // the released checkpoints: one module per expert, copied into the grouped layout
@@ -112,7 +142,10 @@ struct LayerReader {
       shared_down = plain(p + "shared_expert.down_proj", h, s);
       shared_expert_gate = plain(p + "shared_expert_gate", 1, h);
     }
-    return MoeWeights::make(router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate);
+    MoeWeights m = MoeWeights::make(router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate);
+    m.fp8_gate_up = std::move(fp8_weights.first);
+    m.fp8_down = std::move(fp8_weights.second);
+    return m;
   }
 
   Mlp mlp(const std::string& p, bool is_moe) const {
@@ -146,6 +179,7 @@ int64_t layer_bytes(const Layer& l) {
   for (const Linear* p : {&l.attention.qkv, &l.attention.o, &l.gdn.in_proj, &l.gdn.out, &l.mlp.gate_up, &l.mlp.down}) {
     n += p->bytes();
   }
+  for (const Fp8Weight* f : {&l.mlp.experts.fp8_gate_up, &l.mlp.experts.fp8_down}) n += f->defined() ? f->bytes() : 0;
   return n;
 }
 

@@ -54,7 +54,8 @@ struct Layer {
 
 // Decoder layer i's weights from `w` (names and layouts: docs/targets.md); projections that run
 // as one GEMM are concatenated here. With fp8, the attention, GatedDeltaNet and dense MLP
-// projections are kept block-scaled FP8 (the router, norms, conv and MoE experts in opts' dtype).
+// projections and the MoE experts are kept block-scaled FP8 (the router, shared expert, norms
+// and conv in opts' dtype).
 Layer load_layer(const ModelConfig& c, WeightSource& w, int64_t i, const at::TensorOptions& opts, bool fp8);
 
 // The device bytes of a layer's weights.

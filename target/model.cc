@@ -228,6 +228,10 @@ TargetModel::TargetModel(ModelConfig config, WeightSource& w, LayerRange range, 
   }
   grouped_moe_ = use_grouped_moe(c, range, options);
   gdn_kernels_ = use_gdn_kernels(c, range, options);
+  log::info("target layers {}..{} on {}: {:.1f} GB of weights ({})", range.first, range.last, options.device.str(),
+            static_cast<double>(weight_bytes()) / 1e9,
+            options.fp8_weights ? "projections and experts FP8, the rest " + std::string(c10::toString(options.dtype))
+                                : std::string(c10::toString(options.dtype)));
   for (const auto& [component, path] : kernel_paths()) log::info("kernel path: {}", path.str());
 }
 
@@ -265,7 +269,9 @@ std::map<std::string, KernelPath> TargetModel::kernel_paths() const {
       add("target.linear_attention", "reference", "libtorch ops, chunked" + (why ? "; the kernels do not run: " + *why : ""));
     }
     if (l.mlp.moe) {
-      add("target.moe", grouped_moe_ ? "grouped" : "reference", grouped_moe_ ? kMoeGroupedPath : kMoeReferencePath);
+      add("target.moe", grouped_moe_ ? "grouped" : "reference",
+          std::string(grouped_moe_ ? kMoeGroupedPath : kMoeReferencePath) +
+              (options_.fp8_weights ? "; FP8 experts dequantized to bf16 per layer" : ""));
     }
   }
   if (!options_.fp8_weights) {
@@ -297,8 +303,8 @@ void log_quantization(const CheckpointWeights& weights, const TargetOptions& opt
               "(target.dtype: float8 keeps them FP8)",
               weights.describe(), rows, columns, c10::toString(options.dtype));
   } else if (rows == kFp8Block && columns == kFp8Block) {
-    log::info("target weights: {}: block-scaled FP8 (e4m3, blocks of 128x128), kept FP8 (MoE experts, router and "
-              "shared expert dequantized to {})",
+    log::info("target weights: {}: block-scaled FP8 (e4m3, blocks of 128x128), kept FP8 as stored (a router or "
+              "shared expert stored FP8 is dequantized to {})",
               weights.describe(), c10::toString(options.dtype));
   } else {
     log::info("target weights: {}: block-scaled FP8 in blocks of {}x{}, requantized to the GEMMs' 128x128 blocks at load",

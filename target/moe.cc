@@ -55,6 +55,11 @@ MoeWeights MoeWeights::make(const at::Tensor& router, at::Tensor experts_gate_up
   return w;
 }
 
+std::pair<at::Tensor, at::Tensor> MoeWeights::experts(at::ScalarType dtype) const {
+  if (!fp8_gate_up.defined()) return {experts_gate_up, experts_down};
+  return {dequantize_blocks(fp8_gate_up, dtype), dequantize_blocks(fp8_down, dtype)};
+}
+
 MoeRouting moe_route(const MoeShape& s, const at::Tensor& logits) {
   MoeRouting r;
 #ifdef DFLASHD_WITH_CUDA
@@ -102,9 +107,10 @@ at::Tensor moe_grouped(const MoeShape& s, const MoeWeights& w, const at::Tensor&
   const at::Tensor ends = at::arange(1, s.experts + 1, sorted.options());
   const at::Tensor offsets = at::searchsorted(sorted, ends, /*out_int32=*/true, /*right=*/false);
   const at::Tensor rows = x.index_select(0, at::div(order, k, "floor"));  // [pairs, H]
-  const at::Tensor gate_up = at::_grouped_mm(rows, w.experts_gate_up.transpose(1, 2), offsets);  // [pairs, 2I]
+  const auto [gate_up_weights, down_weights] = w.experts(x.scalar_type());
+  const at::Tensor gate_up = at::_grouped_mm(rows, gate_up_weights.transpose(1, 2), offsets);  // [pairs, 2I]
   const at::Tensor hidden_rows = silu_mul(gate_up.narrow(1, 0, s.inner), gate_up.narrow(1, s.inner, s.inner));
-  const at::Tensor down = at::_grouped_mm(hidden_rows, w.experts_down.transpose(1, 2), offsets);  // [pairs, H]
+  const at::Tensor down = at::_grouped_mm(hidden_rows, down_weights.transpose(1, 2), offsets);  // [pairs, H]
   // Where each pair's row went: pair order[p] is row p.
   const at::Tensor position = at::empty_like(order).index_put_({order}, at::arange(order.size(0), order.options()));
   const at::Tensor shared = shared_expert(s, w, projected);
@@ -135,14 +141,15 @@ at::Tensor moe_reference(const MoeShape& s, const MoeWeights& w, const at::Tenso
   const int64_t* count = counts.data_ptr<int64_t>();
   const at::Tensor token_of = at::div(order, s.top_k, "floor");
   const at::Tensor weight_of = weights.reshape({-1}).index_select(0, order);
+  const auto [gate_up_weights, down_weights] = w.experts(x.scalar_type());
   int64_t offset = 0;
   for (int64_t e = 0; e < s.experts; ++e) {
     if (count[e] == 0) continue;
     const at::Tensor tokens = token_of.narrow(0, offset, count[e]);
     const at::Tensor h = x.index_select(0, tokens);
-    const at::Tensor gate_up = at::linear(h, w.experts_gate_up[e]);
+    const at::Tensor gate_up = at::linear(h, gate_up_weights[e]);
     const at::Tensor act = at::silu(gate_up.narrow(-1, 0, s.inner)) * gate_up.narrow(-1, s.inner, s.inner);
-    const at::Tensor y = at::linear(act, w.experts_down[e]) * weight_of.narrow(0, offset, count[e]).unsqueeze(1);
+    const at::Tensor y = at::linear(act, down_weights[e]) * weight_of.narrow(0, offset, count[e]).unsqueeze(1);
     out.index_add_(0, tokens, y);
     offset += count[e];
   }

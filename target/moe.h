@@ -18,9 +18,12 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "target/fp8.h"
+
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 namespace dflash::target {
 
@@ -37,6 +40,15 @@ struct MoeWeights {
   at::Tensor experts_gate_up;  // [E, 2I, H] (each expert's gate rows, then its up rows)
   at::Tensor experts_down;     // [E, H, I]
   at::Tensor shared_down;      // [H, S], undefined without a shared expert
+  // FP8 experts (target.dtype: float8): the same two tensors block-scaled (fp8.h), experts_gate_up
+  // and experts_down undefined. Each forward dequantizes a layer's experts to bf16 (one kernel,
+  // a temporary of the layer's expert size) for the grouped GEMMs: ATen's FP8 grouped GEMM takes
+  // row-wise scales only on Hopper, not the checkpoints' 128x128 blocks. FP8 here saves memory
+  // (a 122B-A10B target's experts in half the bytes), not time.
+  Fp8Weight fp8_gate_up, fp8_down;
+
+  // The experts' gate/up and down weights in `dtype`: the stored ones, or the FP8 ones dequantized.
+  std::pair<at::Tensor, at::Tensor> experts(at::ScalarType dtype) const;
 
   // Concatenates the projections of x (shared_* undefined without a shared expert).
   static MoeWeights make(const at::Tensor& router, at::Tensor experts_gate_up, at::Tensor experts_down,

@@ -14,6 +14,7 @@
 #include "common/safetensors.h"
 #include "target/fp8.h"
 #include "target/model.h"
+#include "target/moe.h"
 #include "target/weights.h"
 #include "tests/test_util.h"
 
@@ -170,6 +171,55 @@ TEST(Fp8, ATargetKeptFp8HalvesItsProjectionsAndStaysNearTheBf16One) {
   EXPECT_LT(fp8_distance, 0.15);
 }
 
+// A Qwen3-Next MoE target (every layer MoE, a shared expert) in 128-wide groups.
+ModelConfig fp8_friendly_moe_config() {
+  auto j = nlohmann::json::parse(preset_config_json("tiny-qwen3_next"));
+  j["hidden_size"] = 128, j["num_hidden_layers"] = 4, j["full_attention_interval"] = 2;
+  j["num_attention_heads"] = 2, j["num_key_value_heads"] = 1, j["head_dim"] = 64;
+  j["linear_num_key_heads"] = 2, j["linear_num_value_heads"] = 8, j["linear_key_head_dim"] = 32;
+  j["linear_value_head_dim"] = 16, j["moe_intermediate_size"] = 128, j["shared_expert_intermediate_size"] = 128;
+  return parse_model_config(j.dump(), "fp8-friendly-moe.json");
+}
+
+// MoE experts kept FP8: a quarter of the bf16 bytes for the experts, and the forward is the one of
+// the experts dequantized (the same rounding as dequantizing at load).
+TEST(Fp8, MoeExpertsAreKeptFp8AndRunDequantized) {
+  const ModelConfig c = fp8_friendly_moe_config();
+  TargetOptions fp8_options{at::kCPU, at::kBFloat16};
+  fp8_options.fp8_weights = true;
+  auto fp8 = random_target(c, 3, fp8_options, 21);
+  auto bf16 = random_target(c, 3, TargetOptions{at::kCPU, at::kBFloat16}, 21);
+  // Per layer the experts are 4 x 3 x 128 x 128 parameters: 196,608 bytes in bf16, 98,304 + 4 x 4
+  // factors x 4 bytes in FP8.
+  const int64_t saved_per_layer = 4 * 3 * 128 * 128 * 2 - (4 * 3 * 128 * 128 + 4 * 4 * 4);
+  EXPECT_GT(bf16->weight_bytes() - fp8->weight_bytes(), 4 * saved_per_layer);
+  at::manual_seed(22);
+  const at::Tensor ids = at::randint(0, 512, {50}, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor a = fp8->forward(ids, {0, 50}, {3})[0].to(at::kDouble), b = bf16->forward(ids, {0, 50}, {3})[0].to(at::kDouble);
+  const double distance = ((a - b).norm() / b.norm()).item<double>();
+  EXPECT_GT(distance, 1e-3);
+  EXPECT_LT(distance, 0.1);
+
+  // One MoE block: FP8 experts give exactly what their dequantized bf16 copies give.
+  const MoeShape shape{4, 2, 128, true, 128};
+  const Fp8Weight gate_up{at::stack({quantize_blocks(uneven_weight(256, 128, 23)).data, quantize_blocks(uneven_weight(256, 128, 24)).data,
+                                     quantize_blocks(uneven_weight(256, 128, 25)).data, quantize_blocks(uneven_weight(256, 128, 26)).data}),
+                          at::ones({4, 2, 1}) * 1e-3};
+  const Fp8Weight down{quantize_blocks(uneven_weight(512, 128, 27)).data.view({4, 128, 128}), at::ones({4, 1, 1}) * 2e-3};
+  auto make = [&](const at::Tensor& gu, const at::Tensor& d) {
+    return MoeWeights::make(at::randn({4, 128}).to(at::kBFloat16), gu, d, at::randn({128, 128}).to(at::kBFloat16) * 0.1,
+                            at::randn({128, 128}).to(at::kBFloat16) * 0.1, at::randn({128, 128}).to(at::kBFloat16) * 0.1,
+                            at::randn({1, 128}).to(at::kBFloat16));
+  };
+  at::manual_seed(28);
+  MoeWeights kept = make({}, {});
+  at::manual_seed(28);
+  const MoeWeights dequantized = make(dequantize_blocks(gate_up, at::kBFloat16), dequantize_blocks(down, at::kBFloat16));
+  kept.fp8_gate_up = gate_up, kept.fp8_down = down;
+  const at::Tensor x = at::randn({9, 128}).to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(moe_reference(shape, kept, x), moe_reference(shape, dequantized, x)));
+}
+
 TEST(Fp8, ProjectionsThatAreNotWholeGroupsAreRefusedByName) {
   TargetOptions options{at::kCPU, at::kBFloat16};
   options.fp8_weights = true;
@@ -222,6 +272,19 @@ TEST(Fp8, GpuQuantisationAndGemmMatchTheEmulation) {
   if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
   if (const auto why = fp8_gemm_unavailable(at::Device(at::kCUDA, 0))) GTEST_SKIP() << *why;
   const at::Device gpu(at::kCUDA, 0);
+  // The dequantization kernel (MoE experts) rounds as ATen's ops: a batch of 3 with a partial
+  // row block.
+  {
+    std::vector<at::Tensor> data, scales;
+    for (int e = 0; e < 3; ++e) {
+      const Fp8Weight one = quantize_blocks(uneven_weight(200, 384, 30 + e));
+      data.push_back(one.data), scales.push_back(one.scale);
+    }
+    const Fp8Weight batch{at::stack(data), at::stack(scales)};
+    const at::Tensor cpu = dequantize_blocks(batch, at::kBFloat16);
+    const at::Tensor cuda = dequantize_blocks(Fp8Weight{batch.data.to(gpu), batch.scale.to(gpu)}, at::kBFloat16);
+    EXPECT_TRUE(at::equal(cuda.cpu(), cpu));
+  }
   for (const int64_t rows : {1, 5, 16, 300}) {
     for (const auto& [out, in] : std::vector<std::pair<int64_t, int64_t>>{{384, 256}, {400, 5120}}) {
       at::manual_seed(rows * 7 + in);

@@ -2,6 +2,7 @@
 #include "target/kernels/fp8.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -44,7 +45,41 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   if (lane == 0) factors[g * rows + row] = factor;
 }
 
+// Eight elements per thread: 8 bytes of e4m3 in, 16 bytes of bf16 out, one factor.
+__global__ void dequantize_blocks_kernel(const uint2* __restrict__ q, const float* __restrict__ factors, int64_t rows,
+                                         int64_t cols, int64_t row_blocks, int64_t col_blocks, int64_t vectors,
+                                         uint4* __restrict__ out) {
+  const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (v >= vectors) return;
+  const int64_t element = v * 8, matrix = element / (rows * cols), within = element % (rows * cols);
+  const int64_t row = within / cols, column = within % cols;
+  const float factor = factors[(matrix * row_blocks + row / kGroup) * col_blocks + column / kGroup];
+  const uint2 packed = q[v];
+  const __nv_fp8x2_storage_t pairs[4] = {
+      static_cast<__nv_fp8x2_storage_t>(packed.x & 0xffffu), static_cast<__nv_fp8x2_storage_t>(packed.x >> 16),
+      static_cast<__nv_fp8x2_storage_t>(packed.y & 0xffffu), static_cast<__nv_fp8x2_storage_t>(packed.y >> 16)};
+  __nv_bfloat162 result[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));
+    result[i] = __floats2bfloat162_rn(f.x * factor, f.y * factor);
+  }
+  out[v] = *reinterpret_cast<const uint4*>(result);
+}
+
 }  // namespace
+
+void dequantize_blocks_bf16(const void* q, const float* factors, int64_t batches, int64_t rows, int64_t cols, void* out,
+                            cudaStream_t stream) {
+  if (cols % 8 != 0) throw std::invalid_argument("dequantize_blocks_bf16: cols must be a multiple of 8");
+  const int64_t vectors = batches * rows * cols / 8;
+  if (vectors == 0) return;
+  constexpr int kThreads = 256;
+  dequantize_blocks_kernel<<<static_cast<unsigned>((vectors + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      static_cast<const uint2*>(q), factors, rows, cols, (rows + kGroup - 1) / kGroup, (cols + kGroup - 1) / kGroup,
+      vectors, static_cast<uint4*>(out));
+  check_cuda_launch("dequantize_blocks_bf16");
+}
 
 void quantize_groups_e4m3(const void* x, int64_t stride, int64_t rows, int64_t k, void* q, float* factors,
                           cudaStream_t stream) {

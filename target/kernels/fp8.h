@@ -16,4 +16,10 @@ namespace dflash::target::kernels {
 void quantize_groups_e4m3(const void* x, int64_t stride, int64_t rows, int64_t k, void* q, float* factors,
                           cudaStream_t stream);
 
+// out = bf16(float(q) x factor) for `batches` block-scaled e4m3 matrices q [rows, cols] (cols a
+// multiple of 8, contiguous) with factors fp32 [batches, ceil(rows / 128), ceil(cols / 128)];
+// out bf16, contiguous, the same shape as q (the rounding of dequantising at load).
+void dequantize_blocks_bf16(const void* q, const float* factors, int64_t batches, int64_t rows, int64_t cols, void* out,
+                            cudaStream_t stream);
+
 }  // namespace dflash::target::kernels
