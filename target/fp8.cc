@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #ifdef DFLASHD_WITH_CUDA
@@ -84,19 +85,27 @@ Fp8Weight stack_fp8(const std::vector<WeightRows>& parts) {
   return {at::cat(data, 0), at::cat(scales, 0)};
 }
 
-Fp8Activations quantize_groups(const at::Tensor& x) {
+Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows) {
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kFp8Block;
   if (in % kFp8Block != 0) throw std::invalid_argument("quantize_groups: the inner size must be a multiple of 128");
+  padded_rows = std::max(padded_rows, rows);
 #ifdef DFLASHD_WITH_CUDA
   if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 4 == 0 &&
       reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0) {
-    at::Tensor q = at::empty({rows, in}, x.options().dtype(at::kFloat8_e4m3fn));
-    at::Tensor factors = at::empty({groups, rows}, x.options().dtype(at::kFloat));
+    at::Tensor q = at::empty({padded_rows, in}, x.options().dtype(at::kFloat8_e4m3fn));
+    at::Tensor factors = at::empty({groups, padded_rows}, x.options().dtype(at::kFloat));
     kernels::quantize_groups_e4m3(x.data_ptr(), x.stride(0), rows, in, q.data_ptr(), factors.data_ptr<float>(),
                                   at::cuda::getCurrentCUDAStream().stream());
+    if (padded_rows > rows) {  // zero rows (factor 1): defined values for the GEMM's padding
+      q.narrow(0, rows, padded_rows - rows).view(at::kByte).zero_();
+      factors.narrow(1, rows, padded_rows - rows).fill_(1.0);
+    }
     return {q, factors.t()};
   }
 #endif
+  if (padded_rows > rows) {
+    return quantize_groups(at::constant_pad_nd(x, {0, 0, 0, padded_rows - rows}), padded_rows);
+  }
   const at::Tensor grouped = x.to(at::kFloat).reshape({rows, groups, kFp8Block});
   const at::Tensor factors = factors_of(grouped.abs().amax(-1));
   const at::Tensor q = (grouped / factors.unsqueeze(-1)).to(at::kFloat8_e4m3fn).view({rows, in});
@@ -107,12 +116,18 @@ at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor&
   const int64_t in = x.size(-1), out = w.data.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
-  const Fp8Activations a = quantize_groups(x.reshape({-1, in}));
+  const at::Tensor rows = x.reshape({-1, in});
   at::Tensor y;
   if (gemm_runs(x)) {
+    // cuBLASLt reads the activations' factors column-major in 16-byte columns: rows padded to a
+    // multiple of 4 (the padding rows' outputs are dropped).
+    const int64_t m = rows.size(0), padded = (m + 3) / 4 * 4;
+    const Fp8Activations a = quantize_groups(rows, padded);
     const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
     y = at::_scaled_mm(a.q, w.data.t(), a.factors, w.scale.t(), b, std::nullopt, x.scalar_type());
+    if (padded != m) y = y.narrow(0, 0, m);
   } else {
+    const Fp8Activations a = quantize_groups(rows);
     const at::Tensor activations = a.q.to(at::kFloat) * a.factors.repeat_interleave(kFp8Block, 1);
     y = at::matmul(activations, dequantize_blocks(w, at::kFloat).t());
     if (bias.defined()) y = y + bias.to(at::kFloat);

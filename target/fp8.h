@@ -55,11 +55,12 @@ struct WeightRows {
 Fp8Weight stack_fp8(const std::vector<WeightRows>& parts);
 
 // A 2-D x [rows, in] quantised per 1x128 group: q e4m3 [rows, in]; factors fp32 [rows, in /
-// 128] stored column-major (stride (1, rows)), as the GEMM reads them.
+// 128] stored column-major (stride (1, rows)), as the GEMM reads them. With padded_rows > rows,
+// both have padded_rows rows, the extra ones zero with factor 1.
 struct Fp8Activations {
   at::Tensor q, factors;
 };
-Fp8Activations quantize_groups(const at::Tensor& x);
+Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows = 0);
 
 // x [..., in] @ W^T (+ bias) with W block-scaled FP8: [..., out] in x's dtype.
 at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor& bias);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "common/log.h"
 #include "common/tensor_math.h"
@@ -228,8 +229,9 @@ TargetModel::TargetModel(ModelConfig config, WeightSource& w, LayerRange range, 
   }
   grouped_moe_ = use_grouped_moe(c, range, options);
   gdn_kernels_ = use_gdn_kernels(c, range, options);
-  log::info("target layers {}..{} on {}: {:.1f} GB of weights ({})", range.first, range.last, options.device.str(),
-            static_cast<double>(weight_bytes()) / 1e9,
+  char gigabytes[32];
+  std::snprintf(gigabytes, sizeof(gigabytes), "%.1f", static_cast<double>(weight_bytes()) / 1e9);
+  log::info("target layers {}..{} on {}: {} GB of weights ({})", range.first, range.last, options.device.str(), gigabytes,
             options.fp8_weights ? "projections and experts FP8, the rest " + std::string(c10::toString(options.dtype))
                                 : std::string(c10::toString(options.dtype)));
   for (const auto& [component, path] : kernel_paths()) log::info("kernel path: {}", path.str());

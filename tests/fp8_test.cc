@@ -286,23 +286,28 @@ TEST(Fp8, GpuQuantisationAndGemmMatchTheEmulation) {
     EXPECT_TRUE(at::equal(cuda.cpu(), cpu));
   }
   for (const int64_t rows : {1, 5, 16, 300}) {
-    for (const auto& [out, in] : std::vector<std::pair<int64_t, int64_t>>{{384, 256}, {400, 5120}}) {
-      at::manual_seed(rows * 7 + in);
-      // A strided view (the kernel's row stride), as the target passes column slices.
-      const at::Tensor wide = (at::randn({rows, in + 128}) * 2).to(at::kBFloat16);
-      const at::Tensor x = wide.narrow(1, 64, in);
-      const Fp8Weight w = quantize_blocks(uneven_weight(out, in, 14));
-      const Fp8Activations cpu = quantize_groups(x.contiguous());
-      const Fp8Activations cuda = quantize_groups(x.to(gpu));
-      EXPECT_TRUE(bytes_equal(cuda.q.cpu(), cpu.q)) << rows << "x" << in;
-      EXPECT_TRUE(at::equal(cuda.factors.cpu(), cpu.factors)) << rows << "x" << in;
-      EXPECT_EQ(cuda.factors.strides(), cpu.factors.strides());
-      const at::Tensor bias = at::randn({out}).to(at::kBFloat16);
-      const at::Tensor expected = fp8_linear(x.contiguous(), w, bias).to(at::kDouble);
-      const at::Tensor got = fp8_linear(x.to(gpu), Fp8Weight{w.data.to(gpu), w.scale.to(gpu)}, bias.to(gpu));
-      const double scale = expected.abs().max().item<double>();
-      EXPECT_LT((got.cpu().to(at::kDouble) - expected).abs().max().item<double>() / scale, 1.0 / 128)
-          << rows << " x " << in << " -> " << out;
+    for (const auto& [out, in] : std::vector<std::pair<int64_t, int64_t>>{{384, 256}, {256, 512}, {400, 5120}}) {
+      const std::string what = std::to_string(rows) + " x " + std::to_string(in) + " -> " + std::to_string(out);
+      try {
+        at::manual_seed(rows * 7 + in);
+        // A strided view on the GPU (the kernel's row stride), as the target passes column slices.
+        const at::Tensor wide = (at::randn({rows, in + 128}) * 2).to(at::kBFloat16);
+        const at::Tensor x = wide.narrow(1, 64, in);
+        const Fp8Weight w = quantize_blocks(uneven_weight(out, in, 14));
+        const Fp8Activations cpu = quantize_groups(x.contiguous());
+        const Fp8Activations cuda = quantize_groups(wide.to(gpu).narrow(1, 64, in));
+        EXPECT_TRUE(bytes_equal(cuda.q.cpu(), cpu.q)) << what;
+        EXPECT_TRUE(at::equal(cuda.factors.cpu(), cpu.factors)) << what;
+        if (rows > 1) EXPECT_EQ(cuda.factors.strides(), cpu.factors.strides()) << what;
+        const at::Tensor bias = at::randn({out}).to(at::kBFloat16);
+        const at::Tensor expected = fp8_linear(x.contiguous(), w, bias).to(at::kDouble);
+        const at::Tensor got =
+            fp8_linear(wide.to(gpu).narrow(1, 64, in), Fp8Weight{w.data.to(gpu), w.scale.to(gpu)}, bias.to(gpu));
+        const double scale = expected.abs().max().item<double>();
+        EXPECT_LT((got.cpu().to(at::kDouble) - expected).abs().max().item<double>() / scale, 1.0 / 128) << what;
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << what << ": " << e.what();
+      }
     }
   }
 }
@@ -341,8 +346,9 @@ TEST(Fp8, GpuTargetMatchesItsCpuEmulation) {
 }
 
 // The tapped states of an FP8 checkpoint saved by transformers (FineGrainedFP8, 128x128 blocks)
-// against transformers' own FP8 forward of it (tests/reference/make_fp8_reference.py, run on the
-// GPU host; DFLASHD_FP8_REFERENCE_DIR names its output). Stated tolerance: per layer, the
+// against transformers' FP8 forward of it (tests/reference/make_fp8_reference.py, run on the GPU
+// host; DFLASHD_FP8_REFERENCE_DIR names its output; its block-scaled matmul, a hub kernel that
+// cannot be downloaded there, is emulated in PyTorch with the same arithmetic). Stated tolerance: per layer, the
 // Frobenius error relative to the reference's norm <= 2 %, and less than half of the distance
 // between transformers' FP8 and bf16 forwards (we are transformers' FP8 model, not another
 // quantisation of the bf16 one).
