@@ -34,7 +34,7 @@ elif [ "$phase" = fp8 ]; then
   # FP8 targets (issue 24): transformers' FP8 checkpoint and forward (the reference), the FP8 GPU
   # tests against it and against the CPU emulation, the 27B target forward in bf16 and FP8 (and
   # how far FP8's tapped states are), then the pipeline with an FP8 target.
-  timeout 200 python3 tests/reference/make_fp8_reference.py /tmp/fp8-ref 2>&1 | grep -v -i warn | tail -4 | tee "$out/fp8_reference.txt"
+  timeout 200 python3 tests/reference/make_fp8_reference.py /tmp/fp8-ref 2>&1 | grep -v -i "warn\|Loading weights" | tail -6 | tee "$out/fp8_reference.txt"
   DFLASHD_FP8_REFERENCE_DIR=/tmp/fp8-ref "$B/tests/target_test" --gtest_filter='Fp8.*:TargetRandom.*:TargetStages.*' > "$out/fp8_tests_full.txt" 2>&1
   grep -E "^\[ +(OK|FAILED|SKIPPED) |^layer " "$out/fp8_tests_full.txt" > "$out/fp8_tests.txt"
   grep -A4 "Failure" "$out/fp8_tests_full.txt" | grep -v "^2026" | head -40

@@ -61,6 +61,13 @@ int main(int argc, char** argv) {
                   argv[1], name, model->weight_bytes() / 1e9, static_cast<long long>(last),
                   static_cast<long long>(tokens), ms / 1e3, tokens / (ms / 1e3), 100.0 * flops / (ms / 1e3) / rate);
       for (const auto& [component, path] : model->kernel_paths()) std::printf("  %s\n", path.str().c_str());
+      // DFLASHD_PROFILE=1: the forward's kernels by GPU time.
+      if (std::getenv("DFLASHD_PROFILE") != nullptr) {
+        bench::print_kernel_profile((std::string("target forward, ") + name).c_str(), [&] {
+          model->forward(ids, {0, tokens}, {last});
+          c10::cuda::device_synchronize();
+        });
+      }
       std::vector<at::Tensor> states = model->forward(ids, {0, tokens}, tapped);
       for (at::Tensor& t : states) t = t.cpu().to(at::kDouble);
       return states;

@@ -31,7 +31,9 @@ struct Fp8Weight {
 };
 
 // Why a projection [out, in] cannot run as a block-scaled FP8 GEMM here, or nullopt: the inner
-// size must be whole 128-wide groups and the output a multiple of 16 (cuBLASLt's FP8 layouts).
+// size must be whole 128-wide groups, four at least per factor row (cuBLASLt reads the weights'
+// factors in 16-byte rows: in a multiple of 512; with 256 its results were garbage on the H200),
+// and the output a multiple of 16 (cuBLASLt's FP8 layouts).
 std::optional<std::string> fp8_shape_unsupported(int64_t out, int64_t in);
 
 // A float weight [out, in] (in a multiple of 128) quantised to 128x128 blocks on its device:

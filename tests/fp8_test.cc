@@ -134,14 +134,14 @@ TEST(Fp8, LinearIsTheFp64ProductOfTheQuantisedOperands) {
   EXPECT_LT(off, 0.1);
 }
 
-// A qwen3_5 target whose projections take 128-wide groups (hidden 128, in_proj 400 rows).
+// A qwen3_5 target whose projections the FP8 GEMM takes (inputs of 512, in_proj 1,296 rows).
 ModelConfig fp8_friendly_config() {
   auto root = nlohmann::json::parse(preset_config_json("tiny-qwen3_5"));
   auto& j = root["text_config"];
-  j["hidden_size"] = 128, j["num_hidden_layers"] = 4, j["full_attention_interval"] = 2, j["intermediate_size"] = 256;
-  j["num_attention_heads"] = 2, j["num_key_value_heads"] = 1, j["head_dim"] = 64;
-  j["linear_num_key_heads"] = 2, j["linear_num_value_heads"] = 8, j["linear_key_head_dim"] = 32;
-  j["linear_value_head_dim"] = 16;
+  j["hidden_size"] = 512, j["num_hidden_layers"] = 4, j["full_attention_interval"] = 2, j["intermediate_size"] = 512;
+  j["num_attention_heads"] = 4, j["num_key_value_heads"] = 1, j["head_dim"] = 128;
+  j["linear_num_key_heads"] = 2, j["linear_num_value_heads"] = 8, j["linear_key_head_dim"] = 64;
+  j["linear_value_head_dim"] = 64;
   return parse_model_config(root.dump(), "fp8-friendly.json");
 }
 
@@ -154,8 +154,8 @@ TEST(Fp8, ATargetKeptFp8HalvesItsProjectionsAndStaysNearTheBf16One) {
   auto fp32 = random_target(c, 3, TargetOptions{}, 11);
   EXPECT_EQ(fp8->kernel_paths().at("target.projections").path, "fp8_emulated");
   EXPECT_EQ(bf16->kernel_paths().at("target.projections").path, "BFloat16");
-  // Embedding and head stay bf16 (2 x 512 x 128 x 2 bytes); the projections take one byte each.
-  const int64_t embedding_and_head = 2 * 512 * 128 * 2;
+  // Embedding and head stay bf16 (2 x 512 x 512 x 2 bytes); the projections take one byte each.
+  const int64_t embedding_and_head = 2 * 512 * 512 * 2;
   EXPECT_LT(fp8->weight_bytes() - embedding_and_head, (bf16->weight_bytes() - embedding_and_head) * 6 / 10);
   EXPECT_GT(fp8->weight_bytes() - embedding_and_head, (bf16->weight_bytes() - embedding_and_head) / 2);
 
@@ -174,10 +174,10 @@ TEST(Fp8, ATargetKeptFp8HalvesItsProjectionsAndStaysNearTheBf16One) {
 // A Qwen3-Next MoE target (every layer MoE, a shared expert) in 128-wide groups.
 ModelConfig fp8_friendly_moe_config() {
   auto j = nlohmann::json::parse(preset_config_json("tiny-qwen3_next"));
-  j["hidden_size"] = 128, j["num_hidden_layers"] = 4, j["full_attention_interval"] = 2;
-  j["num_attention_heads"] = 2, j["num_key_value_heads"] = 1, j["head_dim"] = 64;
-  j["linear_num_key_heads"] = 2, j["linear_num_value_heads"] = 8, j["linear_key_head_dim"] = 32;
-  j["linear_value_head_dim"] = 16, j["moe_intermediate_size"] = 128, j["shared_expert_intermediate_size"] = 128;
+  j["hidden_size"] = 512, j["num_hidden_layers"] = 4, j["full_attention_interval"] = 2;
+  j["num_attention_heads"] = 4, j["num_key_value_heads"] = 1, j["head_dim"] = 128;
+  j["linear_num_key_heads"] = 2, j["linear_num_value_heads"] = 8, j["linear_key_head_dim"] = 64;
+  j["linear_value_head_dim"] = 64, j["moe_intermediate_size"] = 128, j["shared_expert_intermediate_size"] = 128;
   return parse_model_config(j.dump(), "fp8-friendly-moe.json");
 }
 
@@ -189,9 +189,9 @@ TEST(Fp8, MoeExpertsAreKeptFp8AndRunDequantized) {
   fp8_options.fp8_weights = true;
   auto fp8 = random_target(c, 3, fp8_options, 21);
   auto bf16 = random_target(c, 3, TargetOptions{at::kCPU, at::kBFloat16}, 21);
-  // Per layer the experts are 4 x 3 x 128 x 128 parameters: 196,608 bytes in bf16, 98,304 + 4 x 4
+  // Per layer the experts are 4 x 3 x 128 x 512 parameters: 1,572,864 bytes in bf16, 786,432 + 4 x 12
   // factors x 4 bytes in FP8.
-  const int64_t saved_per_layer = 4 * 3 * 128 * 128 * 2 - (4 * 3 * 128 * 128 + 4 * 4 * 4);
+  const int64_t saved_per_layer = 4 * 3 * 128 * 512 * 2 - (4 * 3 * 128 * 512 + 4 * 12 * 4);
   EXPECT_GT(bf16->weight_bytes() - fp8->weight_bytes(), 4 * saved_per_layer);
   at::manual_seed(22);
   const at::Tensor ids = at::randint(0, 512, {50}, at::TensorOptions().dtype(at::kLong));
@@ -228,7 +228,8 @@ TEST(Fp8, ProjectionsThatAreNotWholeGroupsAreRefusedByName) {
     FAIL() << "hidden size 64 loaded as FP8";
   } catch (const WeightsError& e) {
     EXPECT_NE(std::string(e.what()).find("layers.0.self_attn.q_proj (with the projections stacked on it) cannot be kept "
-                                         "FP8 (target.dtype: float8): 64 input features"),
+                                         "FP8 (target.dtype: float8): 64 input features: the block-scaled FP8 GEMM "
+                                         "takes a multiple of 512"),
               std::string::npos)
         << e.what();
   }
@@ -285,8 +286,8 @@ TEST(Fp8, GpuQuantisationAndGemmMatchTheEmulation) {
     const at::Tensor cuda = dequantize_blocks(Fp8Weight{batch.data.to(gpu), batch.scale.to(gpu)}, at::kBFloat16);
     EXPECT_TRUE(at::equal(cuda.cpu(), cpu));
   }
-  for (const int64_t rows : {1, 5, 16, 300}) {
-    for (const auto& [out, in] : std::vector<std::pair<int64_t, int64_t>>{{384, 256}, {256, 512}, {400, 5120}}) {
+  for (const int64_t rows : {1, 5, 16, 17, 40, 64, 100, 300}) {
+    for (const auto& [out, in] : std::vector<std::pair<int64_t, int64_t>>{{256, 512}, {400, 5120}, {1296, 1024}}) {
       const std::string what = std::to_string(rows) + " x " + std::to_string(in) + " -> " + std::to_string(out);
       try {
         at::manual_seed(rows * 7 + in);
@@ -357,8 +358,8 @@ TEST(Fp8, GpuTappedStatesMatchTransformersFp8) {
   if (!at::hasCUDA() || dir == nullptr) GTEST_SKIP() << "needs a GPU and DFLASHD_FP8_REFERENCE_DIR";
   if (const auto why = fp8_gemm_unavailable(at::Device(at::kCUDA, 0))) GTEST_SKIP() << *why;
   const std::string model_dir = std::string(dir) + "/qwen3_fp8";
-  auto reference = SafetensorsFile::open(model_dir + "/reference.safetensors");
-  auto bf16_reference = SafetensorsFile::open(model_dir + "/bf16_reference.safetensors");
+  auto reference = SafetensorsFile::open(std::string(dir) + "/qwen3_fp8_reference.safetensors");
+  auto bf16_reference = SafetensorsFile::open(std::string(dir) + "/qwen3_bf16_reference.safetensors");
   TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16};
   options.fp8_weights = true;
   auto model = load_target(model_dir, 3, options);

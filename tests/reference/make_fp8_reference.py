@@ -2,20 +2,20 @@
 test Fp8.GpuTappedStatesMatchTransformersFp8 (target.dtype: float8 against the reference).
 
 Usage: make_fp8_reference.py OUT_DIR   (needs a CUDA GPU: transformers quantises on one)
-1. A tiny random Qwen3 (hidden 256, heads of 64: every projection whole 128-wide groups) in
+1. A tiny random Qwen3 (hidden 512, 8 heads of 64: every projection's input a multiple of 512) in
    bf16, perturbed as make_target_models.py does, saved to OUT_DIR/qwen3_bf16.
 2. Loaded with FineGrainedFP8Config(weight_block_size=(128, 128)): transformers quantises every
    projection to e4m3 with a factor per 128x128 block; saved (its own layout: `weight` in e4m3,
    `weight_scale_inv`, quantization_config) to OUT_DIR/qwen3_fp8.
 3. That checkpoint loaded back and run by transformers on the GPU (activations quantised per
    1x128 group, its block-scaled FP8 matmul): every decoder layer's output per sequence, each
-   sequence alone, to OUT_DIR/qwen3_fp8/reference.safetensors in make_target_models.py's layout.
+   sequence alone, to OUT_DIR/qwen3_fp8_reference.safetensors in make_target_models.py's layout.
    transformers runs that matmul with a hub kernel (`kernels`, finegrained-fp8) that an offline
    host cannot fetch; FP8Linear.forward is then replaced by the same arithmetic in PyTorch
    (act_quant: factor = max|group| / 448, e4m3(x / factor); fp32 product of the dequantized
    operands; one rounding to the activations' dtype), and the script says so;
-   the bf16 model's outputs likewise to OUT_DIR/qwen3_fp8/bf16_reference.safetensors (how far FP8
-   is from bf16, for scale).
+   the bf16 model's outputs likewise to OUT_DIR/qwen3_bf16_reference.safetensors (how far FP8 is
+   from bf16, for scale). (Beside the checkpoints: a model directory's *.safetensors are its weights.)
 """
 import os
 import sys
@@ -107,8 +107,8 @@ def write_reference(model, path):
 def main():
     out = sys.argv[1]
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=64, intermediate_size=512, rope_theta=1e6,
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                      num_key_value_heads=2, head_dim=64, intermediate_size=1024, rope_theta=1e6,
                                       tie_word_embeddings=False)
     model = transformers.Qwen3ForCausalLM(config)
     g = torch.Generator().manual_seed(3)
@@ -136,9 +136,9 @@ def main():
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.bfloat16, device_map="cuda").eval()
     print("reloaded:", type(reloaded.model.layers[0].mlp.down_proj).__name__,
           reloaded.model.layers[0].mlp.down_proj.weight.dtype)
-    write_reference(reloaded, os.path.join(fp8_dir, "reference.safetensors"))
+    write_reference(reloaded, os.path.join(out, "qwen3_fp8_reference.safetensors"))
     bf16 = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16, device_map="cuda").eval()
-    write_reference(bf16, os.path.join(fp8_dir, "bf16_reference.safetensors"))
+    write_reference(bf16, os.path.join(out, "qwen3_bf16_reference.safetensors"))
     print("wrote", fp8_dir)
 
 
