@@ -90,12 +90,12 @@ Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows) {
   if (in % kFp8Block != 0) throw std::invalid_argument("quantize_groups: the inner size must be a multiple of 128");
   padded_rows = std::max(padded_rows, rows);
 #ifdef DFLASHD_WITH_CUDA
-  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 4 == 0 &&
-      reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0) {
+  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+      reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0) {
     at::Tensor q = at::empty({padded_rows, in}, x.options().dtype(at::kFloat8_e4m3fn));
     at::Tensor factors = at::empty({groups, padded_rows}, x.options().dtype(at::kFloat));
     kernels::quantize_groups_e4m3(x.data_ptr(), x.stride(0), rows, in, q.data_ptr(), factors.data_ptr<float>(),
-                                  at::cuda::getCurrentCUDAStream().stream());
+                                  padded_rows, at::cuda::getCurrentCUDAStream().stream());
     if (padded_rows > rows) {  // zero rows (factor 1): defined values for the GEMM's padding
       q.narrow(0, rows, padded_rows - rows).view(at::kByte).zero_();
       factors.narrow(1, rows, padded_rows - rows).fill_(1.0);
@@ -119,7 +119,7 @@ at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor&
   const at::Tensor rows = x.reshape({-1, in});
   at::Tensor y;
   if (gemm_runs(x)) {
-    // Rows padded to a multiple of 16 (the padding rows' outputs are dropped): with 1, 4 or 8 rows
+    // Rows padded to a multiple of 16 (the padding rows' outputs are dropped): with 1 or 5 rows
     // cuBLASLt's block-scaled GEMM returned garbage on the H200 (tests/fp8_test.cc).
     const int64_t m = rows.size(0), padded = (m + 15) / 16 * 16;
     const Fp8Activations a = quantize_groups(rows, padded);

@@ -13,36 +13,54 @@
 namespace dflash::target::kernels {
 namespace {
 
-constexpr int kGroup = 128;         // elements per factor
-constexpr int kGroupsPerBlock = 8;  // one warp per group
+constexpr int kGroup = 128;          // elements per factor
+constexpr int kLanesPerGroup = 16;   // 8 elements (16 bytes of bf16) per lane
+constexpr int kQuantiseThreads = 256;
 constexpr float kE4m3Max = 448.f;
 
-// One warp per 1x128 group: each lane holds 4 consecutive elements, the warp's max |x| sets
-// the factor, each lane writes its 4 bytes of e4m3.
-__global__ void __launch_bounds__(32 * kGroupsPerBlock)
+// Half a warp per 1x128 group: each lane holds 8 consecutive elements (one 16-byte load), the
+// half-warp's max |x| sets the factor, each lane writes its 8 bytes of e4m3. Lanes past the last
+// group still take part in the shuffles (no early return) and store nothing.
+__global__ void __launch_bounds__(kQuantiseThreads)
     quantize_groups_kernel(const __nv_bfloat16* __restrict__ x, int64_t stride, int64_t rows, int64_t groups,
-                           __nv_fp8_storage_t* __restrict__ q, float* __restrict__ factors) {
-  const int64_t group = static_cast<int64_t>(blockIdx.x) * kGroupsPerBlock + (threadIdx.x >> 5);
-  if (group >= rows * groups) return;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = group / groups, g = group % groups;
-  const int64_t column = g * kGroup + lane * 4;
-  const uint2 raw = *reinterpret_cast<const uint2*>(x + row * stride + column);
-  const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-  const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-  const float2 a = __bfloat1622float2(lo), b = __bfloat1622float2(hi);
-  float amax = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y)));
+                           __nv_fp8_storage_t* __restrict__ q, float* __restrict__ factors, int64_t factor_stride) {
+  const int64_t group = static_cast<int64_t>(blockIdx.x) * (kQuantiseThreads / kLanesPerGroup) +
+                        threadIdx.x / kLanesPerGroup;
+  const bool valid = group < rows * groups;
+  const int lane = threadIdx.x % kLanesPerGroup;
+  const int64_t row = valid ? group / groups : 0, g = valid ? group % groups : 0;
+  const int64_t column = g * kGroup + lane * 8;
+  float v[8];
+  if (valid) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + row * stride + column);
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(pairs[i]);
+      v[2 * i] = f.x, v[2 * i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.f;
+  }
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int off = kLanesPerGroup / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  if (!valid) return;
   const float factor = amax > 0.f ? amax / kE4m3Max : 1.f;  // an all-zero group quantises to zeros
   // Division (not a multiply by the reciprocal): the rounding transformers' act_quant uses.
-  const float2 qa = make_float2(__fdiv_rn(a.x, factor), __fdiv_rn(a.y, factor));
-  const float2 qb = make_float2(__fdiv_rn(b.x, factor), __fdiv_rn(b.y, factor));
-  const __nv_fp8x2_storage_t pa = __nv_cvt_float2_to_fp8x2(qa, __NV_SATFINITE, __NV_E4M3);
-  const __nv_fp8x2_storage_t pb = __nv_cvt_float2_to_fp8x2(qb, __NV_SATFINITE, __NV_E4M3);
-  const uint32_t packed = static_cast<uint32_t>(pa) | (static_cast<uint32_t>(pb) << 16);
-  *reinterpret_cast<uint32_t*>(q + row * groups * kGroup + column) = packed;
-  if (lane == 0) factors[g * rows + row] = factor;
+  uint32_t packed[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float2 a = make_float2(__fdiv_rn(v[4 * half], factor), __fdiv_rn(v[4 * half + 1], factor));
+    const float2 b = make_float2(__fdiv_rn(v[4 * half + 2], factor), __fdiv_rn(v[4 * half + 3], factor));
+    packed[half] = static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(a, __NV_SATFINITE, __NV_E4M3)) |
+                   (static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(b, __NV_SATFINITE, __NV_E4M3)) << 16);
+  }
+  *reinterpret_cast<uint2*>(q + row * groups * kGroup + column) = make_uint2(packed[0], packed[1]);
+  if (lane == 0) factors[g * factor_stride + row] = factor;
 }
 
 // Eight elements per thread: 8 bytes of e4m3 in, 16 bytes of bf16 out, one factor.
@@ -82,15 +100,17 @@ void dequantize_blocks_bf16(const void* q, const float* factors, int64_t batches
 }
 
 void quantize_groups_e4m3(const void* x, int64_t stride, int64_t rows, int64_t k, void* q, float* factors,
-                          cudaStream_t stream) {
-  if (k % kGroup != 0 || stride % 4 != 0 || reinterpret_cast<uintptr_t>(x) % 8 != 0) {
-    throw std::invalid_argument("quantize_groups_e4m3: k must be a multiple of 128 and rows 8-byte aligned");
+                          int64_t factor_stride, cudaStream_t stream) {
+  if (k % kGroup != 0 || stride % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || factor_stride < rows) {
+    throw std::invalid_argument("quantize_groups_e4m3: k must be a multiple of 128 and rows 16-byte aligned");
   }
   const int64_t groups = k / kGroup;
   if (rows == 0) return;
+  constexpr int kGroupsPerBlock = kQuantiseThreads / kLanesPerGroup;
   const int64_t blocks = (rows * groups + kGroupsPerBlock - 1) / kGroupsPerBlock;
-  quantize_groups_kernel<<<static_cast<unsigned>(blocks), 32 * kGroupsPerBlock, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), stride, rows, groups, static_cast<__nv_fp8_storage_t*>(q), factors);
+  quantize_groups_kernel<<<static_cast<unsigned>(blocks), kQuantiseThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), stride, rows, groups, static_cast<__nv_fp8_storage_t*>(q), factors,
+      factor_stride);
   check_cuda_launch("quantize_groups_e4m3");
 }
 
