@@ -119,27 +119,34 @@ void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const Nex
   };
   bool more = true;
   while (true) {
+    // Free slots take the next requests, prefilled together; again while some finish at once.
     while (more && static_cast<int64_t>(active.size()) < max_batch) {
-      auto s = std::make_unique<Sequence>();
-      if (!(more = next(&s->request))) break;
-      try {
-        check_prompt(s->request.prompt, vocab);
-      } catch (const std::invalid_argument& e) {
-        throw std::invalid_argument("request " + std::to_string(s->request.id) + ": " + e.what());
+      std::vector<std::unique_ptr<Sequence>> admitted;
+      while (more && static_cast<int64_t>(active.size() + admitted.size()) < max_batch) {
+        auto s = std::make_unique<Sequence>();
+        if (!(more = next(&s->request))) break;
+        try {
+          check_prompt(s->request.prompt, vocab);
+        } catch (const std::invalid_argument& e) {
+          throw std::invalid_argument("request " + std::to_string(s->request.id) + ": " + e.what());
+        }
+        s->gen = at::make_generator<at::CPUGeneratorImpl>(s->request.seed);
+        s->g.prompt_tokens = static_cast<int64_t>(s->request.prompt.size());
+        s->max_length = s->g.prompt_tokens + settings.max_new_tokens;
+        admitted.push_back(std::move(s));
       }
-      s->gen = at::make_generator<at::CPUGeneratorImpl>(s->request.seed);
-      s->g.prompt_tokens = static_cast<int64_t>(s->request.prompt.size());
-      s->max_length = s->g.prompt_tokens + settings.max_new_tokens;
-      const auto prefill_start = Clock::now();
-      start(*s, settings);
-      s->g.prefill_seconds = seconds_since(prefill_start);
-      s->decode_start = Clock::now();
-      s->start = s->g.prompt_tokens;
-      s->g.stopped = is_stop(s->g.tokens.back(), settings.stop_token_ids);
-      if (s->finished()) {
-        finish(*s);
-      } else {
-        active.push_back(std::move(s));
+      std::vector<Sequence*> starting;
+      for (auto& s : admitted) starting.push_back(s.get());
+      start_all(starting, settings);
+      for (auto& s : admitted) {
+        s->decode_start = Clock::now();
+        s->start = s->g.prompt_tokens;
+        s->g.stopped = is_stop(s->g.tokens.back(), settings.stop_token_ids);
+        if (s->finished()) {
+          finish(*s);
+        } else {
+          active.push_back(std::move(s));
+        }
       }
     }
     if (active.empty()) break;
@@ -290,6 +297,51 @@ void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const Gen
   }
   target_.crop_batch(caches, lengths);
   if (!contexts.empty()) drafter_.extend_contexts(contexts, committed_features);
+}
+
+void Decoder::start_all(const std::vector<Sequence*>& admitted, const GenerateSettings& settings) const {
+  for (Sequence* s : admitted) {
+    const auto prefill_start = Clock::now();
+    start(*s, settings);
+    s->g.prefill_seconds = seconds_since(prefill_start);
+  }
+}
+
+void PlainDecoder::start_all(const std::vector<Sequence*>& admitted, const GenerateSettings& settings) const {
+  const int64_t budget = target::IncrementalTarget::kPrefillBatchTokens;
+  size_t i = 0;
+  while (i < admitted.size()) {
+    // The next prompts while they fit the budget together; a longer prompt alone, in chunks.
+    std::vector<Sequence*> batch;
+    int64_t tokens = 0;
+    for (; i < admitted.size(); ++i) {
+      const int64_t n = static_cast<int64_t>(admitted[i]->request.prompt.size());
+      if (n > budget || tokens + n > budget) break;
+      batch.push_back(admitted[i]);
+      tokens += n;
+    }
+    const auto prefill_start = Clock::now();
+    if (batch.empty()) {
+      start(*admitted[i], settings);
+      admitted[i++]->g.prefill_seconds = seconds_since(prefill_start);
+      continue;
+    }
+    std::vector<target::DecodeCache*> caches;
+    std::vector<at::Tensor> ids;
+    for (Sequence* s : batch) {
+      s->cache = target_.new_cache();
+      caches.push_back(&s->cache);
+      ids.push_back(ids_tensor(s->request.prompt));
+    }
+    const std::vector<target::DecodeOutput> out = target_.prefill_batch(caches, ids, {});
+    for (size_t j = 0; j < batch.size(); ++j) {
+      Sequence& s = *batch[j];
+      s.g.tokens = s.request.prompt;
+      s.g.tokens.push_back(choose(out[j].logits, settings.sampling, s.gen));
+    }
+    const double seconds = seconds_since(prefill_start);
+    for (Sequence* s : batch) s->g.prefill_seconds = seconds;
+  }
 }
 
 void PlainDecoder::start(Sequence& s, const GenerateSettings& settings) const {

@@ -59,8 +59,10 @@ using Finished = std::function<void(Request&& r, Generation&& g)>;
 
 // A decoder over the target (and, speculative, a drafter) with continuous batching: at most
 // `max_batch` sequences in flight; each round advances all of them in one batched target step
-// (one batched drafter call before it), and a finished sequence's slot takes the next request
-// (its prompt prefilled alone, in chunks, then it joins the next round).
+// (one batched drafter call before it), and finished sequences' slots take the next requests
+// (their prompts prefilled, then they join the next round: plain decoding prefills the prompts
+// that arrive together in one forward of up to kPrefillBatchTokens tokens; speculative decoding
+// one prompt at a time, in chunks).
 class Decoder {
  public:
   virtual ~Decoder() = default;
@@ -80,6 +82,9 @@ class Decoder {
   explicit Decoder(const target::IncrementalTarget& target) : target_(target) {}
   // Prefills s's prompt and takes its first token.
   virtual void start(Sequence& s, const GenerateSettings& settings) const = 0;
+  // start() of sequences admitted together, each with its g.prefill_seconds set (here: one at a
+  // time, each timed alone).
+  virtual void start_all(const std::vector<Sequence*>& admitted, const GenerateSettings& settings) const;
   // One round: every sequence in `active` (none finished) advances by one target step.
   virtual void advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const = 0;
 
@@ -114,6 +119,9 @@ class PlainDecoder : public Decoder {
 
  private:
   void start(Sequence& s, const GenerateSettings& settings) const override;
+  // Prompts of up to kPrefillBatchTokens prefilled together (prefill_seconds: the batch's wall
+  // time, shared); longer ones alone.
+  void start_all(const std::vector<Sequence*>& admitted, const GenerateSettings& settings) const override;
   void advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const override;
 };
 

@@ -458,6 +458,25 @@ DecodeOutput IncrementalTarget::step(DecodeCache& cache, const at::Tensor& ids, 
 std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<DecodeCache*>& caches,
                                                         const std::vector<at::Tensor>& input_ids,
                                                         const std::vector<int64_t>& tap, bool croppable) const {
+  return run_step(caches, input_ids, tap, croppable, /*last_logits_only=*/false);
+}
+
+std::vector<DecodeOutput> IncrementalTarget::prefill_batch(const std::vector<DecodeCache*>& caches,
+                                                           const std::vector<at::Tensor>& ids,
+                                                           const std::vector<int64_t>& tap) const {
+  int64_t tokens = 0;
+  for (const at::Tensor& t : ids) tokens += t.numel();
+  if (tokens > kPrefillBatchTokens) {
+    throw std::invalid_argument("decode prefill_batch: " + std::to_string(tokens) + " tokens; one batch takes at most " +
+                                std::to_string(kPrefillBatchTokens));
+  }
+  return run_step(caches, ids, tap, /*croppable=*/false, /*last_logits_only=*/true);
+}
+
+std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCache*>& caches,
+                                                      const std::vector<at::Tensor>& input_ids,
+                                                      const std::vector<int64_t>& tap, bool croppable,
+                                                      bool last_logits_only) const {
   c10::InferenceMode inference;
   const TargetModel::Impl& m = *model_.impl_;
   const ModelConfig& c = model_.config();
@@ -487,12 +506,20 @@ std::vector<DecodeOutput> IncrementalTarget::step_batch(const std::vector<Decode
     }
   }
   if (next != tap.size()) throw std::invalid_argument("decode step: tapped layers must ascend within the model's layers");
-  const at::Tensor logits = at::matmul(stream.add_and_norm(m.final_norm), m.head.t()).to(at::kFloat);
+  at::Tensor normed = stream.add_and_norm(m.final_norm);
+  std::vector<int64_t> last_rows;  // each sequence's last token (last_logits_only)
+  for (size_t s = 0, row = 0; s < caches.size(); ++s) {
+    row += static_cast<size_t>(tokens.counts[s]);
+    last_rows.push_back(static_cast<int64_t>(row) - 1);
+  }
+  if (last_logits_only) normed = normed.index_select(0, at::tensor(last_rows, at::TensorOptions().dtype(at::kLong)).to(device));
+  const at::Tensor logits = at::matmul(normed, m.head.t()).to(at::kFloat);
   const at::Tensor features = tapped.empty() ? at::Tensor() : at::cat(tapped, -1);
   record_step(groups, tokens, croppable, caches);
   std::vector<DecodeOutput> out(caches.size());
   for (size_t s = 0, row = 0; s < caches.size(); row += static_cast<size_t>(tokens.counts[s]), ++s) {
-    out[s].logits = logits.narrow(0, static_cast<int64_t>(row), tokens.counts[s]);
+    out[s].logits = last_logits_only ? logits.narrow(0, static_cast<int64_t>(s), 1)
+                                     : logits.narrow(0, static_cast<int64_t>(row), tokens.counts[s]);
     if (features.defined()) out[s].features = features.narrow(0, static_cast<int64_t>(row), tokens.counts[s]);
   }
   return out;

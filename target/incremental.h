@@ -96,6 +96,13 @@ class IncrementalTarget {
   DecodeOutput prefill(DecodeCache& cache, const at::Tensor& ids, const std::vector<int64_t>& tap,
                        int64_t chunk = kPrefillChunkTokens) const;
   static constexpr int64_t kPrefillChunkTokens = 2048;
+  // Several prompts' prefills in one forward (caches[s] runs ids[s]): what prefill() gives per
+  // sequence (logits of the last token only, [1, vocab]; equal up to the rounding of the batched
+  // GEMMs). The prompts together hold at most kPrefillBatchTokens tokens; throws
+  // std::invalid_argument otherwise.
+  std::vector<DecodeOutput> prefill_batch(const std::vector<DecodeCache*>& caches, const std::vector<at::Tensor>& ids,
+                                          const std::vector<int64_t>& tap) const;
+  static constexpr int64_t kPrefillBatchTokens = 4096;
 
   // Keeps the first `length` tokens; length must lie within the last step, [last.begin,
   // last.begin + last.count]. Throws std::invalid_argument.
@@ -107,6 +114,10 @@ class IncrementalTarget {
   const TargetModel& model() const { return model_; }
 
  private:
+  // step_batch's forward; with last_logits_only, each sequence's logits are its last token's.
+  std::vector<DecodeOutput> run_step(const std::vector<DecodeCache*>& caches, const std::vector<at::Tensor>& ids,
+                                     const std::vector<int64_t>& tap, bool croppable, bool last_logits_only) const;
+
   const TargetModel& model_;
   int64_t recurrent_step_tokens_;
 };

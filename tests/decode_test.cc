@@ -195,6 +195,42 @@ TEST(IncrementalTarget, ABatchedStepIsEachSequencesOwnStep) {
   }
 }
 
+// Prompts of different lengths prefilled in one forward: each sequence's last-token logits,
+// features and next step are those of its own prefill; a batch over the token budget is refused.
+TEST(IncrementalTarget, PromptsPrefilledTogetherAreEachPrefilledAlone) {
+  for (const char* preset : kPresets) {
+    SCOPED_TRACE(preset);
+    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
+    auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 23);
+    const IncrementalTarget decoder(*model);
+    const std::vector<int64_t> tap{0, config.num_layers - 1};
+    const auto options = at::TensorOptions().dtype(at::kLong);
+    std::vector<DecodeCache> alone, together;
+    std::vector<at::Tensor> prompts;
+    for (const int64_t n : {70, 9, 70, 131}) {
+      prompts.push_back(at::randint(0, config.vocab_size, {n}, options));
+      alone.push_back(decoder.new_cache());
+      together.push_back(decoder.new_cache());
+    }
+    std::vector<DecodeCache*> batch;
+    for (DecodeCache& c : together) batch.push_back(&c);
+    const std::vector<DecodeOutput> out = decoder.prefill_batch(batch, prompts, tap);
+    const at::Tensor next = at::randint(0, config.vocab_size, {1}, options);
+    for (size_t s = 0; s < prompts.size(); ++s) {
+      const DecodeOutput own = decoder.prefill(alone[s], prompts[s], tap);
+      ASSERT_EQ(out[s].logits.size(0), 1);
+      EXPECT_LT(max_diff(out[s].logits, own.logits), 1e-4) << "sequence " << s;
+      EXPECT_LT(max_diff(out[s].features, own.features), 1e-4) << "sequence " << s;
+      EXPECT_EQ(together[s].length, prompts[s].size(0));
+      EXPECT_LT(max_diff(decoder.step(together[s], next, {}).logits, decoder.step(alone[s], next, {}).logits), 1e-4)
+          << "sequence " << s;
+    }
+    DecodeCache big = decoder.new_cache();
+    EXPECT_THROW(decoder.prefill_batch({&big}, {at::zeros({IncrementalTarget::kPrefillBatchTokens + 1}, options)}, {}),
+                 std::invalid_argument);
+  }
+}
+
 TEST(IncrementalTarget, RefusesAPartialModelAndCropsOutsideTheLastStep) {
   const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny");
   auto partial = random_target(config, 2, TargetOptions{}, 1);
