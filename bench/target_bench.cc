@@ -31,6 +31,99 @@
 using namespace dflash;
 using bench::median_ms;
 
+namespace {
+
+constexpr int64_t kTokens = 3072;
+
+// The whole target forward (layers 0..last) in bf16, then with FP8 projections where the GPU runs
+// them, and how far FP8's tapped states are from bf16's.
+void bench_forward(const target::ModelConfig& config, const char* config_dir, int64_t last, double rate) {
+  const int64_t tokens = kTokens;
+  target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+  const at::Tensor ids = at::randint(0, config.vocab_size, {tokens}, at::TensorOptions().dtype(at::kLong));
+  std::vector<int64_t> tapped = config.default_tapped_layers(5);
+  while (!tapped.empty() && tapped.back() > last) tapped.pop_back();
+  if (tapped.empty() || tapped.back() != last) tapped.push_back(last);
+  const double flops = pipeline::target_flops(config, last, tokens);
+  // The forward's time and the tapped states (on the CPU, so that the next model fits).
+  auto run = [&](const target::TargetOptions& o, const char* name) {
+    auto model = target::random_target(config, last, o, 1);
+    const double ms = median_ms(5, [&] { model->forward(ids, {0, tokens}, {last}); });
+    std::printf("target forward %s (%s, weights %.1f GB), layers 0..%lld, %lld tokens: %.4f s, %.0f tokens/s, MFU %.1f%%\n",
+                config_dir, name, model->weight_bytes() / 1e9, static_cast<long long>(last),
+                static_cast<long long>(tokens), ms / 1e3, tokens / (ms / 1e3), 100.0 * flops / (ms / 1e3) / rate);
+    for (const auto& [component, path] : model->kernel_paths()) std::printf("  %s\n", path.str().c_str());
+    // DFLASHD_PROFILE=1: the forward's kernels by GPU time.
+    if (std::getenv("DFLASHD_PROFILE") != nullptr) {
+      bench::print_kernel_profile((std::string("target forward, ") + name).c_str(), [&] {
+        model->forward(ids, {0, tokens}, {last});
+        c10::cuda::device_synchronize();
+      });
+    }
+    std::vector<at::Tensor> states = model->forward(ids, {0, tokens}, tapped);
+    for (at::Tensor& t : states) t = t.cpu().to(at::kDouble);
+    return states;
+  };
+  const std::vector<at::Tensor> bf16 = run(options, "bf16");
+  // target.dtype: float8 (the bf16 model's weights quantised) and how far its tapped states are.
+  if (!target::fp8_gemm_unavailable(options.device)) {
+    target::TargetOptions fp8_options = options;
+    fp8_options.fp8_weights = true;
+    try {
+      const std::vector<at::Tensor> fp8 = run(fp8_options, "fp8");
+      for (size_t i = 0; i < tapped.size(); ++i) {
+        const at::Tensor d = fp8[i] - bf16[i];
+        std::printf("  FP8 vs bf16 tapped layer %lld: relative error %.4f (Frobenius), max %.4f of max |bf16|, cosine %.5f\n",
+                    static_cast<long long>(tapped[i]), (d.norm() / bf16[i].norm()).item<double>(),
+                    (d.abs().max() / bf16[i].abs().max()).item<double>(),
+                    (fp8[i] * bf16[i]).sum().item<double>() / (fp8[i].norm() * bf16[i].norm()).item<double>());
+      }
+    } catch (const std::exception& e) {
+      std::printf("  fp8: %s\n", e.what());
+    }
+  }
+}
+
+// One MoE block at the config's expert shapes against its floor.
+void bench_moe_block(const target::ModelConfig& config, double rate) {
+  const int64_t tokens = kTokens;
+  const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const int64_t h = config.hidden_size, e = config.num_experts, k = config.num_experts_per_tok;
+  const int64_t inner = config.moe_intermediate_size, shared = config.shared_expert_intermediate_size;
+  at::Tensor shared_gate, shared_up, shared_down, shared_expert_gate;
+  if (shared > 0) {
+    shared_gate = at::randn({shared, h}, bf16) * 0.02;
+    shared_up = at::randn({shared, h}, bf16) * 0.02;
+    shared_down = at::randn({h, shared}, bf16) * 0.02;
+    shared_expert_gate = at::randn({1, h}, bf16) * 0.02;
+  }
+  const target::MoeWeights w = target::MoeWeights::make(
+      at::randn({e, h}, bf16) * 0.02, at::randn({e, 2 * inner, h}, bf16) * 0.02, at::randn({e, h, inner}, bf16) * 0.02,
+      shared_gate, shared_up, shared_down, shared_expert_gate);
+  const target::MoeShape shape{e, k, inner, config.norm_topk_prob, shared};
+  const at::Tensor x = at::randn({tokens, h}, bf16);
+  const double grouped = median_ms(20, [&] { target::moe_grouped(shape, w, x); });
+  const double reference = median_ms(5, [&] { target::moe_reference(shape, w, x); });
+  const double flops = 2.0 * tokens * (h * e + 3.0 * h * inner * k + 3.0 * h * shared + h);
+  const double floor_ms = flops / rate * 1e3;
+  std::printf("one MoE block, %lld experts top-%lld, inner %lld, shared %lld, hidden %lld, %lld tokens (%.1f GFLOP)\n",
+              static_cast<long long>(e), static_cast<long long>(k), static_cast<long long>(inner),
+              static_cast<long long>(shared), static_cast<long long>(h), static_cast<long long>(tokens), flops / 1e9);
+  std::printf("  %-40s %9s %10s\n", "", "ms", "x floor");
+  std::printf("  %-40s %9.3f %10.2f\n", "floor (FLOPs at the matmul rate)", floor_ms, 1.0);
+  std::printf("  %-40s %9.3f %10.2f\n", "grouped (device routing, grouped GEMMs)", grouped, grouped / floor_ms);
+  std::printf("  %-40s %9.3f %10.2f\n", "reference (host loop over experts)", reference, reference / floor_ms);
+  // DFLASHD_PROFILE=1: the grouped block's kernels by GPU time (10 calls).
+  if (std::getenv("DFLASHD_PROFILE") != nullptr) {
+    bench::print_kernel_profile("MoE block, grouped, 10 calls", [&] {
+      for (int i = 0; i < 10; ++i) target::moe_grouped(shape, w, x);
+      c10::cuda::device_synchronize();
+    });
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   if (argc < 2 || !at::hasCUDA()) {
     std::fprintf(stderr, "usage: target_bench CONFIG_DIR [LAST_LAYER] (needs a GPU)\n");
@@ -44,86 +137,8 @@ int main(int argc, char** argv) {
   std::printf("bf16 matmul 8192^3: %.3f ms = %.0f TFLOP/s\n", mm, rate / 1e12);
 
   const target::ModelConfig config = target::load_model_config(argv[1]);
-  const int64_t tokens = 3072;
   const int64_t last = argc > 2 ? std::atoll(argv[2]) : config.default_tapped_layers(5).back();
-  if (last >= 0) {
-    target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
-    const at::Tensor ids = at::randint(0, config.vocab_size, {tokens}, at::TensorOptions().dtype(at::kLong));
-    std::vector<int64_t> tapped = config.default_tapped_layers(5);
-    while (!tapped.empty() && tapped.back() > last) tapped.pop_back();
-    if (tapped.empty() || tapped.back() != last) tapped.push_back(last);
-    const double flops = pipeline::target_flops(config, last, tokens);
-    // The forward's time and the tapped states (on the CPU, so that the next model fits).
-    auto run = [&](const target::TargetOptions& o, const char* name) {
-      auto model = target::random_target(config, last, o, 1);
-      const double ms = median_ms(5, [&] { model->forward(ids, {0, tokens}, {last}); });
-      std::printf("target forward %s (%s, weights %.1f GB), layers 0..%lld, %lld tokens: %.4f s, %.0f tokens/s, MFU %.1f%%\n",
-                  argv[1], name, model->weight_bytes() / 1e9, static_cast<long long>(last),
-                  static_cast<long long>(tokens), ms / 1e3, tokens / (ms / 1e3), 100.0 * flops / (ms / 1e3) / rate);
-      for (const auto& [component, path] : model->kernel_paths()) std::printf("  %s\n", path.str().c_str());
-      // DFLASHD_PROFILE=1: the forward's kernels by GPU time.
-      if (std::getenv("DFLASHD_PROFILE") != nullptr) {
-        bench::print_kernel_profile((std::string("target forward, ") + name).c_str(), [&] {
-          model->forward(ids, {0, tokens}, {last});
-          c10::cuda::device_synchronize();
-        });
-      }
-      std::vector<at::Tensor> states = model->forward(ids, {0, tokens}, tapped);
-      for (at::Tensor& t : states) t = t.cpu().to(at::kDouble);
-      return states;
-    };
-    const std::vector<at::Tensor> bf16 = run(options, "bf16");
-    // target.dtype: float8 (the bf16 model's weights quantised) and how far its tapped states are.
-    if (!target::fp8_gemm_unavailable(options.device)) {
-      target::TargetOptions fp8_options = options;
-      fp8_options.fp8_weights = true;
-      try {
-        const std::vector<at::Tensor> fp8 = run(fp8_options, "fp8");
-        for (size_t i = 0; i < tapped.size(); ++i) {
-          const at::Tensor d = fp8[i] - bf16[i];
-          std::printf("  FP8 vs bf16 tapped layer %lld: relative error %.4f (Frobenius), max %.4f of max |bf16|, cosine %.5f\n",
-                      static_cast<long long>(tapped[i]), (d.norm() / bf16[i].norm()).item<double>(),
-                      (d.abs().max() / bf16[i].abs().max()).item<double>(),
-                      (fp8[i] * bf16[i]).sum().item<double>() / (fp8[i].norm() * bf16[i].norm()).item<double>());
-        }
-      } catch (const std::exception& e) {
-        std::printf("  fp8: %s\n", e.what());
-      }
-    }
-  }
-  if (config.num_experts > 0) {
-    const int64_t h = config.hidden_size, e = config.num_experts, k = config.num_experts_per_tok;
-    const int64_t inner = config.moe_intermediate_size, shared = config.shared_expert_intermediate_size;
-    at::Tensor shared_gate, shared_up, shared_down, shared_expert_gate;
-    if (shared > 0) {
-      shared_gate = at::randn({shared, h}, bf16) * 0.02;
-      shared_up = at::randn({shared, h}, bf16) * 0.02;
-      shared_down = at::randn({h, shared}, bf16) * 0.02;
-      shared_expert_gate = at::randn({1, h}, bf16) * 0.02;
-    }
-    const target::MoeWeights w = target::MoeWeights::make(
-        at::randn({e, h}, bf16) * 0.02, at::randn({e, 2 * inner, h}, bf16) * 0.02, at::randn({e, h, inner}, bf16) * 0.02,
-        shared_gate, shared_up, shared_down, shared_expert_gate);
-    const target::MoeShape shape{e, k, inner, config.norm_topk_prob, shared};
-    const at::Tensor x = at::randn({tokens, h}, bf16);
-    const double grouped = median_ms(20, [&] { target::moe_grouped(shape, w, x); });
-    const double reference = median_ms(5, [&] { target::moe_reference(shape, w, x); });
-    const double flops = 2.0 * tokens * (h * e + 3.0 * h * inner * k + 3.0 * h * shared + h);
-    const double floor_ms = flops / rate * 1e3;
-    std::printf("one MoE block, %lld experts top-%lld, inner %lld, shared %lld, hidden %lld, %lld tokens (%.1f GFLOP)\n",
-                static_cast<long long>(e), static_cast<long long>(k), static_cast<long long>(inner),
-                static_cast<long long>(shared), static_cast<long long>(h), static_cast<long long>(tokens), flops / 1e9);
-    std::printf("  %-40s %9s %10s\n", "", "ms", "x floor");
-    std::printf("  %-40s %9.3f %10.2f\n", "floor (FLOPs at the matmul rate)", floor_ms, 1.0);
-    std::printf("  %-40s %9.3f %10.2f\n", "grouped (device routing, grouped GEMMs)", grouped, grouped / floor_ms);
-    std::printf("  %-40s %9.3f %10.2f\n", "reference (host loop over experts)", reference, reference / floor_ms);
-    // DFLASHD_PROFILE=1: the grouped block's kernels by GPU time (10 calls).
-    if (std::getenv("DFLASHD_PROFILE") != nullptr) {
-      bench::print_kernel_profile("MoE block, grouped, 10 calls", [&] {
-        for (int i = 0; i < 10; ++i) target::moe_grouped(shape, w, x);
-        c10::cuda::device_synchronize();
-      });
-    }
-  }
+  if (last >= 0) bench_forward(config, argv[1], last, rate);
+  if (config.num_experts > 0) bench_moe_block(config, rate);
   return 0;
 }

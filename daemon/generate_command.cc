@@ -239,25 +239,29 @@ std::string duration_text(double seconds) {
   return text;
 }
 
+// -c FILE: the config's target, dtype, seed and metrics where the command line gives none.
+std::optional<config::Config> apply_config(GenerateArgs* a) {
+  if (a->config_path.empty()) return std::nullopt;
+  config::Config config = config::load_file(a->config_path);
+  if (a->target.dir.empty() && a->target.preset.empty()) {
+    a->target.dir = config.target.path;
+    a->target.preset = config.target.preset;
+    a->target.random_weights = config.target.weights == config::TargetWeights::random;
+    a->target.allow_slow_path = a->target.allow_slow_path || config.target.allow_slow_path;
+  }
+  if (a->target.dtype_text.empty()) {
+    const config::ModelDtype d = config.target.dtype;
+    a->target.dtype_text = d == config::ModelDtype::float32 || d == config::ModelDtype::float8 ? config::name_of(d) : "bfloat16";
+  }
+  a->target.target_seed = config.train.seed;
+  if (a->metrics.empty()) a->metrics = config.metrics.listen;
+  if (!a->log_every_given) a->log_every = config.metrics.log_every_seconds;
+  return config;
+}
+
 int generate(const GenerateArgs& a_in) {
   GenerateArgs a = a_in;
-  std::optional<config::Config> config;
-  if (!a.config_path.empty()) {
-    config = config::load_file(a.config_path);
-    if (a.target.dir.empty() && a.target.preset.empty()) {
-      a.target.dir = config->target.path;
-      a.target.preset = config->target.preset;
-      a.target.random_weights = config->target.weights == config::TargetWeights::random;
-      a.target.allow_slow_path = a.target.allow_slow_path || config->target.allow_slow_path;
-    }
-    if (a.target.dtype_text.empty()) {
-      const config::ModelDtype d = config->target.dtype;
-      a.target.dtype_text = d == config::ModelDtype::float32 || d == config::ModelDtype::float8 ? config::name_of(d) : "bfloat16";
-    }
-    a.target.target_seed = config->train.seed;
-    if (a.metrics.empty()) a.metrics = config->metrics.listen;
-    if (!a.log_every_given) a.log_every = config->metrics.log_every_seconds;
-  }
+  const std::optional<config::Config> config = apply_config(&a);
   const std::optional<target::TargetOptions> base = target_options("generate", a.target);
   if (!base) return exit_code::kUsage;
   // Signals first: every thread started later inherits the blocked mask.

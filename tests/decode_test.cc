@@ -126,15 +126,29 @@ TEST(IncrementalTarget, ACacheKeepsOnlyItsOwnConvWindow) {
   own(a, "after a batched plain step");
 }
 
+// A preset's whole model with random weights and its incremental forward, tapping the first and
+// last layers.
+struct PresetDecoding {
+  PresetDecoding(const char* preset, uint64_t seed)
+      : config(parse_model_config(preset_config_json(preset), preset)),
+        model(random_target(config, config.num_layers - 1, TargetOptions{}, seed)),
+        decoder(*model),
+        tap{0, config.num_layers - 1} {}
+  ModelConfig config;
+  std::unique_ptr<TargetModel> model;
+  IncrementalTarget decoder;
+  std::vector<int64_t> tap;
+};
+
 // Several sequences in one step (mixed token counts and cache lengths) and one crop: each
 // sequence's logits, features and later steps are those of its own steps alone.
 TEST(IncrementalTarget, ABatchedStepIsEachSequencesOwnStep) {
   for (const char* preset : kPresets) {
     SCOPED_TRACE(preset);
-    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
-    auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 17);
-    const IncrementalTarget decoder(*model);
-    const std::vector<int64_t> tap{0, config.num_layers - 1};
+    const PresetDecoding p(preset, 17);
+    const ModelConfig& config = p.config;
+    const IncrementalTarget& decoder = p.decoder;
+    const std::vector<int64_t>& tap = p.tap;
     const auto options = at::TensorOptions().dtype(at::kLong);
     const std::vector<int64_t> prompt_lengths{5, 12, 30, 12}, counts{3, 3, 1, 7}, keeps{0, 2, 1, 7};
     std::vector<DecodeCache> alone, together;
@@ -200,24 +214,22 @@ TEST(IncrementalTarget, ABatchedStepIsEachSequencesOwnStep) {
 TEST(IncrementalTarget, PromptsPrefilledTogetherAreEachPrefilledAlone) {
   for (const char* preset : kPresets) {
     SCOPED_TRACE(preset);
-    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
-    auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 23);
-    const IncrementalTarget decoder(*model);
-    const std::vector<int64_t> tap{0, config.num_layers - 1};
-    const auto options = at::TensorOptions().dtype(at::kLong);
+    const PresetDecoding p(preset, 23);
+    const IncrementalTarget& decoder = p.decoder;
     std::vector<DecodeCache> alone, together;
+    const auto options = at::TensorOptions().dtype(at::kLong);
     std::vector<at::Tensor> prompts;
     for (const int64_t n : {70, 9, 70, 131}) {
-      prompts.push_back(at::randint(0, config.vocab_size, {n}, options));
+      prompts.push_back(at::randint(0, p.config.vocab_size, {n}, options));
       alone.push_back(decoder.new_cache());
       together.push_back(decoder.new_cache());
     }
     std::vector<DecodeCache*> batch;
     for (DecodeCache& c : together) batch.push_back(&c);
-    const std::vector<DecodeOutput> out = decoder.prefill_batch(batch, prompts, tap);
-    const at::Tensor next = at::randint(0, config.vocab_size, {1}, options);
+    const std::vector<DecodeOutput> out = decoder.prefill_batch(batch, prompts, p.tap);
+    const at::Tensor next = at::randint(0, p.config.vocab_size, {1}, options);
     for (size_t s = 0; s < prompts.size(); ++s) {
-      const DecodeOutput own = decoder.prefill(alone[s], prompts[s], tap);
+      const DecodeOutput own = decoder.prefill(alone[s], prompts[s], p.tap);
       ASSERT_EQ(out[s].logits.size(0), 1);
       EXPECT_LT(max_diff(out[s].logits, own.logits), 1e-4) << "sequence " << s;
       EXPECT_LT(max_diff(out[s].features, own.features), 1e-4) << "sequence " << s;

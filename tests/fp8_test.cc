@@ -134,23 +134,34 @@ TEST(Fp8, LinearIsTheFp64ProductOfTheQuantisedOperands) {
   EXPECT_LT(off, 0.1);
 }
 
-// A qwen3_5 target whose projections the FP8 GEMM takes (inputs of 512, in_proj 1,296 rows).
-ModelConfig fp8_friendly_config() {
-  auto root = nlohmann::json::parse(preset_config_json("tiny-qwen3_5"));
-  auto& j = root["text_config"];
-  j["hidden_size"] = 512, j["num_hidden_layers"] = 4, j["full_attention_interval"] = 2, j["intermediate_size"] = 512;
+// Tiny targets whose projections the FP8 GEMM takes (inputs of 512; a GatedDeltaNet in_proj of
+// 1,296 rows): tiny-qwen3_5 dense, or tiny-qwen3_next with every layer MoE (experts of 128, a
+// shared expert).
+ModelConfig fp8_friendly_config(const std::string& preset = "tiny-qwen3_5") {
+  auto root = nlohmann::json::parse(preset_config_json(preset));
+  auto& j = root.contains("text_config") ? root["text_config"] : root;
+  j["hidden_size"] = 512, j["num_hidden_layers"] = 4, j["full_attention_interval"] = 2;
   j["num_attention_heads"] = 4, j["num_key_value_heads"] = 1, j["head_dim"] = 128;
   j["linear_num_key_heads"] = 2, j["linear_num_value_heads"] = 8, j["linear_key_head_dim"] = 64;
   j["linear_value_head_dim"] = 64;
-  return parse_model_config(root.dump(), "fp8-friendly.json");
+  if (j.contains("num_experts")) {
+    j["moe_intermediate_size"] = 128, j["shared_expert_intermediate_size"] = 128;
+  } else {
+    j["intermediate_size"] = 512;
+  }
+  return parse_model_config(root.dump(), preset + " (FP8-friendly)");
+}
+
+// Layers 0..3 of c with random weights (seed) on the CPU: FP8 projections, or all bf16.
+std::unique_ptr<TargetModel> cpu_target(const ModelConfig& c, uint64_t seed, bool fp8) {
+  TargetOptions options{at::kCPU, at::kBFloat16};
+  options.fp8_weights = fp8;
+  return random_target(c, 3, options, seed);
 }
 
 TEST(Fp8, ATargetKeptFp8HalvesItsProjectionsAndStaysNearTheBf16One) {
   const ModelConfig c = fp8_friendly_config();
-  TargetOptions fp8_options{at::kCPU, at::kBFloat16};
-  fp8_options.fp8_weights = true;
-  auto fp8 = random_target(c, 3, fp8_options, 11);
-  auto bf16 = random_target(c, 3, TargetOptions{at::kCPU, at::kBFloat16}, 11);
+  auto fp8 = cpu_target(c, 11, true), bf16 = cpu_target(c, 11, false);
   auto fp32 = random_target(c, 3, TargetOptions{}, 11);
   EXPECT_EQ(fp8->kernel_paths().at("target.projections").path, "fp8_emulated");
   EXPECT_EQ(bf16->kernel_paths().at("target.projections").path, "BFloat16");
@@ -174,24 +185,11 @@ TEST(Fp8, ATargetKeptFp8HalvesItsProjectionsAndStaysNearTheBf16One) {
   EXPECT_LT(fp8_distance, 0.3);
 }
 
-// A Qwen3-Next MoE target (every layer MoE, a shared expert) in 128-wide groups.
-ModelConfig fp8_friendly_moe_config() {
-  auto j = nlohmann::json::parse(preset_config_json("tiny-qwen3_next"));
-  j["hidden_size"] = 512, j["num_hidden_layers"] = 4, j["full_attention_interval"] = 2;
-  j["num_attention_heads"] = 4, j["num_key_value_heads"] = 1, j["head_dim"] = 128;
-  j["linear_num_key_heads"] = 2, j["linear_num_value_heads"] = 8, j["linear_key_head_dim"] = 64;
-  j["linear_value_head_dim"] = 64, j["moe_intermediate_size"] = 128, j["shared_expert_intermediate_size"] = 128;
-  return parse_model_config(j.dump(), "fp8-friendly-moe.json");
-}
-
 // MoE experts kept FP8: a quarter of the bf16 bytes for the experts, and the forward is the one of
 // the experts dequantized (the same rounding as dequantizing at load).
 TEST(Fp8, MoeExpertsAreKeptFp8AndRunDequantized) {
-  const ModelConfig c = fp8_friendly_moe_config();
-  TargetOptions fp8_options{at::kCPU, at::kBFloat16};
-  fp8_options.fp8_weights = true;
-  auto fp8 = random_target(c, 3, fp8_options, 21);
-  auto bf16 = random_target(c, 3, TargetOptions{at::kCPU, at::kBFloat16}, 21);
+  const ModelConfig c = fp8_friendly_config("tiny-qwen3_next");
+  auto fp8 = cpu_target(c, 21, true), bf16 = cpu_target(c, 21, false);
   // Per layer the experts are 4 x 3 x 128 x 512 parameters: 1,572,864 bytes in bf16, 786,432 + 4 x 12
   // factors x 4 bytes in FP8.
   const int64_t saved_per_layer = 4 * 3 * 128 * 512 * 2 - (4 * 3 * 128 * 512 + 4 * 12 * 4);
