@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "target/fp8.h"
 #include "target/gdn_cuda.h"
 #endif
 #ifdef DFLASHD_WITH_NCCL
@@ -120,6 +121,21 @@ std::string probe_gdn_kernels(int index) {
     return std::string("failed: ") + e.what();
   }
 }
+
+// The block-scaled FP8 GEMM on GPU `index`: whether it runs there, and a 64 x 512 -> 256 product
+// against the CPU emulation (cuBLASLt has returned garbage at some shapes: target/fp8.h).
+std::string probe_fp8_gemm(int index) {
+  const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+  if (auto why = target::fp8_gemm_unavailable(device)) return "emulated only: " + *why;
+  try {
+    const double error = target::fp8_gemm_error(device);
+    char text[96];
+    std::snprintf(text, sizeof(text), "%s (self-test relative error %.1e)", std::isfinite(error) && error <= 1e-2 ? "ok" : "WRONG", error);
+    return text;
+  } catch (const std::exception& e) {
+    return std::string("failed: ") + e.what();
+  }
+}
 #endif
 
 MachineFacts probe_full() {
@@ -143,6 +159,7 @@ MachineFacts probe_full() {
     }
     g.kernel_probe = probe_kernels(i);
     g.gdn_kernels = probe_gdn_kernels(i);
+    g.fp8_gemm = probe_fp8_gemm(i);
     f.gpus.push_back(g);
   }
   f.peer_access.assign(f.cuda_devices, std::vector<int>(f.cuda_devices, 0));
@@ -176,7 +193,8 @@ std::string format_report(const MachineFacts& f) {
     out << "  cuda:" << g.index << "  " << g.name << "  sm_" << g.compute_major << g.compute_minor << "  "
         << g.multiprocessors << " SMs  " << (g.free_bytes >> 20) << " / " << (g.total_bytes >> 20)
         << " MiB free  kernels: " << g.kernel_probe << "\n"
-        << "          GatedDeltaNet: " << g.gdn_kernels << "\n";
+        << "          GatedDeltaNet: " << g.gdn_kernels << "\n"
+        << "          FP8 GEMM: " << g.fp8_gemm << "\n";
   }
   if (f.peer_access.size() > 1) {
     out << "peer access (row = from)\n";

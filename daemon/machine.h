@@ -22,6 +22,9 @@ struct GpuFacts {
   // The GatedDeltaNet kernels on this GPU: "ok (self-test ...)" after a small run against the
   // reference path, or why the target's linear-attention layers would run the reference path.
   std::string gdn_kernels;
+  // The block-scaled FP8 GEMM (target.dtype: float8) on this GPU: "ok (self-test ...)" after a
+  // small product against the CPU emulation, or why FP8 projections would be emulated.
+  std::string fp8_gemm;
 };
 
 struct MachineFacts {

@@ -136,6 +136,14 @@ at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor&
   return y.view(shape);
 }
 
+double fp8_gemm_error(at::Device device) {
+  const at::Tensor x = at::randn({64, 512}).to(at::kBFloat16);
+  const Fp8Weight w = quantize_blocks(at::randn({256, 512}));
+  const at::Tensor expected = fp8_linear(x, w, {}).to(at::kDouble);
+  const at::Tensor got = fp8_linear(x.to(device), Fp8Weight{w.data.to(device), w.scale.to(device)}, {}).cpu();
+  return ((got.to(at::kDouble) - expected).abs().max() / expected.abs().max()).item<double>();
+}
+
 std::optional<std::string> fp8_gemm_unavailable(at::Device device) {
   if (!device.is_cuda()) return "the CPU has no FP8 GEMM (the emulation runs)";
 #ifdef DFLASHD_WITH_CUDA

@@ -72,6 +72,10 @@ at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor&
 // a reason: there the emulation runs.
 std::optional<std::string> fp8_gemm_unavailable(at::Device device);
 
+// fp8_linear on `device` against the CPU emulation for a 64 x 512 -> 256 product: the largest
+// difference over the largest value (dflashd doctor's self-test; about 1e-3 when right).
+double fp8_gemm_error(at::Device device);
+
 // What kernel_paths() says of the projections' GEMMs.
 inline constexpr const char* kFp8GemmPath =
     "block-scaled FP8 GEMMs (e4m3 weights in 128x128 blocks, activations in 1x128 groups; cuBLASLt via ATen _scaled_mm)";
