@@ -45,18 +45,22 @@ Fp8Weight quantize_blocks(const at::Tensor& w) {
   return {q.view({row_blocks * kFp8Block, in}).narrow(0, 0, out).contiguous(), scale.contiguous()};
 }
 
-at::Tensor dequantize_blocks(const Fp8Weight& w, at::ScalarType dtype) {
+at::Tensor dequantize_blocks(const Fp8Weight& w, at::ScalarType dtype, int64_t block_rows, int64_t block_columns) {
   const int64_t out = w.data.size(-2), in = w.data.size(-1);
 #ifdef DFLASHD_WITH_CUDA
-  if (w.data.is_cuda() && dtype == at::kBFloat16 && in % 8 == 0 && w.data.is_contiguous() && w.scale.is_contiguous()) {
+  if (w.data.is_cuda() && dtype == at::kBFloat16 && block_rows == kFp8Block && block_columns == kFp8Block &&
+      in % 8 == 0 && w.data.is_contiguous() && w.scale.is_contiguous() && w.scale.scalar_type() == at::kFloat) {
     at::Tensor result = at::empty(w.data.sizes(), w.data.options().dtype(at::kBFloat16));
     kernels::dequantize_blocks_bf16(w.data.data_ptr(), w.scale.data_ptr<float>(), w.data.numel() / (out * in), out, in,
                                     result.data_ptr(), at::cuda::getCurrentCUDAStream().stream());
     return result;
   }
 #endif
-  const at::Tensor factors =
-      w.scale.repeat_interleave(kFp8Block, -2).narrow(-2, 0, out).repeat_interleave(kFp8Block, -1).narrow(-1, 0, in);
+  const at::Tensor factors = w.scale.to(at::kFloat)
+                                 .repeat_interleave(block_rows, -2)
+                                 .narrow(-2, 0, out)
+                                 .repeat_interleave(block_columns, -1)
+                                 .narrow(-1, 0, in);
   return (w.data.to(at::kFloat) * factors).to(dtype);
 }
 

@@ -39,9 +39,12 @@ std::optional<std::string> fp8_shape_unsupported(int64_t out, int64_t in);
 // A float weight [out, in] (in a multiple of 128) quantised to 128x128 blocks on its device:
 // factor = max|block| / 448 (1 for an all-zero block), data = e4m3(w / factor).
 Fp8Weight quantize_blocks(const at::Tensor& w);
-// data x factor in `dtype` (2-D or a batch): one kernel on a GPU in bf16, ATen's ops otherwise;
-// the same rounding either way (fp32 product, one rounding to dtype).
-at::Tensor dequantize_blocks(const Fp8Weight& w, at::ScalarType dtype);
+// data x factor in `dtype` (2-D or a batch), for blocks of block_rows x block_columns (a
+// checkpoint's may differ from the GEMM's 128x128; w.scale then has that grid): one kernel on a
+// GPU for 128x128 blocks in bf16, ATen's ops otherwise; the same rounding either way (fp32
+// product, one rounding to dtype).
+at::Tensor dequantize_blocks(const Fp8Weight& w, at::ScalarType dtype, int64_t block_rows = kFp8Block,
+                             int64_t block_columns = kFp8Block);
 
 // One piece of a projection concatenated at load: a checkpoint's own 128x128 FP8 blocks (fp8
 // defined) or a float weight.

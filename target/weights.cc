@@ -211,15 +211,9 @@ at::Tensor CheckpointWeights::block_factors(const at::Tensor& weight, const std:
 at::Tensor CheckpointWeights::dequantize(const at::Tensor& weight, const std::string& name, const std::string& where,
                                          const at::TensorOptions& options) const {
   const at::Tensor scale = block_factors(weight, name, where);
-  const int64_t rows = weight.size(-2), columns = weight.size(-1), br = fp8_block_[0], bc = fp8_block_[1];
   // On the target's device (a GPU dequantizes fast and the host never holds the fp32 copy).
-  const at::Tensor w = weight.to(options.device()).to(at::kFloat);
-  const at::Tensor factors = scale.to(options.device(), at::kFloat)
-                                 .repeat_interleave(br, -2)
-                                 .narrow(-2, 0, rows)
-                                 .repeat_interleave(bc, -1)
-                                 .narrow(-1, 0, columns);
-  return (w * factors).to(options.dtype());
+  return dequantize_blocks(Fp8Weight{weight.to(options.device()), scale.to(options.device(), at::kFloat).contiguous()},
+                           options.dtype().toScalarType(), fp8_block_[0], fp8_block_[1]);
 }
 
 at::Tensor RandomWeights::get(const std::string& name, const std::vector<int64_t>& shape, const at::TensorOptions& options,
