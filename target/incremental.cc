@@ -507,12 +507,12 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
   }
   if (next != tap.size()) throw std::invalid_argument("decode step: tapped layers must ascend within the model's layers");
   at::Tensor normed = stream.add_and_norm(m.final_norm);
-  std::vector<int64_t> last_rows;  // each sequence's last token (last_logits_only)
-  for (size_t s = 0, row = 0; s < caches.size(); ++s) {
-    row += static_cast<size_t>(tokens.counts[s]);
-    last_rows.push_back(static_cast<int64_t>(row) - 1);
+  if (last_logits_only) {  // each sequence's last token
+    std::vector<int64_t> last_rows;
+    int64_t row = 0;
+    for (const int64_t count : tokens.counts) last_rows.push_back((row += count) - 1);
+    normed = normed.index_select(0, at::tensor(last_rows, at::TensorOptions().dtype(at::kLong)).to(device));
   }
-  if (last_logits_only) normed = normed.index_select(0, at::tensor(last_rows, at::TensorOptions().dtype(at::kLong)).to(device));
   const at::Tensor logits = at::matmul(normed, m.head.t()).to(at::kFloat);
   const at::Tensor features = tapped.empty() ? at::Tensor() : at::cat(tapped, -1);
   record_step(groups, tokens, croppable, caches);
