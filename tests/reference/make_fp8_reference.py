@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import transformers
+from make_target_models import write_reference  # this directory: every layer's output per sequence
 
 LENGTHS = [200, 77, 130]
 VOCAB = 1024
@@ -80,30 +81,6 @@ def quantise_like_transformers(source, directory):
         json.dump(config, f, indent=2)
 
 
-def capture(model, ids):
-    outputs, hooks = {}, []
-    for i, layer in enumerate(model.model.layers):
-        def hook(_module, _inputs, output, i=i):
-            outputs[i] = (output[0] if isinstance(output, tuple) else output).detach().float().cpu()
-        hooks.append(layer.register_forward_hook(hook))
-    with torch.no_grad():
-        model(input_ids=ids.cuda())
-    for h in hooks:
-        h.remove()
-    return outputs
-
-
-def write_reference(model, path):
-    g = torch.Generator().manual_seed(7)
-    tensors = {}
-    for s, length in enumerate(LENGTHS):
-        ids = torch.randint(0, VOCAB, (1, length), generator=g)
-        tensors[f"seq.{s}.input_ids"] = ids[0].clone()
-        for i, out in capture(model, ids).items():
-            tensors[f"seq.{s}.layer.{i}"] = out[0].contiguous()
-    save_file(tensors, path)
-
-
 def main():
     out = sys.argv[1]
     torch.manual_seed(0)
@@ -136,9 +113,9 @@ def main():
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.bfloat16, device_map="cuda").eval()
     print("reloaded:", type(reloaded.model.layers[0].mlp.down_proj).__name__,
           reloaded.model.layers[0].mlp.down_proj.weight.dtype)
-    write_reference(reloaded, os.path.join(out, "qwen3_fp8_reference.safetensors"))
+    write_reference(out, reloaded.model, seed=6, name="qwen3_fp8_reference.safetensors", lengths=LENGTHS, vocab=VOCAB)
     bf16 = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16, device_map="cuda").eval()
-    write_reference(bf16, os.path.join(out, "qwen3_bf16_reference.safetensors"))
+    write_reference(out, bf16.model, seed=6, name="qwen3_bf16_reference.safetensors", lengths=LENGTHS, vocab=VOCAB)
     print("wrote", fp8_dir)
 
 

@@ -39,28 +39,29 @@ def perturb(model, seed):
 
 
 def capture_layers(text_model, input_ids):
+    """Every decoder layer's output (fp32, on the CPU) for input_ids run on the model's device."""
     outputs = {}
     hooks = []
     for i, layer in enumerate(text_model.layers):
         def hook(_module, _inputs, output, i=i):
-            outputs[i] = (output[0] if isinstance(output, tuple) else output).detach()
+            outputs[i] = (output[0] if isinstance(output, tuple) else output).detach().float().cpu()
         hooks.append(layer.register_forward_hook(hook))
     with torch.no_grad():
-        text_model(input_ids=input_ids)
+        text_model(input_ids=input_ids.to(next(text_model.parameters()).device))
     for h in hooks:
         h.remove()
     return outputs
 
 
-def write_reference(directory, text_model, seed):
+def write_reference(directory, text_model, seed, name="reference.safetensors", lengths=LENGTHS, vocab=VOCAB):
     g = torch.Generator().manual_seed(seed + 1)
     tensors = {}
-    for s, length in enumerate(LENGTHS):
-        ids = torch.randint(0, VOCAB, (1, length), generator=g)
+    for s, length in enumerate(lengths):
+        ids = torch.randint(0, vocab, (1, length), generator=g)
         tensors[f"seq.{s}.input_ids"] = ids[0].clone()
         for i, out in capture_layers(text_model, ids).items():
             tensors[f"seq.{s}.layer.{i}"] = out[0].contiguous()
-    save_file(tensors, os.path.join(directory, "reference.safetensors"))
+    save_file(tensors, os.path.join(directory, name))
 
 
 def hybrid_text(**extra):
