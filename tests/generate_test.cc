@@ -74,7 +74,7 @@ TEST(Generate, GreedyOutputIsTransformersGenerate) {
     const std::string target = std::string(DFLASHD_TARGET_REFERENCE_DIR) + "/" + family;
     const std::string dir = test::make_temp_dir(std::string("generate-greedy-") + family);
     write_prompts(dir + "/prompts.jsonl", 7, 100);
-    for (const std::string stops : {std::string(), std::string("x")}) {
+    for (const std::string& stops : {std::string(), std::string("x")}) {
       std::string stop_ids;
       if (!stops.empty()) {  // two ids that occur in the first pass's responses
         const auto first = read_output(dir + "/out");
@@ -100,8 +100,11 @@ TEST(Generate, GreedyOutputIsTransformersGenerate) {
         EXPECT_EQ(samples.at(i)["input_ids"], expected[i]) << "prompt " << i << ", stop ids '" << stop_ids << "'";
         stopped += samples.at(i)["finish_reason"] == "stop";
       }
-      if (stop_ids.empty()) EXPECT_EQ(stopped, 0);
-      if (!stop_ids.empty()) EXPECT_GE(stopped, 2);
+      if (stop_ids.empty()) {
+        EXPECT_EQ(stopped, 0);
+      } else {
+        EXPECT_GE(stopped, 2);
+      }
     }
   }
 }
@@ -314,6 +317,18 @@ TEST(Generate, BadInputsAreClearErrors) {
   EXPECT_EQ(run("-c " + dir + "/staged.yaml --prompts " + dir + "/prompts.jsonl --out " + dir + "/o3", log), 1);
   EXPECT_TRUE(said("gpus.target[0] spans 2 GPUs; generate decodes with each target replica on one GPU"))
       << test::read_file(log);
+  // target.dtype: float8 reaches the target's loading: the tiny preset's 64 features are refused
+  // as FP8 projections, naming the tensor; an unknown --dtype is a usage error.
+  std::ofstream(dir + "/fp8.yaml") << "target: {preset: tiny-qwen3, weights: random, dtype: float8}\n"
+                                   << "drafter: {mask_token_id: 511}\n"
+                                   << "gpus: {device: cpu, target: [0], drafter: [0]}\n"
+                                   << "data: {synthetic: {sequences: 10}}\n";
+  EXPECT_EQ(run("-c " + dir + "/fp8.yaml --prompts " + dir + "/prompts.jsonl --out " + dir + "/o4", log), 1);
+  EXPECT_TRUE(said("layers.0.self_attn.q_proj (with the projections stacked on it) cannot be kept FP8 "
+                   "(target.dtype: float8): 64 input features"))
+      << test::read_file(log);
+  EXPECT_EQ(run("--preset tiny-qwen3 --device cpu --dtype float9 --prompts p --out o", log), 2);
+  EXPECT_TRUE(said("--dtype must be bfloat16, float32 or float8")) << test::read_file(log);
 }
 
 // The commit protocol itself: a shard is visible only with its marker.
