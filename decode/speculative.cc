@@ -316,7 +316,7 @@ void PlainDecoder::start_all(const std::vector<Sequence*>& admitted, const Gener
     int64_t tokens = 0;
     for (; i < admitted.size(); ++i) {
       const int64_t n = static_cast<int64_t>(admitted[i]->request.prompt.size());
-      if (n > budget || tokens + n > budget) break;
+      if (tokens + n > budget) break;
       batch.push_back(admitted[i]);
       tokens += n;
     }
