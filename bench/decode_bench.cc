@@ -80,11 +80,22 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   std::vector<target::DecodeCache*> all;
   std::vector<const drafter::DrafterContextCache*> all_contexts;
   at::Tensor features;
+  // The prompts prefilled as `dflashd generate` does: as many together as one batch takes.
+  const int64_t per_prefill = std::max<int64_t>(1, target::IncrementalTarget::kPrefillBatchTokens / prompt_tokens);
+  for (size_t j = 0; j < caches.size(); ++j) caches[j] = target.new_cache(), all.push_back(&caches[j]);
+  for (int64_t first = 0; first < batch; first += per_prefill) {
+    const int64_t n = std::min(per_prefill, batch - first);
+    const std::vector<target::DecodeCache*> some(all.begin() + first, all.begin() + first + n);
+    std::vector<at::Tensor> prompts;
+    for (int64_t j = 0; j < n; ++j) prompts.push_back(random_ids(prompt_tokens));
+    target.prefill_batch(some, prompts, {});
+  }
+  {  // one prompt's tapped features: every drafter context is this prompt's
+    target::DecodeCache scratch = target.new_cache();
+    features = target.prefill(scratch, random_ids(prompt_tokens), tap).features;
+  }
   for (size_t j = 0; j < caches.size(); ++j) {
-    caches[j] = target.new_cache();
-    features = target.prefill(caches[j], random_ids(prompt_tokens), tap).features;
     d.extend_context(contexts[j], features);
-    all.push_back(&caches[j]);
     all_contexts.push_back(&contexts[j]);
   }
   const std::vector<int64_t> lengths(static_cast<size_t>(batch), prompt_tokens);
@@ -96,17 +107,26 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
     });
   };
   print_memory("the batch's prefills");
-  const double plain = round(1, {});
+  // Plain steps as plain decoding runs them: nothing kept for a crop, the caches growing (by 20
+  // tokens over the rounds and the profile); the verify rounds below crop back to the prompt.
+  const std::vector<at::Tensor> one(static_cast<size_t>(batch), random_ids(1));
+  const double plain = median_ms(5, [&] { target.step_batch(all, one, {}, /*croppable=*/false); });
   print_memory("plain rounds");
-  // DFLASHD_PROFILE=1: where a batched plain round's GPU time goes (GPU time far below the wall
-  // time means the round is bound by launches, not by the kernels).
+  // DFLASHD_PROFILE=1: where a batched plain step's GPU time goes (GPU time far below the wall
+  // time means the step is bound by launches, not by the kernels).
   if (std::getenv("DFLASHD_PROFILE") != nullptr) {
-    const std::vector<at::Tensor> one(static_cast<size_t>(batch), random_ids(1));
-    bench::print_kernel_profile(("plain round of " + std::to_string(batch)).c_str(), [&] {
-      target.step_batch(all, one, {});
-      target.crop_batch(all, lengths);
+    bench::print_kernel_profile(("plain step of " + std::to_string(batch)).c_str(), [&] {
+      target.step_batch(all, one, {}, /*croppable=*/false);
       c10::cuda::device_synchronize();
-    }, 15);
+    }, 20);
+  }
+  // Back to the prompts for the verify rounds: a plain step keeps nothing to crop with, so the
+  // caches are prefilled again.
+  for (auto& c : caches) c = target.new_cache();
+  for (int64_t first = 0; first < batch; first += per_prefill) {
+    const int64_t n = std::min(per_prefill, batch - first);
+    const std::vector<target::DecodeCache*> some(all.begin() + first, all.begin() + first + n);
+    target.prefill_batch(some, std::vector<at::Tensor>(static_cast<size_t>(n), random_ids(prompt_tokens)), {});
   }
   const double verify = round(block, tap);
   print_memory("verify rounds");
@@ -221,7 +241,17 @@ int main(int argc, char** argv) {
               7 * plain_step / per_step);
 
   print_memory("the single-sequence steps");
-  for (int64_t batch : {16, 64}) batched_steps(target, d, batch, prompt_tokens, plain_step);
+  // DECODE_BATCHES="16 64 128": the batch sizes of the batched rounds (16 and 64 unless given).
+  std::vector<int64_t> batches{16, 64};
+  if (const char* b = std::getenv("DECODE_BATCHES")) {
+    batches.clear();
+    for (char* end = nullptr; *b != 0; b = end) {
+      const long long v = std::strtoll(b, &end, 10);
+      if (end == b) break;
+      batches.push_back(v);
+    }
+  }
+  for (int64_t batch : batches) batched_steps(target, d, batch, prompt_tokens, plain_step);
   end_to_end(target, d, prompts, new_tokens, prompt_tokens, max_batch);
   std::printf("64 prompts x 256 tokens at acceptance length L: %.0f s plain; speculative %.0f s at L = 3, %.0f s at L = 5\n",
               64.0 * 256.0 * plain_step / 1e3, 64.0 * 256.0 / 3.0 * per_step / 1e3, 64.0 * 256.0 / 5.0 * per_step / 1e3);

@@ -2,6 +2,9 @@
 // AdamW) at the Qwen3.5-27B drafter shape on a GPU: hidden 5120, 32/8 heads of 128, MLP 17408,
 // 5 layers, vocabulary 248320, S 3072, 512 anchors, block 16. Prints time, memory and MFU.
 // Usage: drafter_step_bench [repeats]   (needs a CUDA GPU; bench/run_h200.sh runs it)
+// Long sequences and the current recipe (issue 25): DRAFTER_BENCH_TOKENS (S), DRAFTER_BENCH_ANCHORS,
+// DRAFTER_BENCH_WINDOW (> 0: layers 0-3 slide with that window, layer 4 full) and
+// DRAFTER_BENCH_PATH (automatic | efficient | kernels) set the step's sequence, anchors and path.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <torch/cuda.h>
@@ -12,6 +15,7 @@
 #include <cstdlib>
 #include <functional>
 #include <random>
+#include <string>
 
 #include "common/kernel_variants.h"
 #include "bench/kernel_profile.h"
@@ -25,6 +29,14 @@
 using namespace dflash;
 
 namespace {
+
+int64_t env_or(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoll(v) : fallback;
+}
+const int64_t kTokens = env_or("DRAFTER_BENCH_TOKENS", 3072);
+const int64_t kAnchors = env_or("DRAFTER_BENCH_ANCHORS", 512);
+const int64_t kWindow = env_or("DRAFTER_BENCH_WINDOW", 0);
 
 // The Qwen3.5-27B drafter (5 layers, 32/8 heads of 128).
 drafter::DrafterShape drafter_27b_shape() {
@@ -41,12 +53,23 @@ drafter::DrafterShape drafter_27b_shape() {
   s.mask_token_id = 248070;
   s.target_layer_ids = {1, 16, 31, 46, 61};
   s.num_target_layers = 64;
+  if (kWindow > 0) {
+    s.layer_types = {"sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention", "full_attention"};
+    s.sliding_window = kWindow;
+  }
   return s;
 }
 
-constexpr int64_t kTokens = 3072;
 
-// One sequence of kTokens with 512 anchors, random features, the first 64 tokens unsupervised.
+drafter::BlockAttentionPath bench_path() {
+  const char* v = std::getenv("DRAFTER_BENCH_PATH");
+  const std::string name = v != nullptr ? v : "automatic";
+  if (name == "efficient") return drafter::BlockAttentionPath::efficient;
+  if (name == "kernels") return drafter::BlockAttentionPath::kernels;
+  return drafter::BlockAttentionPath::automatic;
+}
+
+// One sequence of kTokens with kAnchors anchors, random features, the first 64 tokens unsupervised.
 drafter::DrafterBatch make_batch(const drafter::DrafterShape& s, const at::TensorOptions& bf16) {
   drafter::DrafterBatch batch;
   batch.features = at::randn({kTokens, s.num_features() * s.hidden_size}, bf16);
@@ -56,7 +79,7 @@ drafter::DrafterBatch make_batch(const drafter::DrafterShape& s, const at::Tenso
   batch.loss_mask = at::tensor(mask, at::TensorOptions().dtype(at::kByte));
   batch.cu_seqlens = {0, kTokens};
   std::mt19937_64 rng(1);
-  batch.anchors = {drafter::sample_anchors(mask, 512, rng)};
+  batch.anchors = {drafter::sample_anchors(mask, kAnchors, rng)};
   return batch;
 }
 
@@ -97,6 +120,9 @@ std::vector<PathTime> time_attention_paths(const AttentionInputs& in, const at::
     force_mma_sync(MmaKernels::block_attention, p.mma_sync);
     drafter::BlockAttentionShape shape{16, 64, 0};
     shape.path = p.path;
+    // With a window: the sliding layers' attention (the split path only), then the kernels at
+    // the full layer (no window).
+    shape.sliding_window = p.path == drafter::BlockAttentionPath::kernels ? 0 : kWindow;
     p.forward = median_seconds([&] {
       c10::NoGradGuard no_grad;
       drafter::block_attention(in.q, in.kc, in.vc, in.kb, in.vb, anchors, shape);
@@ -143,6 +169,7 @@ int main(int argc, char** argv) {
   const at::Device device(at::kCUDA, 0);
   const auto bf16 = at::TensorOptions().device(device).dtype(at::kBFloat16);
   drafter::Drafter model(s, bf16);
+  model.set_attention_path(bench_path());
   {
     c10::NoGradGuard no_grad;
     for (const auto& [name, p] : model.parameters()) {
@@ -196,6 +223,10 @@ int main(int argc, char** argv) {
               flops / 1e12, flops / median / 1e12, 100 * flops / median / 790e12);
   std::printf("  AdamW step             %.3f s\n", median_opt);
   std::printf("  parts: forward alone (no grad) %.3f s; LM head + loss fwd+bwd %.3f s\n", forward_only, head_loss);
+  if (kWindow > 0) {
+    std::printf("  (the split paths below with a window of %lld, as the sliding layers; the fused kernels without, as\n"
+                "   the full layer; TFLOP/s counts every row's whole context)\n", static_cast<long long>(kWindow));
+  }
   for (const PathTime& p : paths) {
     std::printf("  block attention, %s: forward %.2f ms (%.0f TFLOP/s), forward+backward %.2f ms per layer (%.0f TFLOP/s; x5 = %.3f s)\n",
                 p.name, 1e3 * p.forward, attention_flops / p.forward / 1e12, 1e3 * p.both,

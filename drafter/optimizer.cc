@@ -125,7 +125,7 @@ StepResult AdamW::step() {
     return result;
   }
   if (clip != 1.0) at::_foreach_mul_(grads, clip);
-  if (fused) {
+  if (fused && !live.empty()) {  // (ATen's foreach ops refuse empty lists: a step without gradients)
     std::vector<at::Tensor> masters, avgs, avg_sqs, steps, params, rounded;
     for (Slot* s : live) {
       masters.push_back(s->master);

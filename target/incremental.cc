@@ -1,6 +1,7 @@
 #include "target/incremental.h"
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
@@ -112,6 +113,35 @@ class RowGather {
   bool whole_ = false;  // the members are the batch, in order
 };
 
+// A group's rows of a step's token-wise tensor t [tokens, ...]: t itself when the group holds
+// every row (the step's only group: its rows are all rows, in order), else gathered; and the
+// reverse, the group's rows written into out.
+bool holds_every_row(const RowGroup& group, const at::Tensor& t) {
+  return static_cast<int64_t>(group.members.size()) * group.count == t.size(0);
+}
+at::Tensor group_rows(const RowGroup& group, const at::Tensor& t) {
+  return holds_every_row(group, t) ? t : t.index_select(0, group.rows);
+}
+void put_group_rows(const RowGroup& group, at::Tensor& out, const at::Tensor& rows) {
+  if (holds_every_row(group, out)) {
+    out.copy_(rows.reshape(out.sizes()));
+  } else {
+    out.index_copy_(0, group.rows, rows);
+  }
+}
+
+// Whether the attention layers of a step run FlashAttention's variable-length kernel (ATen's
+// _flash_attention_forward: bf16 / fp16 on an sm_80+ GPU, heads of at most 256, a multiple of 8)
+// rather than SDPA with a mask. The kernel reads each member's keys as the first used_k[j] rows
+// of its row of the batch (no mask to build, grouped-query heads read as they are) and costs the
+// host one launch: cuDNN's masked SDPA, which ATen picks otherwise, spent 2.6 ms of host time per
+// call at 128 sequences (bench/RESULTS.md, session 16). Same math; CPU runs keep the mask.
+bool flash_decoding_applies(const at::Tensor& like, int64_t head_dim) {
+  if (!like.is_cuda() || (like.scalar_type() != at::kBFloat16 && like.scalar_type() != at::kHalf)) return false;
+  if (head_dim % 8 != 0 || head_dim > 256) return false;
+  return at::cuda::getDeviceProperties(like.device().index())->major >= 8;
+}
+
 // A group's step in the attention layers, the same in each: where its members' keys and values
 // lie (`rows`, from the first attention layer), how many positions they hold and will hold, where
 // the step's keys go (positions `begin` .. of every row when the members start alike, else
@@ -124,13 +154,18 @@ struct KvStep {
   bool same_begin = true;
   int64_t begin = 0;
   at::Tensor append_rows, append_positions;  // int64 [G * n] when !same_begin
-  // [G, 1, n, longest] bool: key positions up to the query's own, in its own sequence; the rest
-  // is another member's length or the batch's unused capacity.
+  // Without flash: [G, 1, n, longest] bool, key positions up to the query's own, in its own
+  // sequence; the rest is another member's length or the batch's unused capacity.
   at::Tensor visible;
+  // With flash: int32 on the device, member j's queries start at cu_q[j] = j * n ([G + 1]), and
+  // it holds used_k[j] keys after the step ([G]); each query sees its own sequence's keys up to
+  // its position (causal, aligned to the last key).
+  bool flash = false;
+  at::Tensor cu_q, used_k;
 };
 
 KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& caches, size_t first_attention,
-                    at::Device device) {
+                    at::Device device, bool flash) {
   std::vector<const at::Tensor*> sources;
   std::vector<int64_t> slots, begins, rows, positions;
   KvStep step;
@@ -153,6 +188,17 @@ KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& cach
   if (!step.same_begin) {
     const at::Tensor both = at::stack({at::tensor(rows, long_options), at::tensor(positions, long_options)}).to(device);
     step.append_rows = both[0], step.append_positions = both[1];
+  }
+  step.flash = flash;
+  if (flash) {  // cu_q then used_k, one copy
+    const int64_t size = static_cast<int64_t>(group.members.size());
+    std::vector<int32_t> both;
+    for (int64_t j = 0; j <= size; ++j) both.push_back(static_cast<int32_t>(j * group.count));
+    for (int64_t begin : begins) both.push_back(static_cast<int32_t>(begin + group.count));
+    const at::Tensor on_device = at::tensor(both, at::TensorOptions().dtype(at::kInt)).to(device);
+    step.cu_q = on_device.narrow(0, 0, size + 1);
+    step.used_k = on_device.narrow(0, size + 1, size);
+    return step;
   }
   const at::Tensor last_visible =  // [G, n]: the last key position each query sees
       at::tensor(begins, long_options).unsqueeze(1) + at::arange(group.count, long_options).unsqueeze(0);
@@ -196,14 +242,25 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
     keys.push_back(&caches[member]->keys[layer]);
     values.push_back(&caches[member]->values[layer]);
   }
-  const at::Tensor k = kv_batch(step, keys, a.k.index_select(0, group.rows), n);
-  const at::Tensor v = kv_batch(step, values, a.v.index_select(0, group.rows), n);
+  const at::Tensor k = kv_batch(step, keys, group_rows(group, a.k), n);
+  const at::Tensor v = kv_batch(step, values, group_rows(group, a.v), n);
   for (size_t member : group.members) caches[member]->keys[layer] = k, caches[member]->values[layer] = v;
-  const at::Tensor q = a.q.index_select(0, group.rows).view({size, n, hq, d}).transpose(1, 2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  if (step.flash) {  // member j's keys: rows j * capacity .. + used_k[j] - 1 of the flattened batch
+    const int64_t capacity = k.size(1), hkv = k.size(2);
+    const at::Tensor cu_k = at::arange(0, (size + 1) * capacity, capacity, step.used_k.options());
+    const at::Tensor o = std::get<0>(at::_flash_attention_forward(
+        group_rows(group, a.q), k.view({size * capacity, hkv, d}), v.view({size * capacity, hkv, d}),
+        step.cu_q, cu_k, n, step.longest, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, scale, std::nullopt,
+        std::nullopt, step.used_k));
+    put_group_rows(group, out, o);
+    return;
+  }
+  const at::Tensor q = group_rows(group, a.q).view({size, n, hq, d}).transpose(1, 2);
   const at::Tensor o = at::scaled_dot_product_attention(
       q, k.narrow(1, 0, step.longest).transpose(1, 2), v.narrow(1, 0, step.longest).transpose(1, 2), step.visible, 0.0,
-      /*is_causal=*/false, 1.0 / std::sqrt(static_cast<double>(d)), /*enable_gqa=*/true);
-  out.index_copy_(0, group.rows, o.transpose(1, 2).reshape({size * n, hq, d}));
+      /*is_causal=*/false, scale, /*enable_gqa=*/true);
+  put_group_rows(group, out, o.transpose(1, 2).reshape({size * n, hq, d}));
 }
 
 // One full-attention layer over every sequence's tokens.
@@ -270,13 +327,34 @@ int64_t first_layer(const std::vector<Layer>& layers, bool attention) {
   return -1;
 }
 
+// A group's step in the GatedDeltaNet layers, the same in each: where its members' conv inputs and
+// states lie (`rows`, from the first GatedDeltaNet layer) and, where the layers run the CUDA
+// kernels, the positions of each member's conv window rows for the conv kernel (int64 [G * (K - 1
+// + n)] on the device, 0 .. K - 2 + n per member: the kernel then convolves each step token over
+// the K - 1 inputs before it, in one launch instead of the reference's seven fp32 ops).
+struct GdnStep {
+  RowGather rows;
+  at::Tensor window_positions;
+};
+
+// The causal depthwise conv + SiLU of a group's step tokens over their window ([G, K - 1 + n, C],
+// the K - 1 inputs before the step, then the step's): [G, n, C] in `dtype`.
+at::Tensor conv_step(const GdnStep& step, const at::Tensor& window, const at::Tensor& weight, at::ScalarType dtype) {
+  if (!step.window_positions.defined()) return conv_over_window(window, weight, dtype);
+  const int64_t size = window.size(0), rows = window.size(1), n = rows - (weight.size(1) - 1);
+  const at::Tensor all = conv1d_silu_l2norm_cuda(window.view({size * rows, window.size(2)}), weight,
+                                                 step.window_positions, /*qk_channels=*/0);
+  return all.view(window.sizes()).narrow(1, rows - n, n);
+}
+
 // One GatedDeltaNet layer for a group, from its members' conv inputs and states (rows of the
-// batch tensors they share, read through `rows`): the group's new conv inputs and states become
-// their batch (member j its row j); keeps what crop() needs, as the group's batch tensors, when
-// the step is croppable. Writes the rule's o rows into `o_out` [tokens, Hv, dv] (fp32).
+// batch tensors they share, read through `step.rows`): the group's new conv inputs and states
+// become their batch (member j its row j); keeps what crop() needs, as the group's batch tensors,
+// when the step is croppable. Writes the rule's o rows into `o_out` [tokens, Hv, dv] (fp32).
 void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjections& proj, const GdnGateValues& gates,
-               const RowGroup& group, const RowGather& rows, const std::vector<DecodeCache*>& caches, size_t layer,
+               const RowGroup& group, const GdnStep& step, const std::vector<DecodeCache*>& caches, size_t layer,
                at::Tensor& o_out, int64_t recurrent_step_tokens, bool decode_kernel, bool croppable) {
+  const RowGather& rows = step.rows;
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kernel = p.conv.size(1);
@@ -286,17 +364,17 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
     states.push_back(&caches[member]->state[layer]);
   }
   const at::Tensor window = at::cat(
-      {rows.gather(convs), proj.mixed.index_select(0, group.rows).view({size, n, proj.mixed.size(1)})}, 1);
-  const at::Tensor convolved = conv_over_window(window, p.conv, proj.mixed.scalar_type());
+      {rows.gather(convs), group_rows(group, proj.mixed).view({size, n, proj.mixed.size(1)})}, 1);
+  const at::Tensor convolved = conv_step(step, window, p.conv, proj.mixed.scalar_type());
   const at::Tensor q = convolved.narrow(-1, 0, hk * dk).view({size, n, hk, dk});
   const at::Tensor k = convolved.narrow(-1, hk * dk, hk * dk).view({size, n, hk, dk});
   const at::Tensor v = convolved.narrow(-1, 2 * hk * dk, hv * dv).view({size, n, hv, dv});
-  const at::Tensor g = gates.g.index_select(0, group.rows).view({size, n, hv});
-  const at::Tensor beta = gates.beta.index_select(0, group.rows).view({size, n, hv});
+  const at::Tensor g = group_rows(group, gates.g).view({size, n, hv});
+  const at::Tensor beta = group_rows(group, gates.beta).view({size, n, hv});
   const at::Tensor before = rows.gather(states);
   at::Tensor after = before;
   const at::Tensor o = run_rule_group(q, k, v, g, beta, &after, recurrent_step_tokens, decode_kernel);
-  o_out.index_copy_(0, group.rows, o.reshape({size * n, hv, dv}));
+  put_group_rows(group, o_out, o.reshape({size * n, hv, dv}));
   // The members' last K - 1 conv inputs, compact, in one copy (a view would keep the whole step's
   // window alive: 10 MB per layer and sequence after a 512-token prefill at 27B shapes). clone,
   // not contiguous(): with one member the narrowed window counts as contiguous.
@@ -311,14 +389,14 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
 
 // One GatedDeltaNet layer over every sequence's tokens.
 at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, const std::vector<RowGroup>& groups,
-                     const std::vector<RowGather>& rows, const std::vector<DecodeCache*>& caches, size_t layer,
+                     const std::vector<GdnStep>& steps, const std::vector<DecodeCache*>& caches, size_t layer,
                      int64_t recurrent_step_tokens, bool kernel, bool croppable) {
   const GdnProjections proj = project_gdn(c, p, x);
   const GdnGateValues gates = gdn_gates_reference(proj.a, proj.b, p.a_log, p.dt_bias);
   at::Tensor o = at::empty({x.size(0), c.linear_num_value_heads, c.linear_value_head_dim},
                            x.options().dtype(at::kFloat));
   for (size_t i = 0; i < groups.size(); ++i) {
-    gdn_group(c, p, proj, gates, groups[i], rows[i], caches, layer, o, recurrent_step_tokens, kernel, croppable);
+    gdn_group(c, p, proj, gates, groups[i], steps[i], caches, layer, o, recurrent_step_tokens, kernel, croppable);
   }
   return gdn_output(c, p, o, proj.z, x.scalar_type());
 }
@@ -379,21 +457,22 @@ void start_caches(const std::vector<Layer>& layers, const ModelConfig& c, const 
 
 // The attention layers' plan of a step, per group (none without attention layers).
 std::vector<KvStep> plan_kv_steps(const std::vector<Layer>& layers, const std::vector<RowGroup>& groups,
-                                  const std::vector<DecodeCache*>& caches, at::Device device) {
+                                  const std::vector<DecodeCache*>& caches, const at::Tensor& like, int64_t head_dim) {
   std::vector<KvStep> steps;
   const int64_t first = first_layer(layers, /*attention=*/true);
+  const bool flash = first >= 0 && flash_decoding_applies(like, head_dim);
   for (const RowGroup& group : groups) {
     if (first < 0) break;
-    steps.push_back(plan_kv_step(group, caches, static_cast<size_t>(first), device));
+    steps.push_back(plan_kv_step(group, caches, static_cast<size_t>(first), like.device(), flash));
   }
   return steps;
 }
 
-// Where each group's members' rows lie in the GatedDeltaNet layers' batches (the same in every
-// layer; none without GatedDeltaNet layers).
-std::vector<RowGather> plan_gdn_rows(const std::vector<Layer>& layers, const std::vector<RowGroup>& groups,
-                                     const std::vector<DecodeCache*>& caches, at::Device device) {
-  std::vector<RowGather> rows;
+// The GatedDeltaNet layers' plan of a step, per group (none without GatedDeltaNet layers); `kernels`:
+// the layers run the CUDA kernels.
+std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std::vector<RowGroup>& groups,
+                                    const std::vector<DecodeCache*>& caches, at::Device device, bool kernels) {
+  std::vector<GdnStep> steps;
   const int64_t first = first_layer(layers, /*attention=*/false);
   for (const RowGroup& group : groups) {
     if (first < 0) break;
@@ -403,9 +482,15 @@ std::vector<RowGather> plan_gdn_rows(const std::vector<Layer>& layers, const std
       sources.push_back(&caches[member]->state[first]);
       slots.push_back(caches[member]->slot);
     }
-    rows.emplace_back(sources, slots, device);
+    GdnStep step{RowGather(sources, slots, device), {}};
+    if (kernels) {
+      const int64_t window = layers[static_cast<size_t>(first)].gdn.conv.size(1) - 1 + group.count;
+      step.window_positions = at::arange(window, at::TensorOptions().dtype(at::kLong).device(device))
+                                  .repeat({static_cast<int64_t>(group.members.size())});
+    }
+    steps.push_back(std::move(step));
   }
-  return rows;
+  return steps;
 }
 
 // After a step: member j of a group is row j of the group's batches; the caches hold the step's
@@ -484,8 +569,8 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
   const StepTokens tokens = step_tokens(caches, input_ids, m.layers.size());
   const std::vector<RowGroup> groups = group_rows_by_count(tokens.counts, device);
   start_caches(m.layers, c, caches, at::TensorOptions().dtype(model_.options().dtype).device(device));
-  const std::vector<KvStep> kv_steps = plan_kv_steps(m.layers, groups, caches, device);
-  const std::vector<RowGather> gdn_rows = plan_gdn_rows(m.layers, groups, caches, device);
+  const std::vector<KvStep> kv_steps = plan_kv_steps(m.layers, groups, caches, m.embed, c.head_dim);
+  const std::vector<GdnStep> gdn_steps = plan_gdn_steps(m.layers, groups, caches, device, model_.gdn_kernels_);
   const at::Tensor position_ids = at::tensor(tokens.positions, at::TensorOptions().dtype(at::kLong)).to(device);
   const auto [cos, sin] = rope_tables(m.inv_freq, position_ids, model_.options().dtype);
 
@@ -497,7 +582,7 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
     const at::Tensor normed = stream.add_and_norm(layer.input_norm);
     stream.push(layer.kind == LayerKind::full_attention
                     ? attention_layer(c, layer.attention, normed, cos, sin, groups, kv_steps, caches, i)
-                    : gdn_layer(c, layer.gdn, normed, groups, gdn_rows, caches, i, recurrent_step_tokens_,
+                    : gdn_layer(c, layer.gdn, normed, groups, gdn_steps, caches, i, recurrent_step_tokens_,
                                 model_.gdn_kernels_, croppable));
     stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm), model_.grouped_moe_));
     if (next < tap.size() && tap[next] == static_cast<int64_t>(i)) {

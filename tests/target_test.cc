@@ -612,6 +612,51 @@ TEST(GatedDeltaNetKernels, DecodingStepsMatchTheReferencePath) {
   }
 }
 
+// Decoding's attention on a GPU in bf16 runs FlashAttention's variable-length kernel over the
+// sequences' cache rows (no mask): sequences of different lengths stepping together, a verify
+// step of 4 tokens (causal within it) cropped to 2, then plain steps, each sequence's logits
+// against the full forward of its whole tokens (SDPA, causal) on the same GPU.
+TEST(IncrementalTarget, GpuAttentionMatchesTheFullForward) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  for (const char* preset : {"tiny-qwen3", "tiny-128-qwen3_5"}) {
+    SCOPED_TRACE(preset);
+    const ModelConfig config = std::string(preset) == "tiny-qwen3" ? parse_model_config(preset_config_json(preset), preset)
+                                                                   : kernel_sized_qwen3_5();
+    auto model = random_target(config, config.num_layers - 1, TargetOptions{at::Device(at::kCUDA, 0), at::kBFloat16, false}, 9);
+    const IncrementalTarget decoder(*model);
+    const auto ids = [&](int64_t n) { return at::randint(0, config.vocab_size, {n}, at::TensorOptions().dtype(at::kLong)); };
+    std::vector<DecodeCache> caches;
+    std::vector<DecodeCache*> all;
+    std::vector<at::Tensor> tokens;  // each sequence's tokens so far
+    for (int64_t length : {40, 7, 90}) {
+      caches.push_back(decoder.new_cache());
+      tokens.push_back(ids(length));
+    }
+    for (DecodeCache& c : caches) all.push_back(&c);
+    decoder.prefill_batch(all, tokens, {});
+    for (int step = 0; step < 4; ++step) {
+      const int64_t n = step == 0 ? 4 : 1;
+      std::vector<at::Tensor> next;
+      for (size_t s = 0; s < all.size(); ++s) next.push_back(ids(n));
+      const std::vector<DecodeOutput> out = decoder.step_batch(all, next, {});
+      for (size_t s = 0; s < all.size(); ++s) {
+        const at::Tensor whole = at::cat({tokens[s], next[s]});
+        const std::vector<at::Tensor> hidden = model->forward(whole.to(at::kCUDA), {0, whole.size(0)}, {config.num_layers - 1});
+        const at::Tensor normed =
+            rms_norm_rows(hidden.back(), model->final_norm_weight(), config.rms_norm_eps, config.zero_centred_norm);
+        const at::Tensor full = at::matmul(normed, model->lm_head().t()).to(at::kFloat).narrow(0, tokens[s].size(0), n);
+        EXPECT_LE(relative_l2_error(out[s].logits, full), 2e-2) << "step " << step << ", sequence " << s;
+        tokens[s] = n > 1 ? whole.narrow(0, 0, tokens[s].size(0) + 2) : whole;
+      }
+      if (n > 1) {
+        std::vector<int64_t> lengths;
+        for (const at::Tensor& t : tokens) lengths.push_back(t.size(0));
+        decoder.crop_batch(all, lengths);
+      }
+    }
+  }
+}
+
 TEST(TargetConfig, DefaultTappedLayersFollowTheRecipe) {
   ModelConfig c;
   c.num_layers = 36;
