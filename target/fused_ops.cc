@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "common/tensor_math.h"
+#include "target/gated_delta_net.h"
 
 #ifdef DFLASHD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -130,6 +131,50 @@ at::Tensor sigmoid_gate(const at::Tensor& out, const at::Tensor& gate) {
                         static_cast<int>(gate.size(1)), static_cast<int>(gate.size(2)),
                         at::cuda::getCurrentCUDAStream().stream());
   return out;
+#else
+  return {};
+#endif
+}
+
+at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight, double eps,
+                          at::ScalarType dtype) {
+  const int64_t tokens = o.size(0), heads = o.size(1), d = o.size(2);
+  const bool fused = dtype == at::kBFloat16 && o.is_cuda() && o.scalar_type() == at::kFloat && o.is_contiguous() &&
+                     z.dim() == 3 && z.sizes() == o.sizes() && rows_apply(z) && kernels_apply({&weight}) && d <= 256;
+  if (!fused) {
+    const at::Tensor normed = (o * at::rsqrt(o.pow(2).mean(-1, true) + eps)).to(dtype);
+    const at::Tensor gated = ((weight * normed).to(at::kFloat) * at::silu(z.to(at::kFloat))).to(dtype);
+    return gated.reshape({tokens, heads * d});
+  }
+#ifdef DFLASHD_WITH_CUDA
+  at::Tensor out = at::empty({tokens, heads * d}, o.options().dtype(dtype));
+  kernels::gated_rms_norm(o.data_ptr<float>(), z.data_ptr(), z.stride(0), z.stride(1), weight.data_ptr(), out.data_ptr(),
+                          static_cast<int>(tokens), static_cast<int>(heads), static_cast<int>(d), static_cast<float>(eps),
+                          at::cuda::getCurrentCUDAStream().stream());
+  return out;
+#else
+  return {};
+#endif
+}
+
+std::pair<at::Tensor, at::Tensor> gdn_gates(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+                                            const at::Tensor& dt_bias) {
+  auto column_rows = [](const at::Tensor& t) {  // bf16 on the GPU, [tokens, heads] with contiguous heads
+    return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1;
+  };
+  const bool fused = column_rows(a) && column_rows(b) && a.sizes() == b.sizes() && a_log.scalar_type() == at::kFloat &&
+                     dt_bias.scalar_type() == at::kFloat && a_log.is_contiguous() && dt_bias.is_contiguous() &&
+                     a_log.is_cuda() && a_log.numel() == a.size(1) && dt_bias.numel() == a.size(1);
+  if (!fused) {
+    GdnGateValues v = gdn_gates_reference(a, b, a_log, dt_bias);
+    return {v.g, v.beta};
+  }
+#ifdef DFLASHD_WITH_CUDA
+  at::Tensor g = at::empty(a.sizes(), a.options().dtype(at::kFloat)), beta = at::empty_like(g);
+  kernels::gdn_gates(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a_log.data_ptr<float>(),
+                     dt_bias.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>(), static_cast<int>(a.size(0)),
+                     static_cast<int>(a.size(1)), at::cuda::getCurrentCUDAStream().stream());
+  return {g, beta};
 #else
   return {};
 #endif

@@ -38,4 +38,15 @@ at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at:
 // d] a view with contiguous last dim. May write into out.
 at::Tensor sigmoid_gate(const at::Tensor& out, const at::Tensor& gate);
 
+// A GatedDeltaNet layer's gated RMSNorm before out_proj: bf16(bf16(w bf16(rmsnorm(o))) silu(z)) as
+// [tokens, heads * d] in `dtype`; o fp32 [tokens, heads, d], z [tokens, heads, d] (a view of the
+// layer's projection), w [d].
+at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight, double eps,
+                          at::ScalarType dtype);
+
+// A GatedDeltaNet layer's gates from its projections a, b [tokens, heads] (views): g = -exp(A_log)
+// softplus(a + dt_bias) and beta = sigmoid(b), fp32 (gdn_gates_reference's values).
+std::pair<at::Tensor, at::Tensor> gdn_gates(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+                                            const at::Tensor& dt_bias);
+
 }  // namespace dflash::target

@@ -392,7 +392,8 @@ at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const at::Ten
                      const std::vector<GdnStep>& steps, const std::vector<DecodeCache*>& caches, size_t layer,
                      int64_t recurrent_step_tokens, bool kernel, bool croppable) {
   const GdnProjections proj = project_gdn(c, p, x);
-  const GdnGateValues gates = gdn_gates_reference(proj.a, proj.b, p.a_log, p.dt_bias);
+  const auto [g, beta] = gdn_gates(proj.a, proj.b, p.a_log, p.dt_bias);
+  const GdnGateValues gates{g, beta};
   at::Tensor o = at::empty({x.size(0), c.linear_num_value_heads, c.linear_value_head_dim},
                            x.options().dtype(at::kFloat));
   for (size_t i = 0; i < groups.size(); ++i) {

@@ -173,10 +173,7 @@ GdnProjections project_gdn(const ModelConfig& c, const GatedDeltaNet& p, const a
 
 at::Tensor gdn_output(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& o, const at::Tensor& z,
                       at::ScalarType dtype) {
-  const int64_t tokens = o.size(0);
-  const at::Tensor normed = (o * at::rsqrt(o.pow(2).mean(-1, true) + c.rms_norm_eps)).to(dtype);
-  const at::Tensor gated = ((p.norm * normed).to(at::kFloat) * at::silu(z.to(at::kFloat))).to(dtype);
-  return p.out(gated.reshape({tokens, c.linear_num_value_heads * c.linear_value_head_dim}));
+  return p.out(gated_rms_norm(o, z, p.norm, c.rms_norm_eps, dtype));
 }
 
 at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x, bool grouped_moe) {

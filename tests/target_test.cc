@@ -497,6 +497,21 @@ TEST(FusedOps, GpuKernelsMatchTheCompositeExpressions) {
     const at::Tensor expected = out * at::sigmoid(both.narrow(-1, d, d).reshape({tokens, heads * d}));
     nearly_equal(sigmoid_gate(out.clone(), both.narrow(-1, d, d)), expected, "sigmoid_gate d " + std::to_string(d));
   }
+  // A GatedDeltaNet layer's gated RMSNorm (o fp32, z a view of the fused projection) and its
+  // gates (a, b: columns of it), as decoding's steps run them.
+  const int64_t tokens = 33, hv = 6, dv = 128;
+  const at::Tensor projected = at::randn({tokens, hv * dv + 2 * hv + 24}, bf16) * 2;
+  const at::Tensor o = at::randn({tokens, hv, dv}, bf16.dtype(at::kFloat)), w = at::randn({dv}, bf16);
+  const at::Tensor z = projected.narrow(-1, 0, hv * dv).view({tokens, hv, dv});
+  const at::Tensor normed = (o * at::rsqrt(o.pow(2).mean(-1, true) + 1e-6)).to(at::kBFloat16);
+  const at::Tensor gated = ((w * normed).to(at::kFloat) * at::silu(z.to(at::kFloat))).to(at::kBFloat16);
+  nearly_equal(gated_rms_norm(o, z, w, 1e-6, at::kBFloat16), gated.reshape({tokens, hv * dv}), "gated_rms_norm");
+  const at::Tensor a = projected.narrow(-1, hv * dv, hv), b = projected.narrow(-1, hv * dv + hv, hv);
+  const at::Tensor a_log = at::rand({hv}, bf16.dtype(at::kFloat)) * 3, dt_bias = at::randn({hv}, bf16.dtype(at::kFloat));
+  const auto [g, beta] = gdn_gates(a, b, a_log, dt_bias);
+  const GdnGateValues reference = gdn_gates_reference(a, b, a_log, dt_bias);
+  EXPECT_LE(max_relative_error(g, reference.g), 1e-5) << "gdn_gates g";
+  EXPECT_LE(max_relative_error(beta, reference.beta), 1e-5) << "gdn_gates beta";
 }
 
 TEST(GatedDeltaNetKernels, ConvSiluAndL2NormMatchTheReference) {

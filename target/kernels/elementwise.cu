@@ -144,6 +144,52 @@ __global__ void sigmoid_gate_kernel(bf16* __restrict__ out, const bf16* __restri
   }
 }
 
+// One warp per (token, head) row of gated_rms_norm; lane l holds elements [8l, 8l + 8).
+__global__ void __launch_bounds__(kRowThreads) gated_rms_norm_kernel(const float* __restrict__ o,
+                                                                     const bf16* __restrict__ z, int64_t token_stride,
+                                                                     int64_t head_stride, const bf16* __restrict__ weight,
+                                                                     bf16* __restrict__ out, int rows, int heads, int d,
+                                                                     float eps) {
+  const int row = blockIdx.x * (kRowThreads / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (row >= rows) return;  // whole warps
+  const int token = row / heads, head = row % heads, c = lane * 8;
+  const bool active = c < d;
+  float v[8] = {};
+  if (active) {
+    const float4* src = reinterpret_cast<const float4*>(o + static_cast<int64_t>(row) * d + c);
+    const float4 x = src[0], y = src[1];
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+  }
+  float squares = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) squares += v[j] * v[j];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, off);
+  if (!active) return;
+  const float r = rsqrtf(squares / static_cast<float>(d) + eps);
+  float w[8], g[8];
+  load8(w, weight + c);
+  load8(g, z + token * token_stride + head * head_stride + c);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = round_bf16(round_bf16(w[j] * round_bf16(v[j] * r)) * (g[j] / (1.f + expf(-g[j]))));
+  store8(out + static_cast<int64_t>(row) * d + c, v);
+}
+
+// One thread per (token, head).
+__global__ void gdn_gates_kernel(const bf16* __restrict__ a, int64_t a_stride, const bf16* __restrict__ b,
+                                 int64_t b_stride, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+                                 float* __restrict__ g, float* __restrict__ beta, int heads, int64_t count) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t token = i / heads;
+    const int head = static_cast<int>(i % heads);
+    const float x = __bfloat162float(a[token * a_stride + head]) + dt_bias[head];
+    const float softplus = x > 20.f ? x : log1pf(expf(x));
+    g[i] = -expf(a_log[head]) * softplus;
+    beta[i] = 1.f / (1.f + expf(-__bfloat162float(b[token * b_stride + head])));
+  }
+}
+
 }  // namespace
 
 void add_rms_norm(const void* x, const void* delta, const void* weight, void* sum_out, void* normed_out, int rows, int n,
@@ -188,6 +234,28 @@ void sigmoid_gate(void* out, const void* gate, int64_t token_stride, int64_t hea
   sigmoid_gate_kernel<<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(
       static_cast<bf16*>(out), static_cast<const bf16*>(gate), token_stride, head_stride, heads, d, chunks);
   check_cuda_launch("target kernel sigmoid_gate");
+}
+
+void gated_rms_norm(const float* o, const void* z, int64_t token_stride, int64_t head_stride, const void* weight,
+                    void* out, int tokens, int heads, int d, float eps, cudaStream_t stream) {
+  if (d > 256 || d % 8 != 0) throw std::invalid_argument("gated_rms_norm: needs a head size <= 256 and a multiple of 8");
+  const int rows = tokens * heads;
+  if (rows == 0) return;
+  const int per_cta = kRowThreads / 32;
+  gated_rms_norm_kernel<<<(rows + per_cta - 1) / per_cta, kRowThreads, 0, stream>>>(
+      o, static_cast<const bf16*>(z), token_stride, head_stride, static_cast<const bf16*>(weight), static_cast<bf16*>(out),
+      rows, heads, d, eps);
+  check_cuda_launch("target kernel gated_rms_norm");
+}
+
+void gdn_gates(const void* a, int64_t a_stride, const void* b, int64_t b_stride, const float* a_log,
+               const float* dt_bias, float* g, float* beta, int tokens, int heads, cudaStream_t stream) {
+  const int64_t count = static_cast<int64_t>(tokens) * heads;
+  if (count == 0) return;
+  const int threads = 256;
+  gdn_gates_kernel<<<grid_stride_blocks(count, threads), threads, 0, stream>>>(
+      static_cast<const bf16*>(a), a_stride, static_cast<const bf16*>(b), b_stride, a_log, dt_bias, g, beta, heads, count);
+  check_cuda_launch("target kernel gdn_gates");
 }
 
 }  // namespace dflash::target::kernels

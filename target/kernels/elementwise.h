@@ -35,4 +35,18 @@ void qk_norm_rope(const void* x, int64_t token_stride, int64_t head_stride, int 
 void sigmoid_gate(void* out, const void* gate, int64_t token_stride, int64_t head_stride, int tokens, int heads, int d,
                   cudaStream_t stream);
 
+// A GatedDeltaNet layer's gated RMSNorm (its output before out_proj), as the composite in
+// target/model.cc rounds it: normed = bf16(o rsqrt(mean(o^2) + eps)), out = bf16(float(bf16(w
+// normed)) silu(z)). o fp32 [tokens, heads, d] contiguous, z bf16 (token t, head h) at z + t *
+// token_stride + h * head_stride (16-byte aligned rows), w bf16 [d], out bf16 [tokens, heads * d];
+// d <= 256, a multiple of 8.
+void gated_rms_norm(const float* o, const void* z, int64_t token_stride, int64_t head_stride, const void* weight,
+                    void* out, int tokens, int heads, int d, float eps, cudaStream_t stream);
+
+// A GatedDeltaNet layer's gates from its projections a and b (bf16, token t's heads at a + t *
+// a_stride, contiguous): g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), fp32 [tokens,
+// heads] each (A_log, dt_bias fp32 [heads]); softplus as ATen's (x above 20: x).
+void gdn_gates(const void* a, int64_t a_stride, const void* b, int64_t b_stride, const float* a_log,
+               const float* dt_bias, float* g, float* beta, int tokens, int heads, cudaStream_t stream);
+
 }  // namespace dflash::target::kernels
