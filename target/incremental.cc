@@ -294,18 +294,16 @@ at::Tensor run_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   return chunk_gated_delta_rule_reference(q, k, v, g, beta, 64, state);
 }
 
-// Steps and crops of at most this many tokens per sequence run the decode-step kernel on the GPU.
-constexpr int64_t kKernelStepTokens = 64;
-
 // The rule for a group of sequences from `states` [G, Hv, dk, dv] (replaced by the states after
 // the tokens): q, k [G, n, Hk, dk], v [G, n, Hv, dv], g, beta [G, n, Hv]. Returns o [G, n, Hv, dv].
-// `kernel`: steps and crops of up to kKernelStepTokens tokens run the decode-step kernel (the
-// model's GatedDeltaNet layers run the CUDA kernels; same math, the state read and written once;
-// longer ones, prefills, the chunked rule).
+// `kernel` (the model's GatedDeltaNet layers run the CUDA kernels): every step, crop and prefill
+// runs the decode-step kernel (same math, the state read and written once, each CTA walking its
+// sequence's tokens in order; the chunked rule as libtorch ops made a 512-token prefill 3x slower
+// per token than the training forward); otherwise token by token or chunked (recurrent_step_tokens).
 at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                           const at::Tensor& beta, at::Tensor* states, int64_t recurrent_step_tokens, bool kernel) {
   const int64_t size = q.size(0), n = q.size(1), hv = v.size(2);
-  if (kernel && n <= kKernelStepTokens) {
+  if (kernel) {
     GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, *states);
     *states = r.state;
     return r.o;
