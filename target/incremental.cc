@@ -617,12 +617,12 @@ DecodeOutput IncrementalTarget::prefill(DecodeCache& cache, const at::Tensor& id
   std::vector<at::Tensor> features;
   DecodeOutput last;
   for (int64_t begin = 0; begin < ids.size(0); begin += chunk) {
-    last = std::move(step_batch({&cache}, {ids.narrow(0, begin, std::min(chunk, ids.size(0) - begin))}, tap,
-                                /*croppable=*/false)[0]);
+    last = std::move(run_step({&cache}, {ids.narrow(0, begin, std::min(chunk, ids.size(0) - begin))}, tap,
+                              /*croppable=*/false, /*last_logits_only=*/true)[0]);
     if (last.features.defined()) features.push_back(last.features);
   }
   DecodeOutput out;
-  out.logits = last.logits.narrow(0, last.logits.size(0) - 1, 1);
+  out.logits = last.logits;  // the last token's: [1, vocab]
   if (!features.empty()) out.features = features.size() == 1 ? features[0] : at::cat(features, 0);
   return out;
 }
