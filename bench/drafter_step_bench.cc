@@ -186,7 +186,9 @@ int main(int argc, char** argv) {
   const drafter::BlockTargets targets = drafter::make_block_targets(batch, 16, 7.0, device);
   const int64_t rows = batch.anchors[0].size(0) * 16;
   const int64_t anchor_sum = batch.anchors[0].sum().item<int64_t>();
-  const double flops = pipeline::drafter_flops(s, kTokens, rows, anchor_sum);
+  const at::Tensor& anchor_list = batch.anchors[0];
+  const double flops = pipeline::drafter_flops(
+      s, kTokens, std::vector<int64_t>(anchor_list.data_ptr<int64_t>(), anchor_list.data_ptr<int64_t>() + anchor_list.numel()));
   auto step = [&] {
     drafter::LossStats stats;
     const at::Tensor hidden = model.forward(batch, embed);

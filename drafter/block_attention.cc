@@ -361,8 +361,9 @@ at::Tensor device_anchors(const at::Tensor& anchors, const at::Device& device) {
 struct KernelBlockAttentionFunction : public torch::autograd::Function<KernelBlockAttentionFunction> {
   static kernels::BlockAttentionProblem problem(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                                                 const at::Tensor& kb, const at::Tensor& vb, const at::Tensor& anchors,
-                                                int64_t block_size, double scale) {
+                                                int64_t block_size, double scale, int64_t window) {
     kernels::BlockAttentionProblem p;
+    p.window = static_cast<int>(std::min<int64_t>(window, kc.size(0) + block_size));  // wider sees everything
     p.q = q.data_ptr();
     p.k_context = kc.data_ptr();
     p.v_context = vc.data_ptr();
@@ -380,18 +381,19 @@ struct KernelBlockAttentionFunction : public torch::autograd::Function<KernelBlo
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k_context,
                             const at::Tensor& v_context, const at::Tensor& k_block, const at::Tensor& v_block,
-                            const at::Tensor& anchors, int64_t block_size, double scale) {
+                            const at::Tensor& anchors, int64_t block_size, double scale, int64_t window) {
     const c10::cuda::CUDAGuard guard(q.device());
     const at::Tensor qc = q.contiguous(), kc = k_context.contiguous(), vc = v_context.contiguous();
     const at::Tensor kb = k_block.contiguous(), vb = v_block.contiguous();
     const at::Tensor anchors_gpu = device_anchors(anchors, q.device());
-    const kernels::BlockAttentionProblem p = problem(qc, kc, vc, kb, vb, anchors_gpu, block_size, scale);
+    const kernels::BlockAttentionProblem p = problem(qc, kc, vc, kb, vb, anchors_gpu, block_size, scale, window);
     at::Tensor out = at::empty_like(qc);
     at::Tensor lse2 = at::empty({p.slots()}, qc.options().dtype(at::kFloat));
     kernels::block_attention_forward(p, out.data_ptr(), lse2.data_ptr<float>(), at::cuda::getCurrentCUDAStream().stream());
     ctx->save_for_backward({qc, kc, vc, kb, vb, anchors_gpu, out, lse2});
     ctx->saved_data["block_size"] = block_size;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["window"] = window;
     return out;
   }
 
@@ -401,7 +403,8 @@ struct KernelBlockAttentionFunction : public torch::autograd::Function<KernelBlo
     const at::Tensor &anchors = saved[5], &out = saved[6], &lse2 = saved[7];
     const c10::cuda::CUDAGuard guard(q.device());
     const kernels::BlockAttentionProblem p =
-        problem(q, kc, vc, kb, vb, anchors, ctx->saved_data["block_size"].toInt(), ctx->saved_data["scale"].toDouble());
+        problem(q, kc, vc, kb, vb, anchors, ctx->saved_data["block_size"].toInt(), ctx->saved_data["scale"].toDouble(),
+                ctx->saved_data["window"].toInt());
     const at::Tensor d_out = grad_outputs[0].to(q.scalar_type()).contiguous();
     const auto fp32 = q.options().dtype(at::kFloat);
     kernels::BlockAttentionBackward g;
@@ -420,20 +423,20 @@ struct KernelBlockAttentionFunction : public torch::autograd::Function<KernelBlo
     g.dv_context = dvc.data_ptr();
     g.partials = partials.data_ptr<float>();
     kernels::block_attention_backward(p, g, at::cuda::getCurrentCUDAStream().stream());
-    return {dq, dkc, dvc, dkb, dvb, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dkc, dvc, dkb, dvb, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 #endif
 
-BlockAttentionPath choose_path(const at::Tensor& q, int64_t block_size, int64_t window, BlockAttentionPath asked) {
+BlockAttentionPath choose_path(const at::Tensor& q, int64_t block_size, BlockAttentionPath asked) {
   if (asked == BlockAttentionPath::kernels) {
-    if (auto why = block_attention_kernels_unavailable(q, block_size, window)) {
+    if (auto why = block_attention_kernels_unavailable(q, block_size)) {
       throw std::invalid_argument("block_attention: the fused kernels cannot run: " + *why);
     }
     return asked;
   }
   if (asked != BlockAttentionPath::automatic) return asked;
-  if (!block_attention_kernels_unavailable(q, block_size, window)) return BlockAttentionPath::kernels;
+  if (!block_attention_kernels_unavailable(q, block_size)) return BlockAttentionPath::kernels;
   const bool efficient = q.is_cuda() && operand_type(q) != at::kFloat && q.size(2) % 8 == 0;
   return efficient ? BlockAttentionPath::efficient : BlockAttentionPath::math;
 }
@@ -456,9 +459,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_context, const at::Te
 
 }  // namespace
 
-std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size,
-                                                               int64_t sliding_window) {
-  if (sliding_window > 0) return std::string("sliding-window layers: the fused kernels take no window yet");
+std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size) {
 #ifndef DFLASHD_WITH_CUDA
   (void)q, (void)block_size;
   return std::string("this build has no CUDA kernels (configured with DFLASHD_CUDA=OFF or without a CUDA toolkit)");
@@ -480,9 +481,9 @@ std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor&
 }
 
 BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int64_t block_size,
-                                                    BlockAttentionPath asked, int64_t sliding_window) {
+                                                    BlockAttentionPath asked) {
   BlockAttentionPathInfo info;
-  info.path = choose_path(like, block_size, sliding_window, asked);
+  info.path = choose_path(like, block_size, asked);
   if (info.path == BlockAttentionPath::kernels) {
     info.name = "kernels";
     info.description = "fused CUDA kernels (dflashd DFlash block attention)";
@@ -493,7 +494,7 @@ BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int
                                                                 : "split path, portable math";
   if (asked != BlockAttentionPath::automatic) {
     info.description += " (as configured)";
-  } else if (auto why = block_attention_kernels_unavailable(like, block_size, sliding_window)) {
+  } else if (auto why = block_attention_kernels_unavailable(like, block_size)) {
     info.description += "; the fused kernels do not run: " + *why;
   }
   return info;
@@ -506,10 +507,11 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_context, con
   check_inputs(q, k_context, v_context, k_block, v_block, a, shape.block_size);
   const double scale = shape.scale > 0 ? shape.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   if (a.size(0) == 0) return at::zeros_like(q);
-  switch (choose_path(q, shape.block_size, shape.sliding_window, shape.path)) {
+  switch (choose_path(q, shape.block_size, shape.path)) {
 #ifdef DFLASHD_WITH_CUDA
     case BlockAttentionPath::kernels:
-      return KernelBlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size, scale);
+      return KernelBlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size, scale,
+                                                 shape.sliding_window);
 #endif
     case BlockAttentionPath::efficient:
       return EfficientBlockAttentionFunction::apply(q, k_context, v_context, k_block, v_block, a, shape.block_size,

@@ -54,8 +54,7 @@ struct BlockAttentionShape {
 
 // Why the fused kernels cannot run for these inputs (names the device, dtype or dimension), or
 // nullopt when they can.
-std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size,
-                                                               int64_t sliding_window = 0);
+std::optional<std::string> block_attention_kernels_unavailable(const at::Tensor& q, int64_t block_size);
 
 // The path `asked` resolves to for queries like `like` (its device, dtype and head size) with
 // blocks of block_size: the path, its name "kernels" | "efficient" | "math" (metrics) and a
@@ -66,8 +65,7 @@ struct BlockAttentionPathInfo {
   std::string name, description;
 };
 BlockAttentionPathInfo describe_block_attention_path(const at::Tensor& like, int64_t block_size,
-                                                    BlockAttentionPath asked = BlockAttentionPath::automatic,
-                                                    int64_t sliding_window = 0);
+                                                    BlockAttentionPath asked = BlockAttentionPath::automatic);
 
 // q [M=N*B, Hq, d]; k_context, v_context [S, Hkv, d]; k_block, v_block [M, Hkv, d];
 // anchors int64 [N] on the CPU, ascending, each in [0, S). Returns [M, Hq, d] (q's dtype).

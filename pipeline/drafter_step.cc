@@ -42,8 +42,9 @@ MicroBatches make_micro_batches(const DrafterReplica& r, const StepSettings& s, 
       mask.insert(mask.end(), sample.loss_mask->begin(), sample.loss_mask->end());
       const int64_t tokens = sample.input_ids.size(0);
       batch.cu_seqlens.push_back(batch.cu_seqlens.back() + tokens);
-      const int64_t rows = batch.anchors.back().size(0) * block;
-      m.flops += drafter_flops(s.shape, tokens, rows, batch.anchors.back().sum().item<int64_t>());
+      const at::Tensor& anchors = batch.anchors.back();  // int64 on the CPU
+      m.flops += drafter_flops(s.shape, tokens,
+                               std::vector<int64_t>(anchors.data_ptr<int64_t>(), anchors.data_ptr<int64_t>() + anchors.numel()));
       m.flops += target_flops(s.target, s.shape.target_layer_ids.back(), tokens);
       m.tokens += tokens;
     }

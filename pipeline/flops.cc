@@ -1,5 +1,7 @@
 #include "pipeline/flops.h"
 
+#include <algorithm>
+
 namespace dflash::pipeline {
 
 double target_flops(const target::ModelConfig& c, int64_t last_layer, int64_t tokens) {
@@ -29,16 +31,32 @@ double target_flops(const target::ModelConfig& c, int64_t last_layer, int64_t to
   return 2.0 * per_token * n + cores;
 }
 
-double drafter_flops(const drafter::DrafterShape& s, int64_t context, int64_t rows, int64_t anchor_sum) {
+double drafter_attention_pairs(const std::vector<int64_t>& anchors, int64_t block_size, int64_t window) {
+  double pairs = 0;
+  for (const int64_t a : anchors) {
+    if (window <= 0) {
+      pairs += static_cast<double>(block_size) * static_cast<double>(a + block_size);
+      continue;
+    }
+    for (int64_t i = 0; i < block_size; ++i) {  // context keys max(0, a + i - window + 1) .. a - 1, block keys 0..i
+      pairs += static_cast<double>(std::max<int64_t>(0, std::min(a, window - 1 - i)) + i + 1);
+    }
+  }
+  return pairs;
+}
+
+double drafter_flops(const drafter::DrafterShape& s, int64_t context, const std::vector<int64_t>& anchors) {
   const double h = static_cast<double>(s.hidden_size), d = static_cast<double>(s.head_dim);
   const double hq = static_cast<double>(s.num_attention_heads), hkv = static_cast<double>(s.num_key_value_heads);
-  const double r = static_cast<double>(rows), n = static_cast<double>(context);
+  const double r = static_cast<double>(anchors.size()) * static_cast<double>(s.block_size);
+  const double n = static_cast<double>(context);
   const double layer_params = h * (hq * d * 2 + hkv * d * 2) + 3.0 * h * s.intermediate_size;
   const double kv_context = 2.0 * h * hkv * d * 2;  // k_proj and v_proj over context tokens
-  // Visible pairs per head: each row sees its anchor's context plus its block.
-  const double pairs = static_cast<double>(s.block_size) * static_cast<double>(anchor_sum) + r * s.block_size;
-  const double attention_core = 2.0 * 2.0 * hq * d * pairs;
-  const double layers = s.num_layers * (2.0 * layer_params * r + kv_context * n + attention_core);
+  double layers = 0;
+  for (int64_t i = 0; i < s.num_layers; ++i) {
+    const double attention_core = 2.0 * 2.0 * hq * d * drafter_attention_pairs(anchors, s.block_size, s.window_of(i));
+    layers += 2.0 * layer_params * r + kv_context * n + attention_core;
+  }
   const double fc = 2.0 * s.num_features() * h * h * n;
   const double head = 2.0 * 2.0 * r * h * static_cast<double>(s.vocab_size);
   return 3.0 * (layers + fc) + head;

@@ -33,19 +33,17 @@ KernelPath attention_path_for(const config::Config& config, const drafter::Draft
   }
   const at::Tensor like =
       at::empty({1, shape.num_attention_heads, shape.head_dim}, at::TensorOptions().device(device).dtype(dtype));
-  // One path for every layer: the kernels only when each layer can take them.
-  const int64_t window = shape.sliding_window;
+  // One path for every layer (sliding-window layers included: the kernels take the window).
   const bool kernels = fast_path_chosen(
       {"drafter.attention on GPU " + std::to_string(device.index()), request,
-       drafter::block_attention_kernels_unavailable(like, shape.block_size, window), device.is_cuda(),
+       drafter::block_attention_kernels_unavailable(like, shape.block_size), device.is_cuda(),
        request == PathRequest::slow, "the fused block-attention kernels", "the split path",
        "2-3x slower than the fused kernels",
-       window > 0 ? "Set drafter.attention: efficient to accept the split path for the sliding-window layers"
-                  : "Give the drafter heads of 128 in bf16 (drafter.num_attention_heads / num_key_value_heads / "
-                    "head_dim, target.dtype: bfloat16), or set drafter.attention: efficient to accept the slower "
-                    "split path"});
+       "Give the drafter heads of 128 in bf16 (drafter.num_attention_heads / num_key_value_heads / "
+       "head_dim, target.dtype: bfloat16), or set drafter.attention: efficient to accept the slower "
+       "split path"});
   const drafter::BlockAttentionPathInfo info =
-      drafter::describe_block_attention_path(like, shape.block_size, kernels ? BlockAttentionPath::kernels : asked, window);
+      drafter::describe_block_attention_path(like, shape.block_size, kernels ? BlockAttentionPath::kernels : asked);
   *chosen = info.path;
   return {"drafter.attention", info.name, info.description};
 }

@@ -18,6 +18,7 @@
 #include "pipeline/nccl_gradients.h"
 #include "pipeline/streams.h"
 #include "pipeline/dataset.h"
+#include "pipeline/flops.h"
 #include "target/model_config.h"
 #include "tests/run_dir.h"
 #include "tests/test_util.h"
@@ -28,6 +29,28 @@ namespace {
 const std::string kBinary = std::getenv("DFLASHD_BINARY") ? std::getenv("DFLASHD_BINARY") : DFLASHD_BINARY;
 // The same program with the test hooks read from its environment (tests/faulty_daemon_hooks.cc).
 const std::string kFaulty = DFLASHD_FAULTY_BINARY;
+
+
+// MFU's drafter FLOPs: a sliding-window layer's attention counts the pairs its mask keeps (the
+// window on the context, causal in the block), a full layer's every context key before the
+// anchor and the whole block.
+TEST(Flops, SlidingWindowLayersCountTheirWindowedPairs) {
+  const std::vector<int64_t> anchors{0, 3, 100};
+  EXPECT_EQ(pipeline::drafter_attention_pairs(anchors, 4, 0), 4 * 4 + 4 * 7 + 4 * 104);
+  // Window 5, rows i = 0..3 see min(a, 4 - i) context keys and i + 1 block keys:
+  // a = 0: 1+2+3+4; a = 3: (3+1)+(3+2)+(2+3)+(1+4); a = 100: (4+1)+(3+2)+(2+3)+(1+4).
+  EXPECT_EQ(pipeline::drafter_attention_pairs(anchors, 4, 5), 10 + 19 + 20);
+  drafter::DrafterShape s;
+  s.hidden_size = 64, s.num_layers = 2, s.num_attention_heads = 4, s.num_key_value_heads = 2, s.head_dim = 16;
+  s.intermediate_size = 96, s.vocab_size = 512, s.block_size = 4, s.target_layer_ids = {1, 2};
+  const double full = pipeline::drafter_flops(s, 200, anchors);
+  s.layer_types = {"sliding_attention", "full_attention"};
+  s.sliding_window = 5;
+  const double sliding = pipeline::drafter_flops(s, 200, anchors);
+  // 3x forward, 4 FLOP per pair and query-head dimension: the difference is layer 0's pairs.
+  EXPECT_DOUBLE_EQ(full - sliding, 3.0 * 4.0 * 4 * 16 * (pipeline::drafter_attention_pairs(anchors, 4, 0) -
+                                                         pipeline::drafter_attention_pairs(anchors, 4, 5)));
+}
 
 TEST(StepPlan, EveryEpochSampleExactlyOnceAcrossStepsAndReplicas) {
   const StepPlan plan = StepPlan::make(/*samples*/ 23, /*replicas*/ 2, /*m*/ 2, /*accumulation*/ 3, /*epochs*/ 2.0, 0);

@@ -63,11 +63,35 @@ __device__ __forceinline__ void load_row_tile(Tile& tile, const BlockAttentionPr
   });
 }
 
+// The block row (0 .. block_size - 1) of row r of row tile rt: the position within its block that
+// a sliding window and the causal block mask depend on.
+__device__ __forceinline__ int block_row(const BlockAttentionProblem& p, int rt, int r) {
+  return (rt * R + r) % p.block_size;
+}
+
+// Sliding-window layers (p.window > 0): scores of keys outside a row's view to -inf, for rows g
+// and g + 8 of this thread's warp in row tile rt. A context tile (first key key0) hides the keys
+// j <= anchor + i - window of block row i; the block tile hides the block's keys after row i.
+__device__ __forceinline__ void mask_window(float (&s)[8][4], const BlockAttentionProblem& p, int rt, int anchor,
+                                            int key0, bool block) {
+  const int warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
+  const int i0 = block_row(p, rt, warp * 16 + g), i1 = block_row(p, rt, warp * 16 + g + 8);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = nt * 8 + 2 * t4 + (e & 1), i = e < 2 ? i0 : i1;
+      if (block ? col > i : key0 + col <= anchor + i - p.window) s[nt][e] = -INFINITY;
+    }
+  }
+}
+
 // The block of a forward or dQ CTA (block, key-value head, row tile): late (heavy) anchors
-// first, key-value heads fastest. Its key tiles: the context tiles [0, ceil(anchor / 64)), then
-// the block's own keys.
+// first, key-value heads fastest. Its key tiles: the context tiles [first, ceil(anchor / 64))
+// (first 0, or in a sliding-window layer the tile of the block's first visible key, anchor -
+// window + 1), then the block's own keys.
 struct BlockTiles {
-  int n, h, rt, anchor, context_tiles;
+  int n, h, rt, anchor, first, context_tiles;
 
   __device__ explicit BlockTiles(const BlockAttentionProblem& p) {
     const int tiles = p.row_tiles(), rest = blockIdx.x / p.kv_heads;
@@ -76,14 +100,26 @@ struct BlockTiles {
     rt = rest % tiles;
     anchor = p.anchors[n];
     context_tiles = (anchor + R - 1) / R;
+    first = p.window > 0 ? min(context_tiles, max(0, anchor - p.window + 1) / R) : 0;
   }
-  __device__ int count() const { return context_tiles + 1; }
+  __device__ int count() const { return context_tiles - first + 1; }
+  __device__ bool block_tile(int t) const { return t == context_tiles - first; }
   __device__ RowTile row_tile() const { return {n, h, rt}; }
-  __device__ int visible(int t, int block_size) const { return t < context_tiles ? min(R, anchor - t * R) : block_size; }
+  __device__ int visible(int t, int block_size) const {
+    return block_tile(t) ? block_size : min(R, anchor - (first + t) * R);
+  }
+  // Sliding-window layers: the masks of key tile t (uniform branch: only the tiles that reach
+  // below some row's window, and the block tile).
+  __device__ void mask(float (&s)[8][4], const BlockAttentionProblem& p, int t) const {
+    if (p.window <= 0) return;
+    const bool block = block_tile(t);
+    const int key0 = (first + t) * R;
+    if (block || key0 <= anchor + p.block_size - 1 - p.window) mask_window(s, p, rt, anchor, key0, block);
+  }
   // Key tile t (keys and values); rows past the visible ones zero.
   __device__ void load_keys(Tile& k, Tile& v, const BlockAttentionProblem& p, int t) const {
-    const bool context = t < context_tiles;
-    const int64_t row = context ? static_cast<int64_t>(t) * R : static_cast<int64_t>(n) * p.block_size;
+    const bool context = !block_tile(t);
+    const int64_t row = context ? static_cast<int64_t>(first + t) * R : static_cast<int64_t>(n) * p.block_size;
     const int64_t offset = (row * p.kv_heads + h) * D, stride = static_cast<int64_t>(p.kv_heads) * D;
     const int rows = visible(t, p.block_size);
     load_tile<kThreads>(k, static_cast<const bf16*>(context ? p.k_context : p.k_block) + offset, stride, rows);
@@ -140,7 +176,7 @@ __device__ __forceinline__ void mask_columns(float (&s)[8][4], int visible) {
 // The online softmax of rows g and g + 8 of a warp's 16: per key tile of raw scores s, masks the
 // columns >= visible, updates the running maxima (in units of c = scale log2 e) and
 // (per-thread partial) sums, rescales the output accumulators and leaves exp2(c s - max) in s
-// (one FFMA and one EX2 per score). Every key tile has a visible column for every row.
+// (one FFMA and one EX2 per score).
 struct OnlineSoftmax {
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
@@ -157,18 +193,21 @@ struct OnlineSoftmax {
       x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
       x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
     }
-    // The new maxima are finite (a visible column in every tile).
+    // Without a window the new maxima are finite (a visible column in every tile); a sliding
+    // window can hide a row's every column of a context tile, and until the row sees a key its
+    // maximum stays -inf: the exponentials are then taken against 0 (all zero, as they must be).
     const float n0 = fmaxf(m0, x0 * c), n1 = fmaxf(m1, x1 * c);
-    const float alpha0 = exp2_approx(m0 - n0), alpha1 = exp2_approx(m1 - n1);
+    const float r0 = n0 == -INFINITY ? 0.f : n0, r1 = n1 == -INFINITY ? 0.f : n1;
+    const float alpha0 = exp2_approx(m0 - r0), alpha1 = exp2_approx(m1 - r1);
     m0 = n0;
     m1 = n1;
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      s[nt][0] = exp2_approx(fmaf(s[nt][0], c, -n0));
-      s[nt][1] = exp2_approx(fmaf(s[nt][1], c, -n0));
-      s[nt][2] = exp2_approx(fmaf(s[nt][2], c, -n1));
-      s[nt][3] = exp2_approx(fmaf(s[nt][3], c, -n1));
+      s[nt][0] = exp2_approx(fmaf(s[nt][0], c, -r0));
+      s[nt][1] = exp2_approx(fmaf(s[nt][1], c, -r0));
+      s[nt][2] = exp2_approx(fmaf(s[nt][2], c, -r1));
+      s[nt][3] = exp2_approx(fmaf(s[nt][3], c, -r1));
       sum0 += s[nt][0] + s[nt][1];
       sum1 += s[nt][2] + s[nt][3];
     }
@@ -246,6 +285,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem
       pipeline_stage<2, true, kBuffers>(t + 1, count, load_keys);  // tile t + 2 loading, t + 1 landed
       float next[8][4];
       if (t + 1 < count) Mma::product(next, sh.q, sh.k[(t + 1) % kBuffers]);
+      bt.mask(s, p, t);
       softmax.step(s, o, bt.visible(t, p.block_size), c);
       uint32_t pa[4][4];
       to_a(pa, s);
@@ -263,6 +303,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(BlockAttentionProblem
       pipeline_stage<2>(t, count, load_keys);
       float s[8][4];
       Mma::product(s, sh.q, sh.k[t & 1]);
+      bt.mask(s, p, t);
       softmax.step(s, o, bt.visible(t, p.block_size), c);
       uint32_t pa[4][4];
       to_a(pa, s);
@@ -368,6 +409,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
     Mma::product(dp, d_out, v);
     Mma::template finish<1>(s);  // P while dP = dO V^T is computed
     mask_columns(s, visible);  // exp2(-inf) = 0
+    bt.mask(s, p, t);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -383,7 +425,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BlockAttentionProblem p, B
     to_a(da, dp);
     // dQ += dS K: K as the [k][n] operand.
     Mma::accumulate(dq, da, k);
-    if (t == bt.context_tiles) {  // the block's own keys: keep P and dS for their gradients
+    if (bt.block_tile(t)) {  // the block's own keys: keep P and dS for their gradients
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
@@ -479,8 +521,20 @@ __global__ void __launch_bounds__(kThreads * kDkvGroups<kGroup>) dkv_kernel(Bloc
     const int mid = (lo + hi) >> 1;
     if (p.anchors[mid] > j0) hi = mid; else lo = mid + 1;
   }
+  const int first = lo;
+  // In a sliding-window layer, the blocks after `first` that see a key of this CTA: the loosest
+  // window (block row 0) reaches key j from anchors a <= j + window - 1.
+  int end = chunk_end;
+  if (p.window > 0) {
+    const int last_key = j0 + kGroups * R - 1;
+    for (hi = chunk_end; lo < hi;) {
+      const int mid = (lo + hi) >> 1;
+      if (p.anchors[mid] > last_key + p.window - 1) hi = mid; else lo = mid + 1;
+    }
+    end = lo;
+  }
   const int tiles = p.row_tiles();
-  const int first = lo, count = (chunk_end - first) * tiles;  // (block, row tile) pairs
+  const int count = (end - first) * tiles;  // (block, row tile) pairs
   if (count > 0) {
     const int64_t stride = static_cast<int64_t>(p.kv_heads) * D;
 #pragma unroll
@@ -523,8 +577,10 @@ __global__ void __launch_bounds__(kThreads * kDkvGroups<kGroup>) dkv_kernel(Bloc
   for (int i = 0; i < count; ++i) {
     pipeline_stage<2, kGroup>(i, count, load_rows);
     const int b = i & 1;
-    const int anchor = p.anchors[first + i / tiles];
-    const bool all_visible = j0 + kGroups * R <= anchor;  // uniform: every key of the CTA
+    const int anchor = p.anchors[first + i / tiles], rt = i % tiles;
+    // Uniform: every key of the CTA seen by every row (in a sliding-window layer, also the first
+    // key inside the window of the block's last row).
+    const bool all_visible = j0 + kGroups * R <= anchor && (p.window <= 0 || j0 > anchor + p.block_size - 1 - p.window);
     const bool see0 = key0 < anchor, see1 = key1 < anchor;
     // wgmma: S^T and dP^T issued together, P computed while dP^T runs, dS while dV += P^T dO
     // runs. mma.sync: dP^T after dV (fewer live registers).
@@ -543,8 +599,10 @@ __global__ void __launch_bounds__(kThreads * kDkvGroups<kGroup>) dkv_kernel(Bloc
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const bool see = e < 2 ? see0 : see1;
-          s[nt][e] = see ? exp2_approx(fmaf(s[nt][e], c, -sh.lse2[b][nt * 8 + 2 * t4 + (e & 1)])) : 0.f;
+          const int col = nt * 8 + 2 * t4 + (e & 1);
+          const bool see = (e < 2 ? see0 : see1) &&
+                           (p.window <= 0 || (e < 2 ? key0 : key1) > anchor + block_row(p, rt, col) - p.window);
+          s[nt][e] = see ? exp2_approx(fmaf(s[nt][e], c, -sh.lse2[b][col])) : 0.f;
         }
       }
     }

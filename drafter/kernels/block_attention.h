@@ -6,7 +6,9 @@
 // heads of one key-value head read the same keys, so one tile of 64 query rows is (block n,
 // key-value head h, up to 64 of its rep * B (head, row) pairs): every row of a tile has the same
 // visible keys, a prefix of the context plus the block. The kernels walk exactly those key tiles
-// (flash-attention style: online softmax, nothing quadratic in memory), bf16 operands on tensor
+// (flash-attention style: online softmax, nothing quadratic in memory; in a sliding-window layer
+// only the tiles that meet the block's windows, the rows' window edges and the causal block
+// masked per element), bf16 operands on tensor
 // cores, fp32 scores, softmax and accumulation. Two kernel sets, same fragments and results to
 // rounding: mma.sync m16n8k16 per warp (sm_80 and newer), and on Hopper (built for sm_90a)
 // wgmma per warpgroup with its products issued asynchronously while the warps compute the
@@ -48,6 +50,11 @@ struct BlockAttentionProblem {
   const int32_t* anchors = nullptr;                // device [blocks], ascending, each in [0, context)
   int blocks = 0, block_size = 0, context = 0, q_heads = 0, kv_heads = 0;
   float scale = 0;
+  // > 0: a sliding-window layer. Block row i of anchor a sees the context keys j with
+  // a + i - window < j < a and its own block's keys 0..i (causal); the kernels walk only the key
+  // tiles inside the block's windows and mask the rest. 0: the whole context before the anchor
+  // and the whole block.
+  int window = 0;
   // Row tiles per (block, key-value head): ceil(q_heads / kv_heads * block_size / 64).
   DFLASHD_HOST_DEVICE int row_tiles() const { return (q_heads / kv_heads * block_size + kAttentionTileRows - 1) / kAttentionTileRows; }
   // Per-row statistics live in "slots": [kv_heads, blocks, row_tiles, 64] fp32.
