@@ -7,7 +7,8 @@
 //   4. plain decoding and speculative decoding of PROMPTS prompts x NEW tokens end to end (the
 //      random drafter accepts almost nothing: its tokens/s is the floor of speculative decoding,
 //      the step times give what an acceptance length L buys: L tokens per drafter + verify step).
-// Usage: decode_bench CONFIG_DIR [PROMPTS NEW PROMPT_TOKENS]   (needs a GPU)
+// Usage: decode_bench CONFIG_DIR [PROMPTS NEW PROMPT_TOKENS MAX_BATCH]   (needs a GPU); DECODE_BATCHES="16 64 128"
+// sets the batch sizes of the batched rounds (16 and 64 by default).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/core/InferenceMode.h>
@@ -169,6 +170,19 @@ void end_to_end(const target::IncrementalTarget& target, const drafter::Drafter&
               r.spec_tokens_per_second, r.acceptance_length);
 }
 
+// DECODE_BATCHES="16 64 128": the batch sizes of the batched rounds (16 and 64 unless given).
+std::vector<int64_t> batch_sizes() {
+  const char* b = std::getenv("DECODE_BATCHES");
+  if (b == nullptr) return {16, 64};
+  std::vector<int64_t> batches;
+  for (char* end = nullptr; *b != 0; b = end) {
+    const long long v = std::strtoll(b, &end, 10);
+    if (end == b) break;
+    batches.push_back(v);
+  }
+  return batches;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -241,17 +255,7 @@ int main(int argc, char** argv) {
               7 * plain_step / per_step);
 
   print_memory("the single-sequence steps");
-  // DECODE_BATCHES="16 64 128": the batch sizes of the batched rounds (16 and 64 unless given).
-  std::vector<int64_t> batches{16, 64};
-  if (const char* b = std::getenv("DECODE_BATCHES")) {
-    batches.clear();
-    for (char* end = nullptr; *b != 0; b = end) {
-      const long long v = std::strtoll(b, &end, 10);
-      if (end == b) break;
-      batches.push_back(v);
-    }
-  }
-  for (int64_t batch : batches) batched_steps(target, d, batch, prompt_tokens, plain_step);
+  for (int64_t batch : batch_sizes()) batched_steps(target, d, batch, prompt_tokens, plain_step);
   end_to_end(target, d, prompts, new_tokens, prompt_tokens, max_batch);
   std::printf("64 prompts x 256 tokens at acceptance length L: %.0f s plain; speculative %.0f s at L = 3, %.0f s at L = 5\n",
               64.0 * 256.0 * plain_step / 1e3, 64.0 * 256.0 / 3.0 * per_step / 1e3, 64.0 * 256.0 / 5.0 * per_step / 1e3);
