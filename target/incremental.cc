@@ -1,8 +1,10 @@
 #include "target/incremental.h"
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/core/InferenceMode.h>
+#ifdef DFLASHD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -137,9 +139,14 @@ void put_group_rows(const RowGroup& group, at::Tensor& out, const at::Tensor& ro
 // host one launch: cuDNN's masked SDPA, which ATen picks otherwise, spent 2.6 ms of host time per
 // call at 128 sequences (bench/RESULTS.md, session 16). Same math; CPU runs keep the mask.
 bool flash_decoding_applies(const at::Tensor& like, int64_t head_dim) {
+#ifdef DFLASHD_WITH_CUDA
   if (!like.is_cuda() || (like.scalar_type() != at::kBFloat16 && like.scalar_type() != at::kHalf)) return false;
   if (head_dim % 8 != 0 || head_dim > 256) return false;
   return at::cuda::getDeviceProperties(like.device().index())->major >= 8;
+#else
+  (void)like, (void)head_dim;
+  return false;
+#endif
 }
 
 // A group's step in the attention layers, the same in each: where its members' keys and values
