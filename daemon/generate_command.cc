@@ -308,7 +308,9 @@ int generate(const GenerateArgs& a_in) {
   }
   int64_t counted_tokens = 0;
   auto progress = [&](const decode::GenerationProgress& p) {
-    const double rate = p.seconds > 0 ? static_cast<double>(p.new_tokens) / p.seconds : 0;
+    // The rate over the tokens decoded so far, sequences in flight included (finished prompts
+    // alone would show 0 until the first long response ends).
+    const double rate = p.seconds > 0 ? static_cast<double>(p.decoded) / p.seconds : 0;
     const int64_t done = p.done_before + p.committed, left = p.total - p.done_before - p.finished;
     const double prompts_rate = p.seconds > 0 ? static_cast<double>(p.finished) / p.seconds : 0;
     const double eta = prompts_rate > 0 ? static_cast<double>(left) / prompts_rate : INFINITY;

@@ -21,6 +21,7 @@ void run_generation(const std::vector<const Decoder*>& decoders, const std::vect
   size_t next = 0;
   int64_t finished = 0, new_tokens = 0;
   size_t running = decoders.size();
+  std::atomic<int64_t> decoded{0};  // every decoder's new tokens as they come (no lock)
   std::exception_ptr failure;
   auto failed = [&] { return failure != nullptr; };
 
@@ -43,7 +44,7 @@ void run_generation(const std::vector<const Decoder*>& decoders, const std::vect
   for (const Decoder* decoder : decoders) {
     threads.emplace_back([&, decoder] {
       try {
-        decoder->run(settings, max_batch, take, finish);
+        decoder->run(settings, max_batch, take, finish, &decoded);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex);
         if (!failure) failure = std::current_exception();
@@ -60,6 +61,7 @@ void run_generation(const std::vector<const Decoder*>& decoders, const std::vect
     p.committed = out.committed();
     p.finished = finished;
     p.new_tokens = new_tokens;
+    p.decoded = decoded.load();
     p.seconds = std::chrono::duration<double>(Clock::now() - start).count();
     return p;
   };

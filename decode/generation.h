@@ -22,6 +22,7 @@ struct GenerationProgress {
   int64_t committed = 0;    // committed by this one
   int64_t finished = 0;     // decoded by this one (committed or buffered)
   int64_t new_tokens = 0;   // of the prompts this one decoded
+  int64_t decoded = 0;      // new tokens decoded by this one so far, sequences in flight included
   double seconds = 0;       // since this one started decoding
 };
 

@@ -104,14 +104,23 @@ uint64_t sequence_seed(uint64_t seed, uint64_t index) {
   return z ^ (z >> 31);
 }
 
-void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const NextRequest& next,
-                  const Finished& done) const {
+void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const NextRequest& next, const Finished& done,
+                  std::atomic<int64_t>* decoded) const {
   c10::InferenceMode inference;
   check_sampling(settings.sampling);
   if (settings.max_new_tokens < 1) throw std::invalid_argument("generate: max_new_tokens must be >= 1");
   if (max_batch < 1) throw std::invalid_argument("generate: the batch must hold at least one sequence");
   const int64_t vocab = target_.model().config().vocab_size;
   std::vector<std::unique_ptr<Sequence>> active;
+  auto new_tokens = [](const std::vector<Sequence*>& sequences) {
+    int64_t n = 0;
+    for (const Sequence* s : sequences) n += s->g.new_tokens();
+    return n;
+  };
+  // Adds the new tokens `sequences` took since they held `before` to *decoded.
+  auto count = [&](const std::vector<Sequence*>& sequences, int64_t before) {
+    if (decoded != nullptr) decoded->fetch_add(new_tokens(sequences) - before);
+  };
   auto finish = [&](Sequence& s) {
     s.g.tokens.resize(static_cast<size_t>(std::min(s.start + 1, s.max_length)));
     s.g.decode_seconds = seconds_since(s.decode_start);
@@ -138,6 +147,7 @@ void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const Nex
       std::vector<Sequence*> starting;
       for (auto& s : admitted) starting.push_back(s.get());
       start_all(starting, settings);
+      count(starting, 0);
       for (auto& s : admitted) {
         s->decode_start = Clock::now();
         s->start = s->g.prompt_tokens;
@@ -152,7 +162,9 @@ void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const Nex
     if (active.empty()) break;
     std::vector<Sequence*> round;
     for (auto& s : active) round.push_back(s.get());
+    const int64_t before = decoded != nullptr ? new_tokens(round) : 0;
     advance(round, settings);
+    count(round, before);
     // Finished sequences leave (in slot order); the others keep theirs.
     std::vector<std::unique_ptr<Sequence>> kept;
     for (auto& s : active) {

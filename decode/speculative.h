@@ -9,6 +9,7 @@
 // reference that greedy speculative decoding must reproduce token for token (lossless).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -67,7 +68,10 @@ class Decoder {
  public:
   virtual ~Decoder() = default;
   // Throws std::invalid_argument on bad settings or prompt ids (naming the request id).
-  void run(const GenerateSettings& settings, int64_t max_batch, const NextRequest& next, const Finished& done) const;
+  // `decoded`, when given, grows by the new tokens of every prefill and round as they come (a
+  // live count for progress: finished sequences report theirs only when they finish).
+  void run(const GenerateSettings& settings, int64_t max_batch, const NextRequest& next, const Finished& done,
+           std::atomic<int64_t>* decoded = nullptr) const;
   // All `prompts`, request i seeded with sequence_seed(settings.seed, i); results in prompt order.
   std::vector<Generation> generate_all(const std::vector<std::vector<int64_t>>& prompts, const GenerateSettings& settings,
                                        int64_t max_batch) const;

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -383,6 +384,41 @@ TEST(SpeculativeDecoding, BatchedDecodingIsEachPromptDecodedAlone) {
         }
       }
     }
+  }
+}
+
+// The live count of `dflashd generate`'s progress: every prefill and round adds its new tokens
+// as they come, never behind what finished sequences report, and in the end all of them.
+TEST(SpeculativeDecoding, TheLiveCountSeesEveryNewTokenAsItComes) {
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3"), "tiny");
+  auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 41);
+  const IncrementalTarget target(*model);
+  const drafter::Drafter d = random_drafter(config, 43);
+  const decode::SpeculativeDecoder spec(target, d);
+  const decode::PlainDecoder plain(target);
+  for (const decode::Decoder* decoder : std::vector<const decode::Decoder*>{&plain, &spec}) {
+    decode::GenerateSettings settings;
+    settings.max_new_tokens = 11;
+    size_t next = 0;
+    int64_t finished_tokens = 0, checks = 0;
+    std::atomic<int64_t> decoded{0};
+    decoder->run(
+        settings, 2,
+        [&](decode::Request* r) {
+          if (next == 5) return false;
+          *r = {static_cast<int64_t>(next), {3, 7, static_cast<int64_t>(next)}, next};
+          ++next;
+          return true;
+        },
+        [&](decode::Request&&, decode::Generation&& g) {
+          finished_tokens += g.new_tokens();
+          EXPECT_GE(decoded.load(), finished_tokens);
+          ++checks;
+        },
+        &decoded);
+    EXPECT_EQ(checks, 5);
+    EXPECT_EQ(finished_tokens, 5 * 11);
+    EXPECT_EQ(decoded.load(), finished_tokens);
   }
 }
 
