@@ -311,9 +311,8 @@ int generate(const GenerateArgs& a_in) {
     // The rate over the tokens decoded so far, sequences in flight included (finished prompts
     // alone would show 0 until the first long response ends).
     const double rate = p.seconds > 0 ? static_cast<double>(p.decoded) / p.seconds : 0;
-    const int64_t done = p.done_before + p.committed, left = p.total - p.done_before - p.finished;
-    const double prompts_rate = p.seconds > 0 ? static_cast<double>(p.finished) / p.seconds : 0;
-    const double eta = prompts_rate > 0 ? static_cast<double>(left) / prompts_rate : INFINITY;
+    const int64_t done = p.done_before + p.committed;
+    const double eta = decode::generation_eta_seconds(p, a.settings.max_new_tokens);
     metrics.done->Set(static_cast<double>(done));
     metrics.tokens_per_second->Set(rate);
     metrics.eta->Set(std::isfinite(eta) ? eta : -1);

@@ -1,12 +1,24 @@
 #include "decode/generation.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <thread>
 
 namespace dflash::decode {
+
+double generation_eta_seconds(const GenerationProgress& p, int64_t max_new_tokens) {
+  if (p.decoded <= 0 || p.seconds <= 0) return std::numeric_limits<double>::infinity();
+  const double rate = static_cast<double>(p.decoded) / p.seconds;
+  const double per_prompt = p.finished > 0 ? static_cast<double>(p.new_tokens) / static_cast<double>(p.finished)
+                                           : static_cast<double>(max_new_tokens);
+  const double left = static_cast<double>(p.total - p.done_before - p.finished);
+  const double in_flight = static_cast<double>(p.decoded - p.new_tokens);
+  return std::max(0.0, left * per_prompt - in_flight) / rate;
+}
 
 void run_generation(const std::vector<const Decoder*>& decoders, const std::vector<std::vector<int64_t>>& prompts,
                     const GenerateSettings& settings, int64_t max_batch, ShardedOutput& out,

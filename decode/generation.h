@@ -26,6 +26,12 @@ struct GenerationProgress {
   double seconds = 0;       // since this one started decoding
 };
 
+// Seconds until every prompt of the job is decoded, from the rate of decoded tokens: the prompts
+// left (in flight included) times the new tokens a finished prompt took on average
+// (max_new_tokens before any finished: an upper bound), less the tokens in flight already hold.
+// Infinity before any token is decoded.
+double generation_eta_seconds(const GenerationProgress& p, int64_t max_new_tokens);
+
 // Decodes prompts[i] for every i not in out.done_before() with `decoders`, max_batch sequences at
 // once on each, and commits them to `out` (flushing at the end). When `stop` becomes true the
 // decoders take no new prompts, finish those in flight, and what finished is committed.

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "config/config.h"
+#include "decode/generation.h"
 #include "decode/speculative.h"
 #include "drafter/model.h"
 #include "target/fused_ops.h"
@@ -420,6 +421,20 @@ TEST(SpeculativeDecoding, TheLiveCountSeesEveryNewTokenAsItComes) {
     EXPECT_EQ(finished_tokens, 5 * 11);
     EXPECT_EQ(decoded.load(), finished_tokens);
   }
+}
+
+// generate's ETA: the prompts left times the average new tokens of a finished prompt (or
+// max_new_tokens before any finished), less the tokens in flight, at the decoded-token rate.
+TEST(SpeculativeDecoding, GenerationEtaCountsTheTokensLeft) {
+  decode::GenerationProgress p;
+  p.total = 10, p.done_before = 2, p.seconds = 4;
+  EXPECT_TRUE(std::isinf(decode::generation_eta_seconds(p, 16)));
+  p.decoded = 40;  // 10 tok/s, none finished: 8 prompts x 16 - 40
+  EXPECT_DOUBLE_EQ(decode::generation_eta_seconds(p, 16), (8 * 16 - 40) / 10.0);
+  p.finished = 3, p.new_tokens = 30, p.decoded = 50, p.seconds = 5;  // 10 a prompt, 20 in flight
+  EXPECT_DOUBLE_EQ(decode::generation_eta_seconds(p, 16), (5 * 10 - 20) / 10.0);
+  p.finished = 8, p.new_tokens = 80, p.decoded = 80;
+  EXPECT_DOUBLE_EQ(decode::generation_eta_seconds(p, 16), 0.0);
 }
 
 // Sampling: reproducible for a seed, and lossless in distribution: the first new tokens of
