@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -151,5 +152,11 @@ void write(Level level, std::string_view message) {
 }
 
 void flush() { current()->flush(); }
+
+std::string fixed(double value, int digits) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, value);
+  return buffer;
+}
 
 }  // namespace dflash::log

@@ -51,6 +51,10 @@ void format_into(std::ostringstream& out, std::string_view pattern, const First&
 }
 }  // namespace detail
 
+// `value` with `digits` digits after the point ("%.*f"): a {} prints a double with the stream's
+// default precision, so messages pass numbers they round through this.
+std::string fixed(double value, int digits);
+
 // format("loaded {} tensors from {}", n, path): each {} takes the next argument.
 template <class... Args>
 std::string format(std::string_view pattern, const Args&... args) {

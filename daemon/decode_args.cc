@@ -5,8 +5,8 @@
 #include <iostream>
 #include <stdexcept>
 
+#include "common/log.h"
 #include "pipeline/gpu_memory.h"
-#include "pipeline/run_metrics.h"
 #include "target/decode_plan.h"
 #include "target/model_config.h"
 
@@ -92,7 +92,7 @@ void check_decoding_batch(const std::string& command, const target::TargetModel&
   const int64_t each = target::decoding_sequence_bytes(model.config(), tokens, step_tokens, dtype_bytes);
   const int64_t fits = target::decoding_batch_that_fits(left, each);
   if (sequences <= fits) return;
-  auto gb = [](int64_t bytes) { return pipeline::fixed(static_cast<double>(bytes) / 1e9, 1); };
+  auto gb = [](int64_t bytes) { return log::fixed(static_cast<double>(bytes) / 1e9, 1); };
   throw std::runtime_error(
       command + ": " + std::to_string(sequences) + " sequences at once (--max-batch) of up to " +
       std::to_string(tokens) + " tokens need about " + gb(sequences * each) + " GB of decoding caches on " +

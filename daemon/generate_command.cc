@@ -24,7 +24,6 @@
 #include "daemon/signals.h"
 #include "decode/eval.h"
 #include "decode/generation.h"
-#include "pipeline/run_metrics.h"
 #include "target/incremental.h"
 #include "target/model_config.h"
 
@@ -319,8 +318,8 @@ int generate(const GenerateArgs& a_in) {
     metrics.new_tokens->Increment(static_cast<double>(p.new_tokens - counted_tokens));
     counted_tokens = p.new_tokens;
     log::info("generate: {} / {} prompts ({} %), {} new tokens/s, ETA {}", p.done_before + p.finished, p.total,
-              pipeline::fixed(100.0 * static_cast<double>(p.done_before + p.finished) / static_cast<double>(p.total), 1),
-              pipeline::fixed(rate, 1), duration_text(eta));
+              log::fixed(100.0 * static_cast<double>(p.done_before + p.finished) / static_cast<double>(p.total), 1),
+              log::fixed(rate, 1), duration_text(eta));
   };
   decode::run_generation(replicas, prompts, a.settings, a.max_batch, out, stop, a.log_every, progress);
   const int64_t total_done = static_cast<int64_t>(out.done_before().size()) + out.committed();

@@ -73,7 +73,7 @@ void Checkpointer::write(const drafter::CheckpointSnapshot& snapshot) {
     metrics_.checkpoint_time->Set(unix_seconds());
     metrics_.checkpoint_duration->Set(seconds);
     health_.set_healthy("checkpoint");
-    log::info("checkpoint {} written in {} s", dir, fixed(seconds, 2));
+    log::info("checkpoint {} written in {} s", dir, log::fixed(seconds, 2));
     bool best = false;
     {
       std::lock_guard lock(mutex_);

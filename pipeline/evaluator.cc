@@ -170,11 +170,11 @@ void Evaluator::evaluate(int64_t step) {
   seconds_->Set(seconds);
   evaluations_->Increment();
   std::string positions;
-  for (double a : report.acceptance_at) positions += (positions.empty() ? "" : " ") + fixed(a, 2);
+  for (double a : report.acceptance_at) positions += (positions.empty() ? "" : " ") + log::fixed(a, 2);
   log::info("eval at step {}: acceptance length {} ({} prompts, {} new tokens; accepted per position {}); speculative {} "
             "tok/s, plain {} tok/s, speedup {}x; {} s",
-            step, fixed(report.acceptance_length, 3), report.prompts, report.new_tokens, positions, fixed(report.spec_tokens_per_second, 1),
-            fixed(plain_tokens_per_second_, 1), fixed(speedup, 2), fixed(seconds, 1));
+            step, log::fixed(report.acceptance_length, 3), report.prompts, report.new_tokens, positions, log::fixed(report.spec_tokens_per_second, 1),
+            log::fixed(plain_tokens_per_second_, 1), log::fixed(speedup, 2), log::fixed(seconds, 1));
   if (report.mismatches > 0) {
     log::warn("eval at step {}: {} prompt(s) decoded differently from plain greedy decoding (low-precision numerics)",
               step, report.mismatches);
@@ -189,7 +189,7 @@ void Evaluator::evaluate(int64_t step) {
     j["step"] = step;
     std::ofstream(best_dir_ + "/eval.json.tmp") << j.dump(2) << "\n";
     std::filesystem::rename(best_dir_ + "/eval.json.tmp", best_dir_ + "/eval.json");
-    log::info("export/best: step {} (eval acceptance length {})", step, fixed(best_, 3));
+    log::info("export/best: step {} (eval acceptance length {})", step, log::fixed(best_, 3));
   }
 }
 

@@ -5,6 +5,7 @@
 #include <map>
 #include <set>
 
+#include "common/log.h"
 #include "target/stage_plan.h"
 
 namespace dflash::pipeline {
@@ -52,11 +53,7 @@ int64_t target_widest_per_token(const target::ModelConfig& c) {
   return widest;
 }
 
-std::string gb(int64_t bytes) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.1f", static_cast<double>(bytes) / 1e9);
-  return text;
-}
+std::string gb(int64_t bytes) { return log::fixed(static_cast<double>(bytes) / 1e9, 1); }
 
 }  // namespace
 

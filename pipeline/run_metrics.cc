@@ -24,12 +24,6 @@ double unix_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-std::string fixed(double value, int digits) {
-  char buffer[64];
-  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, value);
-  return buffer;
-}
-
 RunMetrics::RunMetrics(const config::Config& config, prometheus::Registry& registry)
     : config_(config),
       gpu_ids_(distinct_gpus(config.gpus)),
@@ -240,10 +234,10 @@ void RunMetrics::log_lines(const Observation& o, double rate, double eta_seconds
     for (const auto& [stage, seconds] : role->stage_seconds) {
       const double delta = seconds - mark->stage_seconds[stage];
       busy += delta;
-      part += " " + stage + " " + fixed(1e3 * delta / static_cast<double>(n), 1);
+      part += " " + stage + " " + log::fixed(1e3 * delta / static_cast<double>(n), 1);
     }
     breakdown += (breakdown.empty() ? "" : " | ") + std::string(name) + " (busy " +
-                 fixed(100.0 * busy / (since_log * static_cast<double>(std::max<size_t>(1, role->replicas))), 0) + " %)" + part;
+                 log::fixed(100.0 * busy / (since_log * static_cast<double>(std::max<size_t>(1, role->replicas))), 0) + " %)" + part;
     *mark = *role;
   }
   if (!breakdown.empty()) log::info("ms per sequence (target) and per step (drafter), by stage: {}", breakdown);
@@ -255,7 +249,7 @@ void RunMetrics::log_lines(const Observation& o, double rate, double eta_seconds
   const Queue& samples = o.queues.at(0);
   const Queue& features = o.queues.at(1);
   log::info("step {}/{}  loss {}  tau {}  lr {}  tok/s {}  ETA {} s  queues samples {}/{} features {}/{}", o.completed_steps,
-            o.total_steps, fixed(last.loss, 4), fixed(last.tau, 3), fixed(last.learning_rate, 6), fixed(rate, 1),
+            o.total_steps, log::fixed(last.loss, 4), log::fixed(last.tau, 3), log::fixed(last.learning_rate, 6), log::fixed(rate, 1),
             static_cast<int64_t>(eta_seconds), samples.depth, samples.capacity, features.depth, features.capacity);
 }
 

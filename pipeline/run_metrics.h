@@ -30,8 +30,6 @@ namespace dflash::pipeline {
 
 // Unix time in seconds (heartbeats, timestamps in metrics).
 double unix_seconds();
-// value with `digits` decimals, for log lines.
-std::string fixed(double value, int digits);
 
 class RunMetrics {
  public:

@@ -68,7 +68,7 @@ void Trainer::Impl::abandon(int64_t step, std::chrono::duration<double> grace) {
   log::error(
       "{} worker thread(s) did not stop within {} s of the failure "
       "(stuck in a CUDA or NCCL call?)",
-      stuck, fixed(grace.count(), 0));
+      stuck, log::fixed(grace.count(), 0));
   if (drafter0_exited.load()) {
     auto written = std::make_shared<std::promise<void>>();
     std::future<void> done = written->get_future();
@@ -80,7 +80,7 @@ void Trainer::Impl::abandon(int64_t step, std::chrono::duration<double> grace) {
       log::error(
           "the final checkpoint (step {}) did not finish within {} s; "
           "the newest complete one stays",
-          step, fixed(grace.count(), 0));
+          step, log::fixed(grace.count(), 0));
     }
   } else {
     log::error(
@@ -169,7 +169,7 @@ void Trainer::supervise() {
   // up on stuck threads).
   for (const std::string &stall : s.workers->check_heartbeats(now, s.config.workers.stall_seconds)) {
     if (!s.failed.load()) {
-      s.fail(stall + " (workers.stall_seconds: " + fixed(s.config.workers.stall_seconds, 0) + "); stopping the run");
+      s.fail(stall + " (workers.stall_seconds: " + log::fixed(s.config.workers.stall_seconds, 0) + "); stopping the run");
     }
   }
   RunMetrics::Observation o;

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 
 #include "common/log.h"
 #include "common/tensor_math.h"
@@ -226,9 +225,8 @@ TargetModel::TargetModel(ModelConfig config, WeightSource& w, LayerRange range, 
   }
   grouped_moe_ = use_grouped_moe(c, range, options);
   gdn_kernels_ = use_gdn_kernels(c, range, options);
-  char gigabytes[32];
-  std::snprintf(gigabytes, sizeof(gigabytes), "%.1f", static_cast<double>(weight_bytes()) / 1e9);
-  log::info("target layers {}..{} on {}: {} GB of weights ({})", range.first, range.last, options.device.str(), gigabytes,
+  log::info("target layers {}..{} on {}: {} GB of weights ({})", range.first, range.last, options.device.str(),
+            log::fixed(static_cast<double>(weight_bytes()) / 1e9, 1),
             options.fp8_weights ? "projections and experts FP8, the rest " + std::string(c10::toString(options.dtype))
                                 : std::string(c10::toString(options.dtype)));
   for (const auto& [component, path] : kernel_paths()) log::info("kernel path: {}", path.str());
