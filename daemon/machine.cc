@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <functional>
 
 #include "target/fp8.h"
 #include "target/gdn_cuda.h"
@@ -104,16 +105,11 @@ MachineFacts probe_basic() {
 }
 
 #ifdef DFLASHD_WITH_CUDA
-// The GatedDeltaNet kernels at the real head size on GPU `index`: whether they can run, and a
-// small packed run (3 sequences, 2 key / 4 value heads) against the reference path.
-std::string probe_gdn_kernels(int index) {
-  target::ModelConfig c;
-  c.linear_key_head_dim = c.linear_value_head_dim = 128;
-  c.linear_conv_kernel_dim = 4;
-  const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
-  if (auto why = target::gdn_kernels_unavailable(c, device, at::kBFloat16)) return "reference path only: " + *why;
+// A kernel's self-test against its reference: "ok" or "WRONG" (relative error above 1e-2 or not
+// finite) with the error, or "failed: " and why it threw.
+std::string self_test(const std::function<double()>& relative_error) {
   try {
-    const double error = target::gdn_kernel_error(target::random_gdn_inputs({70, 1, 129}, 2, 4, 1.0, device), 2, 4);
+    const double error = relative_error();
     char text[96];
     std::snprintf(text, sizeof(text), "%s (self-test relative error %.1e)", std::isfinite(error) && error <= 1e-2 ? "ok" : "WRONG", error);
     return text;
@@ -122,19 +118,25 @@ std::string probe_gdn_kernels(int index) {
   }
 }
 
+// The GatedDeltaNet kernels at the real head size on GPU `index`: whether they can run, and a
+// small packed run (3 sequences, 2 key / 4 value heads) against the reference path.
+std::string probe_gdn_kernels(int index) {
+  target::ModelConfig c;
+  c.linear_key_head_dim = c.linear_value_head_dim = 128;
+  c.linear_conv_kernel_dim = 4;
+  const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+  if (auto why = target::gdn_kernels_unavailable(c, device, at::kBFloat16)) return "reference path only: " + *why;
+  return self_test([&] {
+    return target::gdn_kernel_error(target::random_gdn_inputs({70, 1, 129}, 2, 4, 1.0, device), 2, 4);
+  });
+}
+
 // The block-scaled FP8 GEMM on GPU `index`: whether it runs there, and a 64 x 512 -> 256 product
 // against the CPU emulation (cuBLASLt has returned garbage at some shapes: target/fp8.h).
 std::string probe_fp8_gemm(int index) {
   const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
   if (auto why = target::fp8_gemm_unavailable(device)) return "emulated only: " + *why;
-  try {
-    const double error = target::fp8_gemm_error(device);
-    char text[96];
-    std::snprintf(text, sizeof(text), "%s (self-test relative error %.1e)", std::isfinite(error) && error <= 1e-2 ? "ok" : "WRONG", error);
-    return text;
-  } catch (const std::exception& e) {
-    return std::string("failed: ") + e.what();
-  }
+  return self_test([&] { return target::fp8_gemm_error(device); });
 }
 #endif
 
