@@ -309,7 +309,7 @@ int generate(const GenerateArgs& a_in) {
   auto progress = [&](const decode::GenerationProgress& p) {
     // The rate over the tokens decoded so far, sequences in flight included (finished prompts
     // alone would show 0 until the first long response ends).
-    const double rate = p.seconds > 0 ? static_cast<double>(p.decoded) / p.seconds : 0;
+    const double rate = p.decoded_per_second();
     const int64_t done = p.done_before + p.committed;
     const double eta = decode::generation_eta_seconds(p, a.settings.max_new_tokens);
     metrics.done->Set(static_cast<double>(done));

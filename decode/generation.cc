@@ -11,8 +11,8 @@
 namespace dflash::decode {
 
 double generation_eta_seconds(const GenerationProgress& p, int64_t max_new_tokens) {
-  if (p.decoded <= 0 || p.seconds <= 0) return std::numeric_limits<double>::infinity();
-  const double rate = static_cast<double>(p.decoded) / p.seconds;
+  const double rate = p.decoded_per_second();
+  if (rate <= 0) return std::numeric_limits<double>::infinity();
   const double per_prompt = p.finished > 0 ? static_cast<double>(p.new_tokens) / static_cast<double>(p.finished)
                                            : static_cast<double>(max_new_tokens);
   const double left = static_cast<double>(p.total - p.done_before - p.finished);

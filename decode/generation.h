@@ -24,6 +24,8 @@ struct GenerationProgress {
   int64_t new_tokens = 0;   // of the prompts this one decoded
   int64_t decoded = 0;      // new tokens decoded by this one so far, sequences in flight included
   double seconds = 0;       // since this one started decoding
+  // decoded per second so far (0 before any time passed)
+  double decoded_per_second() const { return seconds > 0 ? static_cast<double>(decoded) / seconds : 0; }
 };
 
 // Seconds until every prompt of the job is decoded, from the rate of decoded tokens: the prompts

@@ -95,6 +95,11 @@ struct Decoder::Sequence {
   Clock::time_point decode_start;
 
   bool finished() const { return g.stopped || start + 1 >= max_length; }
+  // After the prompt's prefill: the prompt, then the first new token chosen from its last logits.
+  void take_first_token(const at::Tensor& logits, const Sampling& sampling) {
+    g.tokens = request.prompt;
+    g.tokens.push_back(choose(logits, sampling, gen));
+  }
 };
 
 uint64_t sequence_seed(uint64_t seed, uint64_t index) {
@@ -234,8 +239,7 @@ void SpeculativeDecoder::start(Sequence& s, const GenerateSettings& settings) co
   s.g.accepted_at.assign(static_cast<size_t>(block_size - 1), 0);
   s.cache = target_.new_cache();
   const target::DecodeOutput out = target_.prefill(s.cache, ids_tensor(s.request.prompt), tap_);
-  s.g.tokens = s.request.prompt;
-  s.g.tokens.push_back(choose(out.logits, settings.sampling, s.gen));
+  s.take_first_token(out.logits, settings.sampling);
   drafter_.extend_context(s.context, out.features);
 }
 
@@ -346,11 +350,7 @@ void PlainDecoder::start_all(const std::vector<Sequence*>& admitted, const Gener
       ids.push_back(ids_tensor(s->request.prompt));
     }
     const std::vector<target::DecodeOutput> out = target_.prefill_batch(caches, ids, {});
-    for (size_t j = 0; j < batch.size(); ++j) {
-      Sequence& s = *batch[j];
-      s.g.tokens = s.request.prompt;
-      s.g.tokens.push_back(choose(out[j].logits, settings.sampling, s.gen));
-    }
+    for (size_t j = 0; j < batch.size(); ++j) batch[j]->take_first_token(out[j].logits, settings.sampling);
     const double seconds = seconds_since(prefill_start);
     for (Sequence* s : batch) s->g.prefill_seconds = seconds;
   }
@@ -358,9 +358,7 @@ void PlainDecoder::start_all(const std::vector<Sequence*>& admitted, const Gener
 
 void PlainDecoder::start(Sequence& s, const GenerateSettings& settings) const {
   s.cache = target_.new_cache();
-  const target::DecodeOutput out = target_.prefill(s.cache, ids_tensor(s.request.prompt), {});
-  s.g.tokens = s.request.prompt;
-  s.g.tokens.push_back(choose(out.logits, settings.sampling, s.gen));
+  s.take_first_token(target_.prefill(s.cache, ids_tensor(s.request.prompt), {}).logits, settings.sampling);
 }
 
 void PlainDecoder::advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const {
