@@ -46,9 +46,10 @@ struct BlockAttentionShape {
   double scale = 0;           // 0: head_dim^-0.5
   BlockAttentionPath path = BlockAttentionPath::automatic;
   // A sliding-window layer (> 0): block row r of anchor a (position a + r) sees context keys
-  // j > a + r - sliding_window (and j < a), and its own block's rows 0..r (causal); the split paths
-  // walk only the context inside the group's windows. 0: a full layer (the whole context before
-  // the anchor, the whole block).
+  // j > a + r - sliding_window (and j < a), and its own block's rows 0..r (causal); the fused
+  // kernels walk only the key tiles that meet a block's windows, the split paths only the context
+  // inside a group's windows. 0: a full layer (the whole context before the anchor, the whole
+  // block).
   int64_t sliding_window = 0;
 };
 
