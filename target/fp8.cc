@@ -19,8 +19,6 @@ constexpr double kE4m3Max = 448.0;
 // max|x| / 448 over the last dimension, 1 where the maximum is zero.
 at::Tensor factors_of(const at::Tensor& amax) { return at::where(amax > 0, amax / kE4m3Max, at::ones_like(amax)); }
 
-bool gemm_runs(const at::Tensor& x) { return x.is_cuda() && !fp8_gemm_unavailable(x.device()); }
-
 }  // namespace
 
 int64_t Fp8Weight::bytes() const { return data.numel() + scale.numel() * 4; }
@@ -89,6 +87,31 @@ Fp8Weight stack_fp8(const std::vector<WeightRows>& parts) {
   return {at::cat(data, 0), at::cat(scales, 0)};
 }
 
+int64_t fp8_gemm_rows(int64_t rows, at::Device device) { return device.is_cuda() ? (rows + 15) / 16 * 16 : rows; }
+
+namespace {
+
+// q and factors for padded rows, the rows past `rows` zero with factor 1 (defined values for the
+// GEMM's padding).
+Fp8Activations allocate_activations(int64_t rows, int64_t padded, int64_t in, const at::TensorOptions& options) {
+  at::Tensor q = at::empty({padded, in}, options.dtype(at::kFloat8_e4m3fn));
+  at::Tensor factors = at::empty({in / kFp8Block, padded}, options.dtype(at::kFloat));
+  if (padded > rows) {
+    q.narrow(0, rows, padded - rows).view(at::kByte).zero_();
+    factors.narrow(1, rows, padded - rows).fill_(1.0);
+  }
+  return {q, factors.t(), rows};
+}
+
+}  // namespace
+
+Fp8Activations empty_activations(int64_t rows, int64_t in, at::Device device) {
+  if (in % kFp8Block != 0) {
+    throw std::invalid_argument("FP8 activations: the inner size must be a multiple of 128, got " + std::to_string(in));
+  }
+  return allocate_activations(rows, fp8_gemm_rows(rows, device), in, at::TensorOptions().device(device));
+}
+
 Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows) {
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kFp8Block;
   if (in % kFp8Block != 0) throw std::invalid_argument("quantize_groups: the inner size must be a multiple of 128");
@@ -96,48 +119,45 @@ Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows) {
 #ifdef DFLASHD_WITH_CUDA
   if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
       reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0) {
-    at::Tensor q = at::empty({padded_rows, in}, x.options().dtype(at::kFloat8_e4m3fn));
-    at::Tensor factors = at::empty({groups, padded_rows}, x.options().dtype(at::kFloat));
-    kernels::quantize_groups_e4m3(x.data_ptr(), x.stride(0), rows, in, q.data_ptr(), factors.data_ptr<float>(),
+    Fp8Activations a = allocate_activations(rows, padded_rows, in, x.options());  // bf16 rows
+    kernels::quantize_groups_e4m3(x.data_ptr(), x.stride(0), rows, in, a.q.data_ptr(), a.factors.data_ptr<float>(),
                                   padded_rows, at::cuda::getCurrentCUDAStream().stream());
-    if (padded_rows > rows) {  // zero rows (factor 1): defined values for the GEMM's padding
-      q.narrow(0, rows, padded_rows - rows).view(at::kByte).zero_();
-      factors.narrow(1, rows, padded_rows - rows).fill_(1.0);
-    }
-    return {q, factors.t()};
+    return a;
   }
 #endif
   if (padded_rows > rows) {
-    return quantize_groups(at::constant_pad_nd(x, {0, 0, 0, padded_rows - rows}), padded_rows);
+    Fp8Activations a = quantize_groups(at::constant_pad_nd(x, {0, 0, 0, padded_rows - rows}), padded_rows);
+    a.rows = rows;  // the zero rows got factor 1
+    return a;
   }
   const at::Tensor grouped = x.to(at::kFloat).reshape({rows, groups, kFp8Block});
   const at::Tensor factors = factors_of(grouped.abs().amax(-1));
   const at::Tensor q = (grouped / factors.unsqueeze(-1)).to(at::kFloat8_e4m3fn).view({rows, in});
-  return {q, factors.t().contiguous().t()};
+  return {q, factors.t().contiguous().t(), rows, x.scalar_type()};
 }
 
-at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor& bias) {
-  const int64_t in = x.size(-1), out = w.data.size(0);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out;
-  const at::Tensor rows = x.reshape({-1, in});
+at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Tensor& bias) {
+  const at::ScalarType dtype = a.dtype;
   at::Tensor y;
-  if (gemm_runs(x)) {
-    // Rows padded to a multiple of 16 (the padding rows' outputs are dropped): with 1 or 5 rows
-    // cuBLASLt's block-scaled GEMM returned garbage on the H200 (tests/fp8_test.cc).
-    const int64_t m = rows.size(0), padded = (m + 15) / 16 * 16;
-    const Fp8Activations a = quantize_groups(rows, padded);
+  if (a.q.is_cuda() && !fp8_gemm_unavailable(a.q.device())) {
     const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
-    y = at::_scaled_mm(a.q, w.data.t(), a.factors, w.scale.t(), b, std::nullopt, x.scalar_type());
-    if (padded != m) y = y.narrow(0, 0, m);
+    y = at::_scaled_mm(a.q, w.data.t(), a.factors, w.scale.t(), b, std::nullopt, dtype);
   } else {
-    const Fp8Activations a = quantize_groups(rows);
     const at::Tensor activations = a.q.to(at::kFloat) * a.factors.repeat_interleave(kFp8Block, 1);
     y = at::matmul(activations, dequantize_blocks(w, at::kFloat).t());
     if (bias.defined()) y = y + bias.to(at::kFloat);
-    y = y.to(x.scalar_type());
+    y = y.to(dtype);
   }
-  return y.view(shape);
+  return a.q.size(0) != a.rows ? y.narrow(0, 0, a.rows) : y;
+}
+
+at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor& bias) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = w.data.size(0);
+  const at::Tensor rows = x.reshape({-1, x.size(-1)});
+  const bool gemm = x.is_cuda() && !fp8_gemm_unavailable(x.device());
+  const Fp8Activations a = quantize_groups(rows, gemm ? fp8_gemm_rows(rows.size(0), x.device()) : 0);
+  return fp8_linear(a, w, bias).view(shape);
 }
 
 double fp8_gemm_error(at::Device device) {

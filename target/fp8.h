@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dflash::target {
@@ -59,16 +60,41 @@ struct WeightRows {
 // here (e.g. the 48-row b / a projections after a GatedDeltaNet's in_proj_qkv and in_proj_z).
 Fp8Weight stack_fp8(const std::vector<WeightRows>& parts);
 
-// A 2-D x [rows, in] quantised per 1x128 group: q e4m3 [rows, in]; factors fp32 [rows, in /
-// 128] stored column-major (stride (1, rows)), as the GEMM reads them. With padded_rows > rows,
-// both have padded_rows rows, the extra ones zero with factor 1.
+// A 2-D x [rows, in] quantised per 1x128 group: q e4m3 [padded, in]; factors fp32 [padded, in /
+// 128] stored column-major (stride (1, padded)), as the GEMM reads them. rows: x's rows; the
+// padded - rows extra ones (if any) are zero with factor 1. dtype: the rows' own (bf16), the
+// GEMM's output dtype.
 struct Fp8Activations {
   at::Tensor q, factors;
+  int64_t rows = 0;
+  at::ScalarType dtype = at::kBFloat16;
+  bool defined() const { return q.defined(); }
 };
 Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows = 0);
 
+// The rows the block-scaled GEMM reads for `rows` on `device`: a multiple of 16 on a GPU (with 1
+// or 5 rows cuBLASLt's GEMM returned garbage on the H200: tests/fp8_test.cc), rows on the CPU.
+int64_t fp8_gemm_rows(int64_t rows, at::Device device);
+
+// Room for rows x in quantised bf16 activations on `device`, padded as fp8_gemm_rows says (the padding
+// rows written: zero, factor 1), for the kernels that quantise a GEMM's input as they produce it
+// (fused_ops.h: the RMSNorm before a projection, SiLU-mul before down_proj).
+Fp8Activations empty_activations(int64_t rows, int64_t in, at::Device device);
+
+// A projection's input: rows in the model dtype, or rows already quantised for an FP8 GEMM by the
+// kernel that produced them (then x is undefined).
+struct GemmInput {
+  at::Tensor x;
+  Fp8Activations fp8;
+  GemmInput(at::Tensor rows) : x(std::move(rows)) {}  // NOLINT: a tensor is the common input
+  GemmInput(Fp8Activations quantised) : fp8(std::move(quantised)) {}  // NOLINT
+  int64_t rows() const { return fp8.defined() ? fp8.rows : x.size(0); }
+};
+
 // x [..., in] @ W^T (+ bias) with W block-scaled FP8: [..., out] in x's dtype.
 at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor& bias);
+// The same over rows quantised already: [a.rows, out] in a.dtype.
+at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Tensor& bias);
 
 // Why fp8_linear would not run the block-scaled GEMM on `device` (it needs a Hopper GPU:
 // compute capability 9.x, as cuBLASLt's 128x128 block scaling), or nullopt. The CPU always gets

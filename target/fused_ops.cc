@@ -96,6 +96,44 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
 #endif
 }
 
+std::pair<at::Tensor, Fp8Activations> add_rms_norm_fp8(const at::Tensor& x, const at::Tensor* delta,
+                                                       const at::Tensor& weight, double eps, bool zero_centred) {
+  const bool fused = (delta ? kernels_apply({&x, delta, &weight}) : kernels_apply({&x, &weight})) && x.dim() == 2 &&
+                     x.size(1) % kFp8Block == 0;
+  if (!fused) {
+    auto [sum, normed] = norm_rows(x, delta, weight, eps, zero_centred);
+    return {sum, quantize_groups(normed, fp8_gemm_rows(normed.size(0), normed.device()))};
+  }
+#ifdef DFLASHD_WITH_CUDA
+  at::Tensor sum = delta ? at::empty_like(x) : x;
+  Fp8Activations a = empty_activations(x.size(0), x.size(1), x.device());
+  kernels::add_rms_norm_e4m3(x.data_ptr(), delta ? delta->data_ptr() : nullptr, weight.data_ptr(), sum.data_ptr(),
+                             static_cast<int>(x.size(0)), static_cast<int>(x.size(1)), static_cast<float>(eps),
+                             zero_centred, a.q.data_ptr(), a.factors.data_ptr<float>(), a.q.size(0),
+                             at::cuda::getCurrentCUDAStream().stream());
+  return {sum, a};
+#else
+  return {};
+#endif
+}
+
+Fp8Activations silu_mul_fp8(const at::Tensor& gate, const at::Tensor& up) {
+  const bool fused = gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(0) == up.stride(0) &&
+                     rows_apply(gate) && rows_apply(up) && gate.size(1) % kFp8Block == 0;
+  if (!fused) {
+    const at::Tensor product = silu_mul(gate, up).reshape({-1, gate.size(-1)});
+    return quantize_groups(product, fp8_gemm_rows(product.size(0), product.device()));
+  }
+#ifdef DFLASHD_WITH_CUDA
+  Fp8Activations a = empty_activations(gate.size(0), gate.size(1), gate.device());
+  kernels::silu_mul_e4m3(gate.data_ptr(), up.data_ptr(), gate.stride(0), gate.size(0), gate.size(1), a.q.data_ptr(),
+                         a.factors.data_ptr<float>(), a.q.size(0), at::cuda::getCurrentCUDAStream().stream());
+  return a;
+#else
+  return {};
+#endif
+}
+
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t rotary = cos.size(-1);
   const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);

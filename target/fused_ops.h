@@ -8,6 +8,8 @@
 
 #include <utility>
 
+#include "target/fp8.h"
+
 namespace dflash::target {
 
 // rms_norm(x) (common/tensor_math.h) over the last dimension of a 2-D x.
@@ -17,9 +19,18 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double e
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                                                double eps, bool zero_centred);
 
+// add_rms_norm (delta non-null) or rms_norm_rows whose normed rows only an FP8 GEMM reads:
+// {the sum (x without delta), the normed rows quantised as quantize_groups quantises the bf16
+// rows}. On a GPU one kernel writes the e4m3 rows and factors (no bf16 rows, no second pass);
+// elsewhere the bf16 rows are quantised: the same bytes either way.
+std::pair<at::Tensor, Fp8Activations> add_rms_norm_fp8(const at::Tensor& x, const at::Tensor* delta,
+                                                       const at::Tensor& weight, double eps, bool zero_centred);
+
 // silu(gate) * up, as HF's MLP rounds it. gate and up [rows, n] may be views with a common row
 // stride (the two halves of one gate/up projection).
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+// silu_mul for down_proj's FP8 GEMM: quantised as add_rms_norm_fp8's rows (one kernel on a GPU).
+Fp8Activations silu_mul_fp8(const at::Tensor& gate, const at::Tensor& up);
 
 // Whether kernels can read x's rows with 16-byte vector accesses: last dim contiguous, every
 // other stride a multiple of 8 elements, 16-byte aligned data (bf16 rows, any row stride).

@@ -271,13 +271,13 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
 }
 
 // One full-attention layer over every sequence's tokens.
-at::Tensor attention_layer(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
+at::Tensor attention_layer(const ModelConfig& c, const Attention& p, const GemmInput& x, const at::Tensor& cos,
                            const at::Tensor& sin, const std::vector<RowGroup>& groups, const std::vector<KvStep>& steps,
                            const std::vector<DecodeCache*>& caches, size_t layer) {
   const AttentionQkv a = project_attention(c, p, x, cos, sin);
-  at::Tensor out = at::empty({x.size(0), c.num_attention_heads, c.head_dim}, a.q.options());
+  at::Tensor out = at::empty({x.rows(), c.num_attention_heads, c.head_dim}, a.q.options());
   for (size_t i = 0; i < groups.size(); ++i) attention_group(c, a, groups[i], steps[i], caches, layer, out);
-  out = out.view({x.size(0), c.num_attention_heads * c.head_dim});
+  out = out.view({x.rows(), c.num_attention_heads * c.head_dim});
   if (c.gated_attention) out = sigmoid_gate(out, a.gate);
   return p.o(out);
 }
@@ -393,18 +393,18 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
 }
 
 // One GatedDeltaNet layer over every sequence's tokens.
-at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, const std::vector<RowGroup>& groups,
+at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const GemmInput& x, const std::vector<RowGroup>& groups,
                      const std::vector<GdnStep>& steps, const std::vector<DecodeCache*>& caches, size_t layer,
                      int64_t recurrent_step_tokens, bool kernel, bool croppable) {
   const GdnProjections proj = project_gdn(c, p, x);
   const auto [g, beta] = gdn_gates(proj.a, proj.b, p.a_log, p.dt_bias);
   const GdnGateValues gates{g, beta};
-  at::Tensor o = at::empty({x.size(0), c.linear_num_value_heads, c.linear_value_head_dim},
-                           x.options().dtype(at::kFloat));
+  at::Tensor o = at::empty({x.rows(), c.linear_num_value_heads, c.linear_value_head_dim},
+                           proj.z.options().dtype(at::kFloat));
   for (size_t i = 0; i < groups.size(); ++i) {
     gdn_group(c, p, proj, gates, groups[i], steps[i], caches, layer, o, recurrent_step_tokens, kernel, croppable);
   }
-  return gdn_output(c, p, o, proj.z, x.scalar_type());
+  return gdn_output(c, p, o, proj.z, proj.z.scalar_type());
 }
 
 // A step's tokens: every sequence's ids in one tensor (copied to the device once: a copy per
@@ -585,12 +585,13 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
   size_t next = 0;
   for (size_t i = 0; i < m.layers.size(); ++i) {
     const Layer& layer = m.layers[i];
-    const at::Tensor normed = stream.add_and_norm(layer.input_norm);
+    const GemmInput normed = stream.add_and_norm(layer.input_norm, layer.mixer_reads_fp8());
     stream.push(layer.kind == LayerKind::full_attention
                     ? attention_layer(c, layer.attention, normed, cos, sin, groups, kv_steps, caches, i)
                     : gdn_layer(c, layer.gdn, normed, groups, gdn_steps, caches, i, recurrent_step_tokens_,
                                 model_.gdn_kernels_, croppable));
-    stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm), model_.grouped_moe_));
+    stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm, layer.mlp_reads_fp8()),
+                            model_.grouped_moe_));
     if (next < tap.size() && tap[next] == static_cast<int64_t>(i)) {
       tapped.push_back(stream.output());
       ++next;

@@ -21,6 +21,12 @@ struct Linear {
   at::Tensor operator()(const at::Tensor& x) const {
     return fp8.defined() ? fp8_linear(x, fp8, bias) : at::linear(x, weight, bias);
   }
+  // Rows quantised already go straight to the FP8 GEMM (their producer knew this projection's
+  // weights were FP8: reads_fp8).
+  at::Tensor operator()(const GemmInput& in) const {
+    return in.fp8.defined() ? fp8_linear(in.fp8, fp8, bias) : (*this)(in.x);
+  }
+  bool reads_fp8() const { return fp8.defined(); }
   int64_t bytes() const;  // what the weights hold on the device
 };
 
@@ -50,6 +56,12 @@ struct Layer {
   Attention attention;
   GatedDeltaNet gdn;
   Mlp mlp;
+  // Whether the GEMM after input_norm / post_attention_norm reads FP8, so the norm quantises its
+  // rows as it writes them (an MoE block's router and experts read bf16).
+  bool mixer_reads_fp8() const {
+    return kind == LayerKind::full_attention ? attention.qkv.reads_fp8() : gdn.in_proj.reads_fp8();
+  }
+  bool mlp_reads_fp8() const { return !mlp.moe && mlp.gate_up.reads_fp8(); }
 };
 
 // Decoder layer i's weights from `w` (names and layouts: docs/targets.md); projections that run

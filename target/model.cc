@@ -19,7 +19,7 @@ namespace dflash::target {
 
 namespace {
 
-at::Tensor attention_forward(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
+at::Tensor attention_forward(const ModelConfig& c, const Attention& p, const GemmInput& x, const at::Tensor& cos,
                              const at::Tensor& sin, const std::vector<int64_t>& cu_seqlens) {
   const int64_t d = c.head_dim, hq = c.num_attention_heads;
   const auto [q, k, v, gate] = project_attention(c, p, x, cos, sin);
@@ -40,9 +40,9 @@ at::Tensor attention_forward(const ModelConfig& c, const Attention& p, const at:
 }
 
 // plan: the chunk table when the layer runs the CUDA kernels, null for the reference path.
-at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x, const at::Tensor& positions,
+at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const GemmInput& x, const at::Tensor& positions,
                        const std::vector<int64_t>& cu_seqlens, const GdnChunkPlan* plan) {
-  const int64_t tokens = x.size(0);
+  const int64_t tokens = x.rows();
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
   auto [mixed, z, b, a] = project_gdn(c, p, x);
@@ -58,7 +58,7 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const at::T
   const at::Tensor k = mixed.narrow(-1, hk * dk, hk * dk).view({tokens, hk, dk});
   const at::Tensor v = mixed.narrow(-1, 2 * hk * dk, hv * dv).view({tokens, hv, dv});
   const at::Tensor o = chunk_gated_delta_rule_packed_reference(q, k, v, g, beta, cu_seqlens);       // fp32 [N, Hv, dv]
-  return gdn_output(c, p, o, z, x.scalar_type());
+  return gdn_output(c, p, o, z, z.scalar_type());
 }
 
 // The first layer of range for which `is`, or -1.
@@ -115,9 +115,9 @@ bool use_gdn_kernels(const ModelConfig& c, const LayerRange& range, const Target
 
 }  // namespace
 
-AttentionQkv project_attention(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
+AttentionQkv project_attention(const ModelConfig& c, const Attention& p, const GemmInput& x, const at::Tensor& cos,
                                const at::Tensor& sin) {
-  const int64_t tokens = x.size(0), d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
+  const int64_t tokens = x.rows(), d = c.head_dim, hq = c.num_attention_heads, hkv = c.num_key_value_heads;
   const int64_t q_out = hq * d * (c.gated_attention ? 2 : 1);
   const at::Tensor projected = p.qkv(x);
   at::Tensor q, gate;
@@ -141,8 +141,8 @@ AttentionQkv project_attention(const ModelConfig& c, const Attention& p, const a
   return {q, k, v, gate};
 }
 
-GdnProjections project_gdn(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x) {
-  const int64_t tokens = x.size(0);
+GdnProjections project_gdn(const ModelConfig& c, const GatedDeltaNet& p, const GemmInput& x) {
+  const int64_t tokens = x.rows();
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, group = hv / hk;
   const int64_t key_channels = hk * dk, value_channels = hv * dv, conv_channels = 2 * key_channels + value_channels;
@@ -175,15 +175,17 @@ at::Tensor gdn_output(const ModelConfig& c, const GatedDeltaNet& p, const at::Te
   return p.out(gated_rms_norm(o, z, p.norm, c.rms_norm_eps, dtype));
 }
 
-at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x, bool grouped_moe) {
+at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const GemmInput& x, bool grouped_moe) {
   if (!p.moe) {
     const at::Tensor gate_up = p.gate_up(x);
     const int64_t inner = gate_up.size(-1) / 2;
-    return p.down(silu_mul(gate_up.narrow(-1, 0, inner), gate_up.narrow(-1, inner, inner)));
+    const at::Tensor gate = gate_up.narrow(-1, 0, inner), up = gate_up.narrow(-1, inner, inner);
+    if (p.down.reads_fp8()) return p.down(silu_mul_fp8(gate, up));
+    return p.down(silu_mul(gate, up));
   }
   const MoeShape shape{c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
                        c.shared_expert_intermediate_size};
-  return grouped_moe ? moe_grouped(shape, p.experts, x) : moe_reference(shape, p.experts, x);
+  return grouped_moe ? moe_grouped(shape, p.experts, x.x) : moe_reference(shape, p.experts, x.x);
 }
 
 std::pair<at::Tensor, at::Tensor> rope_tables(const at::Tensor& inv_freq, const at::Tensor& positions,
@@ -372,11 +374,12 @@ StreamState TargetModel::run_layers(const at::Tensor& input_ids, const std::vect
   auto next = std::lower_bound(layers.begin(), layers.end(), first_layer_);
   for (int64_t i = first_layer_; i <= through; ++i) {
     const Layer& layer = impl_->layers[static_cast<size_t>(i - first_layer_)];
-    const at::Tensor normed = stream.add_and_norm(layer.input_norm);
+    const GemmInput normed = stream.add_and_norm(layer.input_norm, layer.mixer_reads_fp8());
     stream.push(layer.kind == LayerKind::full_attention
                     ? attention_forward(c, layer.attention, normed, cos, sin, cu_seqlens)
                     : gdn_forward(c, layer.gdn, normed, positions, cu_seqlens, plan ? &*plan : nullptr));
-    stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm), grouped_moe_));
+    stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm, layer.mlp_reads_fp8()),
+                            grouped_moe_));
     if (next != layers.end() && *next == i) {
       tapped->push_back(stream.output());
       ++next;

@@ -26,7 +26,7 @@ struct TargetModel::Impl {
 struct AttentionQkv {
   at::Tensor q, k, v, gate;
 };
-AttentionQkv project_attention(const ModelConfig& c, const Attention& p, const at::Tensor& x, const at::Tensor& cos,
+AttentionQkv project_attention(const ModelConfig& c, const Attention& p, const GemmInput& x, const at::Tensor& cos,
                                const at::Tensor& sin);
 
 // A GatedDeltaNet layer's input projection split into the conv's input [tokens, 2 Hk dk + Hv dv]
@@ -34,7 +34,7 @@ AttentionQkv project_attention(const ModelConfig& c, const Attention& p, const a
 struct GdnProjections {
   at::Tensor mixed, z, b, a;
 };
-GdnProjections project_gdn(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& x);
+GdnProjections project_gdn(const ModelConfig& c, const GatedDeltaNet& p, const GemmInput& x);
 
 // The layer's output from the rule's o (fp32 [tokens, Hv, dv]): w * rmsnorm(o) (cast to `dtype`
 // first, as HF) * silu(z), then out_proj.
@@ -42,7 +42,7 @@ at::Tensor gdn_output(const ModelConfig& c, const GatedDeltaNet& p, const at::Te
                       at::ScalarType dtype);
 
 // The MLP (dense SwiGLU or MoE) of one layer.
-at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const at::Tensor& x, bool grouped_moe);
+at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const GemmInput& x, bool grouped_moe);
 
 // The residual stream of a forward: x plus `pending`, the last sub-layer's output not yet added;
 // each add is fused with the RMSNorm that reads its result (fused_ops.h).
@@ -60,6 +60,16 @@ class ResidualStream {
     x_ = std::move(sum);
     pending_ = at::Tensor();
     return normed;
+  }
+  // add_and_norm for a GEMM input: with fp8 (the GEMM's weights are FP8) the norm writes the rows
+  // quantised for it (add_rms_norm_fp8), else as add_and_norm.
+  GemmInput add_and_norm(const at::Tensor& weight, bool fp8) {
+    if (!fp8) return add_and_norm(weight);
+    auto [sum, quantised] = add_rms_norm_fp8(x_, pending_.defined() ? &pending_ : nullptr, weight, c_.rms_norm_eps,
+                                             c_.zero_centred_norm);
+    x_ = std::move(sum);
+    pending_ = at::Tensor();
+    return quantised;
   }
   // A sub-layer's output, added by the next add_and_norm (or output()).
   void push(at::Tensor delta) { pending_ = std::move(delta); }

@@ -13,6 +13,7 @@
 
 #include "common/safetensors.h"
 #include "target/fp8.h"
+#include "target/fused_ops.h"
 #include "target/model.h"
 #include "target/moe.h"
 #include "target/weights.h"
@@ -338,6 +339,46 @@ class CpuDrawnWeights : public WeightSource {
  private:
   RandomWeights random_;
 };
+
+// The RMSNorm and SiLU-mul kernels that quantise a GEMM's input as they write it give the bytes
+// and factors of the bf16 kernel's rows quantised afterwards (the path they replace), padded
+// rows included; widths of whole 256-column warps and of a half warp (640, 384) past the last.
+TEST(Fp8, GpuFusedNormAndSiluQuantiseTheirBf16Rows) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
+  const at::Device gpu(at::kCUDA, 0);
+  for (const int64_t rows : {1, 5, 16, 40, 300}) {
+    for (const int64_t n : {384, 640, 5120}) {
+      const std::string what = std::to_string(rows) + " x " + std::to_string(n);
+      at::manual_seed(rows * 11 + n);
+      const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(gpu);
+      const at::Tensor x = at::randn({rows, n}, bf16) * 3, delta = at::randn({rows, n}, bf16);
+      const at::Tensor weight = at::randn({n}, bf16) * 0.1;
+      x.narrow(0, 0, 1).narrow(1, 128, 128).zero_(), delta.narrow(0, 0, 1).narrow(1, 128, 128).zero_();  // zero group
+      const int64_t padded = fp8_gemm_rows(rows, gpu);
+      for (const bool zero_centred : {false, true}) {
+        for (const bool with_delta : {false, true}) {
+          const auto [sum, normed] = with_delta ? add_rms_norm(x, delta, weight, 1e-6, zero_centred)
+                                                : std::pair{x, rms_norm_rows(x, weight, 1e-6, zero_centred)};
+          const Fp8Activations expected = quantize_groups(normed, padded);
+          const auto [fused_sum, fused] = add_rms_norm_fp8(x, with_delta ? &delta : nullptr, weight, 1e-6, zero_centred);
+          const std::string which = what + (with_delta ? " add" : "") + (zero_centred ? " zero-centred" : "");
+          EXPECT_TRUE(at::equal(fused_sum, sum)) << which;
+          EXPECT_EQ(fused.rows, rows) << which;
+          EXPECT_TRUE(bytes_equal(fused.q.cpu(), expected.q.cpu())) << which;
+          EXPECT_TRUE(at::equal(fused.factors.cpu(), expected.factors.cpu())) << which;
+          EXPECT_EQ(fused.factors.strides(), expected.factors.strides()) << which;
+        }
+      }
+      // gate and up: the two halves of one gate_up projection (a common row stride of 2n).
+      const at::Tensor gate_up = at::randn({rows, 2 * n}, bf16) * 4;
+      const at::Tensor gate = gate_up.narrow(1, 0, n), up = gate_up.narrow(1, n, n);
+      const Fp8Activations expected = quantize_groups(silu_mul(gate, up), padded);
+      const Fp8Activations fused = silu_mul_fp8(gate, up);
+      EXPECT_TRUE(bytes_equal(fused.q.cpu(), expected.q.cpu())) << what << " silu_mul";
+      EXPECT_TRUE(at::equal(fused.factors.cpu(), expected.factors.cpu())) << what << " silu_mul";
+    }
+  }
+}
 
 TEST(Fp8, GpuTargetMatchesItsCpuEmulation) {
   if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";

@@ -10,6 +10,7 @@
 
 #include "common/bf16x8.cuh"
 #include "common/cuda_check.h"
+#include "target/kernels/fp8_group.cuh"
 
 namespace dflash::target::kernels {
 namespace {
@@ -22,12 +23,15 @@ using bf16x8::weighted_norm;
 constexpr int kNormThreads = 256;
 
 // One CTA per row: pass 1 forms the (rounded) sum and its sum of squares, pass 2 rereads it
-// (from L1/L2: a row is a few KB) and writes the normalised row.
+// (from L1/L2: a row is a few KB) and writes the normalised row: bf16 to normed_out, or (kFp8)
+// quantised to e4m3 for an FP8 GEMM (a half-warp holds 128 consecutive columns: one group).
+template <bool kFp8>
 __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const bf16* __restrict__ x,
                                                                     const bf16* __restrict__ delta,
                                                                     const bf16* __restrict__ weight,
                                                                     bf16* __restrict__ sum_out,
-                                                                    bf16* __restrict__ normed_out, int n, float eps,
+                                                                    bf16* __restrict__ normed_out,
+                                                                    fp8_group::Destination fp8, int n, float eps,
                                                                     bool zero_centred) {
   const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
   const bf16* src = delta != nullptr ? sum_out + base : x + base;
@@ -64,13 +68,21 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const bf16* 
     load8(w, weight + c);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = weighted_norm(v[j] * r, w[j], zero_centred);
-    store8(normed_out + base + c, v);
+    if constexpr (kFp8) {
+      fp8.store(v, blockIdx.x, c, n);
+    } else {
+      store8(normed_out + base + c, v);
+    }
   }
 }
 
-// Rows of n (a multiple of 8) elements: gate and up rows at a common stride, out contiguous.
+// Rows of n (a multiple of 8) elements: gate and up rows at a common stride, out contiguous, or
+// (kFp8, n a multiple of 128) quantised to e4m3: the 16 chunks of a half-warp are one group, as
+// blocks and the grid stride are multiples of 16 chunks.
+template <bool kFp8>
 __global__ void silu_mul_kernel(const bf16* __restrict__ gate, const bf16* __restrict__ up, int64_t stride,
-                                bf16* __restrict__ out, int64_t chunks, int64_t row_chunks) {
+                                bf16* __restrict__ out, fp8_group::Destination fp8, int64_t chunks,
+                                int64_t row_chunks) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t in = i / row_chunks * stride + i % row_chunks * 8;
@@ -79,7 +91,13 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gate, const bf16* __res
     load8(u, up + in);
 #pragma unroll
     for (int j = 0; j < 8; ++j) g[j] = round_bf16(g[j] / (1.f + __expf(-g[j]))) * u[j];
-    store8(out + i * 8, g);
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) g[j] = round_bf16(g[j]);
+      fp8.store(g, i / row_chunks, i % row_chunks * 8, row_chunks * 8);
+    } else {
+      store8(out + i * 8, g);
+    }
   }
 }
 
@@ -195,19 +213,46 @@ __global__ void gdn_gates_kernel(const bf16* __restrict__ a, int64_t a_stride, c
 void add_rms_norm(const void* x, const void* delta, const void* weight, void* sum_out, void* normed_out, int rows, int n,
                   float eps, bool zero_centred, cudaStream_t stream) {
   if (rows == 0) return;
-  add_rms_norm_kernel<<<rows, kNormThreads, 0, stream>>>(
+  add_rms_norm_kernel<false><<<rows, kNormThreads, 0, stream>>>(
       static_cast<const bf16*>(x), static_cast<const bf16*>(delta), static_cast<const bf16*>(weight),
-      static_cast<bf16*>(sum_out), static_cast<bf16*>(normed_out), n, eps, zero_centred);
+      static_cast<bf16*>(sum_out), static_cast<bf16*>(normed_out), {}, n, eps, zero_centred);
   check_cuda_launch("target kernel add_rms_norm");
+}
+
+void add_rms_norm_e4m3(const void* x, const void* delta, const void* weight, void* sum_out, int rows, int n, float eps,
+                       bool zero_centred, void* q, float* factors, int64_t factor_stride, cudaStream_t stream) {
+  if (n % fp8_group::kGroup != 0 || factor_stride < rows) {
+    throw std::invalid_argument("add_rms_norm_e4m3: rows must be whole 128-wide groups, got " + std::to_string(n));
+  }
+  if (rows == 0) return;
+  add_rms_norm_kernel<true><<<rows, kNormThreads, 0, stream>>>(
+      static_cast<const bf16*>(x), static_cast<const bf16*>(delta), static_cast<const bf16*>(weight),
+      static_cast<bf16*>(sum_out), nullptr,
+      fp8_group::Destination{static_cast<__nv_fp8_storage_t*>(q), factors, factor_stride}, n, eps, zero_centred);
+  check_cuda_launch("target kernel add_rms_norm_e4m3");
 }
 
 void silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t rows, int64_t n, cudaStream_t stream) {
   const int64_t chunks = rows * (n / 8);
   if (chunks == 0) return;
   const int threads = 256;
-  silu_mul_kernel<<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(
-      static_cast<const bf16*>(gate), static_cast<const bf16*>(up), stride, static_cast<bf16*>(out), chunks, n / 8);
+  silu_mul_kernel<false><<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(
+      static_cast<const bf16*>(gate), static_cast<const bf16*>(up), stride, static_cast<bf16*>(out), {}, chunks, n / 8);
   check_cuda_launch("target kernel silu_mul");
+}
+
+void silu_mul_e4m3(const void* gate, const void* up, int64_t stride, int64_t rows, int64_t n, void* q, float* factors,
+                   int64_t factor_stride, cudaStream_t stream) {
+  if (n % fp8_group::kGroup != 0 || factor_stride < rows) {
+    throw std::invalid_argument("silu_mul_e4m3: rows must be whole 128-wide groups, got " + std::to_string(n));
+  }
+  const int64_t chunks = rows * (n / 8);
+  if (chunks == 0) return;
+  const int threads = 256;
+  silu_mul_kernel<true><<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(
+      static_cast<const bf16*>(gate), static_cast<const bf16*>(up), stride, nullptr,
+      fp8_group::Destination{static_cast<__nv_fp8_storage_t*>(q), factors, factor_stride}, chunks, n / 8);
+  check_cuda_launch("target kernel silu_mul_e4m3");
 }
 
 void qk_norm_rope(const void* x, int64_t token_stride, int64_t head_stride, int tokens, int heads, int d,

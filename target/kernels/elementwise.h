@@ -17,10 +17,19 @@ namespace dflash::target::kernels {
 void add_rms_norm(const void* x, const void* delta, const void* weight, void* sum_out, void* normed_out, int rows, int n,
                   float eps, bool zero_centred, cudaStream_t stream);
 
+// add_rms_norm whose normed rows go to an FP8 GEMM (n a multiple of 128): quantised per 1x128
+// group as target/kernels/fp8.h's quantize_groups_e4m3 quantises the bf16 rows (q [rows, n]
+// contiguous, factor (r, g) at factors[g * factor_stride + r]); no bf16 normed rows are written.
+void add_rms_norm_e4m3(const void* x, const void* delta, const void* weight, void* sum_out, int rows, int n, float eps,
+                       bool zero_centred, void* q, float* factors, int64_t factor_stride, cudaStream_t stream);
+
 // out = bf16(bf16(silu(gate)) * up) over rows of n bf16 (a multiple of 8): row r of gate and of up
 // at r * stride (16-byte aligned; separate tensors or the two halves of one fused projection),
 // out contiguous [rows, n].
 void silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t rows, int64_t n, cudaStream_t stream);
+// silu_mul whose rows go to an FP8 GEMM (n a multiple of 128): quantised as add_rms_norm_e4m3's.
+void silu_mul_e4m3(const void* gate, const void* up, int64_t stride, int64_t rows, int64_t n, void* q, float* factors,
+                   int64_t factor_stride, cudaStream_t stream);
 
 // Attention q or k: out = rope(rms_norm(x)) for rows of d bf16 (d <= 256, a multiple of 8), row
 // (token t, head h) read at x + t * token_stride + h * head_stride, written contiguous [t, h, d].
