@@ -1,11 +1,11 @@
-// fp8_gemm_bench: the 27B target's projection GEMMs, bf16 against block-scaled FP8 (activations
-// in 1x128 groups, weights in 128x128 blocks), to choose how target/fp8.cc runs them:
-//   - bf16: at::matmul with the bf16 weight;
-//   - aten: ATen's _scaled_mm with the block scales (what fp8_linear runs);
-//   - lt #i: cuBLASLt called directly for the same product with each algorithm its heuristic
-//     offers (32 MB of workspace), each checked against aten's result.
-// Per shape: TFLOP/s of each and the fastest algorithm's configuration; last, the GEMM time of
-// one forward over layers 0..61 (3072 tokens) with aten's choice and with the fastest algorithm.
+// fp8_gemm_bench: the 27B target's projection GEMMs at a forward's and a decode step's rows, to
+// choose how the target runs them (target/lt_gemm.h):
+//   - bf16 aten: at::matmul; bf16 lt: lt_gemm_bf16 (cuBLASLt's heuristic's first algorithm with
+//     32 MB of workspace); bf16 best: the fastest of every algorithm that heuristic offers;
+//   - fp8 aten: ATen's _scaled_mm with the block scales (activations 1x128, weights 128x128);
+//     fp8 lt: fp8_linear (lt_gemm_fp8, the same product through cuBLASLt with 32 MB).
+// Each result is checked against aten's. Last, per row count, the GEMM time of one forward over
+// layers 0..61 for each.
 // Usage: fp8_gemm_bench [ROWS...]   (default: 3072 128)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -21,6 +21,7 @@
 
 #include "bench/timing.h"
 #include "target/fp8.h"
+#include "target/lt_gemm.h"
 
 using namespace dflash;
 
@@ -48,27 +49,26 @@ void set(cublasLtMatmulDesc_t op, cublasLtMatmulDescAttributes_t attribute, cons
   check(cublasLtMatmulDescSetAttribute(op, attribute, &value, sizeof(value)), what);
 }
 
-// One block-scaled product D [m, n] = act [m, k] . W^T through cuBLASLt: column-major D^T = W . act^T,
-// so cuBLAS's A is the weight (128x128 blocks) and B the activations (1x128 groups), as ATen sets it.
+// One bf16 product y [m, n] = x [m, k] . W^T through cuBLASLt with a given algorithm (the
+// column-major form of target/lt_gemm.cc: A is W transposed, B is x), to try every algorithm the
+// heuristic offers.
 class LtProduct {
  public:
-  LtProduct(cublasLtHandle_t handle, const target::Fp8Activations& act, const target::Fp8Weight& w, at::Tensor out)
-      : handle_(handle), act_(act), w_(w), out_(std::move(out)) {
-    const int64_t m = act.q.size(0), n = w.data.size(0), k = w.data.size(1);
+  LtProduct(cublasLtHandle_t handle, const at::Tensor& x, const at::Tensor& w, at::Tensor out)
+      : handle_(handle), x_(x), w_(w), out_(std::move(out)) {
+    const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
     check(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
     set(op_, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T, "transa");
     set(op_, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N, "transb");
-    const void* a_scale = w.scale.data_ptr();
-    const void* b_scale = act.factors.data_ptr();
-    set(op_, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale, "a scale");
-    set(op_, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale, "b scale");
-    set(op_, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, "a scale mode");
-    set(op_, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, "b scale mode");
-    check(cublasLtMatrixLayoutCreate(&a_, CUDA_R_8F_E4M3, k, n, k), "layout a");
-    check(cublasLtMatrixLayoutCreate(&b_, CUDA_R_8F_E4M3, k, m, k), "layout b");
+    check(cublasLtMatrixLayoutCreate(&a_, CUDA_R_16BF, k, n, k), "layout a");
+    check(cublasLtMatrixLayoutCreate(&b_, CUDA_R_16BF, k, m, k), "layout b");
     check(cublasLtMatrixLayoutCreate(&d_, CUDA_R_16BF, n, m, n), "layout d");
     check(cublasLtMatmulPreferenceCreate(&preference_), "preference");
-    set_workspace();
+    workspace_ = at::empty({32 << 20}, out_.options().dtype(at::kByte));
+    const uint64_t bytes = static_cast<uint64_t>(workspace_.numel());
+    check(cublasLtMatmulPreferenceSetAttribute(preference_, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes,
+                                               sizeof(bytes)),
+          "workspace");
   }
   ~LtProduct() {
     cublasLtMatmulPreferenceDestroy(preference_);
@@ -90,24 +90,15 @@ class LtProduct {
   }
   void run(const cublasLtMatmulAlgo_t& algo) {
     const float alpha = 1.f, beta = 0.f;
-    check(cublasLtMatmul(handle_, op_, &alpha, w_.data.data_ptr(), a_, act_.q.data_ptr(), b_, &beta, out_.data_ptr(),
-                         d_, out_.data_ptr(), d_, &algo, workspace_.data_ptr(), workspace_.numel(),
+    check(cublasLtMatmul(handle_, op_, &alpha, w_.data_ptr(), a_, x_.data_ptr(), b_, &beta, out_.data_ptr(), d_,
+                         out_.data_ptr(), d_, &algo, workspace_.data_ptr(), workspace_.numel(),
                          at::cuda::getCurrentCUDAStream().stream()),
           "matmul");
   }
 
  private:
-  void set_workspace() {
-    workspace_ = at::empty({32 << 20}, out_.options().dtype(at::kByte));
-    const uint64_t bytes = static_cast<uint64_t>(workspace_.numel());
-    check(cublasLtMatmulPreferenceSetAttribute(preference_, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes,
-                                               sizeof(bytes)),
-          "workspace");
-  }
   cublasLtHandle_t handle_;
-  target::Fp8Activations act_;
-  target::Fp8Weight w_;
-  at::Tensor out_, workspace_;
+  at::Tensor x_, w_, out_, workspace_;
   cublasLtMatmulDesc_t op_ = nullptr;
   cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, d_ = nullptr;
   cublasLtMatmulPreference_t preference_ = nullptr;
@@ -126,47 +117,57 @@ std::string describe(const cublasLtMatmulAlgo_t& algo) {
          std::to_string(get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
 }
 
+// Milliseconds of each way for one shape.
 struct Row {
-  double bf16_ms, aten_ms, best_ms;
+  double bf16_aten, bf16_lt, bf16_best, fp8_aten, fp8_lt;
 };
+
+double relative_error(const at::Tensor& got, const at::Tensor& want) {
+  return ((got.to(at::kFloat) - want.to(at::kFloat)).abs().max() / want.to(at::kFloat).abs().max()).item<double>();
+}
 
 Row bench_shape(cublasLtHandle_t handle, const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
   const at::Tensor w = (at::randn({s.n, s.k}, gpu) * 0.02).to(at::kBFloat16);
-  const target::Fp8Weight q = target::quantize_blocks(w);
-  const target::Fp8Activations act = target::quantize_groups(x, target::fp8_gemm_rows(m, x.device()));
   const double flops = 2.0 * m * s.n * s.k;
   auto tflops = [&](double ms) { return flops / (ms / 1e3) / 1e12; };
+  Row r{};
 
-  const double bf16_ms = bench::median_ms(10, [&] { at::matmul(x, w.t()); });
-  at::Tensor reference;
-  const double aten_ms = bench::median_ms(10, [&] { reference = target::fp8_linear(act, q, {}); });
-  LtProduct lt(handle, act, q, at::empty({act.q.size(0), s.n}, gpu.dtype(at::kBFloat16)));
-  at::Tensor out = at::empty({act.q.size(0), s.n}, gpu.dtype(at::kBFloat16));
-  LtProduct checked(handle, act, q, out);
-  const auto algorithms = lt.algorithms(16);
-  double best_ms = 1e30;
+  at::Tensor bf16_reference, got;
+  r.bf16_aten = bench::median_ms(10, [&] { bf16_reference = at::matmul(x, w.t()); });
+  r.bf16_lt = bench::median_ms(10, [&] { got = target::lt_gemm_bf16(x, w); });
+  const double lt_error = relative_error(got, bf16_reference);
+  at::Tensor out = at::empty({m, s.n}, gpu.dtype(at::kBFloat16));
+  LtProduct product(handle, x, w, out);
+  r.bf16_best = 1e30;
   std::string best;
-  std::printf("%-12s m %5lld n %5lld k %5lld: bf16 %.3f ms (%.0f TFLOP/s), aten FP8 %.3f ms (%.0f)\n", s.name,
-              static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), bf16_ms,
-              tflops(bf16_ms), aten_ms, tflops(aten_ms));
+  const auto algorithms = product.algorithms(16);
   for (size_t i = 0; i < algorithms.size(); ++i) {
     try {
-      checked.run(algorithms[i].algo);
-      const at::Tensor got = out.narrow(0, 0, m).to(at::kFloat), want = reference.to(at::kFloat);
-      const double error = ((got - want).abs().max() / want.abs().max()).item<double>();
-      const double ms = bench::median_ms(10, [&] { lt.run(algorithms[i].algo); });
-      std::printf("  lt #%-2zu %.3f ms (%.0f TFLOP/s), vs aten %.1e, %s, workspace %zu\n", i, ms, tflops(ms), error,
-                  describe(algorithms[i].algo).c_str(), algorithms[i].workspaceSize);
-      if (error < 1e-2 && ms < best_ms) best_ms = ms, best = "#" + std::to_string(i) + " " + describe(algorithms[i].algo);
-    } catch (const std::exception& e) {
-      std::printf("  lt #%-2zu failed: %s\n", i, e.what());
+      product.run(algorithms[i].algo);
+      if (relative_error(out, bf16_reference) > 1e-2) continue;
+      const double ms = bench::median_ms(10, [&] { product.run(algorithms[i].algo); });
+      if (ms < r.bf16_best) r.bf16_best = ms, best = "#" + std::to_string(i) + " " + describe(algorithms[i].algo);
+    } catch (const std::exception&) {
+      continue;  // an algorithm this shape cannot run
     }
   }
-  std::printf("  fastest: %s, %.3f ms (%.0f TFLOP/s, %.2fx aten)\n", best.c_str(), best_ms, tflops(best_ms),
-              aten_ms / best_ms);
-  return {bf16_ms, aten_ms, best_ms};
+
+  const target::Fp8Weight q = target::quantize_blocks(w);
+  const target::Fp8Activations act = target::quantize_groups(x, target::fp8_gemm_rows(m, x.device()));
+  at::Tensor fp8_reference;
+  r.fp8_aten = bench::median_ms(10, [&] {
+    fp8_reference = at::_scaled_mm(act.q, q.data.t(), act.factors, q.scale.t(), std::nullopt, std::nullopt, at::kBFloat16);
+  });
+  r.fp8_lt = bench::median_ms(10, [&] { got = target::fp8_linear(act, q, {}); });
+  const double fp8_error = relative_error(got, fp8_reference.narrow(0, 0, m));
+  std::printf("%-12s m %5lld n %5lld k %5lld | bf16 aten %.3f ms (%.0f TFLOP/s) lt %.3f (%.0f, vs aten %.0e) best of %zu "
+              "%.3f (%.0f; %s) | fp8 aten %.3f (%.0f) lt %.3f (%.0f, vs aten %.0e)\n",
+              s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), r.bf16_aten,
+              tflops(r.bf16_aten), r.bf16_lt, tflops(r.bf16_lt), lt_error, algorithms.size(), r.bf16_best,
+              tflops(r.bf16_best), best.c_str(), r.fp8_aten, tflops(r.fp8_aten), r.fp8_lt, tflops(r.fp8_lt), fp8_error);
+  return r;
 }
 
 }  // namespace
@@ -183,15 +184,16 @@ int main(int argc, char** argv) {
   cublasLtHandle_t handle = nullptr;
   check(cublasLtCreate(&handle), "handle");
   for (const int64_t m : rows) {
-    Row total{0, 0, 0};
+    Row total{};
     for (const Shape& s : kShapes) {
       const Row r = bench_shape(handle, s, m);
-      total.bf16_ms += r.bf16_ms * s.per_forward, total.aten_ms += r.aten_ms * s.per_forward;
-      total.best_ms += r.best_ms * s.per_forward;
+      total.bf16_aten += r.bf16_aten * s.per_forward, total.bf16_lt += r.bf16_lt * s.per_forward;
+      total.bf16_best += r.bf16_best * s.per_forward, total.fp8_aten += r.fp8_aten * s.per_forward;
+      total.fp8_lt += r.fp8_lt * s.per_forward;
     }
-    std::printf("| %lld rows, GEMMs of one forward over layers 0..61 | bf16 %.1f ms | aten FP8 %.1f ms | fastest "
-                "cuBLASLt algorithm per shape %.1f ms |\n",
-                static_cast<long long>(m), total.bf16_ms, total.aten_ms, total.best_ms);
+    std::printf("| %lld rows, GEMMs of a forward over layers 0..61 | bf16 aten %.1f ms | bf16 lt %.1f | bf16 best algorithm "
+                "%.1f | fp8 aten %.1f | fp8 lt %.1f |\n",
+                static_cast<long long>(m), total.bf16_aten, total.bf16_lt, total.bf16_best, total.fp8_aten, total.fp8_lt);
   }
   cublasLtDestroy(handle);
   return 0;

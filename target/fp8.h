@@ -5,8 +5,9 @@
 // activations per 1x128 group of each row (factor = max|group| / 448, as FP8 inference of these
 // models does: transformers' FineGrainedFP8, SGLang, vLLM), multiplies the e4m3 operands and
 // applies both factors per 128-wide slice of the inner dimension in fp32:
-// - on Hopper, cuBLASLt's block-scaled FP8 GEMM (ATen's _scaled_mm with 1x128 x 128x128 scales),
-//   the activations quantised by one kernel (kernels/fp8.h);
+// - on Hopper, cuBLASLt's block-scaled FP8 GEMM with 1x128 x 128x128 scales (lt_gemm.h), the
+//   activations quantised by one kernel (kernels/fp8.h) or by the kernel that produced them
+//   (fused_ops.h);
 // - elsewhere (the CPU: tests) the same arithmetic emulated: quantise, dequantise, fp32 matmul.
 //   A GPU without the Hopper GEMM refuses FP8 (fp8_gemm_unavailable) unless the slow path is
 //   allowed.
@@ -107,7 +108,7 @@ double fp8_gemm_error(at::Device device);
 
 // What kernel_paths() says of the projections' GEMMs.
 inline constexpr const char* kFp8GemmPath =
-    "block-scaled FP8 GEMMs (e4m3 weights in 128x128 blocks, activations in 1x128 groups; cuBLASLt via ATen _scaled_mm)";
+    "block-scaled FP8 GEMMs (e4m3 weights in 128x128 blocks, activations in 1x128 groups; cuBLASLt)";
 inline constexpr const char* kFp8EmulatedPath = "block-scaled FP8 emulated (quantise, dequantise, fp32 matmul)";
 
 }  // namespace dflash::target

@@ -18,9 +18,7 @@ struct Linear {
   at::Tensor weight;  // [out, in]; undefined when fp8 holds it
   Fp8Weight fp8;      // target.dtype: float8
   at::Tensor bias;    // undefined when absent
-  at::Tensor operator()(const at::Tensor& x) const {
-    return fp8.defined() ? fp8_linear(x, fp8, bias) : at::linear(x, weight, bias);
-  }
+  at::Tensor operator()(const at::Tensor& x) const;
   // Rows quantised already go straight to the FP8 GEMM (their producer knew this projection's
   // weights were FP8: reads_fp8).
   at::Tensor operator()(const GemmInput& in) const {

@@ -1,0 +1,161 @@
+#include "target/lt_gemm.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublasLt.h>
+
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+namespace dflash::target {
+namespace {
+
+constexpr int64_t kWorkspaceBytes = 32 << 20;
+
+void check(cublasStatus_t status, const char* what, int64_t m, int64_t n, int64_t k) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw std::runtime_error(std::string("cuBLASLt ") + what + " for the target's GEMM " + std::to_string(m) + " x " +
+                             std::to_string(k) + " -> " + std::to_string(n) + ": status " +
+                             std::to_string(static_cast<int>(status)));
+  }
+}
+
+cudaDataType_t cuda_type(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return CUDA_R_16BF;
+    case at::kHalf: return CUDA_R_16F;
+    case at::kFloat: return CUDA_R_32F;
+    case at::kFloat8_e4m3fn: return CUDA_R_8F_E4M3;
+    default: throw std::invalid_argument(std::string("cuBLASLt GEMM: no type for ") + c10::toString(t));
+  }
+}
+
+// What a shape's plan depends on. The scale pointers are set on the descriptor per call; a plan
+// belongs to one thread, so no two calls share a descriptor at once.
+struct Key {
+  int device;
+  int64_t m, n, k, x_stride;
+  at::ScalarType in, out;
+  bool operator<(const Key& o) const {
+    return std::tie(device, m, n, k, x_stride, in, out) < std::tie(o.device, o.m, o.n, o.k, o.x_stride, o.in, o.out);
+  }
+};
+
+// Descriptors of one product D^T [n, m] = W [n, k] . X^T in cuBLAS's column-major terms: A is W
+// (k x n, transposed), B is X (k x m), D n x m; the algorithm the heuristic chose.
+class Plan {
+ public:
+  explicit Plan(const Key& key) : key_(key) {
+    const bool fp8 = key.in == at::kFloat8_e4m3fn;
+    attempt(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "descriptor");
+    set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+    set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+    if (fp8) {
+      set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F);
+      set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
+    }
+    attempt(cublasLtMatrixLayoutCreate(&a_, cuda_type(key.in), key.k, key.n, key.k), "layout of W");
+    attempt(cublasLtMatrixLayoutCreate(&b_, cuda_type(key.in), key.k, key.m, key.x_stride), "layout of x");
+    attempt(cublasLtMatrixLayoutCreate(&d_, cuda_type(key.out), key.n, key.m, key.n), "layout of y");
+    cublasLtMatmulPreference_t preference = nullptr;
+    attempt(cublasLtMatmulPreferenceCreate(&preference), "preference");
+    const uint64_t bytes = kWorkspaceBytes;
+    cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), op_, a_, b_,
+                                                                 d_, d_, preference, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(preference);
+    attempt(status, "heuristic");
+    if (found == 0) attempt(CUBLAS_STATUS_NOT_SUPPORTED, "heuristic (no algorithm)");
+    algo_ = result.algo;
+  }
+  ~Plan() {
+    if (d_) cublasLtMatrixLayoutDestroy(d_);
+    if (b_) cublasLtMatrixLayoutDestroy(b_);
+    if (a_) cublasLtMatrixLayoutDestroy(a_);
+    if (op_) cublasLtMatmulDescDestroy(op_);
+  }
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+
+  void run(const void* w, const void* x, void* y, const float* w_scale, const float* x_scale, void* workspace,
+           cudaStream_t stream) {
+    if (w_scale != nullptr) {
+      set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(w_scale));
+      set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(x_scale));
+    }
+    const float alpha = 1.f, beta = 0.f;
+    attempt(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), op_, &alpha, w, a_, x, b_, &beta, y, d_, y, d_,
+                           &algo_, workspace, kWorkspaceBytes, stream),
+            "matmul");
+  }
+
+ private:
+  void attempt(cublasStatus_t status, const char* what) const { check(status, what, key_.m, key_.n, key_.k); }
+  template <typename T>
+  void set(cublasLtMatmulDescAttributes_t attribute, const T& value) {
+    attempt(cublasLtMatmulDescSetAttribute(op_, attribute, &value, sizeof(value)), "descriptor attribute");
+  }
+  Key key_;
+  cublasLtMatmulDesc_t op_ = nullptr;
+  cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, d_ = nullptr;
+  cublasLtMatmulAlgo_t algo_{};
+};
+
+// This thread's plans and workspaces (one per stream: a workspace is busy until its GEMM ends on
+// that stream; the next GEMM of the same stream runs after it).
+struct ThreadState {
+  std::map<Key, std::unique_ptr<Plan>> plans;
+  std::map<cudaStream_t, at::Tensor> workspaces;
+};
+
+ThreadState& thread_state() {
+  thread_local ThreadState state;
+  return state;
+}
+
+void* workspace(at::Device device, cudaStream_t stream) {
+  at::Tensor& w = thread_state().workspaces[stream];
+  if (!w.defined()) w = at::empty({kWorkspaceBytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  return w.data_ptr();
+}
+
+Plan& plan(const Key& key) {
+  std::unique_ptr<Plan>& p = thread_state().plans[key];
+  if (!p) p = std::make_unique<Plan>(key);
+  return *p;
+}
+
+}  // namespace
+
+at::Tensor lt_gemm_fp8(const Fp8Activations& a, const Fp8Weight& w) {
+  const int64_t m = a.q.size(0), n = w.data.size(0), k = w.data.size(1);
+  const at::Device device = a.q.device();
+  const c10::cuda::CUDAGuard guard(device);  // the handle and stream of a's device
+  at::Tensor y = at::empty({m, n}, a.q.options().dtype(a.dtype));
+  if (m == 0) return y;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+  plan({device.index(), m, n, k, k, at::kFloat8_e4m3fn, a.dtype})
+      .run(w.data.data_ptr(), a.q.data_ptr(), y.data_ptr(), w.scale.data_ptr<float>(), a.factors.data_ptr<float>(),
+           workspace(device, stream), stream);
+  return y;
+}
+
+at::Tensor lt_gemm_bf16(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+  const at::Device device = x.device();
+  const c10::cuda::CUDAGuard guard(device);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+  plan({device.index(), m, n, k, x.stride(0), at::kBFloat16, at::kBFloat16})
+      .run(w.data_ptr(), x.data_ptr(), y.data_ptr(), nullptr, nullptr, workspace(device, stream), stream);
+  return y;
+}
+
+}  // namespace dflash::target
