@@ -49,7 +49,8 @@ struct Key {
 // (k x n, transposed), B is X (k x m), D n x m; the algorithm the heuristic chose.
 class Plan {
  public:
-  explicit Plan(const Key& key) : key_(key) {
+  // scales: the first call's factor pointers (FP8; cuBLASLt's heuristic wants them set).
+  Plan(const Key& key, const float* w_scale, const float* x_scale) : key_(key) {
     const bool fp8 = key.in == at::kFloat8_e4m3fn;
     attempt(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "descriptor");
     set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
@@ -57,6 +58,7 @@ class Plan {
     if (fp8) {
       set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F);
       set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
+      set_scales(w_scale, x_scale);
     }
     attempt(cublasLtMatrixLayoutCreate(&a_, cuda_type(key.in), key.k, key.n, key.k), "layout of W");
     attempt(cublasLtMatrixLayoutCreate(&b_, cuda_type(key.in), key.k, key.m, key.x_stride), "layout of x");
@@ -85,10 +87,7 @@ class Plan {
 
   void run(const void* w, const void* x, void* y, const float* w_scale, const float* x_scale, void* workspace,
            cudaStream_t stream) {
-    if (w_scale != nullptr) {
-      set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(w_scale));
-      set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(x_scale));
-    }
+    if (w_scale != nullptr) set_scales(w_scale, x_scale);
     const float alpha = 1.f, beta = 0.f;
     attempt(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), op_, &alpha, w, a_, x, b_, &beta, y, d_, y, d_,
                            &algo_, workspace, kWorkspaceBytes, stream),
@@ -97,6 +96,10 @@ class Plan {
 
  private:
   void attempt(cublasStatus_t status, const char* what) const { check(status, what, key_.m, key_.n, key_.k); }
+  void set_scales(const float* w_scale, const float* x_scale) {
+    set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(w_scale));
+    set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(x_scale));
+  }
   template <typename T>
   void set(cublasLtMatmulDescAttributes_t attribute, const T& value) {
     attempt(cublasLtMatmulDescSetAttribute(op_, attribute, &value, sizeof(value)), "descriptor attribute");
@@ -125,9 +128,9 @@ void* workspace(at::Device device, cudaStream_t stream) {
   return w.data_ptr();
 }
 
-Plan& plan(const Key& key) {
+Plan& plan(const Key& key, const float* w_scale = nullptr, const float* x_scale = nullptr) {
   std::unique_ptr<Plan>& p = thread_state().plans[key];
-  if (!p) p = std::make_unique<Plan>(key);
+  if (!p) p = std::make_unique<Plan>(key, w_scale, x_scale);
   return *p;
 }
 
@@ -140,7 +143,7 @@ at::Tensor lt_gemm_fp8(const Fp8Activations& a, const Fp8Weight& w) {
   at::Tensor y = at::empty({m, n}, a.q.options().dtype(a.dtype));
   if (m == 0) return y;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
-  plan({device.index(), m, n, k, k, at::kFloat8_e4m3fn, a.dtype})
+  plan({device.index(), m, n, k, k, at::kFloat8_e4m3fn, a.dtype}, w.scale.data_ptr<float>(), a.factors.data_ptr<float>())
       .run(w.data.data_ptr(), a.q.data_ptr(), y.data_ptr(), w.scale.data_ptr<float>(), a.factors.data_ptr<float>(),
            workspace(device, stream), stream);
   return y;
