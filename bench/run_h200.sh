@@ -39,8 +39,8 @@ elif [ "$phase" = fp8 ]; then
   grep -E "^\[ +(OK|FAILED|SKIPPED) |^layer " "$out/fp8_tests_full.txt" > "$out/fp8_tests.txt"
   grep -A4 "Failure" "$out/fp8_tests_full.txt" | grep -v "^2026" | head -40
   # The projection GEMMs alone: bf16, ATen's block-scaled _scaled_mm and every cuBLASLt algorithm
-  # for the same product (fp8_gemm_bench), at a forward's 3072 rows and a decode step's 128.
-  timeout 300 env DFLASHD_EXEC=fp8_gemm_bench "$B/bin/dflashd" ${FP8_GEMM_ROWS:-3072 128} 2>&1 | tee "$out/fp8_gemm_bench.txt"
+  # for the same product (gemm_bench), at a forward's 3072 rows and a decode step's 128.
+  timeout 300 env DFLASHD_EXEC=gemm_bench "$B/bin/dflashd" ${GEMM_ROWS:-3072 128} 2>&1 | tee "$out/gemm_bench.txt"
   for cfg in ${FP8_CONFIGS:-qwen3_5-27b}; do
     timeout 300 env DFLASHD_EXEC=target_bench "$B/bin/dflashd" "bench/configs/$cfg" 2>&1 | tee "$out/target_bench_$cfg.txt"
   done
@@ -49,7 +49,7 @@ elif [ "$phase" = fp8 ]; then
   grep -cE "^\[ +OK" "$out/fp8_tests.txt" | sed 's/^/GPU tests passed: /'
   grep -E "FAILED|^layer " "$out/fp8_tests.txt" || true
   grep -hE "^target forward|FP8 vs bf16|^  (floor|grouped)" "$out"/target_bench_*.txt
-  grep -hE "^\||fastest" "$out/fp8_gemm_bench.txt"
+  grep -hE "^\||fastest" "$out/gemm_bench.txt"
 elif [ "$phase" = moe ]; then
   # MoE targets (issue 21): the MoE GPU tests, then the target forward of Qwen3.5-35B-A3B and one
   # MoE block of 35B-A3B, Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B (whose weights do not fit one
