@@ -2,7 +2,6 @@
 // choose how the target runs them (target/lt_gemm.h):
 //   - bf16 aten: at::matmul; bf16 lt: lt_gemm_bf16 (cuBLASLt's heuristic's first algorithm with
 //     32 MB of workspace); bf16 best: the fastest of every algorithm that heuristic offers;
-//     bf16 skinny: skinny_linear, the weight-streaming kernel (up to 128 rows);
 //   - fp8 aten: ATen's _scaled_mm with the block scales (activations 1x128, weights 128x128);
 //     fp8 lt: fp8_linear (lt_gemm_fp8, the same product through cuBLASLt with 32 MB).
 // Each result is checked against aten's. Last, per row count, the GEMM time of one forward over
@@ -120,7 +119,7 @@ std::string describe(const cublasLtMatmulAlgo_t& algo) {
 
 // Milliseconds of each way for one shape.
 struct Row {
-  double bf16_aten, bf16_lt, bf16_best, bf16_skinny, fp8_aten, fp8_lt;
+  double bf16_aten, bf16_lt, bf16_best, fp8_aten, fp8_lt;
 };
 
 double relative_error(const at::Tensor& got, const at::Tensor& want) {
@@ -155,11 +154,6 @@ Row bench_shape(cublasLtHandle_t handle, const Shape& s, int64_t m) {
     }
   }
 
-  double skinny_error = 0;
-  if (!target::skinny_linear_unavailable(x, w)) {
-    r.bf16_skinny = bench::median_ms(10, [&] { got = target::skinny_linear(x, w); });
-    skinny_error = relative_error(got, bf16_reference);
-  }
   const target::Fp8Weight q = target::quantize_blocks(w);
   const target::Fp8Activations act = target::quantize_groups(x, target::fp8_gemm_rows(m, x.device()));
   at::Tensor fp8_reference;
@@ -169,10 +163,10 @@ Row bench_shape(cublasLtHandle_t handle, const Shape& s, int64_t m) {
   r.fp8_lt = bench::median_ms(10, [&] { got = target::fp8_linear(act, q, {}); });
   const double fp8_error = relative_error(got, fp8_reference.narrow(0, 0, m));
   std::printf("%-12s m %5lld n %5lld k %5lld | bf16 aten %.3f ms (%.0f TFLOP/s) lt %.3f (%.0f, vs aten %.0e) best of %zu "
-              "%.3f (%.0f; %s) skinny %.3f (%.0f, vs aten %.0e) | fp8 aten %.3f (%.0f) lt %.3f (%.0f, vs aten %.0e)\n",
+              "%.3f (%.0f; %s) | fp8 aten %.3f (%.0f) lt %.3f (%.0f, vs aten %.0e)\n",
               s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), r.bf16_aten,
               tflops(r.bf16_aten), r.bf16_lt, tflops(r.bf16_lt), lt_error, algorithms.size(), r.bf16_best,
-              tflops(r.bf16_best), best.c_str(), r.bf16_skinny, tflops(r.bf16_skinny), skinny_error, r.fp8_aten, tflops(r.fp8_aten), r.fp8_lt, tflops(r.fp8_lt), fp8_error);
+              tflops(r.bf16_best), best.c_str(), r.fp8_aten, tflops(r.fp8_aten), r.fp8_lt, tflops(r.fp8_lt), fp8_error);
   return r;
 }
 
@@ -195,12 +189,11 @@ int main(int argc, char** argv) {
       const Row r = bench_shape(handle, s, m);
       total.bf16_aten += r.bf16_aten * s.per_forward, total.bf16_lt += r.bf16_lt * s.per_forward;
       total.bf16_best += r.bf16_best * s.per_forward, total.fp8_aten += r.fp8_aten * s.per_forward;
-      total.fp8_lt += r.fp8_lt * s.per_forward, total.bf16_skinny += r.bf16_skinny * s.per_forward;
+      total.fp8_lt += r.fp8_lt * s.per_forward;
     }
     std::printf("| %lld rows, GEMMs of a forward over layers 0..61 | bf16 aten %.1f ms | bf16 lt %.1f | bf16 best algorithm "
-                "%.1f | bf16 skinny %.1f | fp8 aten %.1f | fp8 lt %.1f |\n",
-                static_cast<long long>(m), total.bf16_aten, total.bf16_lt, total.bf16_best, total.bf16_skinny,
-                total.fp8_aten, total.fp8_lt);
+                "%.1f | fp8 aten %.1f | fp8 lt %.1f |\n",
+                static_cast<long long>(m), total.bf16_aten, total.bf16_lt, total.bf16_best, total.fp8_aten, total.fp8_lt);
   }
   cublasLtDestroy(handle);
   return 0;

@@ -156,15 +156,6 @@ __device__ __forceinline__ void issue_product(float (&s)[8][4], const Tile& a, c
   commit();
 }
 
-// acc += A . B^T over the 128 columns (as issue_product, accumulating: a reduction over many
-// tiles).
-__device__ __forceinline__ void issue_accumulate_product(float (&acc)[8][4], const Tile& a, const Tile& b) {
-  arrive();
-#pragma unroll
-  for (int step = 0; step < 8; ++step) mma_64x64(acc, k_major(a, step), k_major(b, step), 1);
-  commit();
-}
-
 // s = A . B^T over the 128 columns: A the warp's 16 rows as 8 k-step fragments (registers), B
 // 64 rows of `b` ([n][k]). `a` must stay unchanged until the wait.
 __device__ __forceinline__ void issue_product(float (&s)[8][4], uint32_t (&a)[8][4], const Tile& b) {

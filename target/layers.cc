@@ -175,8 +175,7 @@ struct LayerReader {
 namespace {
 
 // Rows up to which a bf16 projection runs through cuBLASLt with a large workspace (lt_gemm.h:
-// verify steps and short prefills), ATen's matmul above; at a decoding step's few rows (up to
-// 128) the weight-streaming kernel, where it runs.
+// decode and verify steps, short prefills), ATen's matmul above.
 constexpr int64_t kLtRows = 1024;
 
 // x [..., in] @ weight^T (+ bias) in the model dtype.
@@ -189,7 +188,6 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at:
         reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0) {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
       shape.back() = weight.size(0);
-      if (!skinny_linear_unavailable(rows, weight)) return skinny_linear(rows, weight).view(shape);
       return lt_gemm_bf16(rows, weight).view(shape);
     }
   }

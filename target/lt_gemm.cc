@@ -5,8 +5,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
-#include "target/kernels/skinny_gemm.h"
-
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -138,33 +136,6 @@ Plan& plan(const Key& key, const float* w_scale = nullptr, const float* x_scale 
 }
 
 }  // namespace
-
-std::optional<std::string> skinny_linear_unavailable(const at::Tensor& x, const at::Tensor& w) {
-  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || w.scalar_type() != at::kBFloat16) return "not bf16 on a GPU";
-  if (x.dim() != 2 || x.size(0) > kernels::kSkinnyMaxRows) return std::to_string(x.size(0)) + " rows (at most 128)";
-  if (x.size(1) % 128 != 0 || !w.is_contiguous() || w.size(1) != x.size(1)) return "k not a multiple of 128";
-  if (x.stride(1) != 1 || x.stride(0) % 8 != 0 || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) {
-    return "rows not 16-byte aligned";
-  }
-  const c10::cuda::CUDAGuard guard(x.device());
-  if (!kernels::skinny_gemm_built_for_current_device()) {
-    return "the kernel runs on compute capability 9.0 in a build for sm_90a";
-  }
-  return std::nullopt;
-}
-
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
-  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const int splits =
-      kernels::skinny_gemm_splits(n, k, at::cuda::getDeviceProperties(x.device().index())->multiProcessorCount);
-  at::Tensor y = at::empty({m, n}, x.options());
-  const at::Tensor partials = splits > 1 ? at::empty({splits * m * n}, x.options().dtype(at::kFloat)) : at::Tensor();
-  kernels::skinny_gemm_bf16(x.data_ptr(), x.stride(0), w.data_ptr(), m, n, k, y.data_ptr(),
-                            splits > 1 ? partials.data_ptr<float>() : nullptr, splits,
-                            at::cuda::getCurrentCUDAStream(x.device().index()).stream());
-  return y;
-}
 
 at::Tensor lt_gemm_fp8(const Fp8Activations& a, const Fp8Weight& w) {
   const int64_t m = a.q.size(0), n = w.data.size(0), k = w.data.size(1);

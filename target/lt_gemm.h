@@ -1,6 +1,5 @@
-// lt_gemm.h: the target's projection GEMMs beyond ATen's (private to target/; GPU builds only),
-// y [m, n] = x [m, k] . W^T with W [n, k] row-major: the weight-streaming kernel at a decoding
-// step's few rows (skinny_linear), and cuBLASLt called directly for:
+// lt_gemm.h: the target's projection GEMMs through cuBLASLt called directly (private to
+// target/; GPU builds only), y [m, n] = x [m, k] . W^T with W [n, k] row-major:
 // - block-scaled FP8 (x e4m3 in 1x128 groups, W e4m3 in 128x128 blocks: fp8.h's operands);
 // - bf16 (x and W bf16, fp32 accumulation).
 //
@@ -17,19 +16,9 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <optional>
-#include <string>
-
 #include "target/fp8.h"
 
 namespace dflash::target {
-
-// Why skinny_linear cannot run x (2-D) . W^T here (rows, layout, dtype, device), or nullopt:
-// bf16, at most 128 rows of 16-byte aligned rows, k a multiple of 128, W contiguous, on a device
-// of compute capability 9.0 in a build for sm_90a (kernels/skinny_gemm.h).
-std::optional<std::string> skinny_linear_unavailable(const at::Tensor& x, const at::Tensor& w);
-// x [m, k] . W^T as kernels/skinny_gemm.h computes it: [m, n] bf16.
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w);
 
 // a's rows (padded ones included: fp8_gemm_rows) times W^T, [a.q.size(0), n] in a.dtype (bf16,
 // fp16 or fp32). a and w on one CUDA device; n and k as fp8_shape_unsupported allows.
