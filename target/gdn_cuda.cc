@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <deque>
 #include <stdexcept>
@@ -289,7 +290,34 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
   launch(l, stage_ms);
   return out;
 }
+ConvStepResult conv_step_cuda(const at::Tensor& tails_in, const at::Tensor& x_in, const at::Tensor& weight_in) {
+  expect(tails_in.is_cuda() && tails_in.dim() == 3 && tails_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2 &&
+             x_in.scalar_type() == at::kBFloat16,
+         "conv step inputs must be bf16 tails [G, K - 1, C] and rows [G * n, C] on a GPU");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = vector_rows(x_in) ? x_in : x_in.contiguous();
+  const at::Tensor tails = vector_rows(tails_in) ? tails_in : tails_in.contiguous();
+  const at::Tensor weight = weight_in.to(at::kBFloat16).contiguous();
+  const int64_t sequences = tails.size(0), held = tails.size(1), channels = tails.size(2);
+  expect(weight.dim() == 2 && weight.size(0) == channels && weight.size(1) == held + 1 && x.size(1) == channels &&
+             x.size(0) % std::max<int64_t>(sequences, 1) == 0,
+         "conv step: weight [C, K], tails [G, K - 1, C] and rows [G * n, C] disagree");
+  ConvStepResult r{at::empty({x.size(0), channels}, x.options()), at::empty({sequences, held, channels}, x.options())};
+  kernels::ConvStep a;
+  a.tails = tails.data_ptr();
+  a.tails_sequence_stride = tails.stride(0), a.tails_row_stride = tails.stride(1);
+  a.x = x.data_ptr(), a.x_stride = x.stride(0);
+  a.weight = weight.data_ptr();
+  a.kernel = static_cast<int>(held + 1), a.sequences = static_cast<int>(sequences);
+  a.tokens = sequences == 0 ? 0 : static_cast<int>(x.size(0) / sequences), a.channels = static_cast<int>(channels);
+  a.y = r.y.data_ptr(), a.new_tails = r.tails.data_ptr();
+  kernels::conv_step(a, at::cuda::getCurrentCUDAStream().stream());
+  return r;
+}
 #else
+ConvStepResult conv_step_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  throw std::logic_error("conv_step_cuda: this build has no CUDA kernels");
+}
 at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   throw std::logic_error("conv1d_silu_l2norm_cuda: this build has no CUDA kernels");
 }

@@ -33,6 +33,16 @@ GdnChunkPlan make_gdn_chunk_plan(const std::vector<int64_t>& cu_seqlens, at::Dev
 at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions,
                                    int64_t qk_channels);
 
+// A decoding step's conv (kernels::conv_step): tails bf16 [G, K - 1, C] (each sequence's cached
+// inputs, oldest first; any strides with contiguous channels), x bf16 [G * n, C] (the step rows,
+// sequence-major). Returns y bf16 [G * n, C] = SiLU(conv) and the new tails [G, K - 1, C]: what
+// concatenating the window, conv1d_silu_l2norm_cuda over it (qk_channels 0) and its last K - 1
+// rows give, in one pass.
+struct ConvStepResult {
+  at::Tensor y, tails;
+};
+ConvStepResult conv_step_cuda(const at::Tensor& tails, const at::Tensor& x, const at::Tensor& weight);
+
 // The gates of one call: g and beta (fp32 [tokens, value_heads]), or the layer's projections a
 // and b (bf16 [tokens, value_heads], contiguous rows) with A_log and dt_bias ([value_heads]), which
 // the prepare kernel turns into g and beta as gdn_gates_reference does (no separate kernels).

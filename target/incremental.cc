@@ -337,6 +337,10 @@ int64_t first_layer(const std::vector<Layer>& layers, bool attention) {
 // kernels, the positions of each member's conv window rows for the conv kernel (int64 [G * (K - 1
 // + n)] on the device, 0 .. K - 2 + n per member: the kernel then convolves each step token over
 // the K - 1 inputs before it, in one launch instead of the reference's seven fp32 ops).
+// Step rows per sequence up to which a plain step's conv runs conv_step_cuda (one thread walks a
+// sequence's rows in order); longer steps (prefills) run the conv kernel over the window.
+constexpr int64_t kConvStepTokens = 16;
+
 struct GdnStep {
   RowGather rows;
   at::Tensor window_positions;
@@ -368,9 +372,22 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
     convs.push_back(&caches[member]->conv[layer]);
     states.push_back(&caches[member]->state[layer]);
   }
-  const at::Tensor window = at::cat(
-      {rows.gather(convs), group_rows(group, proj.mixed).view({size, n, proj.mixed.size(1)})}, 1);
-  const at::Tensor convolved = conv_step(step, window, p.conv, proj.mixed.scalar_type());
+  // The conv: a plain step's (nothing kept for a crop) in one pass over each member's cached
+  // inputs and step rows where the kernels run; otherwise over the window (inputs + step rows),
+  // which a croppable step keeps and whose last K - 1 rows become the cached inputs.
+  at::Tensor window, convolved, tails;
+  if (step.window_positions.defined() && !croppable && n <= kConvStepTokens) {
+    ConvStepResult r = conv_step_cuda(rows.gather(convs), group_rows(group, proj.mixed), p.conv);
+    convolved = r.y.view({size, n, proj.mixed.size(1)});
+    tails = std::move(r.tails);
+  } else {
+    window = at::cat({rows.gather(convs), group_rows(group, proj.mixed).view({size, n, proj.mixed.size(1)})}, 1);
+    convolved = conv_step(step, window, p.conv, proj.mixed.scalar_type());
+    // The members' last K - 1 conv inputs, compact, in one copy (a view would keep the whole
+    // step's window alive: 10 MB per layer and sequence after a 512-token prefill at 27B shapes).
+    // clone, not contiguous(): with one member the narrowed window counts as contiguous.
+    tails = window.narrow(1, n, kernel - 1).clone(at::MemoryFormat::Contiguous);
+  }
   const at::Tensor q = convolved.narrow(-1, 0, hk * dk).view({size, n, hk, dk});
   const at::Tensor k = convolved.narrow(-1, hk * dk, hk * dk).view({size, n, hk, dk});
   const at::Tensor v = convolved.narrow(-1, 2 * hk * dk, hv * dv).view({size, n, hv, dv});
@@ -380,10 +397,6 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   at::Tensor after = before;
   const at::Tensor o = run_rule_group(q, k, v, g, beta, &after, recurrent_step_tokens, decode_kernel);
   put_group_rows(group, o_out, o.reshape({size * n, hv, dv}));
-  // The members' last K - 1 conv inputs, compact, in one copy (a view would keep the whole step's
-  // window alive: 10 MB per layer and sequence after a 512-token prefill at 27B shapes). clone,
-  // not contiguous(): with one member the narrowed window counts as contiguous.
-  const at::Tensor tails = window.narrow(1, n, kernel - 1).clone(at::MemoryFormat::Contiguous);
   for (size_t member : group.members) {
     DecodeCache& cache = *caches[member];
     if (croppable) cache.last.gdn[layer] = {before, q, k, v, g, beta, window};

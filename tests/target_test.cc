@@ -538,6 +538,35 @@ TEST(GatedDeltaNetKernels, ConvSiluAndL2NormMatchTheReference) {
   }
 }
 
+// A decoding step's conv in one pass (conv_step_cuda) gives the bytes of the window path it
+// replaces: each sequence's cached inputs and step rows concatenated, the conv kernel over the
+// window, its step rows and its last K - 1 rows. Cached inputs and step rows as strided views.
+TEST(GatedDeltaNetKernels, ConvStepIsTheWindowPathInOnePass) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(4);
+  const auto cuda = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const int64_t channels = 1024, sequences = 5;
+  for (int64_t width : {4, 3, 2}) {
+    for (int64_t n : {1, 2, 5}) {
+      const int64_t held = width - 1;
+      const at::Tensor tails = at::randn({sequences, held + 1, channels + 64}, cuda).narrow(1, 1, held).narrow(2, 0, channels);
+      const at::Tensor rows = at::randn({sequences * n, channels + 128}, cuda).narrow(1, 128, channels);
+      const at::Tensor weight = (0.5 * at::randn({channels, width}, cuda));
+      const ConvStepResult ours = conv_step_cuda(tails, rows, weight);
+      const at::Tensor window = at::cat({tails, rows.view({sequences, n, channels})}, 1);
+      std::vector<int64_t> positions;
+      for (int64_t s = 0; s < sequences; ++s)
+        for (int64_t t = 0; t < held + n; ++t) positions.push_back(t);
+      const at::Tensor all = conv1d_silu_l2norm_cuda(window.reshape({-1, channels}), weight,
+                                                     at::tensor(positions, at::TensorOptions().dtype(at::kLong)).to(at::kCUDA), 0);
+      const std::string what = "width " + std::to_string(width) + ", " + std::to_string(n) + " rows";
+      EXPECT_TRUE(at::equal(ours.y, all.view({sequences, held + n, channels}).narrow(1, held, n).reshape({-1, channels})))
+          << what;
+      EXPECT_TRUE(at::equal(ours.tails, window.narrow(1, n, held))) << what;
+    }
+  }
+}
+
 // The kernel-sized Qwen3.5 on the GPU twice with the same weights: its GatedDeltaNet layers on
 // the kernels and on the reference path.
 struct KernelAndReference {
@@ -629,8 +658,9 @@ TEST(GatedDeltaNetKernels, DecodingStepsMatchTheReferencePath) {
 
 // Decoding's attention on a GPU in bf16 runs FlashAttention's variable-length kernel over the
 // sequences' cache rows (no mask): sequences of different lengths stepping together, a verify
-// step of 4 tokens (causal within it) cropped to 2, then plain steps, each sequence's logits
-// against the full forward of its whole tokens (SDPA, causal) on the same GPU.
+// step of 4 tokens (causal within it) cropped to 2, then steps that keep nothing for a crop (1
+// and 2 tokens: the conv step kernel) and a croppable one, each sequence's logits against the
+// full forward of its whole tokens (SDPA, causal) on the same GPU.
 TEST(IncrementalTarget, GpuAttentionMatchesTheFullForward) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   for (const char* preset : {"tiny-qwen3", "tiny-128-qwen3_5"}) {
@@ -650,10 +680,11 @@ TEST(IncrementalTarget, GpuAttentionMatchesTheFullForward) {
     for (DecodeCache& c : caches) all.push_back(&c);
     decoder.prefill_batch(all, tokens, {});
     for (int step = 0; step < 4; ++step) {
-      const int64_t n = step == 0 ? 4 : 1;
+      const int64_t n = step == 0 ? 4 : step == 2 ? 2 : 1;
+      const bool croppable = step == 0 || step == 3;
       std::vector<at::Tensor> next;
       for (size_t s = 0; s < all.size(); ++s) next.push_back(ids(n));
-      const std::vector<DecodeOutput> out = decoder.step_batch(all, next, {});
+      const std::vector<DecodeOutput> out = decoder.step_batch(all, next, {}, croppable);
       for (size_t s = 0; s < all.size(); ++s) {
         const at::Tensor whole = at::cat({tokens[s], next[s]});
         const std::vector<at::Tensor> hidden = model->forward(whole.to(at::kCUDA), {0, whole.size(0)}, {config.num_layers - 1});
@@ -661,9 +692,9 @@ TEST(IncrementalTarget, GpuAttentionMatchesTheFullForward) {
             rms_norm_rows(hidden.back(), model->final_norm_weight(), config.rms_norm_eps, config.zero_centred_norm);
         const at::Tensor full = at::matmul(normed, model->lm_head().t()).to(at::kFloat).narrow(0, tokens[s].size(0), n);
         EXPECT_LE(relative_l2_error(out[s].logits, full), 2e-2) << "step " << step << ", sequence " << s;
-        tokens[s] = n > 1 ? whole.narrow(0, 0, tokens[s].size(0) + 2) : whole;
+        tokens[s] = step == 0 ? whole.narrow(0, 0, tokens[s].size(0) + 2) : whole;
       }
-      if (n > 1) {
+      if (step == 0) {
         std::vector<int64_t> lengths;
         for (const at::Tensor& t : tokens) lengths.push_back(t.size(0));
         decoder.crop_batch(all, lengths);

@@ -43,6 +43,18 @@ void conv1d_silu_l2norm(const void* x, int64_t x_stride, const void* weight, int
   check_cuda_launch("GatedDeltaNet kernel conv1d_silu_l2norm");
 }
 
+void conv_step(const ConvStep& a, cudaStream_t stream) {
+  if (a.kernel < 2 || a.kernel > 4 || a.channels % 8 != 0 || a.x_stride % 8 != 0 || a.tails_row_stride % 8 != 0 ||
+      a.tails_sequence_stride % 8 != 0) {
+    throw std::invalid_argument("conv_step: needs kernel 2..4, channels and strides that are multiples of 8");
+  }
+  const int64_t threads = static_cast<int64_t>(a.sequences) * (a.channels / 8);
+  if (threads == 0 || a.tokens == 0) return;
+  constexpr int kThreads = 256;
+  conv_step_kernel<<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a);
+  check_cuda_launch("GatedDeltaNet kernel conv_step");
+}
+
 // The fused wgmma state + output kernel on compute capability 9.0 when built for sm_90a (64 value
 // columns per CTA), the mma.sync kernels elsewhere (and where a test forces them:
 // kernel_variants.h).

@@ -58,6 +58,24 @@ struct GdnChunks {
 void conv1d_silu_l2norm(const void* x, int64_t x_stride, const void* weight, int kernel, const int64_t* positions,
                         void* y, int tokens, int channels, int qk_channels, cudaStream_t stream);
 
+// A decoding step's conv for `sequences` sequences of `tokens` new rows each (conv_step): per
+// sequence its kernel - 1 cached inputs (tails, bf16, row i of sequence j at tails + j *
+// tails_sequence_stride + i * tails_row_stride, oldest first) and its rows of x (bf16, row j *
+// tokens + t at x + row * x_stride). Writes y bf16 [sequences * tokens, channels] = SiLU(conv) (no
+// L2 norm) and new_tails bf16 [sequences, kernel - 1, channels], each sequence's last kernel - 1
+// inputs. kernel 2..4; channels and strides multiples of 8; 16-byte aligned rows.
+struct ConvStep {
+  const void* tails = nullptr;
+  int64_t tails_sequence_stride = 0, tails_row_stride = 0;
+  const void* x = nullptr;
+  int64_t x_stride = 0;
+  const void* weight = nullptr;  // [channels, kernel]
+  int kernel = 0, sequences = 0, tokens = 0, channels = 0;
+  void* y = nullptr;
+  void* new_tails = nullptr;
+};
+void conv_step(const ConvStep& step, cudaStream_t stream);
+
 struct GdnForward {
   // qkv: bf16 [tokens, row stride qkv_stride]; q heads at column 0, k heads at key_heads*128,
   // v heads at 2*key_heads*128; q and k already L2-normalised.

@@ -14,6 +14,28 @@ namespace dflash::target::kernels::gdn {
 constexpr int kConvTokens = 32;
 constexpr int kConvThreads = 128;  // 1024 channels per CTA
 
+// The taps of one output over 8 channels: w[0] x[t] + w[1] x[t-1] + ... (taps past `taps` skipped,
+// in this order), then SiLU. Both conv kernels call it, so they round alike.
+__device__ __forceinline__ void conv_silu8(float (&out)[8], const float (&w)[4][8], const float (&current)[8],
+                                           const float (&history)[3][8], int64_t taps) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    float acc = w[0][e] * current[e];
+#pragma unroll
+    for (int s = 1; s < 4; ++s) {
+      if (s < taps) acc += w[s][e] * history[s - 1][e];
+    }
+    out[e] = acc / (1.0f + __expf(-acc));
+  }
+}
+
+// w[s][e]: the tap applied to x[t - s] of channel c0 + e (zero past the kernel width).
+__device__ __forceinline__ void load_taps(float (&w)[4][8], const bf16* __restrict__ weight, int kernel, int c0) {
+  for (int s = 0; s < kernel; ++s)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) w[s][e] = __bfloat162float(weight[static_cast<int64_t>(c0 + e) * kernel + kernel - 1 - s]);
+}
+
 __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const bf16* __restrict__ x, int64_t x_stride,
                                                                           const bf16* __restrict__ weight, int kernel,
                                                                           const int64_t* __restrict__ positions,
@@ -22,13 +44,8 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const 
   const int c0 = (blockIdx.y * kConvThreads + threadIdx.x) * 8;
   const bool active = c0 < channels;       // channels % 128 == 0: whole 16-lane heads agree
   const bool normalise = c0 < qk_channels;  // likewise
-  // w[s][e]: the tap applied to x[t - s] of channel c0 + e (zero past the kernel width).
   float w[4][8] = {};
-  if (active) {
-    for (int s = 0; s < kernel; ++s)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) w[s][e] = __bfloat162float(weight[static_cast<int64_t>(c0 + e) * kernel + kernel - 1 - s]);
-  }
+  if (active) load_taps(w, weight, kernel, c0);
   const int t0 = blockIdx.x * kConvTokens, t1 = min(t0 + kConvTokens, tokens);
   float history[3][8] = {}, current[8] = {};  // x[t - 1 - i], x[t]
   if (active) {
@@ -41,16 +58,9 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const 
     if (active && t + 1 < t1) load8(next, x + (t + 1) * x_stride + c0);
     const int64_t position = positions[t];  // taps before the sequence's first token are skipped
     float out[8], squares = 0;
+    conv_silu8(out, w, current, history, position + 1);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      float acc = w[0][e] * current[e];
-#pragma unroll
-      for (int s = 1; s < 4; ++s) {
-        if (s <= position) acc += w[s][e] * history[s - 1][e];
-      }
-      out[e] = acc / (1.0f + __expf(-acc));
-      squares += out[e] * out[e];
-    }
+    for (int e = 0; e < 8; ++e) squares += out[e] * out[e];
 #pragma unroll
     for (int offset = 8; offset > 0; offset >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
     const float factor = normalise ? rsqrtf(squares + 1e-6f) : 1.0f;
@@ -65,6 +75,38 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const 
       current[e] = next[e];
     }
   }
+}
+
+// ---- 1b. a decoding step's conv over each sequence's cached inputs -----------------------------
+// One thread per (sequence, 8 channels): the sequence's K - 1 cached inputs (tails) and its n
+// step rows, read once each; writes the n outputs (conv + SiLU, no L2 norm: the decode-step kernel
+// normalises q and k) and the sequence's new last K - 1 inputs. Replaces concatenating a window,
+// convolving all of it and copying its tail out (three passes).
+__global__ void conv_step_kernel(ConvStep a) {
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int row_chunks = a.channels / 8;
+  if (thread >= static_cast<int64_t>(a.sequences) * row_chunks) return;
+  const int sequence = static_cast<int>(thread / row_chunks), c0 = static_cast<int>(thread % row_chunks) * 8;
+  const int held = a.kernel - 1;
+  float w[4][8] = {}, history[3][8] = {}, current[8];
+  load_taps(w, static_cast<const bf16*>(a.weight), a.kernel, c0);
+  const bf16* tails = static_cast<const bf16*>(a.tails) + sequence * a.tails_sequence_stride + c0;
+  for (int i = 0; i < held; ++i) load8(history[i], tails + (held - 1 - i) * a.tails_row_stride);
+  for (int t = 0; t < a.tokens; ++t) {
+    const int64_t row = static_cast<int64_t>(sequence) * a.tokens + t;
+    load8(current, static_cast<const bf16*>(a.x) + row * a.x_stride + c0);
+    float out[8];
+    conv_silu8(out, w, current, history, a.kernel);
+    bf16x8::store8(static_cast<bf16*>(a.y) + row * a.channels + c0, out);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      history[2][e] = history[1][e];
+      history[1][e] = history[0][e];
+      history[0][e] = current[e];
+    }
+  }
+  bf16* new_tails = static_cast<bf16*>(a.new_tails) + static_cast<int64_t>(sequence) * held * a.channels + c0;
+  for (int i = 0; i < held; ++i) bf16x8::store8(new_tails + (held - 1 - i) * a.channels, history[i]);
 }
 
 }  // namespace dflash::target::kernels::gdn
