@@ -29,11 +29,15 @@ __device__ __forceinline__ void conv_silu8(float (&out)[8], const float (&w)[4][
   }
 }
 
-// w[s][e]: the tap applied to x[t - s] of channel c0 + e (zero past the kernel width).
+// w[s][e]: the tap applied to x[t - s] of channel c0 + e (zero past the kernel width). Loops of
+// constant trip count with predicates, so that w stays in registers.
 __device__ __forceinline__ void load_taps(float (&w)[4][8], const bf16* __restrict__ weight, int kernel, int c0) {
-  for (int s = 0; s < kernel; ++s)
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    if (s >= kernel) continue;
 #pragma unroll
     for (int e = 0; e < 8; ++e) w[s][e] = __bfloat162float(weight[static_cast<int64_t>(c0 + e) * kernel + kernel - 1 - s]);
+  }
 }
 
 __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const bf16* __restrict__ x, int64_t x_stride,
@@ -91,7 +95,10 @@ __global__ void conv_step_kernel(ConvStep a) {
   float w[4][8] = {}, history[3][8] = {}, current[8];
   load_taps(w, static_cast<const bf16*>(a.weight), a.kernel, c0);
   const bf16* tails = static_cast<const bf16*>(a.tails) + sequence * a.tails_sequence_stride + c0;
-  for (int i = 0; i < held; ++i) load8(history[i], tails + (held - 1 - i) * a.tails_row_stride);
+#pragma unroll
+  for (int i = 0; i < 3; ++i) {
+    if (i < held) load8(history[i], tails + (held - 1 - i) * a.tails_row_stride);
+  }
   for (int t = 0; t < a.tokens; ++t) {
     const int64_t row = static_cast<int64_t>(sequence) * a.tokens + t;
     load8(current, static_cast<const bf16*>(a.x) + row * a.x_stride + c0);
@@ -106,7 +113,10 @@ __global__ void conv_step_kernel(ConvStep a) {
     }
   }
   bf16* new_tails = static_cast<bf16*>(a.new_tails) + static_cast<int64_t>(sequence) * held * a.channels + c0;
-  for (int i = 0; i < held; ++i) bf16x8::store8(new_tails + (held - 1 - i) * a.channels, history[i]);
+#pragma unroll
+  for (int i = 0; i < 3; ++i) {
+    if (i < held) bf16x8::store8(new_tails + (held - 1 - i) * a.channels, history[i]);
+  }
 }
 
 }  // namespace dflash::target::kernels::gdn
