@@ -174,17 +174,13 @@ struct LayerReader {
 
 namespace {
 
-// Rows up to which a bf16 projection runs through cuBLASLt with a large workspace (lt_gemm.h:
-// decode and verify steps, short prefills), ATen's matmul above.
-constexpr int64_t kLtRows = 1024;
-
 // x [..., in] @ weight^T (+ bias) in the model dtype.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
 #ifdef DFLASHD_WITH_CUDA
   if (!bias.defined() && x.is_cuda() && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
       weight.is_contiguous() && weight.size(1) % 8 == 0) {
     const at::Tensor rows = x.reshape({-1, x.size(-1)});
-    if (rows.size(0) <= kLtRows && rows.stride(1) == 1 && rows.stride(0) % 8 == 0 && rows.stride(0) >= rows.size(1) &&
+    if (rows.size(0) <= kCublasLtRows && rows.stride(1) == 1 && rows.stride(0) % 8 == 0 && rows.stride(0) >= rows.size(1) &&
         reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0) {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
       shape.back() = weight.size(0);

@@ -13,6 +13,10 @@
 
 namespace dflash::target {
 
+// Rows up to which a bf16 projection on a GPU runs through cuBLASLt with a large workspace
+// (lt_gemm.h: decode and verify steps, short prefills), ATen's matmul above.
+inline constexpr int64_t kCublasLtRows = 1024;
+
 // A projection: weight in the model dtype, or (an FP8 target) block-scaled FP8 weights (fp8.h).
 struct Linear {
   at::Tensor weight;  // [out, in]; undefined when fp8 holds it

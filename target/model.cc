@@ -274,7 +274,11 @@ std::map<std::string, KernelPath> TargetModel::kernel_paths() const {
     }
   }
   if (!options_.fp8_weights) {
-    add("target.projections", c10::toString(options_.dtype), "ATen GEMMs");
+    add("target.projections", c10::toString(options_.dtype),
+        options_.device.is_cuda() && options_.dtype == at::kBFloat16
+            ? "cuBLASLt with 32 MB of workspace up to " + std::to_string(kCublasLtRows) +
+                  " rows (decoding steps), ATen GEMMs above"
+            : "ATen GEMMs");
   } else if (fp8_gemms_) {
     add("target.projections", "fp8", kFp8GemmPath);
   } else {
