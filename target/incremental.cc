@@ -332,15 +332,15 @@ int64_t first_layer(const std::vector<Layer>& layers, bool attention) {
   return -1;
 }
 
+// Step rows per sequence up to which a plain step's conv runs conv_step_cuda (one thread walks a
+// sequence's rows in order); longer steps (prefills) run the conv kernel over the window.
+constexpr int64_t kConvStepTokens = 16;
+
 // A group's step in the GatedDeltaNet layers, the same in each: where its members' conv inputs and
 // states lie (`rows`, from the first GatedDeltaNet layer) and, where the layers run the CUDA
 // kernels, the positions of each member's conv window rows for the conv kernel (int64 [G * (K - 1
 // + n)] on the device, 0 .. K - 2 + n per member: the kernel then convolves each step token over
 // the K - 1 inputs before it, in one launch instead of the reference's seven fp32 ops).
-// Step rows per sequence up to which a plain step's conv runs conv_step_cuda (one thread walks a
-// sequence's rows in order); longer steps (prefills) run the conv kernel over the window.
-constexpr int64_t kConvStepTokens = 16;
-
 struct GdnStep {
   RowGather rows;
   at::Tensor window_positions;

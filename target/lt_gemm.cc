@@ -52,6 +52,29 @@ class Plan {
  public:
   // scales: the first call's factor pointers (FP8; cuBLASLt's heuristic wants them set).
   Plan(const Key& key, const float* w_scale, const float* x_scale) : key_(key) {
+    try {
+      build(w_scale, x_scale);
+    } catch (...) {
+      release();  // a constructor that throws runs no destructor
+      throw;
+    }
+  }
+  ~Plan() { release(); }
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+
+  void run(const void* w, const void* x, void* y, const float* w_scale, const float* x_scale, void* workspace,
+           cudaStream_t stream) {
+    if (w_scale != nullptr) set_scales(w_scale, x_scale);
+    const float alpha = 1.f, beta = 0.f;
+    attempt(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), op_, &alpha, w, a_, x, b_, &beta, y, d_, y, d_,
+                           &algo_, workspace, kWorkspaceBytes, stream),
+            "matmul");
+  }
+
+ private:
+  void build(const float* w_scale, const float* x_scale) {
+    const Key& key = key_;
     const bool fp8 = key.in == at::kFloat8_e4m3fn;
     attempt(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "descriptor");
     set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
@@ -77,25 +100,14 @@ class Plan {
     if (found == 0) attempt(CUBLAS_STATUS_NOT_SUPPORTED, "heuristic (no algorithm)");
     algo_ = result.algo;
   }
-  ~Plan() {
+  void release() {
     if (d_) cublasLtMatrixLayoutDestroy(d_);
     if (b_) cublasLtMatrixLayoutDestroy(b_);
     if (a_) cublasLtMatrixLayoutDestroy(a_);
     if (op_) cublasLtMatmulDescDestroy(op_);
+    d_ = b_ = a_ = nullptr;
+    op_ = nullptr;
   }
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-
-  void run(const void* w, const void* x, void* y, const float* w_scale, const float* x_scale, void* workspace,
-           cudaStream_t stream) {
-    if (w_scale != nullptr) set_scales(w_scale, x_scale);
-    const float alpha = 1.f, beta = 0.f;
-    attempt(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), op_, &alpha, w, a_, x, b_, &beta, y, d_, y, d_,
-                           &algo_, workspace, kWorkspaceBytes, stream),
-            "matmul");
-  }
-
- private:
   void attempt(cublasStatus_t status, const char* what) const { check(status, what, key_.m, key_.n, key_.k); }
   void set_scales(const float* w_scale, const float* x_scale) {
     set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(w_scale));
