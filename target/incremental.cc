@@ -337,18 +337,24 @@ int64_t first_layer(const std::vector<Layer>& layers, bool attention) {
 constexpr int64_t kConvStepTokens = 16;
 
 // A group's step in the GatedDeltaNet layers, the same in each: where its members' conv inputs and
-// states lie (`rows`, from the first GatedDeltaNet layer) and, where the layers run the CUDA
-// kernels, the positions of each member's conv window rows for the conv kernel (int64 [G * (K - 1
-// + n)] on the device, 0 .. K - 2 + n per member: the kernel then convolves each step token over
-// the K - 1 inputs before it, in one launch instead of the reference's seven fp32 ops).
+// states lie (`rows`, from the first GatedDeltaNet layer) and how the conv runs where the layers
+// run the CUDA kernels:
+// - one_pass: a plain step (nothing kept for a crop) of up to kConvStepTokens rows per member,
+//   conv_step_cuda over each member's cached inputs and step rows;
+// - otherwise window_positions, the positions of each member's window rows for the conv kernel
+//   (int64 [G * (K - 1 + n)] on the device, 0 .. K - 2 + n per member: the kernel then convolves
+//   each step token over the K - 1 inputs before it, in one launch instead of the reference's
+//   seven fp32 ops).
+// Neither on the reference path.
 struct GdnStep {
   RowGather rows;
+  bool one_pass = false;
   at::Tensor window_positions;
 };
 
 // The causal depthwise conv + SiLU of a group's step tokens over their window ([G, K - 1 + n, C],
 // the K - 1 inputs before the step, then the step's): [G, n, C] in `dtype`.
-at::Tensor conv_step(const GdnStep& step, const at::Tensor& window, const at::Tensor& weight, at::ScalarType dtype) {
+at::Tensor conv_window(const GdnStep& step, const at::Tensor& window, const at::Tensor& weight, at::ScalarType dtype) {
   if (!step.window_positions.defined()) return conv_over_window(window, weight, dtype);
   const int64_t size = window.size(0), rows = window.size(1), n = rows - (weight.size(1) - 1);
   const at::Tensor all = conv1d_silu_l2norm_cuda(window.view({size * rows, window.size(2)}), weight,
@@ -372,17 +378,16 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
     convs.push_back(&caches[member]->conv[layer]);
     states.push_back(&caches[member]->state[layer]);
   }
-  // The conv: a plain step's (nothing kept for a crop) in one pass over each member's cached
-  // inputs and step rows where the kernels run; otherwise over the window (inputs + step rows),
-  // which a croppable step keeps and whose last K - 1 rows become the cached inputs.
+  // The conv: in one pass (GdnStep::one_pass), or over the window (inputs + step rows), which a
+  // croppable step keeps and whose last K - 1 rows become the cached inputs.
   at::Tensor window, convolved, tails;
-  if (step.window_positions.defined() && !croppable && n <= kConvStepTokens) {
+  if (step.one_pass) {
     ConvStepResult r = conv_step_cuda(rows.gather(convs), group_rows(group, proj.mixed), p.conv);
     convolved = r.y.view({size, n, proj.mixed.size(1)});
     tails = std::move(r.tails);
   } else {
     window = at::cat({rows.gather(convs), group_rows(group, proj.mixed).view({size, n, proj.mixed.size(1)})}, 1);
-    convolved = conv_step(step, window, p.conv, proj.mixed.scalar_type());
+    convolved = conv_window(step, window, p.conv, proj.mixed.scalar_type());
     // The members' last K - 1 conv inputs, compact, in one copy (a view would keep the whole
     // step's window alive: 10 MB per layer and sequence after a 512-token prefill at 27B shapes).
     // clone, not contiguous(): with one member the narrowed window counts as contiguous.
@@ -488,9 +493,10 @@ std::vector<KvStep> plan_kv_steps(const std::vector<Layer>& layers, const std::v
 }
 
 // The GatedDeltaNet layers' plan of a step, per group (none without GatedDeltaNet layers); `kernels`:
-// the layers run the CUDA kernels.
+// the layers run the CUDA kernels; `croppable`: the step keeps what a crop needs.
 std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std::vector<RowGroup>& groups,
-                                    const std::vector<DecodeCache*>& caches, at::Device device, bool kernels) {
+                                    const std::vector<DecodeCache*>& caches, at::Device device, bool kernels,
+                                    bool croppable) {
   std::vector<GdnStep> steps;
   const int64_t first = first_layer(layers, /*attention=*/false);
   for (const RowGroup& group : groups) {
@@ -501,8 +507,8 @@ std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std:
       sources.push_back(&caches[member]->state[first]);
       slots.push_back(caches[member]->slot);
     }
-    GdnStep step{RowGather(sources, slots, device), {}};
-    if (kernels) {
+    GdnStep step{RowGather(sources, slots, device), kernels && !croppable && group.count <= kConvStepTokens, {}};
+    if (kernels && !step.one_pass) {
       const int64_t window = layers[static_cast<size_t>(first)].gdn.conv.size(1) - 1 + group.count;
       step.window_positions = at::arange(window, at::TensorOptions().dtype(at::kLong).device(device))
                                   .repeat({static_cast<int64_t>(group.members.size())});
@@ -589,7 +595,7 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
   const std::vector<RowGroup> groups = group_rows_by_count(tokens.counts, device);
   start_caches(m.layers, c, caches, at::TensorOptions().dtype(model_.options().dtype).device(device));
   const std::vector<KvStep> kv_steps = plan_kv_steps(m.layers, groups, caches, m.embed, c.head_dim);
-  const std::vector<GdnStep> gdn_steps = plan_gdn_steps(m.layers, groups, caches, device, model_.gdn_kernels_);
+  const std::vector<GdnStep> gdn_steps = plan_gdn_steps(m.layers, groups, caches, device, model_.gdn_kernels_, croppable);
   const at::Tensor position_ids = at::tensor(tokens.positions, at::TensorOptions().dtype(at::kLong)).to(device);
   const auto [cos, sin] = rope_tables(m.inv_freq, position_ids, model_.options().dtype);
 
