@@ -6,13 +6,17 @@
 //     fp8 lt: fp8_linear (lt_gemm_fp8, the same product through cuBLASLt with 32 MB).
 // Each result is checked against aten's. Last, per row count, the GEMM time of one forward over
 // layers 0..61 for each.
-// Usage: gemm_bench [ROWS...]   (default: 3072 128)
+// `explore-fp8` / `explore-bf16` instead time the product through every configuration cuBLASLt
+// lists (tiles, stages, cluster shapes, custom options; FP8 also with fast accumulation) against
+// the heuristic's first.
+// Usage: gemm_bench [explore-fp8 | explore-bf16] [ROWS...]   (default: 3072 128)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/InferenceMode.h>
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
@@ -49,19 +53,30 @@ void set(cublasLtMatmulDesc_t op, cublasLtMatmulDescAttributes_t attribute, cons
   check(cublasLtMatmulDescSetAttribute(op, attribute, &value, sizeof(value)), what);
 }
 
-// One bf16 product y [m, n] = x [m, k] . W^T through cuBLASLt with a given algorithm (the
-// column-major form of target/lt_gemm.cc: A is W transposed, B is x), to try every algorithm the
-// heuristic offers.
+// One product y [m, n] = x [m, k] . W^T through cuBLASLt with a given algorithm (the column-major
+// form of target/lt_gemm.cc: A is W transposed, B is x): bf16, or block-scaled FP8 when the
+// operands are e4m3 (w_scale per 128x128 block of W, x_scale per 1x128 group of x), to try every
+// algorithm the heuristic offers or every configuration cuBLASLt lists.
 class LtProduct {
  public:
-  LtProduct(cublasLtHandle_t handle, const at::Tensor& x, const at::Tensor& w, at::Tensor out)
+  LtProduct(cublasLtHandle_t handle, const at::Tensor& x, const at::Tensor& w, at::Tensor out,
+            const float* w_scale = nullptr, const float* x_scale = nullptr, bool fast_accum = false)
       : handle_(handle), x_(x), w_(w), out_(std::move(out)) {
     const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+    const bool fp8 = w.scalar_type() == at::kFloat8_e4m3fn;
+    in_ = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
     check(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
     set(op_, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T, "transa");
     set(op_, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N, "transb");
-    check(cublasLtMatrixLayoutCreate(&a_, CUDA_R_16BF, k, n, k), "layout a");
-    check(cublasLtMatrixLayoutCreate(&b_, CUDA_R_16BF, k, m, k), "layout b");
+    if (fp8) {
+      set(op_, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, "scale mode a");
+      set(op_, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, "scale mode b");
+      set(op_, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(w_scale), "scale a");
+      set(op_, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(x_scale), "scale b");
+      set(op_, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(fast_accum), "fast accumulation");
+    }
+    check(cublasLtMatrixLayoutCreate(&a_, in_, k, n, k), "layout a");
+    check(cublasLtMatrixLayoutCreate(&b_, in_, k, m, k), "layout b");
     check(cublasLtMatrixLayoutCreate(&d_, CUDA_R_16BF, n, m, n), "layout d");
     check(cublasLtMatmulPreferenceCreate(&preference_), "preference");
     workspace_ = at::empty({32 << 20}, out_.options().dtype(at::kByte));
@@ -88,6 +103,34 @@ class LtProduct {
     results.resize(static_cast<size_t>(found));
     return results;
   }
+  // Every configuration of every algorithm cuBLASLt lists for these types that its check accepts
+  // for this product: tiles x stages x cluster shapes x custom options (split-k 1).
+  std::vector<cublasLtMatmulAlgo_t> configurations() const {
+    std::vector<int> ids(64);
+    int count = 0;
+    check(cublasLtMatmulAlgoGetIds(handle_, CUBLAS_COMPUTE_32F, CUDA_R_32F, in_, in_, CUDA_R_16BF, CUDA_R_16BF, 64,
+                                   ids.data(), &count),
+          "algorithm ids");
+    std::vector<cublasLtMatmulAlgo_t> out;
+    for (int i = 0; i < count; ++i) {
+      cublasLtMatmulAlgo_t algo{};
+      if (cublasLtMatmulAlgoInit(handle_, CUBLAS_COMPUTE_32F, CUDA_R_32F, in_, in_, CUDA_R_16BF, CUDA_R_16BF, ids[i],
+                                 &algo) != CUBLAS_STATUS_SUCCESS) {
+        continue;
+      }
+      const size_t before = out.size();
+      expand(algo, out);
+      if (print_ids_) std::printf("    algorithm id %d: %zu configurations pass cuBLASLt's check\n", ids[i], out.size() - before);
+    }
+    print_ids_ = false;
+    return out;
+  }
+  // The configurations of one algorithm (e.g. the heuristic's) that the check accepts.
+  std::vector<cublasLtMatmulAlgo_t> configurations_of(const cublasLtMatmulAlgo_t& algo) const {
+    std::vector<cublasLtMatmulAlgo_t> out;
+    expand(algo, out);
+    return out;
+  }
   void run(const cublasLtMatmulAlgo_t& algo) {
     const float alpha = 1.f, beta = 0.f;
     check(cublasLtMatmul(handle_, op_, &alpha, w_.data_ptr(), a_, x_.data_ptr(), b_, &beta, out_.data_ptr(), d_,
@@ -97,8 +140,44 @@ class LtProduct {
   }
 
  private:
+  static std::vector<uint32_t> capability(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t what) {
+    size_t bytes = 0;
+    cublasLtMatmulAlgoCapGetAttribute(&algo, what, nullptr, 0, &bytes);
+    std::vector<uint32_t> values(bytes / sizeof(uint32_t));
+    if (!values.empty()) cublasLtMatmulAlgoCapGetAttribute(&algo, what, values.data(), bytes, &bytes);
+    if (values.empty()) values.push_back(0);  // the capability lists nothing: leave it undefined
+    return values;
+  }
+  void expand(cublasLtMatmulAlgo_t algo, std::vector<cublasLtMatmulAlgo_t>& out) const {
+    int32_t custom_max = 0;
+    size_t written = 0;
+    cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max, sizeof(custom_max),
+                                      &written);
+    const uint32_t clusters[] = {CUBLASLT_CLUSTER_SHAPE_AUTO, CUBLASLT_CLUSTER_SHAPE_1x1x1, CUBLASLT_CLUSTER_SHAPE_2x1x1,
+                                 CUBLASLT_CLUSTER_SHAPE_1x2x1};
+    for (const uint32_t tile : capability(algo, CUBLASLT_ALGO_CAP_TILE_IDS)) {
+      for (const uint32_t stages : capability(algo, CUBLASLT_ALGO_CAP_STAGES_IDS)) {
+        for (const uint32_t cluster : clusters) {
+          for (uint32_t custom = 0; custom <= static_cast<uint32_t>(custom_max); ++custom) {
+            cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile));
+            cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages));
+            cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster));
+            cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom, sizeof(custom));
+            cublasLtMatmulHeuristicResult_t result{};
+            if (cublasLtMatmulAlgoCheck(handle_, op_, a_, b_, d_, d_, &algo, &result) == CUBLAS_STATUS_SUCCESS &&
+                result.workspaceSize <= static_cast<size_t>(workspace_.numel())) {
+              out.push_back(algo);
+            }
+          }
+        }
+      }
+    }
+  }
+
   cublasLtHandle_t handle_;
   at::Tensor x_, w_, out_, workspace_;
+  cudaDataType_t in_ = CUDA_R_16BF;
+  mutable bool print_ids_ = true;  // the first listing says how many configurations each id has
   cublasLtMatmulDesc_t op_ = nullptr;
   cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, d_ = nullptr;
   cublasLtMatmulPreference_t preference_ = nullptr;
@@ -114,7 +193,8 @@ std::string describe(const cublasLtMatmulAlgo_t& algo) {
   return "id " + std::to_string(get(CUBLASLT_ALGO_CONFIG_ID)) + " tile " + std::to_string(get(CUBLASLT_ALGO_CONFIG_TILE_ID)) +
          " stages " + std::to_string(get(CUBLASLT_ALGO_CONFIG_STAGES_ID)) + " split-k " +
          std::to_string(get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM)) + " cluster " +
-         std::to_string(get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID)) + " custom " +
+         std::to_string(get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION));
 }
 
 // Milliseconds of each way for one shape.
@@ -170,6 +250,63 @@ Row bench_shape(cublasLtHandle_t handle, const Shape& s, int64_t m) {
   return r;
 }
 
+// One shape's product, bf16 or block-scaled FP8, through every configuration cuBLASLt lists (FP8
+// with and without fast accumulation): the heuristic's first against the fastest that stays within
+// 1e-2 of ATen's product. Returns {heuristic ms, fastest ms}.
+std::pair<double, double> explore(cublasLtHandle_t handle, const Shape& s, int64_t m, bool fp8) {
+  const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
+  const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
+  const at::Tensor w = (at::randn({s.n, s.k}, gpu) * 0.02).to(at::kBFloat16);
+  const target::Fp8Weight q = target::quantize_blocks(w);
+  const target::Fp8Activations act = target::quantize_groups(x, target::fp8_gemm_rows(m, x.device()));
+  const at::Tensor reference =
+      fp8 ? at::_scaled_mm(act.q, q.data.t(), act.factors, q.scale.t(), std::nullopt, std::nullopt, at::kBFloat16)
+          : at::matmul(x, w.t());
+  at::Tensor out = at::empty({reference.size(0), s.n}, gpu.dtype(at::kBFloat16));
+  double heuristic = 0, fastest = 1e30;
+  std::string best;
+  size_t tried = 0;
+  for (const bool fast : fp8 ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+    LtProduct product = fp8 ? LtProduct(handle, act.q, q.data, out, q.scale.data_ptr<float>(),
+                                        act.factors.data_ptr<float>(), fast)
+                            : LtProduct(handle, x, w, out);
+    std::vector<cublasLtMatmulHeuristicResult_t> first;
+    try {
+      first = product.algorithms(1);
+    } catch (const std::exception& e) {
+      std::printf("    %s%s\n", fast ? "fast accumulation: " : "", e.what());  // e.g. no such kernel
+    }
+    if (!fast) {
+      heuristic = first.empty() ? 0 : bench::median_ms(10, [&] { product.run(first[0].algo); });
+      std::printf("  %-12s m %5lld heuristic %.3f ms: %s\n", s.name, static_cast<long long>(m), heuristic,
+                  first.empty() ? "none" : describe(first[0].algo).c_str());
+    }
+    std::vector<cublasLtMatmulAlgo_t> configurations = product.configurations();
+    if (!first.empty()) {
+      const auto around = product.configurations_of(first[0].algo);
+      std::printf("    the heuristic's algorithm: %zu configurations pass the check\n", around.size());
+      configurations.insert(configurations.end(), around.begin(), around.end());
+    }
+    for (const cublasLtMatmulAlgo_t& algo : configurations) {
+      try {
+        product.run(algo);
+        ++tried;
+        if (relative_error(out, reference) > 1e-2) continue;
+        const double ms = bench::median_ms(5, [&] { product.run(algo); });
+        if (ms < fastest) fastest = ms, best = describe(algo) + (fast ? " fast-accum" : "");
+      } catch (const std::exception&) {
+        continue;  // a configuration the check passed that still cannot run
+      }
+    }
+  }
+  const double flops = 2.0 * m * s.n * s.k;
+  std::printf("%-12s m %5lld n %5lld k %5lld | %s heuristic %.3f ms (%.0f TFLOP/s) | fastest of %zu %.3f (%.0f; %s)\n",
+              s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k),
+              fp8 ? "fp8" : "bf16", heuristic, flops / heuristic / 1e9, tried, fastest, flops / fastest / 1e9,
+              best.c_str());
+  return {heuristic, fastest};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -178,12 +315,28 @@ int main(int argc, char** argv) {
     return 1;
   }
   c10::InferenceMode inference;
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines out as they come, should a shape abort
+  const std::string mode = argc > 1 && !std::isdigit(argv[1][0]) ? argv[1] : "";
+  if (!mode.empty() && mode != "explore-fp8" && mode != "explore-bf16") {
+    std::fprintf(stderr, "gemm_bench: unknown mode %s (explore-fp8 or explore-bf16)\n", mode.c_str());
+    return 1;
+  }
   std::vector<int64_t> rows;
-  for (int i = 1; i < argc; ++i) rows.push_back(std::atoll(argv[i]));
+  for (int i = mode.empty() ? 1 : 2; i < argc; ++i) rows.push_back(std::atoll(argv[i]));
   if (rows.empty()) rows = {3072, 128};
   cublasLtHandle_t handle = nullptr;
   check(cublasLtCreate(&handle), "handle");
   for (const int64_t m : rows) {
+    if (!mode.empty()) {
+      double heuristic = 0, fastest = 0;
+      for (const Shape& s : kShapes) {
+        const auto [h, f] = explore(handle, s, m, mode == "explore-fp8");
+        heuristic += h * s.per_forward, fastest += f * s.per_forward;
+      }
+      std::printf("| %lld rows, %s GEMMs of a forward over layers 0..61 | heuristic %.1f ms | fastest configuration "
+                  "%.1f |\n", static_cast<long long>(m), mode.c_str() + 8, heuristic, fastest);
+      continue;
+    }
     Row total{};
     for (const Shape& s : kShapes) {
       const Row r = bench_shape(handle, s, m);

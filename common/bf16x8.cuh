@@ -18,20 +18,28 @@ __device__ __forceinline__ float weighted_norm(float normed, float w, bool zero_
   return round_bf16(zero_centred ? normed * (w + 1.f) : w * round_bf16(normed));
 }
 
-__device__ __forceinline__ void load8(float (&dst)[8], const __nv_bfloat16* src) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+// Eight bf16 values held as 16 raw bytes (a load issued before its values are needed).
+__device__ __forceinline__ void unpack8(float (&dst)[8], const uint4& raw) {
   const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
 #pragma unroll
   for (int j = 0; j < 8; ++j) dst[j] = __bfloat162float(v[j]);
 }
 
+__device__ __forceinline__ void load8(float (&dst)[8], const __nv_bfloat16* src) {
+  unpack8(dst, *reinterpret_cast<const uint4*>(src));
+}
+
 // Rounds each value to bf16 (nearest even).
-__device__ __forceinline__ void store8(__nv_bfloat16* dst, const float (&src)[8]) {
+__device__ __forceinline__ uint4 pack8(const float (&src)[8]) {
   uint4 raw;
   __nv_bfloat16* v = reinterpret_cast<__nv_bfloat16*>(&raw);
 #pragma unroll
   for (int j = 0; j < 8; ++j) v[j] = __float2bfloat16(src[j]);
-  *reinterpret_cast<uint4*>(dst) = raw;
+  return raw;
+}
+
+__device__ __forceinline__ void store8(__nv_bfloat16* dst, const float (&src)[8]) {
+  *reinterpret_cast<uint4*>(dst) = pack8(src);
 }
 
 }  // namespace dflash::bf16x8

@@ -22,10 +22,14 @@ using bf16x8::store8;
 using bf16x8::weighted_norm;
 constexpr int kNormThreads = 256;
 
-// One CTA per row: pass 1 forms the (rounded) sum and its sum of squares, pass 2 rereads it
-// (from L1/L2: a row is a few KB) and writes the normalised row: bf16 to normed_out, or (kFp8)
-// quantised to e4m3 for an FP8 GEMM (a half-warp holds 128 consecutive columns: one group).
-template <bool kFp8>
+// One CTA per row, the row held in registers as bf16 (the sum is rounded to bf16 anyway): a
+// thread's chunks of 8 are (threadIdx.x + i * kNormThreads) * 8, i < kChunks (rows up to kChunks *
+// 2048 wide). Every load of the row, the delta and the weight is issued before the first is used
+// (predicated, one basic block), then the (rounded) sum and its sum of squares are formed, and the
+// normalised row is written from the registers: bf16 to normed_out, or (kFp8) quantised to e4m3
+// for an FP8 GEMM (a half-warp holds 128 consecutive columns: one group). A loop that loaded,
+// summed and stored chunk by chunk, then reread the row, waited on every load in turn.
+template <bool kFp8, int kChunks>
 __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const bf16* __restrict__ x,
                                                                     const bf16* __restrict__ delta,
                                                                     const bf16* __restrict__ weight,
@@ -34,17 +38,32 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const bf16* 
                                                                     fp8_group::Destination fp8, int n, float eps,
                                                                     bool zero_centred) {
   const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
-  const bf16* src = delta != nullptr ? sum_out + base : x + base;
+  auto column = [&](int i) { return (static_cast<int>(threadIdx.x) + i * kNormThreads) * 8; };
+  auto load = [](const bf16* p) { return *reinterpret_cast<const uint4*>(p); };
+  uint4 row[kChunks], add[kChunks], w[kChunks];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    if (column(i) < n) row[i] = load(x + base + column(i)), w[i] = load(weight + column(i));
+  }
+  if (delta != nullptr) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      if (column(i) < n) add[i] = load(delta + base + column(i));
+    }
+  }
   float squares = 0.f;
-  for (int c = threadIdx.x * 8; c < n; c += kNormThreads * 8) {
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    if (column(i) >= n) continue;
     float v[8];
-    load8(v, x + base + c);
+    bf16x8::unpack8(v, row[i]);
     if (delta != nullptr) {
       float d[8];
-      load8(d, delta + base + c);
+      bf16x8::unpack8(d, add[i]);
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = round_bf16(v[j] + d[j]);
-      store8(sum_out + base + c, v);
+      row[i] = bf16x8::pack8(v);
+      *reinterpret_cast<uint4*>(sum_out + base + column(i)) = row[i];
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) squares += v[j] * v[j];
@@ -52,53 +71,81 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const bf16* 
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, off);
   __shared__ float warps[kNormThreads / 32];
-  __shared__ float scale;
   if ((threadIdx.x & 31) == 0) warps[threadIdx.x >> 5] = squares;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float total = 0.f;
-    for (int w = 0; w < kNormThreads / 32; ++w) total += warps[w];
-    scale = rsqrtf(total / static_cast<float>(n) + eps);
-  }
-  __syncthreads();
-  const float r = scale;
-  for (int c = threadIdx.x * 8; c < n; c += kNormThreads * 8) {
-    float v[8], w[8];
-    load8(v, src + c);
-    load8(w, weight + c);
+  float total = 0.f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = weighted_norm(v[j] * r, w[j], zero_centred);
+  for (int k = 0; k < kNormThreads / 32; ++k) total += warps[k];
+  const float r = rsqrtf(total / static_cast<float>(n) + eps);
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    if (column(i) >= n) continue;  // n % 128 == 0 for FP8: whole half-warps agree
+    float v[8], g[8];
+    bf16x8::unpack8(v, row[i]);
+    bf16x8::unpack8(g, w[i]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = weighted_norm(v[j] * r, g[j], zero_centred);
     if constexpr (kFp8) {
-      fp8.store(v, blockIdx.x, c, n);
+      fp8.store(v, blockIdx.x, column(i), n);
     } else {
-      store8(normed_out + base + c, v);
+      store8(normed_out + base + column(i), v);
     }
   }
 }
 
-// Rows of n (a multiple of 8) elements: gate and up rows at a common stride, out contiguous, or
-// (kFp8, n a multiple of 128) quantised to e4m3: the 16 chunks of a half-warp are one group, as
-// blocks and the grid stride are multiples of 16 chunks.
+// The smallest instantiation that holds a row of n.
 template <bool kFp8>
-__global__ void silu_mul_kernel(const bf16* __restrict__ gate, const bf16* __restrict__ up, int64_t stride,
-                                bf16* __restrict__ out, fp8_group::Destination fp8, int64_t chunks,
-                                int64_t row_chunks) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t in = i / row_chunks * stride + i % row_chunks * 8;
-    float g[8], u[8];
-    load8(g, gate + in);
-    load8(u, up + in);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) g[j] = round_bf16(g[j] / (1.f + __expf(-g[j]))) * u[j];
-    if constexpr (kFp8) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) g[j] = round_bf16(g[j]);
-      fp8.store(g, i / row_chunks, i % row_chunks * 8, row_chunks * 8);
-    } else {
-      store8(out + i * 8, g);
-    }
+void launch_add_rms_norm(int rows, int n, cudaStream_t stream, const bf16* x, const bf16* delta, const bf16* weight,
+                         bf16* sum_out, bf16* normed_out, fp8_group::Destination fp8, float eps, bool zero_centred) {
+  const int chunks = (n / 8 + kNormThreads - 1) / kNormThreads;
+  if (chunks <= 2) {
+    add_rms_norm_kernel<kFp8, 2><<<rows, kNormThreads, 0, stream>>>(x, delta, weight, sum_out, normed_out, fp8, n, eps,
+                                                                   zero_centred);
+  } else if (chunks <= 4) {
+    add_rms_norm_kernel<kFp8, 4><<<rows, kNormThreads, 0, stream>>>(x, delta, weight, sum_out, normed_out, fp8, n, eps,
+                                                                   zero_centred);
+  } else if (chunks <= 8) {
+    add_rms_norm_kernel<kFp8, 8><<<rows, kNormThreads, 0, stream>>>(x, delta, weight, sum_out, normed_out, fp8, n, eps,
+                                                                   zero_centred);
+  } else {
+    throw std::invalid_argument("add_rms_norm: rows of at most 16384 elements, got " + std::to_string(n));
   }
+}
+
+// Rows of n (a multiple of 8) elements: gate and up rows at a common stride, out contiguous, or
+// (kFp8, n a multiple of 128) quantised to e4m3. A CTA takes kSiluThreads chunks of 8 elements of
+// one row (blockIdx.x, so any number of rows), blockIdx.y the chunks' place in the row: no index
+// division (64-bit divisions made the FP8 variant bound by its instructions). The 16 chunks of a
+// half-warp are one 128-wide group, as kSiluThreads is a multiple of 16 chunks. SiLU's quotient
+// by the fast division (2 ulp in fp32 before the bf16 rounding; the bf16 and FP8 variants share
+// it, so the FP8 rows are the bf16 rows quantised).
+constexpr int kSiluThreads = 128;
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kSiluThreads) silu_mul_kernel(const bf16* __restrict__ gate,
+                                                                const bf16* __restrict__ up, int64_t stride,
+                                                                bf16* __restrict__ out, fp8_group::Destination fp8,
+                                                                int row_chunks) {
+  const int chunk = blockIdx.y * kSiluThreads + threadIdx.x;
+  if (chunk >= row_chunks) return;  // whole half-warps when row_chunks is a multiple of 16
+  const int64_t row = blockIdx.x, in = row * stride + chunk * 8;
+  float g[8], u[8];
+  load8(g, gate + in);
+  load8(u, up + in);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) g[j] = round_bf16(__fdividef(g[j], 1.f + __expf(-g[j]))) * u[j];
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) g[j] = round_bf16(g[j]);
+    fp8.store(g, row, chunk * 8, static_cast<int64_t>(row_chunks) * 8);
+  } else {
+    store8(out + (row * row_chunks + chunk) * 8, g);
+  }
+}
+
+dim3 silu_mul_grid(int64_t rows, int64_t n) {
+  if (rows > 0x7fffffff) throw std::invalid_argument("silu_mul: more than 2^31 - 1 rows");
+  return dim3(static_cast<unsigned>(rows), static_cast<unsigned>((n / 8 + kSiluThreads - 1) / kSiluThreads));
 }
 
 constexpr int kRowThreads = 256;  // one warp per row of qk_norm_rope
@@ -213,9 +260,9 @@ __global__ void gdn_gates_kernel(const bf16* __restrict__ a, int64_t a_stride, c
 void add_rms_norm(const void* x, const void* delta, const void* weight, void* sum_out, void* normed_out, int rows, int n,
                   float eps, bool zero_centred, cudaStream_t stream) {
   if (rows == 0) return;
-  add_rms_norm_kernel<false><<<rows, kNormThreads, 0, stream>>>(
-      static_cast<const bf16*>(x), static_cast<const bf16*>(delta), static_cast<const bf16*>(weight),
-      static_cast<bf16*>(sum_out), static_cast<bf16*>(normed_out), {}, n, eps, zero_centred);
+  launch_add_rms_norm<false>(rows, n, stream, static_cast<const bf16*>(x), static_cast<const bf16*>(delta),
+                             static_cast<const bf16*>(weight), static_cast<bf16*>(sum_out),
+                             static_cast<bf16*>(normed_out), {}, eps, zero_centred);
   check_cuda_launch("target kernel add_rms_norm");
 }
 
@@ -225,19 +272,18 @@ void add_rms_norm_e4m3(const void* x, const void* delta, const void* weight, voi
     throw std::invalid_argument("add_rms_norm_e4m3: rows must be whole 128-wide groups, got " + std::to_string(n));
   }
   if (rows == 0) return;
-  add_rms_norm_kernel<true><<<rows, kNormThreads, 0, stream>>>(
-      static_cast<const bf16*>(x), static_cast<const bf16*>(delta), static_cast<const bf16*>(weight),
-      static_cast<bf16*>(sum_out), nullptr,
-      fp8_group::Destination{static_cast<__nv_fp8_storage_t*>(q), factors, factor_stride}, n, eps, zero_centred);
+  launch_add_rms_norm<true>(rows, n, stream, static_cast<const bf16*>(x), static_cast<const bf16*>(delta),
+                            static_cast<const bf16*>(weight), static_cast<bf16*>(sum_out), nullptr,
+                            fp8_group::Destination{static_cast<__nv_fp8_storage_t*>(q), factors, factor_stride}, eps,
+                            zero_centred);
   check_cuda_launch("target kernel add_rms_norm_e4m3");
 }
 
 void silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t rows, int64_t n, cudaStream_t stream) {
-  const int64_t chunks = rows * (n / 8);
-  if (chunks == 0) return;
-  const int threads = 256;
-  silu_mul_kernel<false><<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(
-      static_cast<const bf16*>(gate), static_cast<const bf16*>(up), stride, static_cast<bf16*>(out), {}, chunks, n / 8);
+  if (rows == 0 || n == 0) return;
+  silu_mul_kernel<false><<<silu_mul_grid(rows, n), kSiluThreads, 0, stream>>>(
+      static_cast<const bf16*>(gate), static_cast<const bf16*>(up), stride, static_cast<bf16*>(out), {},
+      static_cast<int>(n / 8));
   check_cuda_launch("target kernel silu_mul");
 }
 
@@ -246,12 +292,10 @@ void silu_mul_e4m3(const void* gate, const void* up, int64_t stride, int64_t row
   if (n % fp8_group::kGroup != 0 || factor_stride < rows) {
     throw std::invalid_argument("silu_mul_e4m3: rows must be whole 128-wide groups, got " + std::to_string(n));
   }
-  const int64_t chunks = rows * (n / 8);
-  if (chunks == 0) return;
-  const int threads = 256;
-  silu_mul_kernel<true><<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(
+  if (rows == 0 || n == 0) return;
+  silu_mul_kernel<true><<<silu_mul_grid(rows, n), kSiluThreads, 0, stream>>>(
       static_cast<const bf16*>(gate), static_cast<const bf16*>(up), stride, nullptr,
-      fp8_group::Destination{static_cast<__nv_fp8_storage_t*>(q), factors, factor_stride}, chunks, n / 8);
+      fp8_group::Destination{static_cast<__nv_fp8_storage_t*>(q), factors, factor_stride}, static_cast<int>(n / 8));
   check_cuda_launch("target kernel silu_mul_e4m3");
 }
 
