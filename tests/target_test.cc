@@ -459,7 +459,8 @@ TEST(FusedOps, GpuKernelsMatchTheCompositeExpressions) {
     EXPECT_GE(same, 0.99) << what;
     EXPECT_LE(max_relative_error(ours.to(at::kFloat), reference.to(at::kFloat)), 1e-2) << what;
   };
-  for (const int64_t n : {5120, 1032}) {
+  // Widths held in 1, 2 (partly), 3 and 6 chunks of 8 per thread: each instantiation of the kernel.
+  for (const int64_t n : {1032, 4096, 5120, 12288}) {
     const at::Tensor x = at::randn({37, n}, bf16), delta = at::randn({37, n}, bf16), w = at::randn({n}, bf16) * 0.1;
     for (const bool zero_centred : {true, false}) {
       const std::string what = "n " + std::to_string(n) + (zero_centred ? ", zero-centred" : "");
@@ -468,6 +469,14 @@ TEST(FusedOps, GpuKernelsMatchTheCompositeExpressions) {
       nearly_equal(normed, rms_norm(x + delta, w, 1e-6, zero_centred), what);
       nearly_equal(rms_norm_rows(x, w, 1e-6, zero_centred), rms_norm(x, w, 1e-6, zero_centred), what + ", no residual");
     }
+  }
+  // A row wider than the kernel holds is refused with its width.
+  const at::Tensor wide = at::randn({2, 16392}, bf16);
+  try {
+    add_rms_norm(wide, wide, at::randn({16392}, bf16), 1e-6, false);
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("16392"), std::string::npos) << e.what();
   }
   const at::Tensor gate = at::randn({300, 1736}, bf16) * 3, up = at::randn({300, 1736}, bf16);
   nearly_equal(silu_mul(gate, up), at::silu(gate) * up, "silu_mul");

@@ -11,40 +11,66 @@
 
 namespace dflash::target::kernels::gdn {
 
-// One CTA per (sequence, value head), one thread per value column j: the thread holds column j of
-// S (128 key rows) in registers for all the call's tokens, so the state is read once and written
-// once however many tokens run. Per token t:
+// Two CTAs per (sequence, value head), one per 64 value columns; kDecodeSplit threads per value
+// column j, each holding kDecodeRows key rows of column j of S in registers for all the call's
+// tokens, so the state is read once and written once however many tokens run. Per token t:
 //   S = e^g_t S;  delta_j = beta_t (v_tj - sum_i k_ti S_ij);  S_ij += k_ti delta_j;  o_tj = sum_i q_ti S_ij
-// with q, k L2-normalised here (q also scaled), as the reference path does.
-__global__ void __launch_bounds__(D) decode_step_kernel(GdnDecodeStep a) {
-  const int sequence = blockIdx.x / a.value_heads, head = blockIdx.x % a.value_heads;
+// with q, k L2-normalised here (q also scaled), as the reference path does. A column's sums over
+// i are its threads' partial sums combined by two shuffles. With one thread per column (128 rows
+// in registers) the kernel took 255 registers and spilled: 8 warps per SM moved the states at
+// 3.45 TB/s; 32 rows per thread (about 100 registers) leave room for twice the warps. A warp holds
+// 8 columns: each of its loads and stores is 4 runs of 32 bytes, whole sectors.
+constexpr int kDecodeSplit = 4;                       // threads per column: lanes c, c + 8, c + 16, c + 24
+constexpr int kDecodeRows = D / kDecodeSplit;         // key rows per thread
+constexpr int kDecodeColumns = D / 2;                 // value columns per CTA
+constexpr int kDecodeThreads = kDecodeColumns * kDecodeSplit;  // 256
+constexpr int kDecodeColumnsPerWarp = 32 / kDecodeSplit;
+
+__global__ void __launch_bounds__(kDecodeThreads) decode_step_kernel(GdnDecodeStep a) {
+  const int item = blockIdx.x / 2, sequence = item / a.value_heads, head = item % a.value_heads;
   const int key_head = head / (a.value_heads / a.key_heads);
-  const int j = threadIdx.x, warp = j / 32, lane = j % 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int part = lane / kDecodeColumnsPerWarp;
+  const int j = blockIdx.x % 2 * kDecodeColumns + warp * kDecodeColumnsPerWarp + lane % kDecodeColumnsPerWarp;
+  const int i0 = part * kDecodeRows;  // this thread's rows i0 .. i0 + kDecodeRows - 1 of column j
   __shared__ float q[D], k[D], sums[2][D / 32];
   const int64_t row = static_cast<int64_t>(sequence) * a.value_heads + head;
-  const float* state_in = a.state_in + row * D * D + j;
-  float s[D];
+  const float* state_in = a.state_in + row * D * D + static_cast<int64_t>(i0) * D + j;
+  float s[kDecodeRows];
 #pragma unroll
-  for (int i = 0; i < D; ++i) s[i] = state_in[i * D];
+  for (int i = 0; i < kDecodeRows; ++i) s[i] = state_in[i * D];
+  // The sum over a column's kDecodeSplit threads (lanes apart by kDecodeColumnsPerWarp).
+  auto column_sum = [](float x) {
+#pragma unroll
+    for (int offset = kDecodeColumnsPerWarp; offset < 32; offset <<= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+  };
 
   for (int t = 0; t < a.tokens; ++t) {
     const int64_t token = static_cast<int64_t>(sequence) * a.tokens + t;  // [sequences, tokens] rows
-    const float qj = __bfloat162float(static_cast<const bf16*>(a.q)[token * a.q_stride + key_head * D + j]);
-    const float kj = __bfloat162float(static_cast<const bf16*>(a.k)[token * a.k_stride + key_head * D + j]);
-    float qq = qj * qj, kk = kj * kj;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      qq += __shfl_xor_sync(0xffffffffu, qq, offset);
-      kk += __shfl_xor_sync(0xffffffffu, kk, offset);
-    }
+    // q and k of this token, L2-normalised by the first D threads (thread c: element c).
+    const int c = threadIdx.x;
+    float qc = 0, kc = 0;
     __syncthreads();  // the previous token's q, k and sums are read by every thread
-    if (lane == 0) sums[0][warp] = qq, sums[1][warp] = kk;
-    __syncthreads();
-    float q_sum = 0, k_sum = 0;
+    if (c < D) {
+      qc = __bfloat162float(static_cast<const bf16*>(a.q)[token * a.q_stride + key_head * D + c]);
+      kc = __bfloat162float(static_cast<const bf16*>(a.k)[token * a.k_stride + key_head * D + c]);
+      float qq = qc * qc, kk = kc * kc;
 #pragma unroll
-    for (int w = 0; w < D / 32; ++w) q_sum += sums[0][w], k_sum += sums[1][w];
-    q[j] = qj * rsqrtf(q_sum + 1e-6f) * a.scale;
-    k[j] = kj * rsqrtf(k_sum + 1e-6f);
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        qq += __shfl_xor_sync(0xffffffffu, qq, offset);
+        kk += __shfl_xor_sync(0xffffffffu, kk, offset);
+      }
+      if (lane == 0) sums[0][warp] = qq, sums[1][warp] = kk;
+    }
+    __syncthreads();
+    if (c < D) {
+      float q_sum = 0, k_sum = 0;
+#pragma unroll
+      for (int w = 0; w < D / 32; ++w) q_sum += sums[0][w], k_sum += sums[1][w];
+      q[c] = qc * rsqrtf(q_sum + 1e-6f) * a.scale;
+      k[c] = kc * rsqrtf(k_sum + 1e-6f);
+    }
     __syncthreads();
 
     const int64_t gate = token * a.value_heads + head;
@@ -52,22 +78,23 @@ __global__ void __launch_bounds__(D) decode_step_kernel(GdnDecodeStep a) {
     const float v = __bfloat162float(static_cast<const bf16*>(a.v)[token * a.v_stride + head * D + j]);
     float predicted = 0;
 #pragma unroll
-    for (int i = 0; i < D; ++i) {
+    for (int i = 0; i < kDecodeRows; ++i) {
       s[i] *= decay;
-      predicted += k[i] * s[i];
+      predicted += k[i0 + i] * s[i];
     }
-    const float delta = beta * (v - predicted);
+    const float delta = beta * (v - column_sum(predicted));
     float o = 0;
 #pragma unroll
-    for (int i = 0; i < D; ++i) {
-      s[i] += k[i] * delta;
-      o += q[i] * s[i];
+    for (int i = 0; i < kDecodeRows; ++i) {
+      s[i] += k[i0 + i] * delta;
+      o += q[i0 + i] * s[i];
     }
-    a.out[gate * D + j] = o;
+    o = column_sum(o);
+    if (part == 0) a.out[gate * D + j] = o;
   }
-  float* state_out = a.state_out + row * D * D + j;
+  float* state_out = a.state_out + row * D * D + static_cast<int64_t>(i0) * D + j;
 #pragma unroll
-  for (int i = 0; i < D; ++i) state_out[i * D] = s[i];
+  for (int i = 0; i < kDecodeRows; ++i) state_out[i * D] = s[i];
 }
 
 }  // namespace dflash::target::kernels::gdn
