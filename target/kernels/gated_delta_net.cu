@@ -48,10 +48,9 @@ void conv_step(const ConvStep& a, cudaStream_t stream) {
       a.tails_sequence_stride % 8 != 0) {
     throw std::invalid_argument("conv_step: needs kernel 2..4, channels and strides that are multiples of 8");
   }
-  const int64_t threads = static_cast<int64_t>(a.sequences) * (a.channels / 8);
-  if (threads == 0 || a.tokens == 0) return;
-  constexpr int kThreads = 256;
-  conv_step_kernel<<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a);
+  if (a.sequences == 0 || a.channels == 0 || a.tokens == 0) return;
+  const dim3 grid(static_cast<unsigned>(a.sequences), static_cast<unsigned>((a.channels / 8 + kConvStepThreads - 1) / kConvStepThreads));
+  conv_step_kernel<<<grid, kConvStepThreads, 0, stream>>>(a);
   check_cuda_launch("GatedDeltaNet kernel conv_step");
 }
 

@@ -32,14 +32,32 @@ __device__ __forceinline__ void conv_silu8(float (&out)[8], const float (&w)[4][
   }
 }
 
-// w[s][e]: the tap applied to x[t - s] of channel c0 + e (zero past the kernel width). Loops of
-// constant trip count with predicates, so that w stays in registers.
+// w[s][e] = raw's tap of channel e for x[t - s], raw holding the K taps of 8 channels ([8, K]).
+template <int K>
+__device__ __forceinline__ void unpack_taps(float (&w)[4][8], const uint4 (&raw)[4]) {
+  const bf16* v = reinterpret_cast<const bf16*>(raw);
+#pragma unroll
+  for (int s = 0; s < K; ++s) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) w[s][e] = __bfloat162float(v[e * K + K - 1 - s]);
+  }
+}
+
+// w[s][e]: the tap applied to x[t - s] of channel c0 + e (zero past the kernel width). The 8
+// channels' taps are 16 K contiguous bytes of the [channels, K] weight: K vector loads (32 scalar
+// loads per thread had cost a one-token decoding step's conv as much as its data).
 __device__ __forceinline__ void load_taps(float (&w)[4][8], const bf16* __restrict__ weight, int kernel, int c0) {
+  const uint4* src = reinterpret_cast<const uint4*>(weight + static_cast<int64_t>(c0) * kernel);
+  uint4 raw[4];
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    if (s >= kernel) continue;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) w[s][e] = __bfloat162float(weight[static_cast<int64_t>(c0 + e) * kernel + kernel - 1 - s]);
+  for (int u = 0; u < 4; ++u) {
+    if (u < kernel) raw[u] = src[u];
+  }
+  switch (kernel) {
+    case 1: unpack_taps<1>(w, raw); break;
+    case 2: unpack_taps<2>(w, raw); break;
+    case 3: unpack_taps<3>(w, raw); break;
+    default: unpack_taps<4>(w, raw); break;
   }
 }
 
@@ -95,11 +113,13 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const 
 // step rows, read once each; writes the n outputs (conv + SiLU, no L2 norm: the decode-step kernel
 // normalises q and k) and the sequence's new last K - 1 inputs. Replaces concatenating a window,
 // convolving all of it and copying its tail out (three passes).
-__global__ void conv_step_kernel(ConvStep a) {
-  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int row_chunks = a.channels / 8;
-  if (thread >= static_cast<int64_t>(a.sequences) * row_chunks) return;
-  const int sequence = static_cast<int>(thread / row_chunks), c0 = static_cast<int>(thread % row_chunks) * 8;
+// The grid: one row of CTAs per sequence (blockIdx.x), kConvStepThreads chunks of 8 channels each
+// (blockIdx.y): no index division.
+constexpr int kConvStepThreads = 128;
+
+__global__ void __launch_bounds__(kConvStepThreads) conv_step_kernel(ConvStep a) {
+  const int sequence = blockIdx.x, c0 = (blockIdx.y * kConvStepThreads + threadIdx.x) * 8;
+  if (c0 >= a.channels) return;
   const int held = a.kernel - 1;
   float w[4][8] = {}, history[3][8] = {}, current[8];
   load_taps(w, static_cast<const bf16*>(a.weight), a.kernel, c0);
