@@ -27,8 +27,8 @@ constexpr int kNormThreads = 256;
 // 2048 wide). Every load of the row, the delta and the weight is issued before the first is used
 // (predicated, one basic block), then the (rounded) sum and its sum of squares are formed, and the
 // normalised row is written from the registers: bf16 to normed_out, or (kFp8) quantised to e4m3
-// for an FP8 GEMM (a half-warp holds 128 consecutive columns: one group). A loop that loaded,
-// summed and stored chunk by chunk, then reread the row, waited on every load in turn.
+// for an FP8 GEMM (a half-warp holds 128 consecutive columns: one group). Loads issued together
+// overlap; a chunk-by-chunk loop with a branch between chunks would wait on each in turn.
 template <bool kFp8, int kChunks>
 __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const bf16* __restrict__ x,
                                                                     const bf16* __restrict__ delta,
@@ -115,10 +115,10 @@ void launch_add_rms_norm(int rows, int n, cudaStream_t stream, const bf16* x, co
 // Rows of n (a multiple of 8) elements: gate and up rows at a common stride, out contiguous, or
 // (kFp8, n a multiple of 128) quantised to e4m3. A CTA takes kSiluThreads chunks of 8 elements of
 // one row (blockIdx.x, so any number of rows), blockIdx.y the chunks' place in the row: no index
-// division (64-bit divisions made the FP8 variant bound by its instructions). The 16 chunks of a
-// half-warp are one 128-wide group, as kSiluThreads is a multiple of 16 chunks. SiLU's quotient
-// by the fast division (2 ulp in fp32 before the bf16 rounding; the bf16 and FP8 variants share
-// it, so the FP8 rows are the bf16 rows quantised).
+// division (a 64-bit division per chunk costs more instructions than its element-wise work). The
+// 16 chunks of a half-warp are one 128-wide group, as kSiluThreads is a multiple of 16 chunks.
+// SiLU's quotient by the fast division (2 ulp in fp32 before the bf16 rounding; the bf16 and FP8
+// variants share it, so the FP8 rows are the bf16 rows quantised).
 constexpr int kSiluThreads = 128;
 
 template <bool kFp8>

@@ -49,7 +49,8 @@ void conv_step(const ConvStep& a, cudaStream_t stream) {
     throw std::invalid_argument("conv_step: needs kernel 2..4, channels and strides that are multiples of 8");
   }
   if (a.sequences == 0 || a.channels == 0 || a.tokens == 0) return;
-  const dim3 grid(static_cast<unsigned>(a.sequences), static_cast<unsigned>((a.channels / 8 + kConvStepThreads - 1) / kConvStepThreads));
+  const dim3 grid(static_cast<unsigned>(a.sequences),
+                  static_cast<unsigned>((a.channels / 8 + kConvStepThreads - 1) / kConvStepThreads));
   conv_step_kernel<<<grid, kConvStepThreads, 0, stream>>>(a);
   check_cuda_launch("GatedDeltaNet kernel conv_step");
 }

@@ -12,8 +12,8 @@ namespace dflash::target::kernels::gdn {
 // the three inputs before its first token and all of its tokens' rows at once, then convolves
 // them in registers (the loop unrolled, so the window's shift is a renaming); a head's 128
 // channels are 16 lanes of one warp, whose sum of squares is a 4-step shuffle. Few tokens per
-// CTA: many CTAs in flight (a 3072-token forward: 3840). At 32 tokens per thread, one row at a
-// time, the kernel waited on each load at 16 % occupancy (1.1 TB/s).
+// CTA keep many CTAs in flight (a 3072-token forward: 3840) and every thread's loads overlap:
+// the kernel is bound by the memory's latency, not its work.
 constexpr int kConvTokens = 8;
 constexpr int kConvThreads = 128;  // 1024 channels per CTA
 
@@ -28,7 +28,7 @@ __device__ __forceinline__ void conv_silu8(float (&out)[8], const float (&w)[4][
     for (int s = 1; s < 4; ++s) {
       if (s < taps) acc += w[s][e] * history[s - 1][e];
     }
-    out[e] = __fdividef(acc, 1.0f + __expf(-acc));  // 2 ulp; a full division per element cost more
+    out[e] = __fdividef(acc, 1.0f + __expf(-acc));  // 2 ulp; a full division costs more than the rest
   }
 }
 
@@ -45,7 +45,7 @@ __device__ __forceinline__ void unpack_taps(float (&w)[4][8], const uint4 (&raw)
 
 // w[s][e]: the tap applied to x[t - s] of channel c0 + e (zero past the kernel width). The 8
 // channels' taps are 16 K contiguous bytes of the [channels, K] weight: K vector loads (32 scalar
-// loads per thread had cost a one-token decoding step's conv as much as its data).
+// loads would cost a one-token decoding step's conv as much as its data).
 __device__ __forceinline__ void load_taps(float (&w)[4][8], const bf16* __restrict__ weight, int kernel, int c0) {
   const uint4* src = reinterpret_cast<const uint4*>(weight + static_cast<int64_t>(c0) * kernel);
   uint4 raw[4];

@@ -16,10 +16,9 @@ namespace dflash::target::kernels::gdn {
 // tokens, so the state is read once and written once however many tokens run. Per token t:
 //   S = e^g_t S;  delta_j = beta_t (v_tj - sum_i k_ti S_ij);  S_ij += k_ti delta_j;  o_tj = sum_i q_ti S_ij
 // with q, k L2-normalised here (q also scaled), as the reference path does. A column's sums over
-// i are its threads' partial sums combined by two shuffles. With one thread per column (128 rows
-// in registers) the kernel took 255 registers and spilled: 8 warps per SM moved the states at
-// 3.45 TB/s; 32 rows per thread (about 100 registers) leave room for twice the warps. A warp holds
-// 8 columns: each of its loads and stores is 4 runs of 32 bytes, whole sectors.
+// i are its threads' partial sums combined by two shuffles. 32 rows per thread keep the kernel at
+// about 80 registers, three CTAs per SM (a thread holding all 128 rows of a column would spill).
+// A warp holds 8 columns: each of its loads and stores is 4 runs of 32 bytes, whole sectors.
 constexpr int kDecodeSplit = 4;                       // threads per column: lanes c, c + 8, c + 16, c + 24
 constexpr int kDecodeRows = D / kDecodeSplit;         // key rows per thread
 constexpr int kDecodeColumns = D / 2;                 // value columns per CTA
