@@ -98,18 +98,11 @@ template <bool kFp8>
 void launch_add_rms_norm(int rows, int n, cudaStream_t stream, const bf16* x, const bf16* delta, const bf16* weight,
                          bf16* sum_out, bf16* normed_out, fp8_group::Destination fp8, float eps, bool zero_centred) {
   const int chunks = (n / 8 + kNormThreads - 1) / kNormThreads;
-  if (chunks <= 2) {
-    add_rms_norm_kernel<kFp8, 2><<<rows, kNormThreads, 0, stream>>>(x, delta, weight, sum_out, normed_out, fp8, n, eps,
-                                                                   zero_centred);
-  } else if (chunks <= 4) {
-    add_rms_norm_kernel<kFp8, 4><<<rows, kNormThreads, 0, stream>>>(x, delta, weight, sum_out, normed_out, fp8, n, eps,
-                                                                   zero_centred);
-  } else if (chunks <= 8) {
-    add_rms_norm_kernel<kFp8, 8><<<rows, kNormThreads, 0, stream>>>(x, delta, weight, sum_out, normed_out, fp8, n, eps,
-                                                                   zero_centred);
-  } else {
-    throw std::invalid_argument("add_rms_norm: rows of at most 16384 elements, got " + std::to_string(n));
-  }
+  if (chunks > 8) throw std::invalid_argument("add_rms_norm: rows of at most 16384 elements, got " + std::to_string(n));
+  const auto kernel = chunks <= 2 ? add_rms_norm_kernel<kFp8, 2>
+                      : chunks <= 4 ? add_rms_norm_kernel<kFp8, 4>
+                                    : add_rms_norm_kernel<kFp8, 8>;
+  kernel<<<rows, kNormThreads, 0, stream>>>(x, delta, weight, sum_out, normed_out, fp8, n, eps, zero_centred);
 }
 
 // Rows of n (a multiple of 8) elements: gate and up rows at a common stride, out contiguous, or

@@ -163,7 +163,7 @@ void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream
   if (args.key_heads < 1 || args.value_heads % args.key_heads != 0) {
     throw std::invalid_argument("gated_delta_rule_decode_step: value heads must be a multiple of key heads");
   }
-  decode_step_kernel<<<args.sequences * args.value_heads * 2, kDecodeThreads, 0, stream>>>(args);
+  decode_step_kernel<<<args.sequences * args.value_heads * kDecodeCtasPerHead, kDecodeThreads, 0, stream>>>(args);
   check_cuda_launch("GatedDeltaNet kernel decode_step");
 }
 

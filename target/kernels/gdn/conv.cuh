@@ -32,6 +32,16 @@ __device__ __forceinline__ void conv_silu8(float (&out)[8], const float (&w)[4][
   }
 }
 
+// The window moves by one token: history[i] = x[t - 1 - i] for the next t.
+__device__ __forceinline__ void shift_window(float (&history)[3][8], const float (&current)[8]) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    history[2][e] = history[1][e];
+    history[1][e] = history[0][e];
+    history[0][e] = current[e];
+  }
+}
+
 // w[s][e] = raw's tap of channel e for x[t - s], raw holding the K taps of 8 channels ([8, K]).
 template <int K>
 __device__ __forceinline__ void unpack_taps(float (&w)[4][8], const uint4 (&raw)[4]) {
@@ -99,12 +109,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const 
 #pragma unroll
     for (int e = 0; e < 8; ++e) out[e] *= factor;
     if (active) bf16x8::store8(y + static_cast<int64_t>(t) * channels + c0, out);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      history[2][e] = history[1][e];
-      history[1][e] = history[0][e];
-      history[0][e] = current[e];
-    }
+    shift_window(history, current);
   }
 }
 
@@ -134,12 +139,7 @@ __global__ void __launch_bounds__(kConvStepThreads) conv_step_kernel(ConvStep a)
     float out[8];
     conv_silu8(out, w, current, history, a.kernel);
     bf16x8::store8(static_cast<bf16*>(a.y) + row * a.channels + c0, out);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      history[2][e] = history[1][e];
-      history[1][e] = history[0][e];
-      history[0][e] = current[e];
-    }
+    shift_window(history, current);
   }
   bf16* new_tails = static_cast<bf16*>(a.new_tails) + static_cast<int64_t>(sequence) * held * a.channels + c0;
 #pragma unroll

@@ -21,16 +21,18 @@ namespace dflash::target::kernels::gdn {
 // A warp holds 8 columns: each of its loads and stores is 4 runs of 32 bytes, whole sectors.
 constexpr int kDecodeSplit = 4;                       // threads per column: lanes c, c + 8, c + 16, c + 24
 constexpr int kDecodeRows = D / kDecodeSplit;         // key rows per thread
-constexpr int kDecodeColumns = D / 2;                 // value columns per CTA
+constexpr int kDecodeCtasPerHead = 2;
+constexpr int kDecodeColumns = D / kDecodeCtasPerHead;  // value columns per CTA
 constexpr int kDecodeThreads = kDecodeColumns * kDecodeSplit;  // 256
 constexpr int kDecodeColumnsPerWarp = 32 / kDecodeSplit;
 
 __global__ void __launch_bounds__(kDecodeThreads) decode_step_kernel(GdnDecodeStep a) {
-  const int item = blockIdx.x / 2, sequence = item / a.value_heads, head = item % a.value_heads;
+  const int item = blockIdx.x / kDecodeCtasPerHead, sequence = item / a.value_heads, head = item % a.value_heads;
   const int key_head = head / (a.value_heads / a.key_heads);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int part = lane / kDecodeColumnsPerWarp;
-  const int j = blockIdx.x % 2 * kDecodeColumns + warp * kDecodeColumnsPerWarp + lane % kDecodeColumnsPerWarp;
+  const int j =
+      blockIdx.x % kDecodeCtasPerHead * kDecodeColumns + warp * kDecodeColumnsPerWarp + lane % kDecodeColumnsPerWarp;
   const int i0 = part * kDecodeRows;  // this thread's rows i0 .. i0 + kDecodeRows - 1 of column j
   __shared__ float q[D], k[D], sums[2][D / 32];
   const int64_t row = static_cast<int64_t>(sequence) * a.value_heads + head;
