@@ -10,6 +10,7 @@
 #include <netinet/in.h>
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -81,9 +82,39 @@ inline int free_port() {
   return ntohs(address.sin_port);
 }
 
+// The temporary directories a test process made, removed when it exits so that repeated
+// `make test` runs do not fill the disk. DFLASHD_KEEP_TEST_DIRS=1 keeps them for a post-mortem.
+// Only the process that made them removes them: a forked child (a death test) that exits
+// must not delete what its parent still uses.
+class TempDirRegistry {
+ public:
+  static TempDirRegistry& instance() {
+    static TempDirRegistry registry;
+    return registry;
+  }
+  void add(const std::string& path) { paths_.push_back(path); }
+  ~TempDirRegistry() {
+    if (::getpid() != owner_ || std::getenv("DFLASHD_KEEP_TEST_DIRS") != nullptr) return;
+    for (const auto& path : paths_) remove_tree(path);
+  }
+
+ private:
+  TempDirRegistry() : owner_(::getpid()) {}
+  // nftw rather than std::filesystem::remove_all: libtorch exports its own copy of the
+  // std::filesystem symbols, and at exit the binary's calls resolve to it and crash.
+  static void remove_tree(const std::string& path) {
+    ::nftw(
+        path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+        FTW_DEPTH | FTW_PHYS);
+  }
+  pid_t owner_;
+  std::vector<std::string> paths_;
+};
+
 inline std::string make_temp_dir(const std::string& tag) {
   std::string pattern = "/tmp/dflashd-test-" + tag + "-XXXXXX";
   if (!::mkdtemp(pattern.data())) std::abort();
+  TempDirRegistry::instance().add(pattern);
   return pattern;
 }
 
