@@ -67,7 +67,8 @@ elif [ "$phase" = moe ]; then
   grep -hE "^target forward|^one MoE|grouped|reference|floor" "$out"/target_bench_*.txt
 elif [ "$phase" = decode ]; then
   # Speculative decoding (issue 23): a verify step, a plain decode step, the drafter's block, and
-  # plain against speculative decoding end to end, at 27B (and 35B-A3B) shapes, random weights.
+  # plain against speculative decoding end to end, at 27B (and 35B-A3B) shapes, random weights
+  # (DECODE_STATE_DTYPE=bfloat16: the GatedDeltaNet states bf16 between steps).
   for cfg in ${DECODE_CONFIGS:-qwen3_5-27b}; do
     timeout 400 env DFLASHD_EXEC=decode_bench "$B/bin/dflashd" "bench/configs/$cfg" ${DECODE_ARGS:-4 64 512} 2>&1 | tee "$out/decode_bench_$cfg.txt"
   done
@@ -75,7 +76,8 @@ elif [ "$phase" = decode ]; then
   grep -hE "step|drafter block|tok/s|64 prompts" "$out"/decode_bench_*.txt
 elif [ "$phase" = generate ]; then
   # Regenerating responses (issue 26): dflashd generate at 27B shapes (random weights) with 64 and
-  # 128 sequences at once (GENERATE_DTYPE=float8: the target's projections FP8), then
+  # 128 sequences at once (GENERATE_DTYPE=float8: the target's projections FP8;
+  # GENERATE_STATE_DTYPE=bfloat16: its GatedDeltaNet states bf16 between steps), then
   # transformers' batched generate on the same prompts (SKIP_PYTHON=1: not). Goal: >= 50 %
   # of the weight-read floor (about 54 GB of bf16 weights per step at 4.8 TB/s: 11.6K tok/s at 128).
   cfg="bench/configs/${GENERATE_CONFIG:-qwen3_5-27b}"
@@ -85,6 +87,7 @@ elif [ "$phase" = generate ]; then
     rm -rf "/tmp/generate-$batch"
     /usr/bin/time -f "wall %e s" timeout 300 "$B/bin/dflashd" generate --target "$cfg" --random-weights --prompts /tmp/prompts.jsonl \
       --out "/tmp/generate-$batch" --max-new-tokens "$new" --max-batch "$batch" --truncated keep --log-every 10 ${GENERATE_DTYPE:+--dtype "$GENERATE_DTYPE"} \
+      ${GENERATE_STATE_DTYPE:+--state-dtype "$GENERATE_STATE_DTYPE"} \
       > "$out/generate_$batch.log" 2>&1
     grep -E "generate: .*(tok|finished|stopped)|wall|error" "$out/generate_$batch.log" | tail -3
   done

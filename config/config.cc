@@ -93,6 +93,8 @@ void read_target(MapReader m, TargetConfig* c) {
                         {"float16", ModelDtype::float16},
                         {"float32", ModelDtype::float32},
                         {"float8", ModelDtype::float8}});
+  m.choice<ModelDtype>("decode_state_dtype", &c->decode_state_dtype,
+                       {{"float32", ModelDtype::float32}, {"bfloat16", ModelDtype::bfloat16}});
   m.field("allow_slow_path", &c->allow_slow_path);
   m.done();
 }

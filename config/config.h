@@ -71,6 +71,9 @@ struct TargetConfig {
   std::string preset;               // "tiny-qwen3_5", "tiny-qwen3", "tiny-llama"
   TargetWeights weights = TargetWeights::checkpoint;
   ModelDtype dtype = ModelDtype::bfloat16;
+  // The GatedDeltaNet states between decoding steps (evaluation, `dflashd generate -c`): float32
+  // or bfloat16 (half their memory and traffic; the rule still runs in fp32).
+  ModelDtype decode_state_dtype = ModelDtype::float32;
   bool allow_slow_path = false;     // permit the reference GatedDeltaNet path on a GPU
 };
 

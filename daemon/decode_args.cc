@@ -28,6 +28,7 @@ bool parse_target_option(const std::string& k, const std::string& v, TargetArgs*
   else if (k == "--preset") a->preset = v;
   else if (k == "--device") a->device_text = v;
   else if (k == "--dtype") a->dtype_text = v;
+  else if (k == "--state-dtype") *ok = (a->state_dtype_text = v) == "float32" || v == "bfloat16";
   else if (k == "--target-seed") *ok = parse_number(v, &a->target_seed);
   else return false;
   return true;
@@ -67,6 +68,7 @@ std::optional<target::TargetOptions> target_options(const std::string& command, 
     std::cerr << "dflashd " << command << ": --dtype must be bfloat16, float32 or float8\n";
     return std::nullopt;
   }
+  o.decode_state_dtype = a.state_dtype_text == "bfloat16" ? at::kBFloat16 : at::kFloat;
   o.allow_slow_path = a.allow_slow_path;
   return o;
 }
@@ -89,7 +91,8 @@ void check_decoding_batch(const std::string& command, const target::TargetModel&
   const int64_t left = capacities[static_cast<size_t>(device.index())] - (used.empty() ? 0 : used[0].allocated_bytes) -
                        (int64_t{1} << 30);
   const int64_t dtype_bytes = static_cast<int64_t>(c10::elementSize(model.options().dtype));
-  const int64_t each = target::decoding_sequence_bytes(model.config(), tokens, step_tokens, dtype_bytes);
+  const int64_t state_bytes = static_cast<int64_t>(c10::elementSize(model.options().decode_state_dtype));
+  const int64_t each = target::decoding_sequence_bytes(model.config(), tokens, step_tokens, dtype_bytes, state_bytes);
   const int64_t fits = target::decoding_batch_that_fits(left, each);
   if (sequences <= fits) return;
   auto gb = [](int64_t bytes) { return log::fixed(static_cast<double>(bytes) / 1e9, 1); };

@@ -28,13 +28,14 @@ bool parse_ids(const std::string& text, std::vector<int64_t>* ids);
 // (seeded as a run with train.seed = target_seed) for a preset or with random_weights.
 struct TargetArgs {
   std::string dir, preset, device_text, dtype_text;
+  std::string state_dtype_text;  // --state-dtype: the GatedDeltaNet states between steps (float32)
   bool random_weights = false;
   bool allow_slow_path = false;
   int64_t target_seed = 0;
 };
 
 // Handles the option `key` with `value` if it is a TargetArgs one (--target, --preset, --device,
-// --dtype, --target-seed); *ok is false on a bad value.
+// --dtype, --state-dtype, --target-seed); *ok is false on a bad value.
 bool parse_target_option(const std::string& key, const std::string& value, TargetArgs* a, bool* ok);
 
 // Handles the option `key` if it is a decoding setting (--max-new-tokens, --max-batch,
@@ -42,8 +43,9 @@ bool parse_target_option(const std::string& key, const std::string& value, Targe
 bool parse_decoding_option(const std::string& key, const std::string& value, decode::GenerateSettings* s,
                            int64_t* max_batch, bool* ok);
 
-// The device and dtype the arguments name, or their defaults (cuda:0 and bfloat16 when a GPU is
-// visible, else cpu and float32); nullopt after printing "dflashd COMMAND: ..." otherwise.
+// The device, dtype and state dtype the arguments name, or their defaults (cuda:0 and bfloat16
+// when a GPU is visible, else cpu and float32; float32 states); nullopt after printing "dflashd
+// COMMAND: ..." otherwise.
 std::optional<target::TargetOptions> target_options(const std::string& command, const TargetArgs& a);
 
 // Refuses (std::runtime_error naming the command, the device, the numbers and the largest batch

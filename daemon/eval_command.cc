@@ -22,7 +22,7 @@ namespace {
 constexpr const char* kHelp = R"(Usage: dflashd eval (--target DIR | --preset NAME) --drafter EXPORT_DIR --prompts FILE.jsonl
                     [--max-new-tokens N] [--max-prompts N] [--max-batch N] [--temperature T] [--top-p P] [--top-k K]
                     [--seed S] [--stop-token-ids 1,2] [--device cpu|cuda:N] [--dtype bfloat16|float32|float8]
-                    [--no-baseline] [--out REPORT.json] [--random-weights] [--target-seed S]
+                    [--state-dtype float32|bfloat16] [--no-baseline] [--out REPORT.json] [--random-weights] [--target-seed S]
                     [--allow-slow-path]
 
 Measures the drafter's real acceptance: speculative decoding of every prompt with the target
@@ -49,6 +49,8 @@ that greedy speculative decoding changed no output; --no-baseline skips it).
   --stop-token-ids    token ids that end a prompt's output
   --device            cuda:0 when a GPU is visible, else cpu
   --dtype             bfloat16 on a GPU, float32 on the CPU; float8: FP8 projections (target.dtype: float8)
+  --state-dtype       the GatedDeltaNet states between steps: float32 (the default, as transformers) or
+                      bfloat16 (half their memory and traffic, as vLLM keeps them by default)
   --out FILE          also write the report as JSON
   --allow-slow-path   accept a target whose GatedDeltaNet or MoE layers cannot run the fast path on
                       the GPU (as target.allow_slow_path)

@@ -33,7 +33,8 @@ namespace {
 constexpr const char* kHelp = R"(Usage: dflashd generate (--target DIR | --preset NAME) --prompts FILE.jsonl --out DIR
                         [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                         [--stop-token-ids 1,2] [--max-batch N] [--shard-size N] [--truncated skip|keep]
-                        [-c CONFIG] [--device cpu|cuda:N] [--dtype bfloat16|float32|float8] [--random-weights]
+                        [-c CONFIG] [--device cpu|cuda:N] [--dtype bfloat16|float32|float8]
+                        [--state-dtype float32|bfloat16] [--random-weights]
                         [--target-seed S] [--allow-slow-path] [--metrics HOST:PORT] [--log-every SECONDS]
 
 Regenerates training responses with the target: every prompt decoded by the target (plain
@@ -57,10 +58,13 @@ sequence's place taking the next prompt), written as training samples to shards 
   --stop-token-ids    token ids that end a response (the target's end-of-turn ids)
   --max-batch N       sequences decoded at once per replica (64)
   --shard-size N      samples per committed shard (256)
-  -c CONFIG           a dflashd config: its target (unless --target / --preset), target.dtype,
-                      gpus.device and gpus.target (one replica per id), train.seed (random
-                      weights), metrics.listen and metrics.log_every_seconds
+  -c CONFIG           a dflashd config: its target (unless --target / --preset), target.dtype and
+                      target.decode_state_dtype, gpus.device and gpus.target (one replica per id),
+                      train.seed (random weights), metrics.listen and metrics.log_every_seconds
   --device, --dtype   without -c: one replica; cuda:0 and bfloat16 when a GPU is visible, else cpu, float32
+  --state-dtype       the GatedDeltaNet states between steps: float32 (the default, as transformers) or
+                      bfloat16 (half their memory and a decode step's state traffic, as vLLM keeps
+                      them by default; the rule runs in fp32 either way)
   --metrics HOST:PORT serve /metrics and /healthz (dflashd_generate_*)
   --log-every S       seconds between progress lines (30)
 
@@ -155,8 +159,18 @@ std::vector<std::vector<int64_t>> read_prompts(const std::string& path, int64_t 
   return prompts;
 }
 
-// What the output directory is generated from (ShardedOutput compares it on a restart).
-std::string job_description(const GenerateArgs& a, const std::vector<std::vector<int64_t>>& prompts) {
+// The precision the target decodes in: its dtype (float8: FP8 projections) and its states'.
+std::string dtype_name(const target::TargetOptions& o) {
+  return o.fp8_weights ? "float8" : o.dtype == at::kFloat ? "float32" : "bfloat16";
+}
+std::string state_dtype_name(const target::TargetOptions& o) {
+  return o.decode_state_dtype == at::kBFloat16 ? "bfloat16" : "float32";
+}
+
+// What the output directory is generated from (ShardedOutput compares it on a restart): a
+// restart in another precision would mix two targets' responses.
+std::string job_description(const GenerateArgs& a, const target::TargetOptions& options,
+                            const std::vector<std::vector<int64_t>>& prompts) {
   uint64_t checksum = 1469598103934665603ULL;  // FNV-1a over the prompts' ids and lengths
   auto mix = [&](uint64_t v) {
     for (int b = 0; b < 8; ++b) checksum = (checksum ^ ((v >> (8 * b)) & 0xff)) * 1099511628211ULL;
@@ -170,6 +184,8 @@ std::string job_description(const GenerateArgs& a, const std::vector<std::vector
   const decode::GenerateSettings& s = a.settings;
   nlohmann::ordered_json j;
   j["target"] = a.target.preset.empty() ? a.target.dir : "preset:" + a.target.preset;
+  j["dtype"] = dtype_name(options);
+  j["state_dtype"] = state_dtype_name(options);
   j["prompts"] = prompts.size();
   j["prompts_checksum"] = hex;
   j["max_new_tokens"] = s.max_new_tokens;
@@ -180,6 +196,21 @@ std::string job_description(const GenerateArgs& a, const std::vector<std::vector
   j["stop_token_ids"] = s.stop_token_ids;
   j["truncated"] = a.keep_truncated ? "keep" : "skip";
   return j.dump();
+}
+
+// The output directory for this job; says what it assumed of a record an older dflashd wrote.
+decode::ShardedOutput open_output(const GenerateArgs& a, const target::TargetOptions& options,
+                                  const std::vector<std::vector<int64_t>>& prompts) {
+  const std::string job = job_description(a, options, prompts);
+  decode::ShardedOutput out(a.out, job, a.shard_size, a.keep_truncated);
+  if (!out.unrecorded().empty()) {
+    std::string keys;
+    for (const std::string& k : out.unrecorded()) keys += (keys.empty() ? "" : ", ") + k;
+    log::warn("generate: {}/generate.json did not record {} (written by an older dflashd; everything it records "
+              "matches): continuing as this run's {}; the record now holds them",
+              a.out, keys, job);
+  }
+  return out;
 }
 
 // The replicas' places: one per id of the config's gpus.target, or the one device of --device.
@@ -207,7 +238,14 @@ struct GenerateMetrics {
   prometheus::Counter* new_tokens;
 };
 
-GenerateMetrics register_metrics(prometheus::Registry& registry) {
+GenerateMetrics register_metrics(prometheus::Registry& registry, const target::TargetOptions& options) {
+  prometheus::BuildGauge()
+      .Name("dflashd_generate_target_info")
+      .Help("The precision the target decodes in, as labels (dtype: its weights and activations; state_dtype: its "
+            "GatedDeltaNet states between steps); the value is always 1")
+      .Register(registry)
+      .Add({{"dtype", dtype_name(options)}, {"state_dtype", state_dtype_name(options)}})
+      .Set(1);
   auto& prompts = prometheus::BuildGauge()
                       .Name("dflashd_generate_prompts")
                       .Help("Prompts of the job: total, and done (committed, this process and earlier ones)")
@@ -252,6 +290,7 @@ std::optional<config::Config> apply_config(GenerateArgs* a) {
     const config::ModelDtype d = config.target.dtype;
     a->target.dtype_text = d == config::ModelDtype::float32 || d == config::ModelDtype::float8 ? config::name_of(d) : "bfloat16";
   }
+  if (a->target.state_dtype_text.empty()) a->target.state_dtype_text = config::name_of(config.target.decode_state_dtype);
   a->target.target_seed = config.train.seed;
   if (a->metrics.empty()) a->metrics = config.metrics.listen;
   if (!a->log_every_given) a->log_every = config.metrics.log_every_seconds;
@@ -286,16 +325,16 @@ int generate(const GenerateArgs& a_in) {
     check_decoding_batch("dflashd generate", *model, std::min<int64_t>(a.max_batch, static_cast<int64_t>(prompts.size())),
                          static_cast<int64_t>(longest) + a.settings.max_new_tokens, 1);
   }
-  decode::ShardedOutput out(a.out, job_description(a, prompts), a.shard_size, a.keep_truncated);
-  log::info("generate: {} prompts from {}, {} done before{}; {} replica(s) on {}, {} sequences at once each; {}, up "
-            "to {} new tokens, truncated responses {}; output {}",
+  decode::ShardedOutput out = open_output(a, *base, prompts);
+  log::info("generate: {} prompts from {}, {} done before{}; {} replica(s) on {}, {} sequences at once each, target "
+            "{} with {} GatedDeltaNet states; {}, up to {} new tokens, truncated responses {}; output {}",
             prompts.size(), a.prompts, out.done_before().size(),
             out.removed_uncommitted() > 0 ? " (" + std::to_string(out.removed_uncommitted()) + " uncommitted shard(s) removed)" : "",
-            replicas.size(), places, a.max_batch, decode::describe(a.settings), a.settings.max_new_tokens,
-            a.keep_truncated ? "kept" : "skipped", a.out);
+            replicas.size(), places, a.max_batch, dtype_name(*base), state_dtype_name(*base),
+            decode::describe(a.settings), a.settings.max_new_tokens, a.keep_truncated ? "kept" : "skipped", a.out);
 
   auto registry = std::make_shared<prometheus::Registry>();
-  const GenerateMetrics metrics = register_metrics(*registry);
+  const GenerateMetrics metrics = register_metrics(*registry, *base);
   metrics.total->Set(static_cast<double>(prompts.size()));
   metrics.done->Set(static_cast<double>(out.done_before().size()));
   std::unique_ptr<HttpEndpoint> endpoint;

@@ -72,11 +72,19 @@ ShardedOutput::ShardedOutput(std::string dir, const std::string& job, int64_t sh
     } catch (const nlohmann::json::exception& e) {
       throw std::runtime_error(job_path + ": not JSON (" + e.what() + ")");
     }
-    if (found != wanted) {
+    // A record without some of this job's keys was written by an older dflashd that did not
+    // record them: the same job if every key it has agrees (the keys are recorded from now on).
+    bool same = found.is_object() && wanted.is_object();
+    for (auto it = found.begin(); same && it != found.end(); ++it) same = wanted.contains(it.key()) && wanted[it.key()] == *it;
+    if (!same) {
       throw std::runtime_error(job_path + ": this directory holds output of another job (" + found.dump() +
                                "), not of this one (" + wanted.dump() + "); use another --out, or the same prompts "
                                "and settings to continue it");
     }
+    for (auto it = wanted.begin(); it != wanted.end(); ++it) {
+      if (!found.contains(it.key())) unrecorded_.push_back(it.key());
+    }
+    if (!unrecorded_.empty()) write_file_atomically(job_path, wanted.dump(2) + "\n");
   } else {
     write_file_atomically(job_path, wanted.dump(2) + "\n");
   }

@@ -40,6 +40,9 @@ class ShardedOutput {
 
   // Prompt indices committed before this process (those to skip).
   const std::set<int64_t>& done_before() const { return done_before_; }
+  // Keys of `job` that the directory's generate.json lacked (written by an older dflashd; its other
+  // keys agreed, and the record now holds them): the caller says what it assumed.
+  const std::vector<std::string>& unrecorded() const { return unrecorded_; }
   int64_t removed_uncommitted() const { return removed_uncommitted_; }
 
   // Buffers a finished prompt; commits a shard when `shard_size` are buffered.
@@ -63,6 +66,7 @@ class ShardedOutput {
   const bool keep_truncated_;
   std::set<int64_t> done_before_;
   int64_t removed_uncommitted_ = 0;
+  std::vector<std::string> unrecorded_;
   int64_t next_shard_ = 0;
   std::vector<GeneratedSample> buffer_;
   int64_t committed_ = 0, written_ = 0, skipped_ = 0, new_tokens_ = 0;

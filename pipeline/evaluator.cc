@@ -70,10 +70,11 @@ Evaluator::Evaluator(const config::Config& config, const target::TargetModel& ta
                   .Register(registry)
                   .Add({});
   best_ = recorded_best(best_dir_);
-  log::info("eval: every {} steps, {} prompts, {} new tokens each, {}, {} at once, on {}; export/best follows the "
-            "eval acceptance{}",
+  log::info("eval: every {} steps, {} prompts, {} new tokens each, {}, {} at once, on {} ({} GatedDeltaNet states); "
+            "export/best follows the eval acceptance{}",
             settings_.every_steps, prompts_.size(), settings_.max_new_tokens, decode::describe(generate_),
             settings_.max_batch, target.options().device.str(),
+            target.options().decode_state_dtype == at::kBFloat16 ? "bfloat16" : "float32",
             best_ > 0 ? " (best so far " + std::to_string(best_) + ")" : "");
   thread_ = std::thread([this] { run(); });
 }

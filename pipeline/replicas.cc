@@ -76,6 +76,7 @@ std::unique_ptr<Replicas> build_replicas(const config::Config& config, const tar
     for (int id : ids) {
       target::TargetOptions o{device_for(config.gpus, id), dtype, config.target.allow_slow_path};
       o.fp8_weights = config.target.dtype == config::ModelDtype::float8;
+      o.decode_state_dtype = model_dtype(config.target.decode_state_dtype);
       stages.push_back(o);
     }
     if (config.target.weights == config::TargetWeights::random || !config.target.preset.empty()) {

@@ -4,7 +4,8 @@
 
 namespace dflash::target {
 
-int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t step_tokens, int64_t dtype_bytes) {
+int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t step_tokens, int64_t dtype_bytes,
+                                int64_t state_bytes) {
   int64_t capacity = 256;
   while (capacity < tokens) capacity *= 2;
   int64_t bytes = 0;
@@ -14,7 +15,7 @@ int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t st
     } else {
       const int64_t channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim +
                                c.linear_num_value_heads * c.linear_value_head_dim;
-      bytes += 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4 +
+      bytes += 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * state_bytes +
                (c.linear_conv_kernel_dim - 1) * channels * dtype_bytes;
     }
   }

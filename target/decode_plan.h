@@ -11,11 +11,13 @@
 namespace dflash::target {
 
 // Device bytes one sequence of up to `tokens` positions holds while it decodes in steps of
-// `step_tokens` tokens: per GatedDeltaNet layer its fp32 state twice (a step reads the states
-// before it and writes new ones) and its conv inputs; per attention layer its keys and values at
-// the capacity they grow to (a power of two, at least 256 positions); a step's fp32 and model-dtype
-// logits. dtype_bytes: the model's dtype (2 for bf16).
-int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t step_tokens, int64_t dtype_bytes);
+// `step_tokens` tokens: per GatedDeltaNet layer its state twice (a step reads the states before
+// it and writes new ones) and its conv inputs; per attention layer its keys and values at the
+// capacity they grow to (a power of two, at least 256 positions); a step's fp32 and model-dtype
+// logits. dtype_bytes: the model's dtype (2 for bf16); state_bytes: the states' (4 for fp32, 2
+// for bf16: TargetOptions::decode_state_dtype).
+int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t step_tokens, int64_t dtype_bytes,
+                                int64_t state_bytes);
 
 // The most sequences of decoding_sequence_bytes `per_sequence` that fit in `free_bytes`, keeping
 // a tenth for the prefill's activations, the allocator's fragmentation and the GEMMs' workspaces.

@@ -144,7 +144,8 @@ GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q_in, const 
   const at::Tensor q = rows(q_in), k = rows(k_in), v = rows(v_in);
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
-  const at::Tensor state = state_in.to(at::kFloat).contiguous();
+  // bf16 states stay bf16 (read and written as such); anything else runs as fp32.
+  const at::Tensor state = (state_in.scalar_type() == at::kBFloat16 ? state_in : state_in.to(at::kFloat)).contiguous();
   expect(g.numel() == sequences * tokens * value_heads && beta.numel() == g.numel() &&
              state.numel() == sequences * value_heads * D * D,
          "decode step: g, beta must be [sequences, tokens, value_heads], the state [sequences, value_heads, 128, 128]");
@@ -153,7 +154,8 @@ GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q_in, const 
   a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr();
   a.q_stride = q.stride(1), a.k_stride = k.stride(1), a.v_stride = v.stride(1);
   a.g = g.data_ptr<float>(), a.beta = beta.data_ptr<float>();
-  a.state_in = state.data_ptr<float>(), a.state_out = r.state.data_ptr<float>(), a.out = r.o.data_ptr<float>();
+  a.state_in = state.data_ptr(), a.state_out = r.state.data_ptr(), a.out = r.o.data_ptr<float>();
+  a.state_bf16 = state.scalar_type() == at::kBFloat16;
   a.sequences = static_cast<int>(sequences), a.tokens = static_cast<int>(tokens);
   a.key_heads = static_cast<int>(key_heads), a.value_heads = static_cast<int>(value_heads);
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));

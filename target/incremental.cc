@@ -315,11 +315,13 @@ at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Te
     *states = r.state;
     return r.o;
   }
-  at::Tensor state = states->reshape({size * hv, states->size(2), states->size(3)});
+  // In fp32 whatever the states are kept in; a bf16 state is rounded once, after the tokens, as
+  // the decode-step kernel does.
+  at::Tensor state = states->to(at::kFloat).reshape({size * hv, states->size(2), states->size(3)});
   const at::Tensor o = run_rule(heads_side_by_side(q), heads_side_by_side(k), heads_side_by_side(v),
                                 heads_side_by_side(g.unsqueeze(-1)).squeeze(-1),
                                 heads_side_by_side(beta.unsqueeze(-1)).squeeze(-1), &state, recurrent_step_tokens);
-  *states = state.view(states->sizes());
+  *states = state.view(states->sizes()).to(states->scalar_type());
   return o.view({n, size, hv, v.size(3)}).transpose(0, 1);
 }
 
@@ -457,9 +459,10 @@ StepTokens step_tokens(const std::vector<DecodeCache*>& caches, const std::vecto
 }
 
 // A cache's first step: its attention layers start from empty batches, its GatedDeltaNet layers
-// from zero conv inputs and states (`activations`: the model's dtype and device).
+// from zero conv inputs and states (`activations`: the model's dtype and device; the states in
+// `state_dtype`).
 void start_caches(const std::vector<Layer>& layers, const ModelConfig& c, const std::vector<DecodeCache*>& caches,
-                  const at::TensorOptions& activations) {
+                  const at::TensorOptions& activations, at::ScalarType state_dtype) {
   for (DecodeCache* cache : caches) {
     for (size_t i = 0; i < layers.size(); ++i) {
       if (layers[i].kind == LayerKind::full_attention) {
@@ -472,7 +475,7 @@ void start_caches(const std::vector<Layer>& layers, const ModelConfig& c, const 
         const at::Tensor& conv = layers[i].gdn.conv;  // [channels, K]
         cache->conv[i] = at::zeros({1, conv.size(1) - 1, conv.size(0)}, activations);
         cache->state[i] = at::zeros({1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim},
-                                    activations.dtype(at::kFloat));
+                                    activations.dtype(state_dtype));
         cache->slot = 0;
       }
     }
@@ -548,6 +551,11 @@ IncrementalTarget::IncrementalTarget(const TargetModel& model, int64_t recurrent
                                 std::to_string(model.last_layer()) + " of " +
                                 std::to_string(model.config().num_layers) + ")");
   }
+  const at::ScalarType state = model.options().decode_state_dtype;
+  if (state != at::kFloat && state != at::kBFloat16) {
+    throw std::invalid_argument(std::string("decoding keeps GatedDeltaNet states in float32 or bfloat16, not ") +
+                                c10::toString(state));
+  }
 }
 
 DecodeCache IncrementalTarget::new_cache() const {
@@ -593,7 +601,8 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
   const at::Device device = model_.options().device;
   const StepTokens tokens = step_tokens(caches, input_ids, m.layers.size());
   const std::vector<RowGroup> groups = group_rows_by_count(tokens.counts, device);
-  start_caches(m.layers, c, caches, at::TensorOptions().dtype(model_.options().dtype).device(device));
+  start_caches(m.layers, c, caches, at::TensorOptions().dtype(model_.options().dtype).device(device),
+               model_.options().decode_state_dtype);
   const std::vector<KvStep> kv_steps = plan_kv_steps(m.layers, groups, caches, m.embed, c.head_dim);
   const std::vector<GdnStep> gdn_steps = plan_gdn_steps(m.layers, groups, caches, device, model_.gdn_kernels_, croppable);
   const at::Tensor position_ids = at::tensor(tokens.positions, at::TensorOptions().dtype(at::kLong)).to(device);

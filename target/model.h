@@ -45,6 +45,11 @@ struct TargetOptions {
   // GEMMs (fp8.h; target.dtype: float8, with dtype bf16). A checkpoint's own 128x128 FP8 blocks
   // are kept as they are; anything else is quantised at load.
   bool fp8_weights = false;
+  // The dtype the GatedDeltaNet recurrent states are kept in between decoding steps
+  // (IncrementalTarget; target.decode_state_dtype): fp32, as transformers keeps them, or bf16,
+  // half the memory and half the state traffic of a decode step (the rule still runs in fp32:
+  // the state is rounded once per step), as vLLM keeps them by default (its mamba cache dtype follows the model's).
+  at::ScalarType decode_state_dtype = at::kFloat;
 };
 
 // Raised when a layer would run a path the options do not allow; names the layer and the fix.

@@ -39,6 +39,7 @@ TEST(Config, MinimalConfigGetsDocumentedDefaults) {
   const Config c = parse(kMinimal, "run.yaml");
   EXPECT_EQ(c.target.path, "/models/qwen");
   EXPECT_EQ(c.target.dtype, config::ModelDtype::bfloat16);
+  EXPECT_EQ(c.target.decode_state_dtype, config::ModelDtype::float32);
   EXPECT_EQ(c.drafter.block_size, 16);
   EXPECT_EQ(c.drafter.num_layers, 5);
   EXPECT_FALSE(c.drafter.mask_token_id.has_value());
@@ -51,6 +52,15 @@ TEST(Config, MinimalConfigGetsDocumentedDefaults) {
   EXPECT_EQ(c.metrics.listen, "127.0.0.1:9400");
   EXPECT_EQ(c.checkpoint_dir(), "./dflashd-run/checkpoints");
   EXPECT_EQ(c.checkpoint.resume, "auto");
+}
+
+// target.decode_state_dtype: float32 or bfloat16, nothing else.
+TEST(Config, DecodeStateDtypeIsFloat32OrBfloat16) {
+  const std::string target = "target:\n  path: /models/qwen\n  decode_state_dtype: ";
+  const std::string data = "\ndata:\n  paths: [/data/train.jsonl]\n";
+  EXPECT_EQ(parse(target + "bfloat16" + data, "run.yaml").target.decode_state_dtype, config::ModelDtype::bfloat16);
+  EXPECT_EQ(parse(target + "float32" + data, "run.yaml").target.decode_state_dtype, config::ModelDtype::float32);
+  EXPECT_TRUE(has_error(errors_of(target + "float16" + data), "run.yaml:3:23: target.decode_state_dtype: 'float16' is not one of"));
 }
 
 // gpus.target: an id is a replica on one GPU, a list of ids one replica over those GPUs in

@@ -128,6 +128,62 @@ TEST(IncrementalTarget, ACacheKeepsOnlyItsOwnConvWindow) {
   own(a, "after a batched plain step");
 }
 
+// target.decode_state_dtype: bfloat16 keeps the GatedDeltaNet states in bf16 between steps,
+// rounded once per step, prefill and crop (the rule runs in fp32). The oracle: the same target
+// with fp32 states that are rounded to bf16 values by hand after each of those; its logits are
+// the bf16-state decoder's, bit for bit. A third decoder, fp32 states never rounded, shows the rounding
+// happened (its logits differ).
+TEST(IncrementalTarget, Bf16StatesAreRoundedOncePerStep) {
+  for (const char* preset : {"tiny-qwen3_5", "tiny-qwen3_next"}) {
+    SCOPED_TRACE(preset);
+    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
+    TargetOptions bf16_states;
+    bf16_states.decode_state_dtype = at::kBFloat16;
+    auto exact_model = random_target(config, config.num_layers - 1, TargetOptions{}, 5);
+    auto rounded_model = random_target(config, config.num_layers - 1, bf16_states, 5);
+    const IncrementalTarget exact(*exact_model), rounded(*rounded_model);
+    DecodeCache oracle = exact.new_cache(), unrounded = exact.new_cache(), ours = rounded.new_cache();
+    auto round_states = [](DecodeCache& cache) {
+      for (at::Tensor& state : cache.state) {
+        if (state.defined()) state = state.to(at::kBFloat16).to(at::kFloat);
+      }
+    };
+    const auto options = at::TensorOptions().dtype(at::kLong);
+    const at::Tensor prompt = at::randint(0, config.vocab_size, {60}, options);
+    exact.prefill(oracle, prompt, {}), exact.prefill(unrounded, prompt, {}), rounded.prefill(ours, prompt, {});
+    round_states(oracle);
+    double rounding_shows = 0;
+    for (int step = 0; step < 6; ++step) {
+      const int64_t n = step == 2 ? 7 : 1;  // a verify step, cropped to 3 of its 7 tokens
+      const at::Tensor next = at::randint(0, config.vocab_size, {n}, options);
+      const at::Tensor a = exact.step(oracle, next, {}).logits, b = rounded.step(ours, next, {}).logits;
+      const at::Tensor c = exact.step(unrounded, next, {}).logits;
+      round_states(oracle);
+      EXPECT_TRUE(at::equal(b, a)) << "step " << step << ": " << max_diff(b, a);
+      rounding_shows = std::max(rounding_shows, max_diff(c, a));
+      if (n > 1) {
+        exact.crop(oracle, oracle.length - 4), rounded.crop(ours, ours.length - 4), exact.crop(unrounded, unrounded.length - 4);
+        round_states(oracle);
+      }
+    }
+    EXPECT_GT(rounding_shows, 1e-6);  // logits of about 0.5: the roundings move them by 1e-6 .. 1e-5
+    int gdn_layers = 0;
+    for (size_t i = 0; i < ours.state.size(); ++i) {
+      if (!ours.state[i].defined()) continue;
+      ++gdn_layers;
+      EXPECT_EQ(ours.state[i].scalar_type(), at::kBFloat16) << "layer " << i;
+      EXPECT_EQ(ours.last.gdn[i].state_before.scalar_type(), at::kBFloat16) << "layer " << i;
+    }
+    EXPECT_GT(gdn_layers, 0);
+  }
+  // Other dtypes are refused.
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny-qwen3_5");
+  TargetOptions half_states;
+  half_states.decode_state_dtype = at::kHalf;
+  auto model = random_target(config, config.num_layers - 1, half_states, 5);
+  EXPECT_THROW(IncrementalTarget{*model}, std::invalid_argument);
+}
+
 // A preset's whole model with random weights and its incremental forward, tapping the first and
 // last layers.
 struct PresetDecoding {

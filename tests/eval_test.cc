@@ -100,11 +100,13 @@ TEST(RealAcceptance, ADrafterTrainedOnItsTargetsOutputAcceptsThreeOrMoreTokensPe
 
 // data.eval_fraction: samples held out of training are the eval's prompts; evaluations run at
 // their steps, their metrics are on /metrics, and a finished run evaluates its final drafter.
+// The target keeps its decoding states in bf16 (target.decode_state_dtype), as the log says.
 TEST(RealAcceptance, HeldOutSamplesAreTheEvalPromptsAndTheMetricsAreExported) {
   const std::string dir = test::make_temp_dir("eval-fraction");
   const int port = test::free_port();
   std::ofstream(dir + "/run.yaml") << "run: {name: eval-fraction, output_dir: " << dir << "/run}\n"
-                                   << "target: {preset: tiny-qwen3_5, weights: random, dtype: float32}\n"
+                                   << "target: {preset: tiny-qwen3_5, weights: random, dtype: float32, "
+                                   << "decode_state_dtype: bfloat16}\n"
                                    << "drafter: {num_layers: 1, block_size: 8, mask_token_id: 511}\n"
                                    << "gpus: {device: cpu, target: [0], drafter: [0]}\n"
                                    << "data: {synthetic: {sequences: 100, min_length: 24, max_length: 40}, eval_fraction: 0.1}\n"
@@ -134,6 +136,7 @@ TEST(RealAcceptance, HeldOutSamplesAreTheEvalPromptsAndTheMetricsAreExported) {
   const std::string log = p.err();
   EXPECT_NE(log.find("held out for eval"), std::string::npos) << log;
   EXPECT_NE(log.find("eval: every 5 steps, 4 prompts"), std::string::npos) << log;
+  EXPECT_NE(log.find("on cpu (bfloat16 GatedDeltaNet states)"), std::string::npos) << log;  // target.decode_state_dtype
   EXPECT_NE(log.find("eval at step 5:"), std::string::npos) << log;
   EXPECT_TRUE(std::filesystem::exists(dir + "/run/export/best/eval.json"));
 

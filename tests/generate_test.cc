@@ -272,7 +272,8 @@ TEST(Generate, ProgressIsOnTheMetricsEndpoint) {
     if (auto r = client.Get("/metrics")) page = r->body;
   }
   for (const char* series : {"dflashd_generate_prompts{state=\"total\"} 400", "dflashd_generate_prompts{state=\"done\"}",
-                             "dflashd_generate_tokens_per_second", "dflashd_generate_new_tokens_total"}) {
+                             "dflashd_generate_tokens_per_second", "dflashd_generate_new_tokens_total",
+                             "dflashd_generate_target_info{dtype=\"float32\",state_dtype=\"float32\"} 1"}) {
     EXPECT_NE(page.find(series), std::string::npos) << series << "\n" << page;
   }
   p.signal(SIGTERM);  // stops taking prompts, finishes those in flight, commits, exits 0
@@ -329,6 +330,62 @@ TEST(Generate, BadInputsAreClearErrors) {
       << test::read_file(log);
   EXPECT_EQ(run("--preset tiny-qwen3 --device cpu --dtype float9 --prompts p --out o", log), 2);
   EXPECT_TRUE(said("--dtype must be bfloat16, float32 or float8")) << test::read_file(log);
+}
+
+// --state-dtype bfloat16 (target.decode_state_dtype with -c) keeps the GatedDeltaNet states in
+// bf16: said in the log, recorded in the job (continuing the output with float32 states is
+// refused: two precisions' responses would mix), and on the metrics endpoint; the config's
+// choice is read with -c; anything but float32 and bfloat16 is a usage error.
+TEST(Generate, Bf16StatesAreAChoiceOfTheJob) {
+  const std::string dir = test::make_temp_dir("generate-state-dtype");
+  write_prompts(dir + "/prompts.jsonl", 6, 500);
+  const std::string log = dir + "/log";
+  auto said = [&](const std::string& text) { return test::read_file(log).find(text) != std::string::npos; };
+  const std::string common = "--preset tiny-qwen3_5 --device cpu --max-new-tokens 6 --truncated keep --prompts " + dir +
+                             "/prompts.jsonl --out " + dir;
+  ASSERT_EQ(run(common + "/bf16 --state-dtype bfloat16", log), 0) << test::read_file(log);
+  EXPECT_TRUE(said("target float32 with bfloat16 GatedDeltaNet states")) << test::read_file(log);
+  EXPECT_EQ(nlohmann::json::parse(test::read_file(dir + "/bf16/generate.json"))["state_dtype"], "bfloat16");
+  EXPECT_EQ(read_output(dir + "/bf16").size(), 6u);
+  EXPECT_EQ(run(common + "/bf16", log), 1);
+  EXPECT_TRUE(said(dir + "/bf16/generate.json: this directory holds output of another job")) << test::read_file(log);
+  // -c: the config's target.decode_state_dtype.
+  std::ofstream(dir + "/bf16.yaml") << "target: {preset: tiny-qwen3_5, weights: random, dtype: float32, "
+                                    << "decode_state_dtype: bfloat16}\n"
+                                    << "drafter: {mask_token_id: 511}\n"
+                                    << "gpus: {device: cpu, target: [0], drafter: [0]}\n"
+                                    << "metrics: {listen: ''}\n"
+                                    << "data: {synthetic: {sequences: 10}}\n";
+  ASSERT_EQ(run("-c " + dir + "/bf16.yaml --max-new-tokens 6 --truncated keep --prompts " + dir + "/prompts.jsonl --out " +
+                    dir + "/from-config",
+                log),
+            0)
+      << test::read_file(log);
+  EXPECT_TRUE(said("with bfloat16 GatedDeltaNet states")) << test::read_file(log);
+  EXPECT_EQ(run(common + "/o --state-dtype float16", log), 2);
+  EXPECT_TRUE(said("--state-dtype: 'float16' is not a valid value")) << test::read_file(log);
+}
+
+// A generate.json written by an older dflashd, which recorded fewer keys: the job continues when
+// every key it records agrees (the missing ones are reported and recorded from then on); one
+// that disagrees is another job.
+TEST(ShardedOutput, AnOlderRecordWithFewerKeysContinuesWhenTheRestAgrees) {
+  const std::string dir = test::make_temp_dir("shards-older") + "/out";
+  {
+    decode::ShardedOutput out(dir, "{\"job\": 1}", 2, false);
+    out.add({0, {1, 2, 3}, 1, true});
+    out.add({1, {1, 2, 3}, 1, true});
+    EXPECT_TRUE(out.unrecorded().empty());
+  }
+  {
+    decode::ShardedOutput out(dir, "{\"job\": 1, \"state_dtype\": \"float32\"}", 2, false);
+    EXPECT_EQ(out.unrecorded(), std::vector<std::string>{"state_dtype"});
+    EXPECT_EQ(out.done_before(), (std::set<int64_t>{0, 1}));
+  }
+  EXPECT_EQ(nlohmann::json::parse(test::read_file(dir + "/generate.json"))["state_dtype"], "float32");
+  EXPECT_THROW(decode::ShardedOutput(dir, "{\"job\": 1, \"state_dtype\": \"bfloat16\"}", 2, false), std::runtime_error);
+  EXPECT_THROW(decode::ShardedOutput(dir, "{\"job\": 2, \"state_dtype\": \"float32\"}", 2, false), std::runtime_error);
+  EXPECT_THROW(decode::ShardedOutput(dir, "{\"job\": 1}", 2, false), std::runtime_error);  // the record has more now
 }
 
 // The commit protocol itself: a shard is visible only with its marker.

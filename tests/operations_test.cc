@@ -489,15 +489,18 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
 // logits over 248,320 in fp32 and bf16 = 373,537,792 bytes for 768 tokens.
 TEST(DecodePlan, A27BSequencesCachesAndTheBatchThatFits) {
   const target::ModelConfig c = qwen3_5_27b_shapes();
-  EXPECT_EQ(target::decoding_sequence_bytes(c, 768, 1, 2), 373'537'792);
-  EXPECT_EQ(target::decoding_sequence_bytes(c, 1024, 1, 2), 373'537'792);  // the same capacity
-  EXPECT_GT(target::decoding_sequence_bytes(c, 1025, 1, 2), 373'537'792 + 60'000'000);  // keys and values doubled
-  EXPECT_GT(target::decoding_sequence_bytes(c, 768, 16, 2), 373'537'792 + 15 * 248320 * 6 - 1);  // a verify step's logits
+  EXPECT_EQ(target::decoding_sequence_bytes(c, 768, 1, 2, 4), 373'537'792);
+  EXPECT_EQ(target::decoding_sequence_bytes(c, 1024, 1, 2, 4), 373'537'792);  // the same capacity
+  EXPECT_GT(target::decoding_sequence_bytes(c, 1025, 1, 2, 4), 373'537'792 + 60'000'000);  // keys and values doubled
+  EXPECT_GT(target::decoding_sequence_bytes(c, 768, 16, 2, 4), 373'537'792 + 15 * 248320 * 6 - 1);  // a verify step's logits
   // An H200 after the weights (about 94 GB left): 128 sequences of 768 tokens fit, 256 do not.
-  const int64_t fits = target::decoding_batch_that_fits(94'000'000'000, target::decoding_sequence_bytes(c, 768, 1, 2));
+  const int64_t fits = target::decoding_batch_that_fits(94'000'000'000, target::decoding_sequence_bytes(c, 768, 1, 2, 4));
   EXPECT_GE(fits, 128);
   EXPECT_LT(fits, 256);
   EXPECT_EQ(target::decoding_batch_that_fits(1000, 2000), 0);
+  // bf16 states (target.decode_state_dtype): 48 x 2 x 48 x 128 x 128 x 2 bytes fewer; 256 fit.
+  EXPECT_EQ(target::decoding_sequence_bytes(c, 768, 1, 2, 2), 373'537'792 - 150'994'944);
+  EXPECT_GE(target::decoding_batch_that_fits(94'000'000'000, target::decoding_sequence_bytes(c, 768, 1, 2, 2)), 256);
 }
 
 // ---- item 10: config.json as a new user's files may have it ------------------------------------

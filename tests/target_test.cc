@@ -7,6 +7,7 @@
 
 #include "common/kernel_variants.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <future>
@@ -581,8 +582,10 @@ TEST(GatedDeltaNetKernels, ConvStepIsTheWindowPathInOnePass) {
 struct KernelAndReference {
   std::unique_ptr<TargetModel> kernels, reference;
 };
-KernelAndReference kernel_and_reference_targets(const ModelConfig& config, int64_t last_layer, uint64_t seed) {
+KernelAndReference kernel_and_reference_targets(const ModelConfig& config, int64_t last_layer, uint64_t seed,
+                                               at::ScalarType decode_state_dtype = at::kFloat) {
   TargetOptions fast{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+  fast.decode_state_dtype = decode_state_dtype;
   TargetOptions slow = fast;
   slow.allow_slow_path = true;
   slow.gdn_path = TargetOptions::GdnPath::reference;
@@ -634,6 +637,36 @@ TEST(GatedDeltaNetKernels, DecodeStepMatchesTheRecurrentRule) {
   }
 }
 
+// The decode-step kernel on bf16 states (target.decode_state_dtype: bfloat16): the state widened
+// on load, the tokens in fp32, the new state rounded once: o as the fp32 rule from the widened
+// state, the new state that rule's state rounded to bf16 (up to an ulp where the two sum in other
+// orders), returned as bf16.
+TEST(GatedDeltaNetKernels, DecodeStepOnBf16StatesRoundsTheStateOnce) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const int64_t sequences = 3, hk = 2, hv = 4, d = 128;
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  for (int64_t n : {1, 16}) {
+    SCOPED_TRACE(std::to_string(n) + " tokens");
+    const at::Tensor mixed = at::randn({sequences, n, (2 * hk + hv) * d}, cuda).to(at::kBFloat16);
+    const at::Tensor q = mixed.narrow(2, 0, hk * d).view({sequences, n, hk, d});
+    const at::Tensor k = mixed.narrow(2, hk * d, hk * d).view({sequences, n, hk, d});
+    const at::Tensor v = mixed.narrow(2, 2 * hk * d, hv * d).view({sequences, n, hv, d});
+    const at::Tensor g = -at::rand({sequences, n, hv}, cuda), beta = at::sigmoid(at::randn({sequences, n, hv}, cuda));
+    const at::Tensor state = (0.1 * at::randn({sequences, hv, d, d}, cuda)).to(at::kBFloat16);
+    const GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, state);
+    ASSERT_EQ(r.state.scalar_type(), at::kBFloat16);
+    const at::Tensor widened = state.to(at::kFloat);
+    for (int64_t s = 0; s < sequences; ++s) {
+      const GdnSteps ref = recurrent_gated_delta_rule_steps(q[s], k[s], v[s], g[s], beta[s], widened[s]);
+      EXPECT_LE(relative_l2_error(r.o[s], ref.o), 1e-5) << "sequence " << s;
+      const at::Tensor rounded = ref.states[n - 1].to(at::kBFloat16).to(at::kFloat);
+      const at::Tensor ulp = rounded.abs() * std::ldexp(1.0, -7);  // bf16 keeps 8 significant bits
+      EXPECT_TRUE(((r.state[s].to(at::kFloat) - rounded).abs() <= ulp + 1e-30).all().item<bool>()) << "sequence " << s;
+      EXPECT_LE(relative_l2_error(r.state[s].to(at::kFloat), rounded), 1e-3) << "sequence " << s;
+    }
+  }
+}
+
 // Decoding on the GPU: a target whose GatedDeltaNet layers run the kernels decodes its plain
 // steps with the decode-step kernel (batched, after a prefill and a verify step with a crop);
 // its logits stay those of the same target on the reference path.
@@ -661,6 +694,31 @@ TEST(GatedDeltaNetKernels, DecodingStepsMatchTheReferencePath) {
     if (n > 1) {
       const std::vector<int64_t> lengths{ca[0].length - 2, ca[1].length - 2, ca[2].length - 2};
       a.crop_batch(pa, lengths), b.crop_batch(pb, lengths);
+    }
+  }
+}
+
+// The same with the states kept in bf16 between steps (target.decode_state_dtype: bfloat16) on
+// both paths: the kernel path keeps bf16 states, and its logits stay the reference path's.
+TEST(GatedDeltaNetKernels, DecodingOnBf16StatesMatchesTheReferencePath) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig config = kernel_sized_qwen3_5();
+  const auto [fast_model, slow_model] = kernel_and_reference_targets(config, config.num_layers - 1, 5, at::kBFloat16);
+  const IncrementalTarget a(*fast_model), b(*slow_model);
+  const auto ids = [&](int64_t n) { return at::randint(0, config.vocab_size, {n}, at::TensorOptions().dtype(at::kLong)); };
+  DecodeCache ca = a.new_cache(), cb = b.new_cache();
+  const at::Tensor prompt = ids(60);
+  a.prefill(ca, prompt, {}), b.prefill(cb, prompt, {});
+  for (int step = 0; step < 5; ++step) {
+    const int64_t n = step == 1 ? 4 : 1;  // a verify step, cropped to 2 of its 4 tokens
+    const at::Tensor next = ids(n);
+    const DecodeOutput x = a.step(ca, next, {}), y = b.step(cb, next, {});
+    EXPECT_LE(relative_l2_error(x.logits, y.logits), 2e-2) << "step " << step;
+    if (n > 1) a.crop(ca, ca.length - 2), b.crop(cb, cb.length - 2);
+  }
+  for (size_t i = 0; i < ca.state.size(); ++i) {
+    if (ca.state[i].defined()) {
+      EXPECT_EQ(ca.state[i].scalar_type(), at::kBFloat16) << "layer " << i;
     }
   }
 }

@@ -163,7 +163,12 @@ void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream
   if (args.key_heads < 1 || args.value_heads % args.key_heads != 0) {
     throw std::invalid_argument("gated_delta_rule_decode_step: value heads must be a multiple of key heads");
   }
-  decode_step_kernel<<<args.sequences * args.value_heads * kDecodeCtasPerHead, kDecodeThreads, 0, stream>>>(args);
+  const int ctas = args.sequences * args.value_heads * kDecodeCtasPerHead;
+  if (args.state_bf16) {
+    decode_step_kernel<bf16><<<ctas, kDecodeThreads, 0, stream>>>(args);
+  } else {
+    decode_step_kernel<float><<<ctas, kDecodeThreads, 0, stream>>>(args);
+  }
   check_cuda_launch("GatedDeltaNet kernel decode_step");
 }
 

@@ -139,9 +139,10 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream);
 // A few tokens of the rule per sequence (decoding; gdn/decode_step.cuh), `tokens` each for
 // `sequences` sequences, token t of sequence s at row s * tokens + t: q, k bf16 [rows, key_heads,
 // 128] and v bf16 [rows, value_heads, 128], rows `*_stride` elements apart (q and k as the conv
-// returns them, not yet normalised); g, beta fp32 [rows, value_heads]; state_in, state_out fp32
-// [sequences, value_heads, 128 key dims, 128 value dims] (distinct buffers: the states before and
-// after the tokens); out fp32 [rows, value_heads, 128].
+// returns them, not yet normalised); g, beta fp32 [rows, value_heads]; state_in, state_out fp32,
+// or bf16 with state_bf16 (the rule still runs in fp32: the new state is rounded once), [sequences,
+// value_heads, 128 key dims, 128 value dims] (distinct buffers: the states before and after the
+// tokens); out fp32 [rows, value_heads, 128].
 struct GdnDecodeStep {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -149,8 +150,9 @@ struct GdnDecodeStep {
   int64_t q_stride = 0, k_stride = 0, v_stride = 0;
   const float* g = nullptr;
   const float* beta = nullptr;
-  const float* state_in = nullptr;
-  float* state_out = nullptr;
+  const void* state_in = nullptr;
+  void* state_out = nullptr;
+  bool state_bf16 = false;
   float* out = nullptr;
   int sequences = 0, tokens = 0, key_heads = 0, value_heads = 0;
   float scale = 0;  // q scale (head_dim^-0.5)

@@ -1,7 +1,7 @@
 // Stage 5 (decoding): a few tokens of the recurrent rule per sequence, for the incremental
-// target's decode and verify steps and crops (target/incremental.h). These are bound by the fp32
-// state's traffic (64 KB per head, 3 MB per sequence and layer at 27B shapes): this kernel reads
-// each state once and writes the new one once, where the rule as libtorch ops passes over it about
+// target's decode and verify steps and crops (target/incremental.h). These are bound by the
+// state's traffic (fp32: 64 KB per head, 3 MB per sequence and layer at 27B shapes; bf16 states
+// half that): this kernel reads each state once and writes the new one once, where the rule as libtorch ops passes over it about
 // eight times per token (token by token) or pads a 16-token verify step to a 64-token chunk.
 // Private to target/kernels/gated_delta_net.cu (one translation unit): see gated_delta_net.h for
 // the math and the data layout.
@@ -26,6 +26,22 @@ constexpr int kDecodeColumns = D / kDecodeCtasPerHead;  // value columns per CTA
 constexpr int kDecodeThreads = kDecodeColumns * kDecodeSplit;  // 256
 constexpr int kDecodeColumnsPerWarp = 32 / kDecodeSplit;
 
+// The state as held between steps (GdnDecodeStep::state_bf16): fp32, or bf16 widened on load and
+// rounded once on store (the rule itself always runs in fp32).
+__device__ __forceinline__ float state_value(float x) { return x; }
+__device__ __forceinline__ float state_value(bf16 x) { return __bfloat162float(x); }
+template <typename State>
+__device__ __forceinline__ State stored_state(float x);
+template <>
+__device__ __forceinline__ float stored_state<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ bf16 stored_state<bf16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+template <typename State>
 __global__ void __launch_bounds__(kDecodeThreads) decode_step_kernel(GdnDecodeStep a) {
   const int item = blockIdx.x / kDecodeCtasPerHead, sequence = item / a.value_heads, head = item % a.value_heads;
   const int key_head = head / (a.value_heads / a.key_heads);
@@ -36,10 +52,10 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_step_kernel(GdnDecodeSt
   const int i0 = part * kDecodeRows;  // this thread's rows i0 .. i0 + kDecodeRows - 1 of column j
   __shared__ float q[D], k[D], sums[2][D / 32];
   const int64_t row = static_cast<int64_t>(sequence) * a.value_heads + head;
-  const float* state_in = a.state_in + row * D * D + static_cast<int64_t>(i0) * D + j;
+  const State* state_in = static_cast<const State*>(a.state_in) + row * D * D + static_cast<int64_t>(i0) * D + j;
   float s[kDecodeRows];
 #pragma unroll
-  for (int i = 0; i < kDecodeRows; ++i) s[i] = state_in[i * D];
+  for (int i = 0; i < kDecodeRows; ++i) s[i] = state_value(state_in[i * D]);
   // The sum over a column's kDecodeSplit threads (lanes apart by kDecodeColumnsPerWarp).
   auto column_sum = [](float x) {
 #pragma unroll
@@ -93,9 +109,9 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_step_kernel(GdnDecodeSt
     o = column_sum(o);
     if (part == 0) a.out[gate * D + j] = o;
   }
-  float* state_out = a.state_out + row * D * D + static_cast<int64_t>(i0) * D + j;
+  State* state_out = static_cast<State*>(a.state_out) + row * D * D + static_cast<int64_t>(i0) * D + j;
 #pragma unroll
-  for (int i = 0; i < kDecodeRows; ++i) state_out[i * D] = s[i];
+  for (int i = 0; i < kDecodeRows; ++i) state_out[i * D] = stored_state<State>(s[i]);
 }
 
 }  // namespace dflash::target::kernels::gdn
