@@ -77,7 +77,8 @@ elif [ "$phase" = decode ]; then
 elif [ "$phase" = generate ]; then
   # Regenerating responses (issue 26): dflashd generate at 27B shapes (random weights) with 64 and
   # 128 sequences at once (GENERATE_DTYPE=float8: the target's projections FP8;
-  # GENERATE_STATE_DTYPE=bfloat16: its GatedDeltaNet states bf16 between steps), then
+  # GENERATE_STATE_DTYPE=bfloat16: its GatedDeltaNet states bf16 between steps; GENERATE_ARGS: more
+  # options, e.g. "--temperature 0.7 --top-p 0.95" for sampled decoding), then
   # transformers' batched generate on the same prompts (SKIP_PYTHON=1: not). Goal: >= 50 %
   # of the weight-read floor (about 54 GB of bf16 weights per step at 4.8 TB/s: 11.6K tok/s at 128).
   cfg="bench/configs/${GENERATE_CONFIG:-qwen3_5-27b}"
@@ -87,7 +88,7 @@ elif [ "$phase" = generate ]; then
     rm -rf "/tmp/generate-$batch"
     /usr/bin/time -f "wall %e s" timeout 300 "$B/bin/dflashd" generate --target "$cfg" --random-weights --prompts /tmp/prompts.jsonl \
       --out "/tmp/generate-$batch" --max-new-tokens "$new" --max-batch "$batch" --truncated keep --log-every 10 ${GENERATE_DTYPE:+--dtype "$GENERATE_DTYPE"} \
-      ${GENERATE_STATE_DTYPE:+--state-dtype "$GENERATE_STATE_DTYPE"} \
+      ${GENERATE_STATE_DTYPE:+--state-dtype "$GENERATE_STATE_DTYPE"} ${GENERATE_ARGS:-} \
       > "$out/generate_$batch.log" 2>&1
     grep -E "generate: .*(tok|finished|stopped)|wall|error" "$out/generate_$batch.log" | tail -3
   done

@@ -34,6 +34,29 @@ at::Tensor draw(const at::Tensor& probs, at::Generator& gen) {
   return at::multinomial(rows, 1, false, gen).reshape({rows.size(0)});
 }
 
+std::vector<int64_t> draw_rows(const at::Tensor& probs_in, const std::vector<at::Generator*>& gens) {
+  const at::Tensor probs = probs_in.to(at::kFloat);
+  const int64_t rows = probs.size(0), vocab = probs.size(1);
+  if (static_cast<int64_t>(gens.size()) != rows) throw std::invalid_argument("draw_rows: one generator per row");
+  std::vector<double> u(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    u[static_cast<size_t>(r)] = at::rand({1}, *gens[static_cast<size_t>(r)], at::TensorOptions().dtype(at::kDouble)).item<double>();
+  }
+  const at::Tensor cdf = probs.cumsum(-1);
+  const at::Tensor bound =
+      at::tensor(u, at::TensorOptions().dtype(at::kDouble)).to(probs.device(), at::kFloat).unsqueeze(1) * cdf.narrow(1, vocab - 1, 1);
+  const at::Tensor index = at::searchsorted(cdf, bound, /*out_int32=*/false, /*right=*/true).clamp_max(vocab - 1);
+  // -1 where the search found a zero-probability token: those rows are drawn again below.
+  const at::Tensor chosen = at::where(probs.gather(1, index) > 0, index, -1).reshape({rows}).to(at::kCPU);
+  std::vector<int64_t> tokens(chosen.data_ptr<int64_t>(), chosen.data_ptr<int64_t>() + rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (tokens[static_cast<size_t>(r)] < 0) {
+      tokens[static_cast<size_t>(r)] = draw(probs.select(0, r).unsqueeze(0), *gens[static_cast<size_t>(r)]).item<int64_t>();
+    }
+  }
+  return tokens;
+}
+
 std::pair<int64_t, int64_t> rejection_sample(const at::Tensor& draft_tokens, const at::Tensor& target_probs_in,
                                              const at::Tensor& draft_probs_in, at::Generator& gen) {
   const at::Tensor tokens = draft_tokens.to(at::kCPU, at::kLong).reshape({-1});

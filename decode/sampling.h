@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 namespace dflash::decode {
 
@@ -26,6 +27,15 @@ at::Tensor sampling_probs(const at::Tensor& logits, const Sampling& s);
 
 // One token per row of probs [rows, vocab], drawn from `gen` (a CPU generator): int64 [rows].
 at::Tensor draw(const at::Tensor& probs, at::Generator& gen);
+
+// One token per row of probs [rows, vocab] (on any device), row r with its own generator gens[r]
+// (CPU; one uniform u_r each, so a row's draws do not depend on the other rows): the first token
+// whose cumulative probability exceeds u_r times the row's total, found for every row at once on
+// the probs' device (a cumulative sum and a binary search per row, the chosen ids copied to the
+// host together) where draw() copies each whole row to the host (1 MB per row at a 248K
+// vocabulary). A search that lands on a zero-probability token (the fp32 sum's rounding, about one
+// draw in 10^7) draws that row with draw() instead.
+std::vector<int64_t> draw_rows(const at::Tensor& probs, const std::vector<at::Generator*>& gens);
 
 // Speculative sampling of one block: draft tokens [n] drawn from draft_probs [n, vocab] are
 // accepted while u * q(x) < p(x) (u uniform from `gen`); then the bonus token is drawn from

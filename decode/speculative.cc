@@ -361,15 +361,30 @@ void PlainDecoder::start(Sequence& s, const GenerateSettings& settings) const {
   s.take_first_token(target_.prefill(s.cache, ids_tensor(s.request.prompt), {}).logits, settings.sampling);
 }
 
+// A plain step's next token of each sequence (its logits one row): the argmaxes, or one draw
+// per sequence from its own generator, all rows' probabilities formed together.
+std::vector<int64_t> next_tokens(const std::vector<target::DecodeOutput>& out, const std::vector<Decoder::Sequence*>& active,
+                                 const Sampling& sampling) {
+  std::vector<int64_t> tokens;
+  if (sampling.greedy()) {
+    for (const at::Tensor& row : argmaxes(out)) tokens.push_back(*row.data_ptr<int64_t>());
+    return tokens;
+  }
+  std::vector<at::Tensor> logits;
+  std::vector<at::Generator*> gens;
+  for (size_t j = 0; j < out.size(); ++j) logits.push_back(out[j].logits), gens.push_back(&active[j]->gen);
+  return draw_rows(sampling_probs(at::cat(logits), sampling), gens);
+}
+
 void PlainDecoder::advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const {
   std::vector<target::DecodeCache*> caches;
   std::vector<at::Tensor> ids;
   for (Sequence* s : active) caches.push_back(&s->cache), ids.push_back(ids_tensor({s->g.tokens.back()}));
   const std::vector<target::DecodeOutput> out = target_.step_batch(caches, ids, {}, /*croppable=*/false);
-  const std::vector<at::Tensor> greedy = settings.sampling.greedy() ? argmaxes(out) : std::vector<at::Tensor>();
+  const std::vector<int64_t> next = next_tokens(out, active, settings.sampling);
   for (size_t j = 0; j < active.size(); ++j) {
     Sequence& s = *active[j];
-    const int64_t token = !greedy.empty() ? *greedy[j].data_ptr<int64_t>() : choose(out[j].logits, settings.sampling, s.gen);
+    const int64_t token = next[j];
     s.g.tokens.push_back(token);
     s.g.stopped = is_stop(token, settings.stop_token_ids);
     s.start += 1;

@@ -1,6 +1,7 @@
 // Incremental decoding (target/incremental.h) and speculative decoding (decode/speculative.h) on
 // tiny random targets, fp32 on the CPU.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -15,6 +16,7 @@
 
 #include "config/config.h"
 #include "decode/generation.h"
+#include "decode/sampling.h"
 #include "decode/speculative.h"
 #include "drafter/model.h"
 #include "target/fused_ops.h"
@@ -535,20 +537,55 @@ TEST(SpeculativeDecoding, SamplingIsReproducibleAndHasTheTargetsDistribution) {
       }
     }
   }
-  const int runs = 1500;  // one prompt, 1500 sequences with their own random streams, 250 at once
-  std::map<std::vector<int64_t>, double> seen;
-  for (const decode::Generation& g :
-       spec.generate_all(std::vector<std::vector<int64_t>>(runs, prompt), settings, 250)) {
-    seen[std::vector<int64_t>(g.tokens.begin() + 3, g.tokens.end())] += 1.0 / runs;
+  // Speculative decoding (rejection sampling) and plain decoding (every sequence's draw in one
+  // batched pass: decode::draw_rows) both sample the target's distribution.
+  const decode::PlainDecoder plain(target);
+  for (const decode::Decoder* decoder : std::vector<const decode::Decoder*>{&spec, &plain}) {
+    SCOPED_TRACE(decoder == &spec ? "speculative" : "plain");
+    const int runs = 1500;  // one prompt, 1500 sequences with their own random streams, 250 at once
+    std::map<std::vector<int64_t>, double> seen;
+    for (const decode::Generation& g :
+         decoder->generate_all(std::vector<std::vector<int64_t>>(runs, prompt), settings, 250)) {
+      seen[std::vector<int64_t>(g.tokens.begin() + 3, g.tokens.end())] += 1.0 / runs;
+    }
+    double tv = 0;  // total variation distance between the empirical and the exact distribution
+    for (const auto& [k, p] : exact) tv += std::abs(p - (seen.count(k) ? seen[k] : 0.0));
+    for (const auto& [k, p] : seen) {
+      if (!exact.count(k)) tv += p;  // an outcome the target cannot produce
+    }
+    tv /= 2;
+    // 27 outcomes, 1500 draws: the expected TV distance of a correct sampler is about 0.05.
+    EXPECT_LT(tv, 0.1) << exact.size() << " outcomes";
   }
-  double tv = 0;  // total variation distance between the empirical and the exact distribution
-  for (const auto& [k, p] : exact) tv += std::abs(p - (seen.count(k) ? seen[k] : 0.0));
-  for (const auto& [k, p] : seen) {
-    if (!exact.count(k)) tv += p;  // an outcome the target cannot produce
+}
+
+// draw_rows: row r's token depends only on its own generator (a row drawn alone or among others
+// gives the same token), zero-probability tokens are never drawn, and the frequencies are the
+// probabilities'.
+TEST(Sampling, DrawRowsDrawsEachRowFromItsOwnGenerator) {
+  const at::Tensor probs = at::tensor(std::vector<float>{0.1f, 0.f, 0.6f, 0.3f, 0.f}).unsqueeze(0);
+  const int rows = 4000;
+  std::vector<at::Generator> gens, again;
+  std::vector<at::Generator*> pointers;
+  for (int r = 0; r < rows; ++r) {
+    gens.push_back(at::make_generator<at::CPUGeneratorImpl>(decode::sequence_seed(11, static_cast<uint64_t>(r))));
+    again.push_back(at::make_generator<at::CPUGeneratorImpl>(decode::sequence_seed(11, static_cast<uint64_t>(r))));
   }
-  tv /= 2;
-  // 27 outcomes, 1500 draws: the expected TV distance of a correct sampler is about 0.05.
-  EXPECT_LT(tv, 0.1) << exact.size() << " outcomes";
+  for (at::Generator& g : gens) pointers.push_back(&g);
+  const std::vector<int64_t> tokens = decode::draw_rows(probs.expand({rows, 5}), pointers);
+  std::vector<double> freq(5, 0);
+  for (int64_t t : tokens) freq[static_cast<size_t>(t)] += 1.0 / rows;
+  EXPECT_EQ(freq[1], 0);
+  EXPECT_EQ(freq[4], 0);
+  EXPECT_NEAR(freq[0], 0.1, 0.02);
+  EXPECT_NEAR(freq[2], 0.6, 0.03);
+  EXPECT_NEAR(freq[3], 0.3, 0.03);
+  // Rows 7 and 8 alone, with other probabilities around them: the same tokens.
+  const at::Tensor mixed = at::cat({at::tensor(std::vector<float>{0.f, 0.f, 0.f, 0.f, 1.f}).unsqueeze(0), probs, probs});
+  const std::vector<int64_t> alone = decode::draw_rows(mixed, {&again[0], &again[7], &again[8]});
+  EXPECT_EQ(alone[0], 4);
+  EXPECT_EQ(alone[1], tokens[7]);
+  EXPECT_EQ(alone[2], tokens[8]);
 }
 
 // Greedy speculative decoding against the reference stack: the same tokens as the transformers
