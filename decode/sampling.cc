@@ -57,20 +57,58 @@ std::vector<int64_t> draw_rows(const at::Tensor& probs_in, const std::vector<at:
   return tokens;
 }
 
-std::pair<int64_t, int64_t> rejection_sample(const at::Tensor& draft_tokens, const at::Tensor& target_probs_in,
-                                             const at::Tensor& draft_probs_in, at::Generator& gen) {
-  const at::Tensor tokens = draft_tokens.to(at::kCPU, at::kLong).reshape({-1});
-  const at::Tensor target_probs = target_probs_in.to(at::kCPU), draft_probs = draft_probs_in.to(at::kCPU);
-  const int64_t n = tokens.size(0);
-  const at::Tensor p = target_probs.narrow(0, 0, n).gather(-1, tokens.unsqueeze(-1)).squeeze(-1);
-  const at::Tensor q = draft_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1);
-  const at::Tensor u = at::rand({n}, gen, at::TensorOptions().dtype(at::kFloat));
-  const int64_t accepted = (u * q < p).to(at::kInt).cumprod(0).sum().item<int64_t>();
-  if (accepted == n) return {accepted, draw(target_probs.select(0, n).unsqueeze(0), gen).item<int64_t>()};
-  at::Tensor residual = (target_probs.select(0, accepted) - draft_probs.select(0, accepted)).clamp_min(0);
-  const double total = residual.sum().item<double>();
-  residual = total > 0 ? residual / total : target_probs.select(0, accepted);
-  return {accepted, draw(residual.unsqueeze(0), gen).item<int64_t>()};
+std::vector<SpeculativeOutcome> rejection_sample_blocks(const std::vector<SpeculativeBlock>& blocks,
+                                                        const at::Tensor& target_probs_in, const at::Tensor& draft_probs_in) {
+  const at::Tensor target_probs = target_probs_in.to(at::kFloat);
+  const at::Device device = target_probs.device();
+  const auto long_options = at::TensorOptions().dtype(at::kLong);
+  // p_i(x_i) and q_i(x_i) of every draft, in one copy to the host.
+  std::vector<int64_t> target_rows, draft_rows, tokens;
+  for (const SpeculativeBlock& b : blocks) {
+    for (size_t i = 0; i < b.drafts.size(); ++i) {
+      target_rows.push_back(b.target_row + static_cast<int64_t>(i));
+      draft_rows.push_back(b.draft_row + static_cast<int64_t>(i));
+      tokens.push_back(b.drafts[i]);
+    }
+  }
+  at::Tensor pq;
+  if (!tokens.empty()) {
+    const at::Tensor draft_probs = draft_probs_in.to(at::kFloat);
+    const at::Tensor index = at::stack({at::tensor(target_rows, long_options), at::tensor(draft_rows, long_options),
+                                        at::tensor(tokens, long_options)}).to(device);
+    pq = at::stack({target_probs.index({index[0], index[2]}), draft_probs.index({index[1], index[2]})}).to(at::kCPU);
+  }
+  // The acceptance test per block, on the host; then where each bonus row comes from.
+  std::vector<SpeculativeOutcome> out(blocks.size());
+  std::vector<int64_t> bonus_target_rows, bonus_draft_rows;
+  std::vector<at::Generator*> gens;
+  for (size_t b = 0, offset = 0; b < blocks.size(); ++b) {
+    const int64_t n = static_cast<int64_t>(blocks[b].drafts.size());
+    if (n > 0) {
+      const at::Tensor u = at::rand({n}, *blocks[b].gen, at::TensorOptions().dtype(at::kFloat));
+      const float* uu = u.data_ptr<float>();
+      const float* p = pq.data_ptr<float>() + offset;
+      const float* q = pq.data_ptr<float>() + pq.size(1) + offset;
+      while (out[b].accepted < n && uu[out[b].accepted] * q[out[b].accepted] < p[out[b].accepted]) ++out[b].accepted;
+    }
+    offset += static_cast<size_t>(n);
+    bonus_target_rows.push_back(blocks[b].target_row + out[b].accepted);
+    bonus_draft_rows.push_back(out[b].accepted < n ? blocks[b].draft_row + out[b].accepted : -1);
+    gens.push_back(blocks[b].gen);
+  }
+  const at::Tensor rows = at::stack({at::tensor(bonus_target_rows, long_options), at::tensor(bonus_draft_rows, long_options)})
+                              .to(device);
+  const at::Tensor p = target_probs.index_select(0, rows[0]);
+  at::Tensor residual = p;
+  if (!tokens.empty()) {
+    const at::Tensor rejected = (rows[1] >= 0).unsqueeze(1);
+    const at::Tensor q = draft_probs_in.to(at::kFloat).index_select(0, rows[1].clamp_min(0));
+    residual = at::where(rejected, (p - q).clamp_min(0), p);
+    residual = at::where(residual.sum(-1, true) > 0, residual, p);
+  }
+  const std::vector<int64_t> bonus = draw_rows(residual, gens);
+  for (size_t b = 0; b < blocks.size(); ++b) out[b].bonus = bonus[b];
+  return out;
 }
 
 }  // namespace dflash::decode

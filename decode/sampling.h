@@ -6,7 +6,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 namespace dflash::decode {
@@ -37,11 +36,23 @@ at::Tensor draw(const at::Tensor& probs, at::Generator& gen);
 // draw in 10^7) draws that row with draw() instead.
 std::vector<int64_t> draw_rows(const at::Tensor& probs, const std::vector<at::Generator*>& gens);
 
-// Speculative sampling of one block: draft tokens [n] drawn from draft_probs [n, vocab] are
-// accepted while u * q(x) < p(x) (u uniform from `gen`); then the bonus token is drawn from
-// target_probs[n] when all were accepted, else from the residual max(p - q, 0) at the first
-// rejection (p itself where that is all zero). Returns (accepted count, bonus token).
-std::pair<int64_t, int64_t> rejection_sample(const at::Tensor& draft_tokens, const at::Tensor& target_probs,
-                                             const at::Tensor& draft_probs, at::Generator& gen);
+// Speculative sampling of several blocks at once. Block b: drafts[b] (n_b tokens) drawn from
+// draft_probs rows draft_row .. + n_b - 1, the target's probabilities at target_probs rows
+// target_row .. + n_b (both [rows, vocab], on one device). Per block, as z-lab's
+// _rejection_sample: draft i is accepted while u_i * q_i(x_i) < p_i(x_i) (u uniform from the
+// block's generator, n_b of them); the bonus token is drawn (draw_rows, one more uniform) from
+// p_{n_b} when all were accepted, else from max(p - q, 0) at the first rejection (p itself where
+// that is all zero). Everything but the acceptance test runs batched on the probabilities'
+// device: two small copies to the host, none of a whole row.
+struct SpeculativeBlock {
+  std::vector<int64_t> drafts;
+  int64_t target_row = 0, draft_row = 0;
+  at::Generator* gen = nullptr;
+};
+struct SpeculativeOutcome {
+  int64_t accepted = 0, bonus = 0;
+};
+std::vector<SpeculativeOutcome> rejection_sample_blocks(const std::vector<SpeculativeBlock>& blocks,
+                                                        const at::Tensor& target_probs, const at::Tensor& draft_probs);
 
 }  // namespace dflash::decode

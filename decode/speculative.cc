@@ -28,24 +28,6 @@ int64_t choose(const at::Tensor& logits, const Sampling& s, at::Generator& gen) 
   return draw(sampling_probs(last, s), gen).item<int64_t>();
 }
 
-// The verify step's decision on a block [last token, drafts...] from the target's logits over it:
-// (accepted drafts, bonus token), greedy by matching the argmaxes (`posterior`: int64 on the CPU,
-// one per block token), else by rejection sampling.
-std::pair<int64_t, int64_t> verify_block(const std::vector<int64_t>& block, const at::Tensor& logits,
-                                         const at::Tensor& posterior, const at::Tensor& draft_probs, const Sampling& s,
-                                         at::Generator& gen) {
-  const int64_t verify = static_cast<int64_t>(block.size());
-  if (s.greedy()) {
-    const int64_t* argmax = posterior.data_ptr<int64_t>();
-    int64_t accepted = 0;
-    while (accepted + 1 < verify && block[accepted + 1] == argmax[accepted]) ++accepted;
-    return {accepted, argmax[accepted]};
-  }
-  const at::Tensor target_probs = sampling_probs(logits, s);
-  if (verify == 1) return {0, draw(target_probs.select(0, 0).unsqueeze(0), gen).item<int64_t>()};
-  return rejection_sample(ids_tensor(std::vector<int64_t>(block.begin() + 1, block.end())), target_probs, draft_probs, gen);
-}
-
 // Each output's argmaxes (int64 on the CPU, one per row), all in one copy to the host.
 std::vector<at::Tensor> argmaxes(const std::vector<target::DecodeOutput>& out) {
   std::vector<at::Tensor> logits;
@@ -54,6 +36,36 @@ std::vector<at::Tensor> argmaxes(const std::vector<target::DecodeOutput>& out) {
   std::vector<at::Tensor> rows;
   for (int64_t row = 0; const at::Tensor& l : logits) rows.push_back(all.narrow(0, row, l.size(0))), row += l.size(0);
   return rows;
+}
+
+// The verify step's decisions on the blocks [last token, drafts...] from the target's logits over
+// them (out[j] for blocks[j]): (accepted drafts, bonus token) per block, greedy by matching the
+// argmaxes, else by rejection sampling against the drafts' probabilities (draft_probs, rows
+// draft_rows[j] .. of block j), every block at once; `gens` the blocks' generators.
+std::vector<SpeculativeOutcome> verify_blocks(const std::vector<std::vector<int64_t>>& blocks,
+                                              const std::vector<target::DecodeOutput>& out, const at::Tensor& draft_probs,
+                                              const std::vector<int64_t>& draft_rows,
+                                              const std::vector<at::Generator*>& gens, const Sampling& sampling) {
+  std::vector<SpeculativeOutcome> decided(blocks.size());
+  if (sampling.greedy()) {
+    const std::vector<at::Tensor> posteriors = argmaxes(out);
+    for (size_t j = 0; j < blocks.size(); ++j) {
+      const int64_t* argmax = posteriors[j].data_ptr<int64_t>();
+      const int64_t verify = static_cast<int64_t>(blocks[j].size());
+      int64_t& accepted = decided[j].accepted;
+      while (accepted + 1 < verify && blocks[j][static_cast<size_t>(accepted + 1)] == argmax[accepted]) ++accepted;
+      decided[j].bonus = argmax[accepted];
+    }
+    return decided;
+  }
+  std::vector<at::Tensor> logits;
+  std::vector<SpeculativeBlock> sampled(blocks.size());
+  for (size_t j = 0, row = 0; j < blocks.size(); row += blocks[j].size(), ++j) {
+    logits.push_back(out[j].logits);
+    sampled[j] = {std::vector<int64_t>(blocks[j].begin() + 1, blocks[j].end()), static_cast<int64_t>(row), draft_rows[j],
+                  gens[j]};
+  }
+  return rejection_sample_blocks(sampled, sampling_probs(at::cat(logits), sampling), draft_probs);
 }
 
 bool is_stop(int64_t token, const std::vector<int64_t>& stops) {
@@ -257,7 +269,12 @@ void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const Gen
     blocks[j][0] = s.g.tokens[static_cast<size_t>(s.start)];
     if (blocks[j].size() > 1) drafting.push_back(&s), draft_ids.push_back(ids_tensor(blocks[j]));
   }
-  std::vector<at::Tensor> draft_probs(count);
+  // Sampling: every draft row's probabilities (block j's from row draft_rows[j]), each row drawn
+  // from its sequence's generator, all at once.
+  at::Tensor draft_probs;
+  std::vector<int64_t> draft_rows(count, 0);
+  std::vector<at::Generator*> gens;
+  for (Sequence* s : active) gens.push_back(&s->gen);
   if (!drafting.empty()) {
     std::vector<const drafter::DrafterContextCache*> contexts;
     for (Sequence* s : drafting) contexts.push_back(&s->context);
@@ -265,19 +282,19 @@ void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const Gen
     std::vector<at::Tensor> rows;
     for (const at::Tensor& h : hidden) rows.push_back(h.narrow(0, 1, h.size(0) - 1));
     const at::Tensor logits = at::matmul(at::cat(rows), target_.model().lm_head().t()).to(at::kFloat);
-    const at::Tensor greedy = sampling.greedy() ? logits.argmax(-1).to(at::kCPU) : at::Tensor();
-    int64_t row = 0;
-    for (size_t j = 0; j < count; ++j) {
-      if (blocks[j].size() <= 1) continue;
-      const int64_t n = static_cast<int64_t>(blocks[j].size()) - 1;
-      at::Tensor drafts = greedy.defined() ? greedy.narrow(0, row, n) : at::Tensor();
-      if (!greedy.defined()) {
-        draft_probs[j] = sampling_probs(logits.narrow(0, row, n), sampling);
-        drafts = draw(draft_probs[j], active[j]->gen);
-      }
-      const at::Tensor drafted = drafts.to(at::kCPU).contiguous();
-      std::copy_n(drafted.data_ptr<int64_t>(), n, blocks[j].begin() + 1);
-      row += n;
+    std::vector<at::Generator*> row_gens;
+    for (size_t j = 0; j < count; ++j) row_gens.insert(row_gens.end(), blocks[j].size() - 1, gens[j]);
+    std::vector<int64_t> drafted;
+    if (sampling.greedy()) {
+      const at::Tensor greedy = logits.argmax(-1).to(at::kCPU).contiguous();
+      drafted.assign(greedy.data_ptr<int64_t>(), greedy.data_ptr<int64_t>() + greedy.numel());
+    } else {
+      draft_probs = sampling_probs(logits, sampling);
+      drafted = draw_rows(draft_probs, row_gens);
+    }
+    for (size_t j = 0, row = 0; j < count; row += blocks[j].size() - 1, ++j) {
+      draft_rows[j] = static_cast<int64_t>(row);
+      std::copy_n(drafted.begin() + static_cast<int64_t>(row), blocks[j].size() - 1, blocks[j].begin() + 1);
     }
   }
   // 2. The target verifies every block in one step.
@@ -286,7 +303,7 @@ void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const Gen
   for (size_t j = 0; j < count; ++j) caches.push_back(&active[j]->cache), verify_ids.push_back(ids_tensor(blocks[j]));
   const std::vector<target::DecodeOutput> out = target_.step_batch(caches, verify_ids, tap_);
   // 3. Per sequence: the accepted prefix and the bonus token; the caches keep what was committed.
-  const std::vector<at::Tensor> posteriors = sampling.greedy() ? argmaxes(out) : std::vector<at::Tensor>(count);
+  const std::vector<SpeculativeOutcome> decided = verify_blocks(blocks, out, draft_probs, draft_rows, gens, sampling);
   std::vector<int64_t> lengths(count);
   std::vector<drafter::DrafterContextCache*> contexts;
   std::vector<at::Tensor> committed_features;
@@ -294,7 +311,7 @@ void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const Gen
     Sequence& s = *active[j];
     const std::vector<int64_t>& block = blocks[j];
     const int64_t verify = static_cast<int64_t>(block.size());
-    const auto [accepted, bonus] = verify_block(block, out[j].logits, posteriors[j], draft_probs[j], sampling, s.gen);
+    const auto [accepted, bonus] = decided[j];
     for (int64_t k = 1; k < verify; ++k) {
       ++s.g.drafted_at[k - 1];
       if (k <= accepted) ++s.g.accepted_at[k - 1];
