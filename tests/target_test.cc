@@ -607,6 +607,20 @@ TEST(GatedDeltaNetKernels, WholeTargetMatchesTheReferencePath) {
   }
 }
 
+// Random inputs of the decode-step kernel on the GPU: q, k, v bf16 strided as the conv's [G, n,
+// channels] output gives them, g and beta fp32 [G, n, Hv].
+struct DecodeStepInputs {
+  at::Tensor q, k, v, g, beta;
+};
+DecodeStepInputs decode_step_inputs(int64_t sequences, int64_t n, int64_t hk, int64_t hv) {
+  const int64_t d = 128;
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const at::Tensor mixed = at::randn({sequences, n, (2 * hk + hv) * d}, cuda).to(at::kBFloat16);
+  return {mixed.narrow(2, 0, hk * d).view({sequences, n, hk, d}), mixed.narrow(2, hk * d, hk * d).view({sequences, n, hk, d}),
+          mixed.narrow(2, 2 * hk * d, hv * d).view({sequences, n, hv, d}), -at::rand({sequences, n, hv}, cuda),
+          at::sigmoid(at::randn({sequences, n, hv}, cuda))};
+}
+
 // The decode-step kernel (a few tokens per sequence: decoding's steps and crops) against the rule
 // token by token in fp32 on the same bf16 inputs: q, k, v strided as the conv's [G, n, channels]
 // output gives them, GQA heads, a non-zero state; the state it is given is left as it was.
@@ -616,11 +630,7 @@ TEST(GatedDeltaNetKernels, DecodeStepMatchesTheRecurrentRule) {
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   for (int64_t n : {1, 5, 16}) {  // a plain step, a crop's kept tokens, a verify step
     SCOPED_TRACE(std::to_string(n) + " tokens");
-    const at::Tensor mixed = at::randn({sequences, n, (2 * hk + hv) * d}, cuda).to(at::kBFloat16);
-    const at::Tensor q = mixed.narrow(2, 0, hk * d).view({sequences, n, hk, d});
-    const at::Tensor k = mixed.narrow(2, hk * d, hk * d).view({sequences, n, hk, d});
-    const at::Tensor v = mixed.narrow(2, 2 * hk * d, hv * d).view({sequences, n, hv, d});
-    const at::Tensor g = -at::rand({sequences, n, hv}, cuda), beta = at::sigmoid(at::randn({sequences, n, hv}, cuda));
+    const auto [q, k, v, g, beta] = decode_step_inputs(sequences, n, hk, hv);
     const at::Tensor state = 0.1 * at::randn({sequences, hv, d, d}, cuda), before = state.clone();
     const GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, state);
     EXPECT_TRUE(at::equal(state, before));
@@ -647,11 +657,7 @@ TEST(GatedDeltaNetKernels, DecodeStepOnBf16StatesRoundsTheStateOnce) {
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   for (int64_t n : {1, 16}) {
     SCOPED_TRACE(std::to_string(n) + " tokens");
-    const at::Tensor mixed = at::randn({sequences, n, (2 * hk + hv) * d}, cuda).to(at::kBFloat16);
-    const at::Tensor q = mixed.narrow(2, 0, hk * d).view({sequences, n, hk, d});
-    const at::Tensor k = mixed.narrow(2, hk * d, hk * d).view({sequences, n, hk, d});
-    const at::Tensor v = mixed.narrow(2, 2 * hk * d, hv * d).view({sequences, n, hv, d});
-    const at::Tensor g = -at::rand({sequences, n, hv}, cuda), beta = at::sigmoid(at::randn({sequences, n, hv}, cuda));
+    const auto [q, k, v, g, beta] = decode_step_inputs(sequences, n, hk, hv);
     const at::Tensor state = (0.1 * at::randn({sequences, hv, d, d}, cuda)).to(at::kBFloat16);
     const GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, state);
     ASSERT_EQ(r.state.scalar_type(), at::kBFloat16);
