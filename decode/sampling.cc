@@ -38,27 +38,24 @@ std::vector<int64_t> draw_rows(const at::Tensor& probs_in, const std::vector<at:
   const at::Tensor probs = probs_in.to(at::kFloat);
   const int64_t rows = probs.size(0), vocab = probs.size(1);
   if (static_cast<int64_t>(gens.size()) != rows) throw std::invalid_argument("draw_rows: one generator per row");
-  std::vector<double> u(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) {
-    u[static_cast<size_t>(r)] = at::rand({1}, *gens[static_cast<size_t>(r)], at::TensorOptions().dtype(at::kDouble)).item<double>();
-  }
+  const auto doubles = at::TensorOptions().dtype(at::kDouble);
+  std::vector<double> u;
+  for (at::Generator* gen : gens) u.push_back(at::rand({1}, *gen, doubles).item<double>());
   const at::Tensor cdf = probs.cumsum(-1);
-  const at::Tensor bound =
-      at::tensor(u, at::TensorOptions().dtype(at::kDouble)).to(probs.device(), at::kFloat).unsqueeze(1) * cdf.narrow(1, vocab - 1, 1);
+  const at::Tensor bound = at::tensor(u, doubles).to(probs.device(), at::kFloat).unsqueeze(1) * cdf.narrow(1, vocab - 1, 1);
   const at::Tensor index = at::searchsorted(cdf, bound, /*out_int32=*/false, /*right=*/true).clamp_max(vocab - 1);
   // -1 where the search found a zero-probability token: those rows are drawn again below.
   const at::Tensor chosen = at::where(probs.gather(1, index) > 0, index, -1).reshape({rows}).to(at::kCPU);
   std::vector<int64_t> tokens(chosen.data_ptr<int64_t>(), chosen.data_ptr<int64_t>() + rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    if (tokens[static_cast<size_t>(r)] < 0) {
-      tokens[static_cast<size_t>(r)] = draw(probs.select(0, r).unsqueeze(0), *gens[static_cast<size_t>(r)]).item<int64_t>();
-    }
+  for (size_t r = 0; r < tokens.size(); ++r) {
+    if (tokens[r] < 0) tokens[r] = draw(probs.select(0, static_cast<int64_t>(r)).unsqueeze(0), *gens[r]).item<int64_t>();
   }
   return tokens;
 }
 
 std::vector<SpeculativeOutcome> rejection_sample_blocks(const std::vector<SpeculativeBlock>& blocks,
-                                                        const at::Tensor& target_probs_in, const at::Tensor& draft_probs_in) {
+                                                        const at::Tensor& target_probs_in,
+                                                        const at::Tensor& draft_probs_in) {
   const at::Tensor target_probs = target_probs_in.to(at::kFloat);
   const at::Device device = target_probs.device();
   const auto long_options = at::TensorOptions().dtype(at::kLong);
@@ -96,8 +93,8 @@ std::vector<SpeculativeOutcome> rejection_sample_blocks(const std::vector<Specul
     bonus_draft_rows.push_back(out[b].accepted < n ? blocks[b].draft_row + out[b].accepted : -1);
     gens.push_back(blocks[b].gen);
   }
-  const at::Tensor rows = at::stack({at::tensor(bonus_target_rows, long_options), at::tensor(bonus_draft_rows, long_options)})
-                              .to(device);
+  const at::Tensor rows =
+      at::stack({at::tensor(bonus_target_rows, long_options), at::tensor(bonus_draft_rows, long_options)}).to(device);
   const at::Tensor p = target_probs.index_select(0, rows[0]);
   at::Tensor residual = p;
   if (!tokens.empty()) {

@@ -43,8 +43,8 @@ std::vector<at::Tensor> argmaxes(const std::vector<target::DecodeOutput>& out) {
 // argmaxes, else by rejection sampling against the drafts' probabilities (draft_probs, rows
 // draft_rows[j] .. of block j), every block at once; `gens` the blocks' generators.
 std::vector<SpeculativeOutcome> verify_blocks(const std::vector<std::vector<int64_t>>& blocks,
-                                              const std::vector<target::DecodeOutput>& out, const at::Tensor& draft_probs,
-                                              const std::vector<int64_t>& draft_rows,
+                                              const std::vector<target::DecodeOutput>& out,
+                                              const at::Tensor& draft_probs, const std::vector<int64_t>& draft_rows,
                                               const std::vector<at::Generator*>& gens, const Sampling& sampling) {
   std::vector<SpeculativeOutcome> decided(blocks.size());
   if (sampling.greedy()) {
@@ -62,8 +62,8 @@ std::vector<SpeculativeOutcome> verify_blocks(const std::vector<std::vector<int6
   std::vector<SpeculativeBlock> sampled(blocks.size());
   for (size_t j = 0, row = 0; j < blocks.size(); row += blocks[j].size(), ++j) {
     logits.push_back(out[j].logits);
-    sampled[j] = {std::vector<int64_t>(blocks[j].begin() + 1, blocks[j].end()), static_cast<int64_t>(row), draft_rows[j],
-                  gens[j]};
+    sampled[j] = {std::vector<int64_t>(blocks[j].begin() + 1, blocks[j].end()), static_cast<int64_t>(row),
+                  draft_rows[j], gens[j]};
   }
   return rejection_sample_blocks(sampled, sampling_probs(at::cat(logits), sampling), draft_probs);
 }
@@ -378,10 +378,12 @@ void PlainDecoder::start(Sequence& s, const GenerateSettings& settings) const {
   s.take_first_token(target_.prefill(s.cache, ids_tensor(s.request.prompt), {}).logits, settings.sampling);
 }
 
+namespace {
+
 // A plain step's next token of each sequence (its logits one row): the argmaxes, or one draw
 // per sequence from its own generator, all rows' probabilities formed together.
-std::vector<int64_t> next_tokens(const std::vector<target::DecodeOutput>& out, const std::vector<Decoder::Sequence*>& active,
-                                 const Sampling& sampling) {
+std::vector<int64_t> next_tokens(const std::vector<target::DecodeOutput>& out,
+                                 const std::vector<Decoder::Sequence*>& active, const Sampling& sampling) {
   std::vector<int64_t> tokens;
   if (sampling.greedy()) {
     for (const at::Tensor& row : argmaxes(out)) tokens.push_back(*row.data_ptr<int64_t>());
@@ -392,6 +394,8 @@ std::vector<int64_t> next_tokens(const std::vector<target::DecodeOutput>& out, c
   for (size_t j = 0; j < out.size(); ++j) logits.push_back(out[j].logits), gens.push_back(&active[j]->gen);
   return draw_rows(sampling_probs(at::cat(logits), sampling), gens);
 }
+
+}  // namespace
 
 void PlainDecoder::advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const {
   std::vector<target::DecodeCache*> caches;

@@ -79,7 +79,8 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed, int64_t key_heads, int
 // n, value_heads], state fp32 or bf16 [G, value_heads, 128, 128]. Returns o (fp32 [G, n,
 // value_heads, 128]) and the state after the n tokens, a new tensor of the state's dtype (`state`
 // is left as it was: a crop may need it; a bf16 state is widened on load and the new one rounded
-// once, the rule running in fp32). Reads and writes each state once: n is bounded by the time one CTA takes, not memory.
+// once, the rule running in fp32). Reads and writes each state once: n is bounded by the time one
+// CTA takes, not memory.
 struct GdnDecodeResult {
   at::Tensor o, state;
 };

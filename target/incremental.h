@@ -1,11 +1,11 @@
 // incremental.h: the target a few tokens at a time over a per-sequence cache, for decoding
 // (speculative decoding in `dflashd eval`, generation). The full-attention layers keep their
 // keys and values; the GatedDeltaNet layers their conv window and recurrent state (fp32, or bf16
-// with TargetOptions::decode_state_dtype; the rule always runs in fp32). A step
-// appends tokens; crop() rolls the cache back to a prefix of the last step (the accepted part of
-// a speculative block): keys and values are cut, the conv window re-cut, and the recurrent state
-// recomputed from the state before the step over the kept tokens (the step keeps the rule's
-// inputs, a few KB per token, rather than a state per token, 3 MB per token and layer at 27B).
+// with TargetOptions::decode_state_dtype; the rule always runs in fp32). A step appends tokens;
+// crop() rolls the cache back to a prefix of the last step (the accepted part of a speculative
+// block): keys and values are cut, the conv window re-cut, and the recurrent state recomputed
+// from the state before the step over the kept tokens (the step keeps the rule's inputs, a few
+// KB per token, rather than a state per token, 3 MB per token and layer at 27B).
 //
 // Several sequences step together (step_batch, crop_batch: batched decoding of many prompts):
 // the token-wise work (embedding, projections, MLP or experts, norms, LM head) runs once over all
@@ -47,8 +47,8 @@ struct DecodeCache {
   int64_t step_slot = 0;
   // GatedDeltaNet layers: the sequence's conv inputs and state are row `slot` of batch tensors it
   // shares with the sequences it last stepped (or was cropped) with: conv [G, K - 1, channels]
-  // (the last K - 1 conv inputs), state [G, Hv, dk, dv] (decode_state_dtype). Sharing them costs no op per
-  // sequence and layer, and the next step of the same sequences reads the batch as it is.
+  // (the last K - 1 conv inputs), state [G, Hv, dk, dv] (decode_state_dtype). Sharing them costs
+  // no op per sequence and layer, and the next step of the same sequences reads the batch as it is.
   std::vector<at::Tensor> conv, state;
   int64_t slot = 0;
   // The last step, for crop(): its first position and token count (the tokens still held of it);

@@ -1,8 +1,9 @@
 // Stage 5 (decoding): a few tokens of the recurrent rule per sequence, for the incremental
 // target's decode and verify steps and crops (target/incremental.h). These are bound by the
 // state's traffic (fp32: 64 KB per head, 3 MB per sequence and layer at 27B shapes; bf16 states
-// half that): this kernel reads each state once and writes the new one once, where the rule as libtorch ops passes over it about
-// eight times per token (token by token) or pads a 16-token verify step to a 64-token chunk.
+// half that): this kernel reads each state once and writes the new one once, where the rule as
+// libtorch ops passes over it about eight times per token (token by token) or pads a 16-token
+// verify step to a 64-token chunk.
 // Private to target/kernels/gated_delta_net.cu (one translation unit): see gated_delta_net.h for
 // the math and the data layout.
 #pragma once
