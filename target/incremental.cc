@@ -117,7 +117,8 @@ class RowGather {
 
 // A group's rows of a step's token-wise tensor t [tokens, ...]: t itself when the group holds
 // every row (the step's only group: its rows are all rows, in order), else gathered; and the
-// reverse, the group's rows written into out.
+// reverse, the group's rows written into out (for the only group, out becomes its rows when they
+// are dense and of out's dtype: no copy).
 bool holds_every_row(const RowGroup& group, const at::Tensor& t) {
   return static_cast<int64_t>(group.members.size()) * group.count == t.size(0);
 }
@@ -126,7 +127,9 @@ at::Tensor group_rows(const RowGroup& group, const at::Tensor& t) {
 }
 void put_group_rows(const RowGroup& group, at::Tensor& out, const at::Tensor& rows) {
   if (holds_every_row(group, out)) {
-    out.copy_(rows.reshape(out.sizes()));
+    const bool as_they_are =
+        rows.scalar_type() == out.scalar_type() && rows.is_contiguous() && rows.numel() == out.numel();
+    out = as_they_are ? rows.view(out.sizes()) : out.copy_(rows.reshape(out.sizes()));
   } else {
     out.index_copy_(0, group.rows, rows);
   }
