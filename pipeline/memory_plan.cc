@@ -6,6 +6,7 @@
 #include <set>
 
 #include "common/log.h"
+#include "target/decode_plan.h"
 #include "target/stage_plan.h"
 
 namespace dflash::pipeline {
@@ -111,6 +112,17 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
                                                                     : shape.num_layers * per_layer;
   const int64_t drafter_activations = layers_kept + tokens * h * bytes * 2 + 2 * chunk_rows * v * 4;
 
+  // Evaluation decodes on target replica 0's first GPU, a verify step of a block at a time, with
+  // its own copy of the drafter there.
+  const int eval_gpu = config.gpus.target_replicas.empty() ? -1 : config.gpus.target_replicas[0][0];
+  const int64_t eval_caches =
+      config.eval.every_steps > 0
+          ? shape.parameter_count() * bytes +
+                config.eval.max_batch * target::decoding_sequence_bytes(target, tokens + config.eval.max_new_tokens,
+                                                                        shape.block_size, bytes,
+                                                                        config::bytes_of(config.target.decode_state_dtype))
+          : 0;
+
   std::set<int> ids(config.gpus.target.begin(), config.gpus.target.end());
   ids.insert(config.gpus.drafter.begin(), config.gpus.drafter.end());
   std::vector<GpuMemoryPlan> plan;
@@ -123,6 +135,7 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
       g.target_weights = weights_on[id];
       g.target_activations = target_activations;
       g.target_layers = layers_on[id];
+      if (id == eval_gpu) g.eval_caches = eval_caches;
     }
     if (g.drafter) {
       g.drafter_state = drafter_state + (g.target ? 0 : head_and_embedding);
@@ -138,16 +151,16 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
 
 std::string format_memory_plan(const std::vector<GpuMemoryPlan>& plan) {
   std::string out = "memory plan (GB, estimated): gpu  roles           target weights  target act.  drafter state  "
-                    "features  drafter act.  total / capacity\n";
+                    "features  drafter act.  eval decoding  total / capacity\n";
   for (const GpuMemoryPlan& g : plan) {
     char line[256];
     const std::string roles = g.target && g.drafter ? "target" + g.target_layers + "+drafter"
                               : g.target            ? "target" + g.target_layers
                                                     : "drafter";
-    std::snprintf(line, sizeof(line), "%33d  %-14s  %14s  %11s  %13s  %8s  %12s  %s / %s\n", g.gpu, roles.c_str(),
+    std::snprintf(line, sizeof(line), "%33d  %-14s  %14s  %11s  %13s  %8s  %12s  %13s  %s / %s\n", g.gpu, roles.c_str(),
                   gb(g.target_weights).c_str(), gb(g.target_activations).c_str(), gb(g.drafter_state).c_str(),
-                  gb(g.queued_features).c_str(), gb(g.drafter_activations).c_str(), gb(g.total()).c_str(),
-                  g.capacity > 0 ? gb(g.capacity).c_str() : "?");
+                  gb(g.queued_features).c_str(), gb(g.drafter_activations).c_str(), gb(g.eval_caches).c_str(),
+                  gb(g.total()).c_str(), g.capacity > 0 ? gb(g.capacity).c_str() : "?");
     out += line;
   }
   if (!out.empty()) out.pop_back();
@@ -161,10 +174,11 @@ std::vector<std::string> memory_plan_problems(const std::vector<GpuMemoryPlan>& 
     std::string advice;
     if (g.target && g.drafter) advice = "give the target and the drafter separate GPUs (gpus.target, gpus.drafter), ";
     if (g.drafter && !g.activations_checkpointed) advice += "set train.activation_checkpointing: true, ";
+    if (g.eval_caches > 0) advice += "lower eval.max_batch or set target.decode_state_dtype: bfloat16, ";
     problems.push_back("GPU " + std::to_string(g.gpu) + ": the run needs about " + gb(g.total()) + " GB (target weights " +
                        gb(g.target_weights) + ", target activations " + gb(g.target_activations) + ", drafter state " +
                        gb(g.drafter_state) + ", queued features " + gb(g.queued_features) + ", drafter activations " +
-                       gb(g.drafter_activations) + ") but " + gb(static_cast<int64_t>(kHeadroom * g.capacity)) +
+                       gb(g.drafter_activations) + ", evaluation's drafter and decoding caches " + gb(g.eval_caches) + ") but " + gb(static_cast<int64_t>(kHeadroom * g.capacity)) +
                        " GB of its " + gb(g.capacity) + " GB are usable; " + advice +
                        "lower data.max_length, queues.features or train.anchors_per_sequence");
   }

@@ -36,9 +36,13 @@ struct GpuMemoryPlan {
   int64_t target_weights = 0, target_activations = 0;
   int64_t drafter_state = 0, queued_features = 0, drafter_activations = 0;
   bool activations_checkpointed = false;  // train.activation_checkpointing (drafter_activations counts it)
+  // Evaluation (the eval section, on target replica 0's GPU): its copy of the drafter and the
+  // decoding caches of eval.max_batch sequences of up to data.max_length + eval.max_new_tokens
+  // positions (target/decode_plan.h, the GatedDeltaNet states at target.decode_state_dtype).
+  int64_t eval_caches = 0;
   int64_t capacity = 0;  // the GPU's memory, 0 when unknown (offline, or a CPU run)
   int64_t total() const {
-    return target_weights + target_activations + drafter_state + queued_features + drafter_activations;
+    return target_weights + target_activations + drafter_state + queued_features + drafter_activations + eval_caches;
   }
 };
 

@@ -465,6 +465,26 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
   c.gpus.drafter = {1};
   const auto split = plan_memory(c, target, shape, {80LL << 30, 80LL << 30});
   EXPECT_TRUE(memory_plan_problems(split).empty()) << format_memory_plan(split);
+  // The eval section: evaluation's copy of the drafter and its decoding caches (eval.max_batch
+  // sequences of up to data.max_length + eval.max_new_tokens positions, verify steps of a block)
+  // on target replica 0's GPU; bf16 states make them smaller.
+  c.eval.every_steps = 1000;
+  const auto with_eval = plan_memory(c, target, shape, {143'771LL << 20, 143'771LL << 20});
+  const int64_t caches = target::decoding_sequence_bytes(target, 4096 + c.eval.max_new_tokens, shape.block_size, 2, 4);
+  EXPECT_EQ(with_eval[0].eval_caches, shape.parameter_count() * 2 + c.eval.max_batch * caches);
+  EXPECT_EQ(with_eval[1].eval_caches, 0);
+  EXPECT_NE(format_memory_plan(with_eval).find("eval decoding"), std::string::npos);
+  EXPECT_TRUE(memory_plan_problems(with_eval).empty()) << format_memory_plan(with_eval);
+  c.target.decode_state_dtype = config::ModelDtype::bfloat16;
+  EXPECT_LT(plan_memory(c, target, shape, {})[0].eval_caches, with_eval[0].eval_caches);
+  c.target.decode_state_dtype = config::ModelDtype::float32;
+  c.eval.max_batch = 128;  // 128 x about 0.9 GB (keys and values of 8,192 positions) do not fit beside the target
+  const auto crowded_plan = plan_memory(c, target, shape, {143'771LL << 20, 143'771LL << 20});
+  const auto crowded = memory_plan_problems(crowded_plan);
+  ASSERT_EQ(crowded.size(), 1u) << format_memory_plan(crowded_plan);
+  EXPECT_NE(crowded[0].find("lower eval.max_batch or set target.decode_state_dtype: bfloat16"), std::string::npos)
+      << crowded[0];
+  c.eval = config::EvalConfig{};
 
   // 65,536-token sequences with 2,048 anchors on one H200 (issue 25's long-sequence goal): the
   // drafter's activations do not fit kept, and the refusal says how to checkpoint them; with
