@@ -54,6 +54,36 @@ int64_t target_widest_per_token(const target::ModelConfig& c) {
   return widest;
 }
 
+// The drafter's activations in a step (hidden size h, vocabulary v).
+int64_t drafter_activation_bytes(const config::Config& config, const drafter::DrafterShape& shape, int64_t h, int64_t v) {
+  const int64_t bytes = config::bytes_of(config.target.dtype), tokens = config.data.max_length;
+  const int64_t rows = static_cast<int64_t>(config.train.anchors_per_sequence) * shape.block_size *
+                       config.train.sequences_per_step;
+  const int64_t q_width = shape.num_attention_heads * shape.head_dim;
+  const int64_t kv_width = 2 * shape.num_key_value_heads * shape.head_dim;
+  // Saved for backward per layer: the layer input, norms, q / k / v, attention output and
+  // statistics, o_proj input, MLP gate / up / product; the context's keys and values.
+  const int64_t per_layer = rows * (4 * h + 2 * q_width + kv_width + 3 * shape.intermediate_size) * bytes +
+                            tokens * kv_width * bytes;
+  const int64_t chunk_rows = std::min<int64_t>(rows, static_cast<int64_t>(config.train.lm_head_chunk_blocks) * shape.block_size);
+  // Checkpointed layers keep their input rows; backward holds one layer's activations at a time.
+  const int64_t layers_kept = config.train.activation_checkpointing ? rows * h * bytes * shape.num_layers + per_layer
+                                                                    : shape.num_layers * per_layer;
+  return layers_kept + tokens * h * bytes * 2 + 2 * chunk_rows * v * 4;
+}
+
+// Evaluation (the eval section) decodes on target replica 0's first GPU, a verify step of a block
+// at a time, with its own copy of the drafter there: 0 without the eval section.
+int64_t evaluation_bytes(const config::Config& config, const target::ModelConfig& target,
+                         const drafter::DrafterShape& shape) {
+  if (config.eval.every_steps <= 0) return 0;
+  const int64_t bytes = config::bytes_of(config.target.dtype);
+  const int64_t sequence = target::decoding_sequence_bytes(target, config.data.max_length + config.eval.max_new_tokens,
+                                                           shape.block_size, bytes,
+                                                           config::bytes_of(config.target.decode_state_dtype));
+  return shape.parameter_count() * bytes + config.eval.max_batch * sequence;
+}
+
 std::string gb(int64_t bytes) { return log::fixed(static_cast<double>(bytes) / 1e9, 1); }
 
 }  // namespace
@@ -98,30 +128,10 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
   const int64_t drafter_state = p * (2 * bytes + (bytes == 4 ? 0 : 4) + 8);
   const int64_t item = tokens * shape.num_features() * h * bytes;
   const int64_t queued = (config.queues.features + config.train.sequences_per_step) * item;
-  const int64_t rows = static_cast<int64_t>(config.train.anchors_per_sequence) * shape.block_size *
-                       config.train.sequences_per_step;
-  const int64_t q_width = shape.num_attention_heads * shape.head_dim;
-  const int64_t kv_width = 2 * shape.num_key_value_heads * shape.head_dim;
-  // Saved for backward per layer: the layer input, norms, q / k / v, attention output and
-  // statistics, o_proj input, MLP gate / up / product; the context's keys and values.
-  const int64_t per_layer = rows * (4 * h + 2 * q_width + kv_width + 3 * shape.intermediate_size) * bytes +
-                            tokens * kv_width * bytes;
-  const int64_t chunk_rows = std::min<int64_t>(rows, static_cast<int64_t>(config.train.lm_head_chunk_blocks) * shape.block_size);
-  // Checkpointed layers keep their input rows; backward holds one layer's activations at a time.
-  const int64_t layers_kept = config.train.activation_checkpointing ? rows * h * bytes * shape.num_layers + per_layer
-                                                                    : shape.num_layers * per_layer;
-  const int64_t drafter_activations = layers_kept + tokens * h * bytes * 2 + 2 * chunk_rows * v * 4;
+  const int64_t drafter_activations = drafter_activation_bytes(config, shape, h, v);
 
-  // Evaluation decodes on target replica 0's first GPU, a verify step of a block at a time, with
-  // its own copy of the drafter there.
   const int eval_gpu = config.gpus.target_replicas.empty() ? -1 : config.gpus.target_replicas[0][0];
-  const int64_t eval_caches =
-      config.eval.every_steps > 0
-          ? shape.parameter_count() * bytes +
-                config.eval.max_batch * target::decoding_sequence_bytes(target, tokens + config.eval.max_new_tokens,
-                                                                        shape.block_size, bytes,
-                                                                        config::bytes_of(config.target.decode_state_dtype))
-          : 0;
+  const int64_t eval_caches = evaluation_bytes(config, target, shape);
 
   std::set<int> ids(config.gpus.target.begin(), config.gpus.target.end());
   ids.insert(config.gpus.drafter.begin(), config.gpus.drafter.end());
