@@ -159,12 +159,9 @@ std::vector<std::vector<int64_t>> read_prompts(const std::string& path, int64_t 
   return prompts;
 }
 
-// The precision the target decodes in: its dtype (float8: FP8 projections) and its states'.
+// The target's dtype as the config says it (float8: FP8 projections).
 std::string dtype_name(const target::TargetOptions& o) {
   return o.fp8_weights ? "float8" : o.dtype == at::kFloat ? "float32" : "bfloat16";
-}
-std::string state_dtype_name(const target::TargetOptions& o) {
-  return o.decode_state_dtype == at::kBFloat16 ? "bfloat16" : "float32";
 }
 
 // What the output directory is generated from (ShardedOutput compares it on a restart): a
@@ -185,7 +182,7 @@ std::string job_description(const GenerateArgs& a, const target::TargetOptions& 
   nlohmann::ordered_json j;
   j["target"] = a.target.preset.empty() ? a.target.dir : "preset:" + a.target.preset;
   j["dtype"] = dtype_name(options);
-  j["state_dtype"] = state_dtype_name(options);
+  j["state_dtype"] = target::decode_state_dtype_name(options);
   j["prompts"] = prompts.size();
   j["prompts_checksum"] = hex;
   j["max_new_tokens"] = s.max_new_tokens;
@@ -244,7 +241,7 @@ GenerateMetrics register_metrics(prometheus::Registry& registry, const target::T
       .Help("The precision the target decodes in, as labels (dtype: its weights and activations; state_dtype: its "
             "GatedDeltaNet states between steps); the value is always 1")
       .Register(registry)
-      .Add({{"dtype", dtype_name(options)}, {"state_dtype", state_dtype_name(options)}})
+      .Add({{"dtype", dtype_name(options)}, {"state_dtype", target::decode_state_dtype_name(options)}})
       .Set(1);
   auto& prompts = prometheus::BuildGauge()
                       .Name("dflashd_generate_prompts")
@@ -330,7 +327,7 @@ int generate(const GenerateArgs& a_in) {
             "{} with {} GatedDeltaNet states; {}, up to {} new tokens, truncated responses {}; output {}",
             prompts.size(), a.prompts, out.done_before().size(),
             out.removed_uncommitted() > 0 ? " (" + std::to_string(out.removed_uncommitted()) + " uncommitted shard(s) removed)" : "",
-            replicas.size(), places, a.max_batch, dtype_name(*base), state_dtype_name(*base),
+            replicas.size(), places, a.max_batch, dtype_name(*base), target::decode_state_dtype_name(*base),
             decode::describe(a.settings), a.settings.max_new_tokens, a.keep_truncated ? "kept" : "skipped", a.out);
 
   auto registry = std::make_shared<prometheus::Registry>();

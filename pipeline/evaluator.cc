@@ -74,7 +74,7 @@ Evaluator::Evaluator(const config::Config& config, const target::TargetModel& ta
             "export/best follows the eval acceptance{}",
             settings_.every_steps, prompts_.size(), settings_.max_new_tokens, decode::describe(generate_),
             settings_.max_batch, target.options().device.str(),
-            target.options().decode_state_dtype == at::kBFloat16 ? "bfloat16" : "float32",
+            target::decode_state_dtype_name(target.options()),
             best_ > 0 ? " (best so far " + std::to_string(best_) + ")" : "");
   thread_ = std::thread([this] { run(); });
 }

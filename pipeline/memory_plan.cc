@@ -131,7 +131,7 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
   const int64_t drafter_activations = drafter_activation_bytes(config, shape, h, v);
 
   const int eval_gpu = config.gpus.target_replicas.empty() ? -1 : config.gpus.target_replicas[0][0];
-  const int64_t eval_caches = evaluation_bytes(config, target, shape);
+  const int64_t eval_decoding = evaluation_bytes(config, target, shape);
 
   std::set<int> ids(config.gpus.target.begin(), config.gpus.target.end());
   ids.insert(config.gpus.drafter.begin(), config.gpus.drafter.end());
@@ -145,7 +145,7 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
       g.target_weights = weights_on[id];
       g.target_activations = target_activations;
       g.target_layers = layers_on[id];
-      if (id == eval_gpu) g.eval_caches = eval_caches;
+      if (id == eval_gpu) g.eval_decoding = eval_decoding;
     }
     if (g.drafter) {
       g.drafter_state = drafter_state + (g.target ? 0 : head_and_embedding);
@@ -169,7 +169,7 @@ std::string format_memory_plan(const std::vector<GpuMemoryPlan>& plan) {
                                                     : "drafter";
     std::snprintf(line, sizeof(line), "%33d  %-14s  %14s  %11s  %13s  %8s  %12s  %13s  %s / %s\n", g.gpu, roles.c_str(),
                   gb(g.target_weights).c_str(), gb(g.target_activations).c_str(), gb(g.drafter_state).c_str(),
-                  gb(g.queued_features).c_str(), gb(g.drafter_activations).c_str(), gb(g.eval_caches).c_str(),
+                  gb(g.queued_features).c_str(), gb(g.drafter_activations).c_str(), gb(g.eval_decoding).c_str(),
                   gb(g.total()).c_str(), g.capacity > 0 ? gb(g.capacity).c_str() : "?");
     out += line;
   }
@@ -184,12 +184,12 @@ std::vector<std::string> memory_plan_problems(const std::vector<GpuMemoryPlan>& 
     std::string advice;
     if (g.target && g.drafter) advice = "give the target and the drafter separate GPUs (gpus.target, gpus.drafter), ";
     if (g.drafter && !g.activations_checkpointed) advice += "set train.activation_checkpointing: true, ";
-    if (g.eval_caches > 0) advice += "lower eval.max_batch or set target.decode_state_dtype: bfloat16, ";
+    if (g.eval_decoding > 0) advice += "lower eval.max_batch or set target.decode_state_dtype: bfloat16, ";
     problems.push_back("GPU " + std::to_string(g.gpu) + ": the run needs about " + gb(g.total()) + " GB (target weights " +
                        gb(g.target_weights) + ", target activations " + gb(g.target_activations) + ", drafter state " +
                        gb(g.drafter_state) + ", queued features " + gb(g.queued_features) + ", drafter activations " +
-                       gb(g.drafter_activations) + ", evaluation's drafter and decoding caches " + gb(g.eval_caches) + ") but " + gb(static_cast<int64_t>(kHeadroom * g.capacity)) +
-                       " GB of its " + gb(g.capacity) + " GB are usable; " + advice +
+                       gb(g.drafter_activations) + ", evaluation's drafter and decoding caches " + gb(g.eval_decoding) +
+                       ") but " + gb(static_cast<int64_t>(kHeadroom * g.capacity)) + " GB of its " + gb(g.capacity) + " GB are usable; " + advice +
                        "lower data.max_length, queues.features or train.anchors_per_sequence");
   }
   return problems;

@@ -39,10 +39,10 @@ struct GpuMemoryPlan {
   // Evaluation (the eval section, on target replica 0's GPU): its copy of the drafter and the
   // decoding caches of eval.max_batch sequences of up to data.max_length + eval.max_new_tokens
   // positions (target/decode_plan.h, the GatedDeltaNet states at target.decode_state_dtype).
-  int64_t eval_caches = 0;
+  int64_t eval_decoding = 0;
   int64_t capacity = 0;  // the GPU's memory, 0 when unknown (offline, or a CPU run)
   int64_t total() const {
-    return target_weights + target_activations + drafter_state + queued_features + drafter_activations + eval_caches;
+    return target_weights + target_activations + drafter_state + queued_features + drafter_activations + eval_decoding;
   }
 };
 

@@ -48,9 +48,15 @@ struct TargetOptions {
   // The dtype the GatedDeltaNet recurrent states are kept in between decoding steps
   // (IncrementalTarget; target.decode_state_dtype): fp32, as transformers keeps them, or bf16,
   // half the memory and half the state traffic of a decode step (the rule still runs in fp32:
-  // the state is rounded once per step), as vLLM keeps them by default (its mamba cache dtype follows the model's).
+  // the state is rounded once per step), as vLLM keeps them by default (its mamba cache dtype
+  // follows the model's).
   at::ScalarType decode_state_dtype = at::kFloat;
 };
+
+// The config's word for o.decode_state_dtype ("float32" or "bfloat16": logs, metrics, records).
+inline const char* decode_state_dtype_name(const TargetOptions& o) {
+  return o.decode_state_dtype == at::kBFloat16 ? "bfloat16" : "float32";
+}
 
 // Raised when a layer would run a path the options do not allow; names the layer and the fix.
 using dflash::SlowPathRefused;

@@ -471,12 +471,12 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
   c.eval.every_steps = 1000;
   const auto with_eval = plan_memory(c, target, shape, {143'771LL << 20, 143'771LL << 20});
   const int64_t caches = target::decoding_sequence_bytes(target, 4096 + c.eval.max_new_tokens, shape.block_size, 2, 4);
-  EXPECT_EQ(with_eval[0].eval_caches, shape.parameter_count() * 2 + c.eval.max_batch * caches);
-  EXPECT_EQ(with_eval[1].eval_caches, 0);
+  EXPECT_EQ(with_eval[0].eval_decoding, shape.parameter_count() * 2 + c.eval.max_batch * caches);
+  EXPECT_EQ(with_eval[1].eval_decoding, 0);
   EXPECT_NE(format_memory_plan(with_eval).find("eval decoding"), std::string::npos);
   EXPECT_TRUE(memory_plan_problems(with_eval).empty()) << format_memory_plan(with_eval);
   c.target.decode_state_dtype = config::ModelDtype::bfloat16;
-  EXPECT_LT(plan_memory(c, target, shape, {})[0].eval_caches, with_eval[0].eval_caches);
+  EXPECT_LT(plan_memory(c, target, shape, {})[0].eval_decoding, with_eval[0].eval_decoding);
   c.target.decode_state_dtype = config::ModelDtype::float32;
   c.eval.max_batch = 128;  // 128 x about 0.9 GB (keys and values of 8,192 positions) do not fit beside the target
   const auto crowded_plan = plan_memory(c, target, shape, {143'771LL << 20, 143'771LL << 20});

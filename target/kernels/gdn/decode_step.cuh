@@ -19,7 +19,8 @@ namespace dflash::target::kernels::gdn {
 // with q, k L2-normalised here (q also scaled), as the reference path does. A column's sums over
 // i are its threads' partial sums combined by two shuffles. 32 rows per thread keep the kernel at
 // about 80 registers, three CTAs per SM (a thread holding all 128 rows of a column would spill).
-// A warp holds 8 columns: each of its loads and stores is 4 runs of 32 bytes, whole sectors.
+// A warp holds 8 columns: each of its loads and stores is 4 runs of 32 bytes of fp32 states,
+// whole sectors (16 bytes of bf16 states: the neighbouring warp's columns fill the sectors).
 constexpr int kDecodeSplit = 4;                       // threads per column: lanes c, c + 8, c + 16, c + 24
 constexpr int kDecodeRows = D / kDecodeSplit;         // key rows per thread
 constexpr int kDecodeCtasPerHead = 2;
