@@ -8,8 +8,9 @@
 //      random drafter accepts almost nothing: its tokens/s is the floor of speculative decoding,
 //      the step times give what an acceptance length L buys: L tokens per drafter + verify step).
 // Usage: decode_bench CONFIG_DIR [PROMPTS NEW PROMPT_TOKENS MAX_BATCH]   (needs a GPU); DECODE_BATCHES="16 64 128"
-// sets the batch sizes of the batched rounds (16 and 64 by default); DECODE_STATE_DTYPE=bfloat16 keeps
-// the GatedDeltaNet states in bf16 (target.decode_state_dtype).
+// sets the batch sizes of the batched rounds (16 and 64 by default); DECODE_DTYPE=float8 keeps the
+// projections block-scaled FP8; DECODE_STATE_DTYPE=bfloat16 keeps the GatedDeltaNet states in
+// bf16 (target.decode_state_dtype).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/core/InferenceMode.h>
@@ -204,6 +205,9 @@ int main(int argc, char** argv) {
   const char* state_dtype = std::getenv("DECODE_STATE_DTYPE");
   const bool bf16_states = state_dtype != nullptr && std::string(state_dtype) == "bfloat16";
   options.decode_state_dtype = bf16_states ? at::kBFloat16 : at::kFloat;
+  // DECODE_DTYPE=float8: the projections block-scaled FP8 (target.dtype: float8).
+  const char* dtype = std::getenv("DECODE_DTYPE");
+  options.fp8_weights = dtype != nullptr && std::string(dtype) == "float8";
   auto model = target::random_target(config, config.num_layers - 1, options, 1);
   const target::IncrementalTarget target(*model);
   const drafter::DrafterShape shape = drafter::shape_for_target(config, config::DrafterConfig{});
@@ -211,8 +215,9 @@ int main(int argc, char** argv) {
   d.init_random(1);
   const int64_t block = shape.block_size;
   const std::vector<int64_t> tap(shape.target_layer_ids.begin(), shape.target_layer_ids.end());
-  std::printf("target %s: %lld layers, bf16, %s GatedDeltaNet states, random weights; drafter %lld layers, block %lld\n",
-              argv[1], static_cast<long long>(config.num_layers), bf16_states ? "bf16" : "fp32",
+  std::printf("target %s: %lld layers, %s, %s GatedDeltaNet states, random weights; drafter %lld layers, block %lld\n",
+              argv[1], static_cast<long long>(config.num_layers), options.fp8_weights ? "FP8 projections" : "bf16",
+              bf16_states ? "bf16" : "fp32",
               static_cast<long long>(shape.num_layers), static_cast<long long>(block));
 
   const auto ids = [&](int64_t n) {

@@ -149,7 +149,8 @@ GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q_in, const 
   expect(g.numel() == sequences * tokens * value_heads && beta.numel() == g.numel() &&
              state.numel() == sequences * value_heads * D * D,
          "decode step: g, beta must be [sequences, tokens, value_heads], the state [sequences, value_heads, 128, 128]");
-  GdnDecodeResult r{at::empty({sequences, tokens, value_heads, D}, state.options()), at::empty_like(state)};
+  // The output is fp32 whatever the state's dtype (the kernel's epilogue writes fp32).
+  GdnDecodeResult r{at::empty({sequences, tokens, value_heads, D}, state.options().dtype(at::kFloat)), at::empty_like(state)};
   kernels::GdnDecodeStep a;
   a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr();
   a.q_stride = q.stride(1), a.k_stride = k.stride(1), a.v_stride = v.stride(1);

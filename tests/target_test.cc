@@ -650,7 +650,7 @@ TEST(GatedDeltaNetKernels, DecodeStepMatchesTheRecurrentRule) {
 // The decode-step kernel on bf16 states (target.decode_state_dtype: bfloat16): the state widened
 // on load, the tokens in fp32, the new state rounded once: o as the fp32 rule from the widened
 // state, the new state that rule's state rounded to bf16 (up to an ulp where the two sum in other
-// orders), returned as bf16.
+// orders), returned as bf16; for one token by both kernels (column pairs, and the general one).
 TEST(GatedDeltaNetKernels, DecodeStepOnBf16StatesRoundsTheStateOnce) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const int64_t sequences = 3, hk = 2, hv = 4, d = 128;
@@ -670,6 +670,17 @@ TEST(GatedDeltaNetKernels, DecodeStepOnBf16StatesRoundsTheStateOnce) {
       EXPECT_TRUE(((r.state[s].to(at::kFloat) - rounded).abs() <= ulp + 1e-30).all().item<bool>()) << "sequence " << s;
       EXPECT_LE(relative_l2_error(r.state[s].to(at::kFloat), rounded), 1e-3) << "sequence " << s;
     }
+    if (n != 1) continue;
+    // A plain step runs the kernel that keeps column pairs as loaded, which reads v as bf16 pairs;
+    // v rows of odd stride take the general kernel. The two agree with each other as with the rule.
+    const at::Tensor odd = at::zeros({sequences, n, hv * d + 1}, v.options());
+    odd.narrow(2, 0, hv * d).copy_(v.reshape({sequences, n, hv * d}));
+    const at::Tensor v_odd = odd.narrow(2, 0, hv * d).view({sequences, n, hv, d});
+    ASSERT_EQ(v_odd.stride(1) % 2, 1);
+    const GdnDecodeResult general = gated_delta_rule_decode_step_cuda(q, k, v_odd, g, beta, state);
+    EXPECT_LE(relative_l2_error(general.o, r.o), 1e-6);
+    const at::Tensor apart = (general.state.to(at::kFloat) - r.state.to(at::kFloat)).abs();
+    EXPECT_TRUE((apart <= r.state.to(at::kFloat).abs() * std::ldexp(1.0, -7) + 1e-30).all().item<bool>());
   }
 }
 

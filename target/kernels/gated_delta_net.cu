@@ -164,7 +164,11 @@ void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream
     throw std::invalid_argument("gated_delta_rule_decode_step: value heads must be a multiple of key heads");
   }
   const int ctas = args.sequences * args.value_heads * kDecodeCtasPerHead;
-  if (args.state_bf16) {
+  // One token on bf16 states (plain decoding steps): column pairs, v read as bf16 pairs.
+  const bool v_pairs = reinterpret_cast<uintptr_t>(args.v) % 4 == 0 && args.v_stride % 2 == 0;
+  if (args.state_bf16 && args.tokens == 1 && v_pairs) {
+    decode_token_bf16_kernel<<<args.sequences * args.value_heads, kTokenThreads, 0, stream>>>(args);
+  } else if (args.state_bf16) {
     decode_step_kernel<bf16><<<ctas, kDecodeThreads, 0, stream>>>(args);
   } else {
     decode_step_kernel<float><<<ctas, kDecodeThreads, 0, stream>>>(args);
