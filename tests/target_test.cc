@@ -675,7 +675,7 @@ TEST(GatedDeltaNetKernels, DecodeStepOnBf16StatesRoundsTheStateOnce) {
     // v rows of odd stride take the general kernel. The two agree with each other as with the rule.
     const at::Tensor odd = at::zeros({sequences, n, hv * d + 1}, v.options());
     odd.narrow(2, 0, hv * d).copy_(v.reshape({sequences, n, hv * d}));
-    const at::Tensor v_odd = odd.narrow(2, 0, hv * d).view({sequences, n, hv, d});
+    const at::Tensor v_odd = odd.as_strided({sequences, n, hv, d}, {hv * d + 1, hv * d + 1, d, 1});
     ASSERT_EQ(v_odd.stride(1) % 2, 1);
     const GdnDecodeResult general = gated_delta_rule_decode_step_cuda(q, k, v_odd, g, beta, state);
     EXPECT_LE(relative_l2_error(general.o, r.o), 1e-6);
