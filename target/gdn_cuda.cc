@@ -136,11 +136,13 @@ GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q_in, const 
   expect(tokens >= 1 && shaped(q_in, key_heads) && shaped(k_in, key_heads) && shaped(v_in, value_heads),
          "decode step: q, k, v must be bf16 [sequences, tokens >= 1, heads, 128] on a GPU");
   // Rows (token t of sequence s at s * tokens + t) evenly spaced, each row's heads dense: the
-  // conv's [sequences, tokens, channels] output is read in place.
+  // conv's [sequences, tokens, channels] output is read in place. With one token a row is a
+  // sequence (the stride of the size-1 token dim says nothing: a view sets it freely).
   auto rows = [&](const at::Tensor& t) {
-    const bool in_place = t.stride(3) == 1 && t.stride(2) == D && t.stride(0) == tokens * t.stride(1);
+    const bool in_place = t.stride(3) == 1 && t.stride(2) == D && (tokens == 1 || t.stride(0) == tokens * t.stride(1));
     return in_place ? t : t.contiguous();
   };
+  auto row_stride = [&](const at::Tensor& t) { return tokens == 1 ? t.stride(0) : t.stride(1); };
   const at::Tensor q = rows(q_in), k = rows(k_in), v = rows(v_in);
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
@@ -153,7 +155,7 @@ GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q_in, const 
   GdnDecodeResult r{at::empty({sequences, tokens, value_heads, D}, state.options().dtype(at::kFloat)), at::empty_like(state)};
   kernels::GdnDecodeStep a;
   a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr();
-  a.q_stride = q.stride(1), a.k_stride = k.stride(1), a.v_stride = v.stride(1);
+  a.q_stride = row_stride(q), a.k_stride = row_stride(k), a.v_stride = row_stride(v);
   a.g = g.data_ptr<float>(), a.beta = beta.data_ptr<float>();
   a.state_in = state.data_ptr(), a.state_out = r.state.data_ptr(), a.out = r.o.data_ptr<float>();
   a.state_bf16 = state.scalar_type() == at::kBFloat16;
