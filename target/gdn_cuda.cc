@@ -124,9 +124,13 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x_in, const at::Tensor& wei
   return y;
 }
 
-GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                                  const at::Tensor& g_in, const at::Tensor& beta_in,
-                                                  const at::Tensor& state_in) {
+namespace {
+
+// The decode step's launch: the states read from `state` (a [sequences, value_heads, 128, 128]
+// batch) or, with `state_rows` defined, where its addresses point (`state` then only gives the
+// dtype and device of the new batch).
+GdnDecodeResult decode_step(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+                            const at::Tensor& beta_in, const at::Tensor& state_in, const at::Tensor& state_rows) {
   constexpr int64_t D = kernels::kGdnHeadDim;
   const int64_t sequences = q_in.size(0), tokens = q_in.size(1), key_heads = q_in.size(2), value_heads = v_in.size(2);
   auto shaped = [&](const at::Tensor& t, int64_t heads) {
@@ -146,24 +150,50 @@ GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q_in, const 
   const at::Tensor q = rows(q_in), k = rows(k_in), v = rows(v_in);
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
+  expect(g.numel() == sequences * tokens * value_heads && beta.numel() == g.numel(),
+         "decode step: g, beta must be [sequences, tokens, value_heads]");
+  const bool by_address = state_rows.defined();
   // bf16 states stay bf16 (read and written as such); anything else runs as fp32.
-  const at::Tensor state = (state_in.scalar_type() == at::kBFloat16 ? state_in : state_in.to(at::kFloat)).contiguous();
-  expect(g.numel() == sequences * tokens * value_heads && beta.numel() == g.numel() &&
-             state.numel() == sequences * value_heads * D * D,
-         "decode step: g, beta must be [sequences, tokens, value_heads], the state [sequences, value_heads, 128, 128]");
+  at::Tensor state;
+  if (by_address) {
+    expect(state_rows.is_cuda() && state_rows.scalar_type() == at::kLong && state_rows.numel() == sequences &&
+               (state_in.scalar_type() == at::kBFloat16 || state_in.scalar_type() == at::kFloat),
+           "decode step: state_rows must be int64 [sequences] on the GPU, the states fp32 or bf16");
+    state = at::empty({sequences, value_heads, D, D}, state_in.options());
+  } else {
+    state = (state_in.scalar_type() == at::kBFloat16 ? state_in : state_in.to(at::kFloat)).contiguous();
+    expect(state.numel() == sequences * value_heads * D * D,
+           "decode step: the state must be [sequences, value_heads, 128, 128]");
+  }
   // The output is fp32 whatever the state's dtype (the kernel's epilogue writes fp32).
-  GdnDecodeResult r{at::empty({sequences, tokens, value_heads, D}, state.options().dtype(at::kFloat)), at::empty_like(state)};
+  GdnDecodeResult r{at::empty({sequences, tokens, value_heads, D}, state.options().dtype(at::kFloat)),
+                    by_address ? state : at::empty_like(state)};
   kernels::GdnDecodeStep a;
   a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr();
   a.q_stride = row_stride(q), a.k_stride = row_stride(k), a.v_stride = row_stride(v);
   a.g = g.data_ptr<float>(), a.beta = beta.data_ptr<float>();
-  a.state_in = state.data_ptr(), a.state_out = r.state.data_ptr(), a.out = r.o.data_ptr<float>();
+  a.state_in = by_address ? nullptr : state.data_ptr();
+  a.state_rows = by_address ? static_cast<const void* const*>(state_rows.data_ptr()) : nullptr;
+  a.state_out = r.state.data_ptr(), a.out = r.o.data_ptr<float>();
   a.state_bf16 = state.scalar_type() == at::kBFloat16;
   a.sequences = static_cast<int>(sequences), a.tokens = static_cast<int>(tokens);
   a.key_heads = static_cast<int>(key_heads), a.value_heads = static_cast<int>(value_heads);
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   kernels::gated_delta_rule_decode_step(a, at::cuda::getCurrentCUDAStream().stream());
   return r;
+}
+
+}  // namespace
+
+GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state) {
+  return decode_step(q, k, v, g, beta, state, {});
+}
+
+GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state_rows,
+                                                  at::ScalarType state_dtype) {
+  return decode_step(q, k, v, g, beta, at::empty({0}, q.options().dtype(state_dtype)), state_rows);
 }
 
 namespace {
@@ -332,6 +362,10 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor&, int64_t, int64_t, const GdnG
 }
 GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  throw std::logic_error("gated_delta_rule_decode_step_cuda: this build has no CUDA kernels");
+}
+GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, at::ScalarType) {
   throw std::logic_error("gated_delta_rule_decode_step_cuda: this build has no CUDA kernels");
 }
 #endif

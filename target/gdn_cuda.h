@@ -86,6 +86,14 @@ struct GdnDecodeResult {
 };
 GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state);
+// The same with sequence s's state [value_heads, 128, 128] (fp32 or bf16: `state_dtype`) read at
+// the address state_rows[s] (int64 [sequences] on the GPU): rows of the batch tensors the
+// sequences' caches hold, read where they lie instead of gathered into one batch first (a step
+// whose sequences are not the last step's batch: a sequence left or joined). The new states are
+// one batch [sequences, ...]. The addressed states must stay alive until the kernel has run.
+GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state_rows,
+                                                  at::ScalarType state_dtype);
 
 // Random inputs of one GatedDeltaNet core on `device` (the GPU tests and doctor's self-test):
 // q, k L2-normalised and v in bf16 [tokens, heads, 128], g = -decay * U(0.05, 1) and beta =

@@ -172,10 +172,70 @@ struct KvStep {
   // its position (causal, aligned to the last key).
   bool flash = false;
   at::Tensor cu_q, used_k;
+  // In place (flash, a step that keeps nothing for a crop, members not the last step's batch in
+  // order): the members' keys and values stay in the batch most of them share, each in its row
+  // (rows[j]; a sequence that left leaves its row unused), and a joining member's are copied into
+  // a row no live cache holds (joins: member, its row in its own batch, its positions). Nothing
+  // else moves: regathering every cache into a new batch cost more than the step itself.
+  struct Join {
+    size_t member;
+    int64_t own_row, held;
+  };
+  bool in_place = false;
+  size_t shared_member = 0;  // a member whose batch is the shared one
+  std::vector<int64_t> in_place_rows;
+  std::vector<Join> joins;
+  at::Tensor key_rows;  // int32 [G + 1] on the device: rows, then one past the largest
 };
 
-KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& caches, size_t first_attention,
-                    at::Device device, bool flash) {
+// Plans a step's keys and values in place (KvStep::in_place) when the batch most members share
+// has room for every member's positions in every attention layer and, if members join, rows
+// that no live cache holds (its holders are exactly its members: its use count says so). Leaves
+// `step` as it was otherwise.
+void plan_in_place(const RowGroup& group, const std::vector<DecodeCache*>& caches,
+                   const std::vector<size_t>& attention_layers, const std::vector<int64_t>& slots, KvStep& step) {
+  const size_t size = group.members.size();
+  auto keys_of = [&](size_t j, size_t layer) -> const at::Tensor& { return caches[group.members[j]]->keys[layer]; };
+  const size_t first = attention_layers[0];
+  std::map<const c10::TensorImpl*, size_t> holders;
+  for (size_t j = 0; j < size; ++j) ++holders[keys_of(j, first).unsafeGetTensorImpl()];
+  const auto most = std::max_element(holders.begin(), holders.end(),
+                                     [](const auto& a, const auto& b) { return a.second < b.second; });
+  size_t shared = 0;
+  while (keys_of(shared, first).unsafeGetTensorImpl() != most->first) ++shared;
+  const int64_t batch_rows = keys_of(shared, first).size(0);
+  std::vector<int64_t> rows(size, -1);
+  std::vector<bool> taken(static_cast<size_t>(batch_rows), false);
+  for (size_t j = 0; j < size; ++j) {
+    if (keys_of(j, first).unsafeGetTensorImpl() == most->first) rows[j] = slots[j], taken[static_cast<size_t>(slots[j])] = true;
+  }
+  const bool joining = most->second < size;
+  for (size_t layer : attention_layers) {
+    const DecodeCache& holder = *caches[group.members[shared]];
+    for (const at::Tensor* t : {&holder.keys[layer], &holder.values[layer]}) {
+      if (t->size(1) < step.longest) return;  // no room for the step's positions
+      if (joining && static_cast<size_t>(t->use_count()) != most->second) return;  // a row may belong to a live cache
+    }
+  }
+  std::vector<KvStep::Join> joins;
+  size_t free_row = 0;
+  for (size_t j = 0; j < size; ++j) {
+    if (rows[j] >= 0) continue;
+    while (free_row < taken.size() && taken[free_row]) ++free_row;
+    if (free_row == taken.size()) return;  // more joining than unused rows
+    taken[free_row] = true;
+    rows[j] = static_cast<int64_t>(free_row);
+    joins.push_back({j, slots[j], caches[group.members[j]]->length});
+  }
+  step.in_place = true;
+  step.shared_member = shared;
+  step.in_place_rows = std::move(rows);
+  step.joins = std::move(joins);
+}
+
+KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& caches,
+                    const std::vector<size_t>& attention_layers, at::Device device, bool flash, bool croppable) {
+  const size_t first_attention = attention_layers[0];
   std::vector<const at::Tensor*> sources;
   std::vector<int64_t> slots, begins, rows, positions;
   KvStep step;
@@ -195,6 +255,11 @@ KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& cach
   step.rows = RowGather(sources, slots, device);
   step.begin = begins[0];
   const auto long_options = at::TensorOptions().dtype(at::kLong);
+  if (flash && !croppable && !step.rows.whole()) plan_in_place(group, caches, attention_layers, slots, step);
+  if (step.in_place) {  // the step's keys go to each member's row of the shared batch
+    step.same_begin = false;
+    for (int64_t& row : rows) row = step.in_place_rows[static_cast<size_t>(row)];
+  }
   if (!step.same_begin) {
     const at::Tensor both = at::stack({at::tensor(rows, long_options), at::tensor(positions, long_options)}).to(device);
     step.append_rows = both[0], step.append_positions = both[1];
@@ -205,9 +270,14 @@ KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& cach
     std::vector<int32_t> both;
     for (int64_t j = 0; j <= size; ++j) both.push_back(static_cast<int32_t>(j * group.count));
     for (int64_t begin : begins) both.push_back(static_cast<int32_t>(begin + group.count));
+    if (step.in_place) {  // then the members' rows of the shared batch, and one past the largest
+      for (int64_t row : step.in_place_rows) both.push_back(static_cast<int32_t>(row));
+      both.push_back(static_cast<int32_t>(*std::max_element(step.in_place_rows.begin(), step.in_place_rows.end()) + 1));
+    }
     const at::Tensor on_device = at::tensor(both, at::TensorOptions().dtype(at::kInt)).to(device);
     step.cu_q = on_device.narrow(0, 0, size + 1);
     step.used_k = on_device.narrow(0, size + 1, size);
+    if (step.in_place) step.key_rows = on_device.narrow(0, 2 * size + 1, size + 1);
     return step;
   }
   const at::Tensor last_visible =  // [G, n]: the last key position each query sees
@@ -219,17 +289,28 @@ KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& cach
 }
 
 // One attention layer's keys or values of a group: the members' batch [G, capacity, Hkv, d] as
-// it is when they are its rows in order and it has room, else a new one (capacity doubled, at
-// least 256 positions; zeros past each member's positions, which the mask hides: garbage there
-// could be NaN, and 0 x NaN is NaN) with their rows copied in; then the step's rows written.
+// it is when they are its rows in order and it has room, or the shared batch in place
+// (KvStep::in_place), else a new one (capacity doubled, at least 256 positions; zeros past each
+// member's positions, which the mask hides: garbage there could be NaN, and 0 x NaN is NaN;
+// FlashAttention reads only used_k keys, so no zeros there) with their rows copied in; then the
+// step's rows written.
 at::Tensor kv_batch(const KvStep& step, const std::vector<const at::Tensor*>& sources, const at::Tensor& step_rows,
                     int64_t n) {
+  if (step.in_place) {  // the shared batch, joining members' positions copied into their rows
+    at::Tensor batch = *sources[step.shared_member];
+    for (const KvStep::Join& join : step.joins) {
+      batch[step.in_place_rows[join.member]].narrow(0, 0, join.held).copy_(
+          (*sources[join.member])[join.own_row].narrow(0, 0, join.held));
+    }
+    batch.index_put_({step.append_rows, step.append_positions}, step_rows);
+    return batch;
+  }
   at::Tensor batch = *sources[0];
   if (!step.rows.whole() || batch.size(1) < step.longest) {
     int64_t capacity = std::max<int64_t>(256, step.rows.whole() ? 2 * batch.size(1) : 0);
     while (capacity < step.longest) capacity *= 2;
-    batch = at::zeros({static_cast<int64_t>(sources.size()), capacity, step_rows.size(1), step_rows.size(2)},
-                      step_rows.options());
+    const std::vector<int64_t> shape{static_cast<int64_t>(sources.size()), capacity, step_rows.size(1), step_rows.size(2)};
+    batch = step.flash ? at::empty(shape, step_rows.options()) : at::zeros(shape, step_rows.options());
     step.rows.copy_into(batch, sources, step.held);
   }
   if (step.same_begin) {
@@ -258,7 +339,9 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   if (step.flash) {  // member j's keys: rows j * capacity .. + used_k[j] - 1 of the flattened batch
     const int64_t capacity = k.size(1), hkv = k.size(2);
-    const at::Tensor cu_k = at::arange(0, (size + 1) * capacity, capacity, step.used_k.options());
+    // In place, member j's keys are its row's: rows[j] * capacity ..
+    const at::Tensor cu_k = step.in_place ? step.key_rows * static_cast<int32_t>(capacity)
+                                          : at::arange(0, (size + 1) * capacity, capacity, step.used_k.options());
     const at::Tensor o = std::get<0>(at::_flash_attention_forward(
         group_rows(group, a.q), k.view({size * capacity, hkv, d}), v.view({size * capacity, hkv, d}),
         step.cu_q, cu_k, n, step.longest, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, scale, std::nullopt,
@@ -355,7 +438,33 @@ struct GdnStep {
   RowGather rows;
   bool one_pass = false;
   at::Tensor window_positions;
+  // When the decode-step kernel reads the states where they lie (a one-pass step whose members
+  // are not their batch's rows in order: gathering them first moved every state, 9 GB at 128
+  // sequences with bf16 states): int64 [layers, G] on the device, member j's state in layer i at
+  // state_addresses[i][j] (GatedDeltaNet layers only).
+  at::Tensor state_addresses;
 };
+
+// Every GatedDeltaNet layer's state address of each member (its row of the batch its cache holds),
+// one table for the step, or undefined where a state is not a dense row of a dense batch.
+at::Tensor state_addresses(const std::vector<Layer>& layers, const RowGroup& group,
+                           const std::vector<DecodeCache*>& caches, at::Device device) {
+  const int64_t size = static_cast<int64_t>(group.members.size());
+  std::vector<int64_t> table(layers.size() * static_cast<size_t>(size), 0);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].kind == LayerKind::full_attention) continue;
+    for (int64_t j = 0; j < size; ++j) {
+      const DecodeCache& cache = *caches[group.members[static_cast<size_t>(j)]];
+      const at::Tensor& batch = cache.state[i];
+      if (!batch.is_contiguous() || cache.slot >= batch.size(0)) return {};
+      const auto* row = static_cast<const char*>(batch.data_ptr()) + cache.slot * batch.stride(0) * batch.element_size();
+      table[i * static_cast<size_t>(size) + static_cast<size_t>(j)] = reinterpret_cast<int64_t>(row);
+    }
+  }
+  return at::tensor(table, at::TensorOptions().dtype(at::kLong))
+      .view({static_cast<int64_t>(layers.size()), size})
+      .to(device);
+}
 
 // The causal depthwise conv + SiLU of a group's step tokens over their window ([G, K - 1 + n, C],
 // the K - 1 inputs before the step, then the step's): [G, n, C] in `dtype`.
@@ -403,9 +512,17 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   const at::Tensor v = convolved.narrow(-1, 2 * hk * dk, hv * dv).view({size, n, hv, dv});
   const at::Tensor g = group_rows(group, gates.g).view({size, n, hv});
   const at::Tensor beta = group_rows(group, gates.beta).view({size, n, hv});
-  const at::Tensor before = rows.gather(states);
-  at::Tensor after = before;
-  const at::Tensor o = run_rule_group(q, k, v, g, beta, &after, recurrent_step_tokens, decode_kernel);
+  at::Tensor before, after, o;
+  if (step.state_addresses.defined()) {  // the kernel reads each state where it lies (no `before`: not croppable)
+    GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, step.state_addresses[static_cast<int64_t>(layer)],
+                                                          states[0]->scalar_type());
+    after = std::move(r.state);
+    o = std::move(r.o);
+  } else {
+    before = rows.gather(states);
+    after = before;
+    o = run_rule_group(q, k, v, g, beta, &after, recurrent_step_tokens, decode_kernel);
+  }
   put_group_rows(group, o_out, o.reshape({size * n, hv, dv}));
   for (size_t member : group.members) {
     DecodeCache& cache = *caches[member];
@@ -487,13 +604,17 @@ void start_caches(const std::vector<Layer>& layers, const ModelConfig& c, const 
 
 // The attention layers' plan of a step, per group (none without attention layers).
 std::vector<KvStep> plan_kv_steps(const std::vector<Layer>& layers, const std::vector<RowGroup>& groups,
-                                  const std::vector<DecodeCache*>& caches, const at::Tensor& like, int64_t head_dim) {
+                                  const std::vector<DecodeCache*>& caches, const at::Tensor& like, int64_t head_dim,
+                                  bool croppable) {
   std::vector<KvStep> steps;
-  const int64_t first = first_layer(layers, /*attention=*/true);
-  const bool flash = first >= 0 && flash_decoding_applies(like, head_dim);
+  std::vector<size_t> attention;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].kind == LayerKind::full_attention) attention.push_back(i);
+  }
+  const bool flash = !attention.empty() && flash_decoding_applies(like, head_dim);
   for (const RowGroup& group : groups) {
-    if (first < 0) break;
-    steps.push_back(plan_kv_step(group, caches, static_cast<size_t>(first), like.device(), flash));
+    if (attention.empty()) break;
+    steps.push_back(plan_kv_step(group, caches, attention, like.device(), flash, croppable));
   }
   return steps;
 }
@@ -513,7 +634,8 @@ std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std:
       sources.push_back(&caches[member]->state[first]);
       slots.push_back(caches[member]->slot);
     }
-    GdnStep step{RowGather(sources, slots, device), kernels && !croppable && group.count <= kConvStepTokens, {}};
+    GdnStep step{RowGather(sources, slots, device), kernels && !croppable && group.count <= kConvStepTokens, {}, {}};
+    if (step.one_pass && !step.rows.whole()) step.state_addresses = state_addresses(layers, group, caches, device);
     if (kernels && !step.one_pass) {
       const int64_t window = layers[static_cast<size_t>(first)].gdn.conv.size(1) - 1 + group.count;
       step.window_positions = at::arange(window, at::TensorOptions().dtype(at::kLong).device(device))
@@ -524,14 +646,18 @@ std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std:
   return steps;
 }
 
-// After a step: member j of a group is row j of the group's batches; the caches hold the step's
+// After a step: member j of a group is row j of the group's batches (its keys and values row
+// in_place_rows[j] of the shared batch when they stayed in place); the caches hold the step's
 // tokens, and what crop() may roll back (nothing when the step is not croppable).
-void record_step(const std::vector<RowGroup>& groups, const StepTokens& tokens, bool croppable,
-                 const std::vector<DecodeCache*>& caches) {
-  for (const RowGroup& group : groups) {
+void record_step(const std::vector<RowGroup>& groups, const std::vector<KvStep>& kv_steps, const StepTokens& tokens,
+                 bool croppable, const std::vector<DecodeCache*>& caches) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const RowGroup& group = groups[g];
+    const bool in_place = g < kv_steps.size() && kv_steps[g].in_place;
     for (size_t j = 0; j < group.members.size(); ++j) {
       DecodeCache& cache = *caches[group.members[j]];
-      cache.slot = cache.step_slot = static_cast<int64_t>(j);
+      cache.slot = static_cast<int64_t>(j);
+      cache.step_slot = in_place ? kv_steps[g].in_place_rows[j] : static_cast<int64_t>(j);
     }
   }
   for (size_t s = 0; s < caches.size(); ++s) {
@@ -606,7 +732,7 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
   const std::vector<RowGroup> groups = group_rows_by_count(tokens.counts, device);
   start_caches(m.layers, c, caches, at::TensorOptions().dtype(model_.options().dtype).device(device),
                model_.options().decode_state_dtype);
-  const std::vector<KvStep> kv_steps = plan_kv_steps(m.layers, groups, caches, m.embed, c.head_dim);
+  const std::vector<KvStep> kv_steps = plan_kv_steps(m.layers, groups, caches, m.embed, c.head_dim, croppable);
   const std::vector<GdnStep> gdn_steps = plan_gdn_steps(m.layers, groups, caches, device, model_.gdn_kernels_, croppable);
   const at::Tensor position_ids = at::tensor(tokens.positions, at::TensorOptions().dtype(at::kLong)).to(device);
   const auto [cos, sin] = rope_tables(m.inv_freq, position_ids, model_.options().dtype);
@@ -638,7 +764,7 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
   }
   const at::Tensor logits = at::matmul(normed, m.head.t()).to(at::kFloat);
   const at::Tensor features = tapped.empty() ? at::Tensor() : at::cat(tapped, -1);
-  record_step(groups, tokens, croppable, caches);
+  record_step(groups, kv_steps, tokens, croppable, caches);
   std::vector<DecodeOutput> out(caches.size());
   for (size_t s = 0, row = 0; s < caches.size(); row += static_cast<size_t>(tokens.counts[s]), ++s) {
     out[s].logits = last_logits_only ? logits.narrow(0, static_cast<int64_t>(s), 1)

@@ -740,6 +740,66 @@ TEST(GatedDeltaNetKernels, DecodingOnBf16StatesMatchesTheReferencePath) {
   }
 }
 
+// Plain steps on a GPU whose sequences change between steps, as in generation: one leaves (its
+// rows stay unused), it steps alone later, and after it is gone a prefilled one joins into its
+// row. The GatedDeltaNet states are read where they lie and the keys and values stay in the batch
+// the sequences share (the same tensor before and after; the joiner's copied into it), nothing
+// regathered. Every step's logits against the same sequence decoded alone, with fp32 and with
+// bf16 states.
+TEST(IncrementalTarget, GpuSequencesLeavingAndJoiningMatchEachAlone) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig config = kernel_sized_qwen3_5();
+  for (const at::ScalarType state_dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(state_dtype));
+    TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+    options.decode_state_dtype = state_dtype;
+    auto model = random_target(config, config.num_layers - 1, options, 9);
+    const IncrementalTarget decoder(*model);
+    const auto ids = [&](int64_t n) { return at::randint(0, config.vocab_size, {n}, at::TensorOptions().dtype(at::kLong)); };
+    std::vector<DecodeCache> batched, alone;
+    for (int64_t length : {40, 7, 90, 23, 55}) {
+      batched.push_back(decoder.new_cache()), alone.push_back(decoder.new_cache());
+      const at::Tensor prompt = ids(length);
+      decoder.prefill(batched.back(), prompt, {}), decoder.prefill(alone.back(), prompt, {});
+    }
+    size_t attention = 0;
+    while (config.layer_types[attention] != LayerKind::full_attention) ++attention;
+    const auto keys_of = [&](size_t s) { return batched[s].keys[attention].unsafeGetTensorImpl(); };
+    const auto round = [&](const std::vector<size_t>& members, const std::string& what) {
+      SCOPED_TRACE(what);
+      std::vector<DecodeCache*> caches;
+      std::vector<at::Tensor> next;
+      for (size_t m : members) caches.push_back(&batched[m]), next.push_back(ids(1));
+      const std::vector<DecodeOutput> out = decoder.step_batch(caches, next, {}, /*croppable=*/false);
+      for (size_t j = 0; j < members.size(); ++j) {
+        const DecodeOutput reference = decoder.step_batch({&alone[members[j]]}, {next[j]}, {}, false)[0];
+        EXPECT_LE(relative_l2_error(out[j].logits, reference.logits), 2e-2) << "sequence " << members[j];
+      }
+    };
+    round({0, 1, 2, 3}, "all four: one batch");
+    const c10::TensorImpl* shared = keys_of(0);
+    round({0, 2, 3}, "one left");
+    EXPECT_EQ(keys_of(0), shared);
+    EXPECT_EQ(keys_of(3), shared);
+    round({1}, "the one that left, alone");
+    round({0, 2, 3}, "the three again");
+    batched[1] = DecodeCache{};  // finished: its row belongs to no one
+    round({0, 4, 2, 3}, "one joined into the free row");
+    EXPECT_EQ(keys_of(4), shared);
+    EXPECT_EQ(keys_of(2), shared);
+    round({0, 4, 2, 3}, "the four again");
+    round({3, 4}, "two left, the rest in another order");
+    EXPECT_EQ(keys_of(3), shared);
+    for (size_t s : {0, 2, 3, 4}) {
+      for (size_t i = 0; i < batched[s].state.size(); ++i) {
+        if (batched[s].state[i].defined()) {
+          EXPECT_EQ(batched[s].state[i].scalar_type(), state_dtype) << "layer " << i;
+        }
+      }
+    }
+  }
+}
+
 // Decoding's attention on a GPU in bf16 runs FlashAttention's variable-length kernel over the
 // sequences' cache rows (no mask): sequences of different lengths stepping together, a verify
 // step of 4 tokens (causal within it) cropped to 2, then steps that keep nothing for a crop (1

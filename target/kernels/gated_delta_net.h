@@ -142,7 +142,9 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream);
 // returns them, not yet normalised); g, beta fp32 [rows, value_heads]; state_in, state_out fp32,
 // or bf16 with state_bf16 (the rule still runs in fp32: the new state is rounded once), [sequences,
 // value_heads, 128 key dims, 128 value dims] (distinct buffers: the states before and after the
-// tokens); out fp32 [rows, value_heads, 128].
+// tokens); out fp32 [rows, value_heads, 128]. With state_rows (device, [sequences]), sequence s's
+// state [value_heads, 128, 128] is read at state_rows[s] instead of row s of state_in (the rows
+// of the batch tensors the sequences' caches hold, read where they lie: no gather first).
 struct GdnDecodeStep {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -151,6 +153,7 @@ struct GdnDecodeStep {
   const float* g = nullptr;
   const float* beta = nullptr;
   const void* state_in = nullptr;
+  const void* const* state_rows = nullptr;
   void* state_out = nullptr;
   bool state_bf16 = false;
   float* out = nullptr;

@@ -31,6 +31,14 @@ constexpr int kDecodeColumnsPerWarp = 32 / kDecodeSplit;
 // bytes are in flight, which is how many CTAs are resident.
 constexpr int kDecodeCtasPerSm = 3;
 
+// Sequence s's state [value_heads, 128, 128]: row s of state_in, or where state_rows[s] points.
+template <typename State>
+__device__ __forceinline__ const State* sequence_state(const void* state_in, const void* const* state_rows, int sequence,
+                                                       int value_heads) {
+  if (state_rows != nullptr) return static_cast<const State*>(state_rows[sequence]);
+  return static_cast<const State*>(state_in) + static_cast<int64_t>(sequence) * value_heads * D * D;
+}
+
 // The state as held between steps (GdnDecodeStep::state_bf16): fp32, or bf16 widened on load and
 // rounded once on store (the rule itself always runs in fp32).
 __device__ __forceinline__ float state_value(float x) { return x; }
@@ -102,7 +110,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_step_kernel(GdnDecodeSt
   __shared__ float q[D], k[D], sums[3][D / 32];
   const int64_t row = static_cast<int64_t>(sequence) * a.value_heads + head;
   const int64_t first_token = static_cast<int64_t>(sequence) * a.tokens;  // [sequences, tokens] rows
-  const State* state_in = static_cast<const State*>(a.state_in) + row * D * D + static_cast<int64_t>(i0) * D + j;
+  const State* state_in = sequence_state<State>(a.state_in, a.state_rows, sequence, a.value_heads) +
+                          static_cast<int64_t>(head) * D * D + i0 * D + j;
   float s[kDecodeRows];
 #pragma unroll
   for (int i = 0; i < kDecodeRows; ++i) s[i] = state_value(state_in[i * D]);
@@ -167,8 +176,9 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
   const int i0 = part * kDecodeRows;
   __shared__ float q[D], k[D], qk[1], sums[3][D / 32];
   const int64_t row = static_cast<int64_t>(sequence) * a.value_heads + head, token = sequence;
-  const auto* state_in =
-      reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(a.state_in) + row * D * D + i0 * D + j);
+  const auto* state_in = reinterpret_cast<const __nv_bfloat162*>(
+      sequence_state<bf16>(a.state_in, a.state_rows, sequence, a.value_heads) + static_cast<int64_t>(head) * D * D +
+      i0 * D + j);
   __nv_bfloat162 held[kDecodeRows];
 #pragma unroll
   for (int i = 0; i < kDecodeRows; ++i) held[i] = state_in[i * (D / 2)];
