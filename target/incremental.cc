@@ -343,7 +343,7 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
     const at::Tensor cu_k = step.in_place ? step.key_rows * static_cast<int32_t>(capacity)
                                           : at::arange(0, (size + 1) * capacity, capacity, step.used_k.options());
     const at::Tensor o = std::get<0>(at::_flash_attention_forward(
-        group_rows(group, a.q), k.view({size * capacity, hkv, d}), v.view({size * capacity, hkv, d}),
+        group_rows(group, a.q), k.view({k.size(0) * capacity, hkv, d}), v.view({v.size(0) * capacity, hkv, d}),
         step.cu_q, cu_k, n, step.longest, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, scale, std::nullopt,
         std::nullopt, step.used_k));
     put_group_rows(group, out, o);
