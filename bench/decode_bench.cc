@@ -69,6 +69,40 @@ void print_memory(const char* where) {
               static_cast<double>(stats.allocated_bytes[0].peak) / 1e9);
 }
 
+// Steps alternating between every sequence and all but the middle one, as when a sequence
+// finishes and a prompt joins: each step's members are not the last step's batch in order (what
+// generation with responses of different lengths meets every few steps; the states are read
+// where they lie and the keys and values stay in place, rather than every cache regathered).
+// The mean of the two steps.
+double changing_batch_ms(const target::IncrementalTarget& target, const std::vector<target::DecodeCache*>& all,
+                         const std::vector<at::Tensor>& one) {
+  std::vector<target::DecodeCache*> but_one = all;
+  but_one.erase(but_one.begin() + static_cast<int64_t>(all.size() / 2));
+  const std::vector<at::Tensor> one_fewer(one.begin(), one.begin() + static_cast<int64_t>(but_one.size()));
+  return median_ms(5, [&] {
+    target.step_batch(all, one, {}, /*croppable=*/false);
+    target.step_batch(but_one, one_fewer, {}, /*croppable=*/false);
+  }) / 2;
+}
+
+// Fresh caches, each prefilled with a random prompt of `prompt_tokens` tokens as `dflashd
+// generate` prefills: as many prompts together as one prefill batch takes.
+void prefill_random(const target::IncrementalTarget& target, std::vector<target::DecodeCache>& caches, int prompt_tokens) {
+  const int64_t vocab = target.model().config().vocab_size, batch = static_cast<int64_t>(caches.size());
+  const int64_t per_prefill = std::max<int64_t>(1, target::IncrementalTarget::kPrefillBatchTokens / prompt_tokens);
+  for (int64_t first = 0; first < batch; first += per_prefill) {
+    const int64_t n = std::min(per_prefill, batch - first);
+    std::vector<target::DecodeCache*> some;
+    std::vector<at::Tensor> prompts;
+    for (int64_t j = first; j < first + n; ++j) {
+      caches[static_cast<size_t>(j)] = target.new_cache();
+      some.push_back(&caches[static_cast<size_t>(j)]);
+      prompts.push_back(at::randint(0, vocab - 1, {prompt_tokens}, at::TensorOptions().dtype(at::kLong)));
+    }
+    target.prefill_batch(some, prompts, {});
+  }
+}
+
 // Batched rounds of `batch` sequences whose caches hold `prompt_tokens` tokens: a plain step (1
 // token each), a verify step (a block each) with the crops after it, and the drafter's batched
 // block and context extension; then what 64 x 256 new tokens cost at acceptance length L.
@@ -84,16 +118,8 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   std::vector<target::DecodeCache*> all;
   std::vector<const drafter::DrafterContextCache*> all_contexts;
   at::Tensor features;
-  // The prompts prefilled as `dflashd generate` does: as many together as one batch takes.
-  const int64_t per_prefill = std::max<int64_t>(1, target::IncrementalTarget::kPrefillBatchTokens / prompt_tokens);
-  for (size_t j = 0; j < caches.size(); ++j) caches[j] = target.new_cache(), all.push_back(&caches[j]);
-  for (int64_t first = 0; first < batch; first += per_prefill) {
-    const int64_t n = std::min(per_prefill, batch - first);
-    const std::vector<target::DecodeCache*> some(all.begin() + first, all.begin() + first + n);
-    std::vector<at::Tensor> prompts;
-    for (int64_t j = 0; j < n; ++j) prompts.push_back(random_ids(prompt_tokens));
-    target.prefill_batch(some, prompts, {});
-  }
+  for (size_t j = 0; j < caches.size(); ++j) all.push_back(&caches[j]);
+  prefill_random(target, caches, prompt_tokens);
   {  // one prompt's tapped features: every drafter context is this prompt's
     target::DecodeCache scratch = target.new_cache();
     features = target.prefill(scratch, random_ids(prompt_tokens), tap).features;
@@ -124,25 +150,10 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
       c10::cuda::device_synchronize();
     }, 20);
   }
-  // Steps alternating between every sequence and all but the middle one, as when a sequence
-  // finishes and a prompt joins: each step's members are not the last step's batch in order (what
-  // generation with responses of different lengths meets every few steps; the states are read
-  // where they lie and the keys and values stay in place, rather than every cache regathered).
-  std::vector<target::DecodeCache*> but_one = all;
-  but_one.erase(but_one.begin() + batch / 2);
-  const std::vector<at::Tensor> one_fewer(but_one.size(), random_ids(1));
-  const double changing = median_ms(5, [&] {
-    target.step_batch(all, one, {}, /*croppable=*/false);
-    target.step_batch(but_one, one_fewer, {}, /*croppable=*/false);
-  }) / 2;
+  const double changing = changing_batch_ms(target, all, one);
   // Back to the prompts for the verify rounds: a plain step keeps nothing to crop with, so the
   // caches are prefilled again.
-  for (auto& c : caches) c = target.new_cache();
-  for (int64_t first = 0; first < batch; first += per_prefill) {
-    const int64_t n = std::min(per_prefill, batch - first);
-    const std::vector<target::DecodeCache*> some(all.begin() + first, all.begin() + first + n);
-    target.prefill_batch(some, std::vector<at::Tensor>(static_cast<size_t>(n), random_ids(prompt_tokens)), {});
-  }
+  prefill_random(target, caches, prompt_tokens);
   const double verify = round(block, tap);
   print_memory("verify rounds");
   const std::vector<at::Tensor> blocks(static_cast<size_t>(batch), random_ids(block));
@@ -200,6 +211,18 @@ std::vector<int64_t> batch_sizes() {
   return batches;
 }
 
+// The target's options: bf16 on cuda:0; DECODE_STATE_DTYPE=bfloat16 keeps the GatedDeltaNet states
+// in bf16 (target.decode_state_dtype), DECODE_DTYPE=float8 the projections block-scaled FP8
+// (target.dtype: float8).
+target::TargetOptions bench_options() {
+  target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+  const char* state_dtype = std::getenv("DECODE_STATE_DTYPE");
+  options.decode_state_dtype = state_dtype != nullptr && std::string(state_dtype) == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  const char* dtype = std::getenv("DECODE_DTYPE");
+  options.fp8_weights = dtype != nullptr && std::string(dtype) == "float8";
+  return options;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -214,14 +237,8 @@ int main(int argc, char** argv) {
   c10::InferenceMode inference;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach the log even if a later stage aborts
   const target::ModelConfig config = target::load_model_config(argv[1]);
-  target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
-  // DECODE_STATE_DTYPE=bfloat16: the GatedDeltaNet states kept in bf16 (target.decode_state_dtype).
-  const char* state_dtype = std::getenv("DECODE_STATE_DTYPE");
-  const bool bf16_states = state_dtype != nullptr && std::string(state_dtype) == "bfloat16";
-  options.decode_state_dtype = bf16_states ? at::kBFloat16 : at::kFloat;
-  // DECODE_DTYPE=float8: the projections block-scaled FP8 (target.dtype: float8).
-  const char* dtype = std::getenv("DECODE_DTYPE");
-  options.fp8_weights = dtype != nullptr && std::string(dtype) == "float8";
+  const target::TargetOptions options = bench_options();
+  const bool bf16_states = options.decode_state_dtype == at::kBFloat16;
   auto model = target::random_target(config, config.num_layers - 1, options, 1);
   const target::IncrementalTarget target(*model);
   const drafter::DrafterShape shape = drafter::shape_for_target(config, config::DrafterConfig{});
