@@ -40,9 +40,11 @@ namespace dflash::target {
 struct DecodeCache {
   int64_t length = 0;  // tokens held: positions 0 .. length - 1
   // Full-attention layers: the sequence's keys and values are row `step_slot` of batch tensors
-  // [G, capacity, Hkv, d] it shares with the sequences it last stepped with (positions < length
+  // [rows, capacity, Hkv, d] it shares with the sequences it last stepped with (positions < length
   // valid; the step's keys are written in place). step_slot is its row in its last step's group,
-  // which also indexes last.gdn's batches.
+  // which also indexes last.gdn's batches; after a step that kept nothing for a crop (GPU,
+  // FlashAttention), it may be its row of a batch that sequences have left (their rows unused)
+  // or joined (copied into rows no live cache held).
   std::vector<at::Tensor> keys, values;
   int64_t step_slot = 0;
   // GatedDeltaNet layers: the sequence's conv inputs and state are row `slot` of batch tensors it

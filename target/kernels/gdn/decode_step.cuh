@@ -144,15 +144,6 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_step_kernel(GdnDecodeSt
   for (int i = 0; i < kDecodeRows; ++i) state_out[i * D] = stored_state<State>(s[i]);
 }
 
-// Plain decoding steps (one token per sequence) on bf16 states. The kernel above holds a column's
-// rows as fp32 across the call's tokens, so a bf16 state fills only half the registers it costs:
-// with the same CTAs resident per SM, half the bytes are in flight and the kernel took as long as
-// on fp32 states (session 20: 10.0 ms against 10.7 per step of 128). With one token nothing needs
-// to outlive the token: a thread keeps two adjacent columns' rows as the bf16 pairs it loaded (the
-// same registers hold twice the state), forms the decayed values twice (the prediction, then the
-// update) and stores each new pair as it is formed. The arithmetic is the kernel above's for one
-// token, operation for operation. One CTA per (sequence, value head); a warp's loads are four
-// 32-byte runs (whole sectors).
 // A bf16 pair widened to fp32. Through a volatile asm statement: each call is its own
 // instruction, so the compiler cannot keep the first pass's widened values alive for the second
 // (64 more registers, which made it spill) and re-forms them from the pair instead.
@@ -163,6 +154,15 @@ __device__ __forceinline__ float2 widen_pair(__nv_bfloat162 x) {
   return {__uint_as_float(lo), __uint_as_float(hi)};
 }
 
+// Plain decoding steps (one token per sequence) on bf16 states. The kernel above holds a column's
+// rows as fp32 across the call's tokens, so a bf16 state fills only half the registers it costs:
+// with the same CTAs resident per SM only half the bytes are in flight, and it is no faster than
+// on fp32 states. With one token nothing needs to outlive the token: a thread keeps two adjacent
+// columns' 32 rows as the bf16 pairs it loaded (the same registers hold twice the state). A first
+// pass forms k.S and q.S; then delta = beta (v - e^g k.S) and o = q.S' = e^g q.S + delta q.k (the
+// same quantities as the kernel above, summed in another order); a second pass forms each new pair
+// e^g S + k delta, rounds it once and stores it. One CTA per (sequence, value head); a warp's
+// loads and stores are four 32-byte runs (whole sectors).
 constexpr int kPairColumns = D / 2;                               // column pairs per head
 constexpr int kPairsPerWarp = kDecodeColumnsPerWarp;              // 8 pairs: 16 columns
 constexpr int kTokenThreads = kPairColumns * kDecodeSplit;        // 256
@@ -182,12 +182,15 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
   __nv_bfloat162 held[kDecodeRows];
 #pragma unroll
   for (int i = 0; i < kDecodeRows; ++i) held[i] = state_in[i * (D / 2)];
+  // The gate, beta and v pair issued with the state's loads (their latency overlaps).
+  const int64_t gate = token * a.value_heads + head;
+  const float g = a.g[gate], beta = a.beta[gate];
+  const __nv_bfloat162 v_pair =
+      *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(a.v) + token * a.v_stride + head * D + j);
   normalise_qk(static_cast<const bf16*>(a.q) + token * a.q_stride + key_head * D,
                static_cast<const bf16*>(a.k) + token * a.k_stride + key_head * D, a.scale, q, k, qk, sums);
-  const int64_t gate = token * a.value_heads + head;
-  const float decay = __expf(a.g[gate]), beta = a.beta[gate];
-  const float2 v = __bfloat1622float2(
-      *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(a.v) + token * a.v_stride + head * D + j));
+  const float decay = __expf(g);
+  const float2 v = __bfloat1622float2(v_pair);
 
   // First pass: k.S and q.S of both columns (S as loaded; the decay is applied to the sums).
   float2 ks = {0, 0}, qs = {0, 0};
