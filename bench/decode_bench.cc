@@ -87,7 +87,8 @@ double changing_batch_ms(const target::IncrementalTarget& target, const std::vec
 
 // Fresh caches, each prefilled with a random prompt of `prompt_tokens` tokens as `dflashd
 // generate` prefills: as many prompts together as one prefill batch takes.
-void prefill_random(const target::IncrementalTarget& target, std::vector<target::DecodeCache>& caches, int prompt_tokens) {
+void prefill_random(const target::IncrementalTarget& target, std::vector<target::DecodeCache>& caches,
+                    int prompt_tokens) {
   const int64_t vocab = target.model().config().vocab_size, batch = static_cast<int64_t>(caches.size());
   const int64_t per_prefill = std::max<int64_t>(1, target::IncrementalTarget::kPrefillBatchTokens / prompt_tokens);
   for (int64_t first = 0; first < batch; first += per_prefill) {
@@ -170,8 +171,8 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
               "drafter block %.2f ms, context extension %.2f ms\n",
               static_cast<long long>(batch), plain, 1e3 * static_cast<double>(batch) / plain,
               static_cast<double>(batch) * plain_one / plain, verify, draft, extend);
-  std::printf("batch of %3lld: plain steps alternating with one sequence fewer (the batch changing every step): %.2f ms "
-              "(+%.2f ms)\n",
+  std::printf("batch of %3lld: plain steps alternating with one sequence fewer (the batch changing every step): "
+              "%.2f ms (+%.2f ms)\n",
               static_cast<long long>(batch), changing, changing - plain);
   std::printf("batch of %3lld: 64 prompts x 256 new tokens: plain %.1f s; speculative at L = 3 / 5: %.1f / %.1f s\n",
               static_cast<long long>(batch), 64.0 / batch * 256 * plain / 1e3, 64.0 / batch * 256 / 3 * spec_round / 1e3,
@@ -217,7 +218,8 @@ std::vector<int64_t> batch_sizes() {
 target::TargetOptions bench_options() {
   target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
   const char* state_dtype = std::getenv("DECODE_STATE_DTYPE");
-  options.decode_state_dtype = state_dtype != nullptr && std::string(state_dtype) == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  const bool bf16_states = state_dtype != nullptr && std::string(state_dtype) == "bfloat16";
+  options.decode_state_dtype = bf16_states ? at::kBFloat16 : at::kFloat;
   const char* dtype = std::getenv("DECODE_DTYPE");
   options.fp8_weights = dtype != nullptr && std::string(dtype) == "float8";
   return options;

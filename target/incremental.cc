@@ -174,9 +174,10 @@ struct KvStep {
   at::Tensor cu_q, used_k;
   // In place (flash, a step that keeps nothing for a crop, members not the last step's batch in
   // order): the members' keys and values stay in the batch most of them share, each in its row
-  // (rows[j]; a sequence that left leaves its row unused), and a joining member's are copied into
-  // a row no live cache holds (joins: member, its row in its own batch, its positions). Nothing
-  // else moves: regathering every cache into a new batch cost more than the step itself.
+  // (in_place_rows[j]; a sequence that left leaves its row unused), and a joining member's are
+  // copied into a row no live cache holds (joins: member, its row in its own batch, its
+  // positions). Nothing else moves: regathering every cache into a new batch cost more than the
+  // step itself.
   struct Join {
     size_t member;
     int64_t own_row, held;
@@ -207,7 +208,9 @@ void plan_in_place(const RowGroup& group, const std::vector<DecodeCache*>& cache
   std::vector<int64_t> rows(size, -1);
   std::vector<bool> taken(static_cast<size_t>(batch_rows), false);
   for (size_t j = 0; j < size; ++j) {
-    if (keys_of(j, first).unsafeGetTensorImpl() == most->first) rows[j] = slots[j], taken[static_cast<size_t>(slots[j])] = true;
+    if (keys_of(j, first).unsafeGetTensorImpl() != most->first) continue;
+    rows[j] = slots[j];
+    taken[static_cast<size_t>(slots[j])] = true;
   }
   const bool joining = most->second < size;
   for (size_t layer : attention_layers) {
@@ -309,7 +312,8 @@ at::Tensor kv_batch(const KvStep& step, const std::vector<const at::Tensor*>& so
   if (!step.rows.whole() || batch.size(1) < step.longest) {
     int64_t capacity = std::max<int64_t>(256, step.rows.whole() ? 2 * batch.size(1) : 0);
     while (capacity < step.longest) capacity *= 2;
-    const std::vector<int64_t> shape{static_cast<int64_t>(sources.size()), capacity, step_rows.size(1), step_rows.size(2)};
+    const std::vector<int64_t> shape{static_cast<int64_t>(sources.size()), capacity, step_rows.size(1),
+                                     step_rows.size(2)};
     batch = step.flash ? at::empty(shape, step_rows.options()) : at::zeros(shape, step_rows.options());
     step.rows.copy_into(batch, sources, step.held);
   }
@@ -339,7 +343,7 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   if (step.flash) {  // member j's keys: rows j * capacity .. + used_k[j] - 1 of the flattened batch
     const int64_t capacity = k.size(1), hkv = k.size(2);
-    // In place, member j's keys are its row's: rows[j] * capacity ..
+    // In place, member j's keys start at in_place_rows[j] * capacity.
     const at::Tensor cu_k = step.in_place ? step.key_rows * static_cast<int32_t>(capacity)
                                           : at::arange(0, (size + 1) * capacity, capacity, step.used_k.options());
     const at::Tensor o = std::get<0>(at::_flash_attention_forward(
@@ -457,7 +461,8 @@ at::Tensor state_addresses(const std::vector<Layer>& layers, const RowGroup& gro
       const DecodeCache& cache = *caches[group.members[static_cast<size_t>(j)]];
       const at::Tensor& batch = cache.state[i];
       if (!batch.is_contiguous() || cache.slot >= batch.size(0)) return {};
-      const auto* row = static_cast<const char*>(batch.data_ptr()) + cache.slot * batch.stride(0) * batch.element_size();
+      const auto* row =
+          static_cast<const char*>(batch.data_ptr()) + cache.slot * batch.stride(0) * batch.element_size();
       table[i * static_cast<size_t>(size) + static_cast<size_t>(j)] = reinterpret_cast<int64_t>(row);
     }
   }
@@ -514,8 +519,8 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   const at::Tensor beta = group_rows(group, gates.beta).view({size, n, hv});
   at::Tensor before, after, o;
   if (step.state_addresses.defined()) {  // the kernel reads each state where it lies (no `before`: not croppable)
-    GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, step.state_addresses[static_cast<int64_t>(layer)],
-                                                          states[0]->scalar_type());
+    const at::Tensor addresses = step.state_addresses[static_cast<int64_t>(layer)];
+    GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, addresses, states[0]->scalar_type());
     after = std::move(r.state);
     o = std::move(r.o);
   } else {
