@@ -68,9 +68,9 @@ std::vector<SpeculativeOutcome> rejection_sample_blocks(const std::vector<Specul
       tokens.push_back(b.drafts[i]);
     }
   }
-  at::Tensor pq;
+  at::Tensor pq, draft_probs;
   if (!tokens.empty()) {
-    const at::Tensor draft_probs = draft_probs_in.to(at::kFloat);
+    draft_probs = draft_probs_in.to(at::kFloat);
     const at::Tensor index = at::stack({at::tensor(target_rows, long_options), at::tensor(draft_rows, long_options),
                                         at::tensor(tokens, long_options)}).to(device);
     pq = at::stack({target_probs.index({index[0], index[2]}), draft_probs.index({index[1], index[2]})}).to(at::kCPU);
@@ -99,7 +99,7 @@ std::vector<SpeculativeOutcome> rejection_sample_blocks(const std::vector<Specul
   at::Tensor residual = p;
   if (!tokens.empty()) {
     const at::Tensor rejected = (rows[1] >= 0).unsqueeze(1);
-    const at::Tensor q = draft_probs_in.to(at::kFloat).index_select(0, rows[1].clamp_min(0));
+    const at::Tensor q = draft_probs.index_select(0, rows[1].clamp_min(0));
     residual = at::where(rejected, (p - q).clamp_min(0), p);
     residual = at::where(residual.sum(-1, true) > 0, residual, p);
   }

@@ -189,7 +189,8 @@ std::vector<std::string> memory_plan_problems(const std::vector<GpuMemoryPlan>& 
                        gb(g.target_weights) + ", target activations " + gb(g.target_activations) + ", drafter state " +
                        gb(g.drafter_state) + ", queued features " + gb(g.queued_features) + ", drafter activations " +
                        gb(g.drafter_activations) + ", evaluation's drafter and decoding caches " + gb(g.eval_decoding) +
-                       ") but " + gb(static_cast<int64_t>(kHeadroom * g.capacity)) + " GB of its " + gb(g.capacity) + " GB are usable; " + advice +
+                       ") but " + gb(static_cast<int64_t>(kHeadroom * g.capacity)) + " GB of its " + gb(g.capacity) +
+                       " GB are usable; " + advice +
                        "lower data.max_length, queues.features or train.anchors_per_sequence");
   }
   return problems;

@@ -55,10 +55,9 @@ __device__ __forceinline__ bf16 stored_state<bf16>(float x) {
 }
 
 // q and k of one token (one key head's 128 elements at q_in, k_in), L2-normalised (q also scaled
-// by `scale`) into shared memory by the CTA's first D
-// threads (thread c: element c), and, where qk is not null, their dot product q.k into qk[0];
-// `sums` holds the per-warp partial sums. Every thread of the CTA calls it (it synchronises); q, k and q.k may be read after
-// it returns.
+// by `scale`) into shared memory by the CTA's first D threads (thread c: element c), and, where qk
+// is not null, their dot product q.k into qk[0]; `sums` holds the per-warp partial sums. Every
+// thread of the CTA calls it (it synchronises); q, k and q.k may be read after it returns.
 __device__ __forceinline__ void normalise_qk(const bf16* q_in, const bf16* k_in, float scale, float* q, float* k, float* qk,
                                              float (*sums)[D / 32]) {
   const int c = threadIdx.x, lane = c & 31, warp = c >> 5;
@@ -95,8 +94,6 @@ __device__ __forceinline__ float column_sum(float x) {
   for (int offset = kDecodeColumnsPerWarp; offset < 32; offset <<= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
 }
-
-
 
 template <typename State>
 __global__ void __launch_bounds__(kDecodeThreads) decode_step_kernel(GdnDecodeStep a) {
@@ -202,11 +199,9 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
   }
   // delta = beta (v - e^g k.S);  o = q.S' = e^g q.S + delta q.k  (S' = e^g S + k delta^T).
   const float delta0 = beta * (v.x - decay * column_sum(ks.x)), delta1 = beta * (v.y - decay * column_sum(ks.y));
+  const float qs0 = column_sum(qs.x), qs1 = column_sum(qs.y);  // every lane takes part in the shuffles
   if (part == 0) {
-    *reinterpret_cast<float2*>(a.out + gate * D + j) = {decay * column_sum(qs.x) + delta0 * qk[0],
-                                                        decay * column_sum(qs.y) + delta1 * qk[0]};
-  } else {
-    column_sum(qs.x), column_sum(qs.y);  // every lane takes part in the shuffles
+    *reinterpret_cast<float2*>(a.out + gate * D + j) = {decay * qs0 + delta0 * qk[0], decay * qs1 + delta1 * qk[0]};
   }
   // Second pass: the new state, each pair stored as it is formed; k re-read from shared memory
   // (the memory clobber) rather than held from the first pass.
