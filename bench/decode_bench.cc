@@ -16,8 +16,10 @@
 #include <c10/core/InferenceMode.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -85,6 +87,28 @@ double changing_batch_ms(const target::IncrementalTarget& target, const std::vec
   }) / 2;
 }
 
+// Plain steps as a decoding loop runs them, each queued while the last one runs (the median of 3
+// runs of 8, per step), and the host's time in one step_batch call on an idle GPU (the median of
+// 5): a step's host work that the GPU waits for shows as the first above the kernels' time.
+std::pair<double, double> back_to_back_ms(const target::IncrementalTarget& target,
+                                          const std::vector<target::DecodeCache*>& all,
+                                          const std::vector<at::Tensor>& one) {
+  constexpr int kSteps = 8;
+  const double steps = median_ms(3, [&] {
+    for (int i = 0; i < kSteps; ++i) target.step_batch(all, one, {}, /*croppable=*/false);
+  }) / kSteps;
+  std::vector<double> host;
+  for (int i = 0; i < 5; ++i) {
+    c10::cuda::device_synchronize();
+    const auto start = std::chrono::steady_clock::now();
+    target.step_batch(all, one, {}, /*croppable=*/false);
+    host.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  c10::cuda::device_synchronize();
+  std::sort(host.begin(), host.end());
+  return {steps, host[host.size() / 2]};
+}
+
 // Fresh caches, each prefilled with a random prompt of `prompt_tokens` tokens as `dflashd
 // generate` prefills: as many prompts together as one prefill batch takes.
 void prefill_random(const target::IncrementalTarget& target, std::vector<target::DecodeCache>& caches,
@@ -142,13 +166,18 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   // tokens over the rounds and the profile); the verify rounds below crop back to the prompt.
   const std::vector<at::Tensor> one(static_cast<size_t>(batch), random_ids(1));
   const double plain = median_ms(5, [&] { target.step_batch(all, one, {}, /*croppable=*/false); });
+  const auto [back_to_back, enqueue] = back_to_back_ms(target, all, one);
   print_memory("plain rounds");
   // DFLASHD_PROFILE=1: where a batched plain step's GPU time goes (GPU time far below the wall
   // time means the step is bound by launches, not by the kernels).
   if (std::getenv("DFLASHD_PROFILE") != nullptr) {
+    // The NVTX range names this step for Nsight Compute (`--nvtx --nvtx-include plain_step_128/`).
+    const std::string name = "plain_step_" + std::to_string(batch);
     bench::print_kernel_profile(("plain step of " + std::to_string(batch)).c_str(), [&] {
+      nvtxRangePushA(name.c_str());
       target.step_batch(all, one, {}, /*croppable=*/false);
       c10::cuda::device_synchronize();
+      nvtxRangePop();
     }, 20);
   }
   const double changing = changing_batch_ms(target, all, one);
@@ -171,6 +200,9 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
               "drafter block %.2f ms, context extension %.2f ms\n",
               static_cast<long long>(batch), plain, 1e3 * static_cast<double>(batch) / plain,
               static_cast<double>(batch) * plain_one / plain, verify, draft, extend);
+  std::printf("batch of %3lld: plain steps back to back %.2f ms each (%.0f tok/s); the host returns from one after "
+              "%.2f ms\n",
+              static_cast<long long>(batch), back_to_back, 1e3 * static_cast<double>(batch) / back_to_back, enqueue);
   std::printf("batch of %3lld: plain steps alternating with one sequence fewer (the batch changing every step): "
               "%.2f ms (+%.2f ms)\n",
               static_cast<long long>(batch), changing, changing - plain);

@@ -48,6 +48,21 @@ inline at::Tensor with_rows(const at::Tensor& t, int64_t used, int64_t needed, a
   return grown;
 }
 
+// A host tensor on `device` without waiting for the device: a GPU copy goes through pinned
+// memory, asynchronously (a copy from pageable memory first drains the stream, so a decoding
+// step's plan could not be built while the last step runs). The pinned block is not reused
+// before the copy is done (the caching host allocator records the copy on the stream).
+inline at::Tensor to_device_async(const at::Tensor& host, const at::Device& device) {
+  if (!device.is_cuda() || !host.is_cpu()) return host.to(device);
+  return host.pin_memory().to(device, /*non_blocking=*/true);
+}
+
+// Host values as a tensor of `dtype` on `device` (to_device_async).
+template <typename T>
+at::Tensor values_on(const std::vector<T>& values, at::ScalarType dtype, const at::Device& device) {
+  return to_device_async(at::tensor(values, at::TensorOptions().dtype(dtype)), device);
+}
+
 // Batched decoding (the target's step_batch, the drafter's block_hiddens): sequences whose rows
 // lie one after another, grouped by their row count so that each group's attention runs as one
 // batch. Groups come in order of first appearance; members ascend.
@@ -72,7 +87,7 @@ inline std::vector<RowGroup> group_rows_by_count(const std::vector<int64_t>& cou
     for (int64_t first : g.first) {
       for (int64_t r = 0; r < g.count; ++r) rows.push_back(first + r);
     }
-    g.rows = at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(device);
+    g.rows = values_on(rows, at::kLong, device);
   }
   return groups;
 }

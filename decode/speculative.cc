@@ -2,11 +2,14 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/Event.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -103,6 +106,36 @@ int64_t up_to_stop(const std::vector<int64_t>& tokens, size_t from, int64_t coun
 
 }  // namespace
 
+// The tokens one plain greedy step chose, one per row, while the device may still be computing
+// them: the next step takes its ids from `chosen` on the device, and the host learns them from a
+// copy into pinned memory that it waits for only when it needs them (after queueing that next
+// step, so the device never waits for the host between steps).
+class Decoder::TokensInFlight {
+ public:
+  explicit TokensInFlight(const at::Tensor& chosen) : chosen_(chosen) {
+    host_ = at::empty(chosen.sizes(), chosen.options().device(at::kCPU).pinned_memory(chosen.is_cuda()));
+    host_.copy_(chosen, /*non_blocking=*/chosen.is_cuda());
+    if (chosen.is_cuda()) {
+      copied_.emplace(chosen.device().type());
+      copied_->record(c10::impl::VirtualGuardImpl(chosen.device().type()).getStream(chosen.device()));
+    }
+  }
+  // Row `row`'s token as a device tensor [1] (ready when the step is).
+  at::Tensor device_row(int64_t row) const { return chosen_.narrow(0, row, 1); }
+  // Row `row`'s token on the host, waiting for the copy the first time.
+  int64_t host_row(int64_t row) {
+    if (copied_) {
+      copied_->synchronize();
+      copied_.reset();
+    }
+    return host_.data_ptr<int64_t>()[row];
+  }
+
+ private:
+  at::Tensor chosen_, host_;             // int64 [rows]: on the device; its pinned host copy
+  std::optional<c10::Event> copied_;     // recorded after the copy; reset once waited for
+};
+
 void check_prompt(const std::vector<int64_t>& prompt, int64_t vocab) {
   if (prompt.empty()) throw std::invalid_argument("the prompt is empty");
   for (int64_t id : prompt) {
@@ -122,12 +155,23 @@ struct Decoder::Sequence {
   int64_t start = 0;                     // the last committed token, not yet run through the target
   int64_t max_length = 0;                // prompt + max_new_tokens
   Clock::time_point decode_start;
+  // Plain greedy decoding: the step in flight that chose this sequence's next token (its row
+  // `flight_row`), not yet taken into g.tokens; null when none.
+  std::shared_ptr<TokensInFlight> flight;
+  int64_t flight_row = 0;
 
   bool finished() const { return g.stopped || start + 1 >= max_length; }
   // After the prompt's prefill: the prompt, then the first new token chosen from its last logits.
   void take_first_token(const at::Tensor& logits, const Sampling& sampling) {
     g.tokens = request.prompt;
     g.tokens.push_back(choose(logits, sampling, gen));
+  }
+  // A plain step's token: the next of g.tokens.
+  void take(int64_t token, const std::vector<int64_t>& stop_token_ids) {
+    g.tokens.push_back(token);
+    g.stopped = is_stop(token, stop_token_ids);
+    start += 1;
+    g.acceptance.push_back(1);
   }
 };
 
@@ -395,38 +439,32 @@ void PlainDecoder::start(Sequence& s, const GenerateSettings& settings) const {
   s.take_first_token(target_.prefill(s.cache, ids_tensor(s.request.prompt), {}).logits, settings.sampling);
 }
 
-namespace {
-
-// A plain step's next token of each sequence (its logits one row): the argmaxes, or one draw
-// per sequence from its own generator, all rows' probabilities formed together.
-std::vector<int64_t> next_tokens(const std::vector<target::DecodeOutput>& out,
-                                 const std::vector<Decoder::Sequence*>& active, const Sampling& sampling) {
-  std::vector<int64_t> tokens;
-  if (sampling.greedy()) {
-    for (const at::Tensor& row : argmaxes(out)) tokens.push_back(*row.data_ptr<int64_t>());
-    return tokens;
-  }
-  std::vector<at::Tensor> logits;
-  std::vector<at::Generator*> gens;
-  for (size_t j = 0; j < out.size(); ++j) logits.push_back(out[j].logits), gens.push_back(&active[j]->gen);
-  return draw_rows(sampling_probs(joined_rows(logits), sampling), gens);
-}
-
-}  // namespace
-
 void PlainDecoder::advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const {
   std::vector<target::DecodeCache*> caches;
-  std::vector<at::Tensor> ids;
-  for (Sequence* s : active) caches.push_back(&s->cache), ids.push_back(ids_tensor({s->g.tokens.back()}));
+  std::vector<at::Tensor> ids, logits;
+  for (Sequence* s : active) {
+    caches.push_back(&s->cache);
+    ids.push_back(s->flight ? s->flight->device_row(s->flight_row) : ids_tensor({s->g.tokens.back()}));
+  }
   const std::vector<target::DecodeOutput> out = target_.step_batch(caches, ids, {}, /*croppable=*/false);
-  const std::vector<int64_t> next = next_tokens(out, active, settings.sampling);
+  for (const target::DecodeOutput& o : out) logits.push_back(o.logits);
+  if (!settings.sampling.greedy()) {
+    // Each row drawn from its sequence's own generator on the host, so the step waits here.
+    std::vector<at::Generator*> gens;
+    for (Sequence* s : active) gens.push_back(&s->gen);
+    const std::vector<int64_t> next = draw_rows(sampling_probs(joined_rows(logits), settings.sampling), gens);
+    for (size_t j = 0; j < active.size(); ++j) active[j]->take(next[j], settings.stop_token_ids);
+    return;
+  }
+  // Greedy: this step's tokens stay on the device as the next step's ids, and the host takes the
+  // step before's (a sequence it finishes leaves with this step's token untaken: one step of
+  // work lost per finished sequence, against the host's planning and launches between steps).
+  auto step = std::make_shared<TokensInFlight>(joined_rows(logits).argmax(-1));
   for (size_t j = 0; j < active.size(); ++j) {
     Sequence& s = *active[j];
-    const int64_t token = next[j];
-    s.g.tokens.push_back(token);
-    s.g.stopped = is_stop(token, settings.stop_token_ids);
-    s.start += 1;
-    s.g.acceptance.push_back(1);
+    if (s.flight) s.take(s.flight->host_row(s.flight_row), settings.stop_token_ids);
+    s.flight = step;
+    s.flight_row = static_cast<int64_t>(j);
   }
 }
 

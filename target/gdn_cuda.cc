@@ -14,6 +14,7 @@
 #include "target/kernels/gated_delta_net.h"
 #endif
 
+#include "common/tensor_math.h"
 #include "target/fused_ops.h"
 #include "target/gated_delta_net.h"
 
@@ -67,7 +68,7 @@ GdnChunkPlan make_gdn_chunk_plan(const std::vector<int64_t>& cu_seqlens, at::Dev
   std::vector<int32_t> table(start);
   table.insert(table.end(), length.begin(), length.end());
   table.insert(table.end(), seq_chunks.begin(), seq_chunks.end());
-  plan.table = at::tensor(table, at::TensorOptions().dtype(at::kInt)).to(device);
+  plan.table = values_on(table, at::kInt, device);
   return plan;
 }
 

@@ -54,7 +54,7 @@ class RowGather {
       r.end = j;
       r.first = rows[0];
       for (size_t i = 1; i < rows.size(); ++i) r.consecutive = r.consecutive && rows[i] == rows[0] + static_cast<int64_t>(i);
-      if (!r.consecutive) r.index = at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(device);
+      if (!r.consecutive) r.index = values_on(rows, at::kLong, device);
       runs_.push_back(std::move(r));
     }
     whole_ = runs_.size() == 1 && runs_[0].consecutive && runs_[0].first == 0 &&
@@ -264,8 +264,10 @@ KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& cach
     for (int64_t& row : rows) row = step.in_place_rows[static_cast<size_t>(row)];
   }
   if (!step.same_begin) {
-    const at::Tensor both = at::stack({at::tensor(rows, long_options), at::tensor(positions, long_options)}).to(device);
-    step.append_rows = both[0], step.append_positions = both[1];
+    std::vector<int64_t> both = rows;
+    both.insert(both.end(), positions.begin(), positions.end());
+    const at::Tensor on_device = values_on(both, at::kLong, device).view({2, static_cast<int64_t>(rows.size())});
+    step.append_rows = on_device[0], step.append_positions = on_device[1];
   }
   step.flash = flash;
   if (flash) {  // cu_q then used_k, one copy
@@ -277,7 +279,7 @@ KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& cach
       for (int64_t row : step.in_place_rows) both.push_back(static_cast<int32_t>(row));
       both.push_back(static_cast<int32_t>(*std::max_element(step.in_place_rows.begin(), step.in_place_rows.end()) + 1));
     }
-    const at::Tensor on_device = at::tensor(both, at::TensorOptions().dtype(at::kInt)).to(device);
+    const at::Tensor on_device = values_on(both, at::kInt, device);
     step.cu_q = on_device.narrow(0, 0, size + 1);
     step.used_k = on_device.narrow(0, size + 1, size);
     if (step.in_place) step.key_rows = on_device.narrow(0, 2 * size + 1, size + 1);
@@ -285,9 +287,9 @@ KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& cach
   }
   const at::Tensor last_visible =  // [G, n]: the last key position each query sees
       at::tensor(begins, long_options).unsqueeze(1) + at::arange(group.count, long_options).unsqueeze(0);
-  step.visible = (at::arange(step.longest, long_options).view({1, 1, step.longest}) <= last_visible.unsqueeze(2))
-                     .unsqueeze(1)
-                     .to(device);
+  step.visible = to_device_async(
+      (at::arange(step.longest, long_options).view({1, 1, step.longest}) <= last_visible.unsqueeze(2)).unsqueeze(1),
+      device);
   return step;
 }
 
@@ -466,9 +468,7 @@ at::Tensor state_addresses(const std::vector<Layer>& layers, const RowGroup& gro
       table[i * static_cast<size_t>(size) + static_cast<size_t>(j)] = reinterpret_cast<int64_t>(row);
     }
   }
-  return at::tensor(table, at::TensorOptions().dtype(at::kLong))
-      .view({static_cast<int64_t>(layers.size()), size})
-      .to(device);
+  return values_on(table, at::kLong, device).view({static_cast<int64_t>(layers.size()), size});
 }
 
 // The causal depthwise conv + SiLU of a group's step tokens over their window ([G, K - 1 + n, C],
@@ -560,20 +560,25 @@ struct StepTokens {
   std::vector<int64_t> counts, begins, positions;
 };
 StepTokens step_tokens(const std::vector<DecodeCache*>& caches, const std::vector<at::Tensor>& input_ids,
-                       size_t layers) {
+                       size_t layers, const at::Device& device) {
   if (caches.empty() || caches.size() != input_ids.size()) {
     throw std::invalid_argument("decode step: " + std::to_string(caches.size()) + " caches for " +
                                 std::to_string(input_ids.size()) + " token lists");
   }
   StepTokens t;
   std::vector<at::Tensor> ids;
+  // Ids on one device are joined there (one copy later if on the host); ids on several (the
+  // tokens a step in flight chose, beside a joining prompt's first token on the host) each go to
+  // the model's device first. No id is read here: a step's ids may not have been computed yet.
+  bool one_device = true;
+  for (const at::Tensor& id : input_ids) one_device = one_device && id.device() == input_ids[0].device();
   for (size_t s = 0; s < caches.size(); ++s) {
     const DecodeCache& cache = *caches[s];
     if (cache.keys.size() != layers) throw std::invalid_argument("decode step: the cache is not this model's");
     if (std::find(caches.begin(), caches.begin() + s, caches[s]) != caches.begin() + s) {
       throw std::invalid_argument("decode step: a cache appears twice in one step");
     }
-    ids.push_back(input_ids[s].to(input_ids[0].device(), at::kLong).reshape({-1}));
+    ids.push_back((one_device ? input_ids[s] : to_device_async(input_ids[s], device)).to(at::kLong).reshape({-1}));
     t.counts.push_back(ids.back().size(0));
     if (t.counts.back() == 0) throw std::invalid_argument("decode step: no tokens");
     t.begins.push_back(cache.length);
@@ -733,16 +738,16 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
   const TargetModel::Impl& m = *model_.impl_;
   const ModelConfig& c = model_.config();
   const at::Device device = model_.options().device;
-  const StepTokens tokens = step_tokens(caches, input_ids, m.layers.size());
+  const StepTokens tokens = step_tokens(caches, input_ids, m.layers.size(), device);
   const std::vector<RowGroup> groups = group_rows_by_count(tokens.counts, device);
   start_caches(m.layers, c, caches, at::TensorOptions().dtype(model_.options().dtype).device(device),
                model_.options().decode_state_dtype);
   const std::vector<KvStep> kv_steps = plan_kv_steps(m.layers, groups, caches, m.embed, c.head_dim, croppable);
   const std::vector<GdnStep> gdn_steps = plan_gdn_steps(m.layers, groups, caches, device, model_.gdn_kernels_, croppable);
-  const at::Tensor position_ids = at::tensor(tokens.positions, at::TensorOptions().dtype(at::kLong)).to(device);
+  const at::Tensor position_ids = values_on(tokens.positions, at::kLong, device);
   const auto [cos, sin] = rope_tables(m.inv_freq, position_ids, model_.options().dtype);
 
-  ResidualStream stream(at::embedding(m.embed, tokens.ids.to(device)), c);
+  ResidualStream stream(at::embedding(m.embed, to_device_async(tokens.ids, device)), c);
   std::vector<at::Tensor> tapped;
   size_t next = 0;
   for (size_t i = 0; i < m.layers.size(); ++i) {
@@ -765,7 +770,7 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
     std::vector<int64_t> last_rows;
     int64_t row = 0;
     for (const int64_t count : tokens.counts) last_rows.push_back((row += count) - 1);
-    normed = normed.index_select(0, at::tensor(last_rows, at::TensorOptions().dtype(at::kLong)).to(device));
+    normed = normed.index_select(0, values_on(last_rows, at::kLong, device));
   }
   const at::Tensor logits = at::matmul(normed, m.head.t()).to(at::kFloat);
   const at::Tensor features = tapped.empty() ? at::Tensor() : at::cat(tapped, -1);

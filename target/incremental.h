@@ -90,7 +90,10 @@ class IncrementalTarget {
   // outputs per sequence as step() gives them (equal up to the rounding of the batched GEMMs).
   // The caches must be distinct. `croppable` false: the step keeps nothing for crop() (plain
   // decoding never rolls back; the state before the step, 150 MB per sequence at 27B shapes,
-  // is not held) and the caches can only be "cropped" to their full length.
+  // is not held) and the caches can only be "cropped" to their full length. The ids may lie on
+  // the host or the model's device (e.g. the tokens the step before chose, still being computed:
+  // no id is read on the host), and nothing here waits for the device: a GPU step is queued while
+  // the one before runs.
   std::vector<DecodeOutput> step_batch(const std::vector<DecodeCache*>& caches, const std::vector<at::Tensor>& ids,
                                        const std::vector<int64_t>& tap, bool croppable = true) const;
   // A prompt in steps of at most `chunk` tokens (bounded attention scores and activations for
