@@ -23,6 +23,7 @@
 #include "target/incremental.h"
 #include "target/model.h"
 #include "target/model_config.h"
+#include "tests/kernel_sized.h"
 #include "tests/test_util.h"
 
 namespace dflash::target {
@@ -649,6 +650,65 @@ TEST(SpeculativeDecoding, MatchesDflashGenerateWithTheTransformersLlama) { compa
 // A drafter with a sliding-window layer (window 10 over prompts of up to 40 tokens), exported
 // and served by z-lab's DFlashDraftModel (its layer_types and sliding_window): the same drafts.
 TEST(SpeculativeDecoding, MatchesDflashGenerateWithASlidingWindowDrafter) { compare_with_dflash_generate("qwen3", 10); }
+
+// Plain greedy decoding on a GPU keeps one step in flight: each step's ids are the tokens the
+// step before chose, read on the device, and the host takes them a round later. Its output
+// against the same batch stepped synchronously (each step's argmaxes copied to the host, the
+// next ids sent from there): the same forwards, so the same tokens. Then ids on the host and on
+// the device mixed in one step (a joining prompt beside sequences in flight) give what ids all on
+// the host give.
+TEST(PlainDecoding, GpuStepsInFlightAreTheSynchronousSteps) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  for (const char* preset : {"tiny-qwen3", "kernel-sized-qwen3_5"}) {
+    SCOPED_TRACE(preset);
+    const ModelConfig config = std::string(preset) == "tiny-qwen3"
+                                   ? parse_model_config(preset_config_json(preset), preset)
+                                   : kernel_sized_qwen3_5();
+    TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+    options.decode_state_dtype = at::kBFloat16;
+    auto model = random_target(config, config.num_layers - 1, options, 41);
+    const IncrementalTarget target(*model);
+    std::vector<std::vector<int64_t>> prompts;
+    std::vector<at::Tensor> prompt_ids;
+    for (int64_t length : {5, 17, 9, 30}) {
+      prompt_ids.push_back(at::randint(0, config.vocab_size, {length}, at::TensorOptions().dtype(at::kLong)));
+      prompts.emplace_back(prompt_ids.back().data_ptr<int64_t>(), prompt_ids.back().data_ptr<int64_t>() + length);
+    }
+    decode::GenerateSettings settings;
+    settings.max_new_tokens = 12;
+    const std::vector<decode::Generation> ours = decode::PlainDecoder(target).generate_all(prompts, settings, 4);
+
+    std::vector<DecodeCache> caches(prompts.size());
+    std::vector<DecodeCache*> all;
+    for (DecodeCache& c : caches) c = target.new_cache(), all.push_back(&c);
+    std::vector<std::vector<int64_t>> expected = prompts;
+    std::vector<at::Tensor> next;
+    for (const DecodeOutput& o : target.prefill_batch(all, prompt_ids, {})) next.push_back(o.logits.argmax(-1).cpu());
+    for (int64_t step = 0; step < settings.max_new_tokens; ++step) {
+      for (size_t j = 0; j < all.size(); ++j) expected[j].push_back(next[j].item<int64_t>());
+      if (step + 1 == settings.max_new_tokens) break;
+      const std::vector<DecodeOutput> out = target.step_batch(all, next, {}, /*croppable=*/false);
+      for (size_t j = 0; j < all.size(); ++j) next[j] = out[j].logits.argmax(-1).cpu();
+    }
+    for (size_t j = 0; j < prompts.size(); ++j) {
+      EXPECT_EQ(ours[j].tokens, expected[j]) << "prompt " << j;
+      EXPECT_EQ(ours[j].new_tokens(), settings.max_new_tokens) << "prompt " << j;
+    }
+
+    // Two copies of the same caches, one step each: ids on the host and the device mixed, and
+    // ids all on the host.
+    std::vector<DecodeCache> mixed(2), host(2);
+    for (size_t j = 0; j < 2; ++j) {
+      mixed[j] = target.new_cache(), host[j] = target.new_cache();
+      target.prefill(mixed[j], prompt_ids[j], {}), target.prefill(host[j], prompt_ids[j], {});
+    }
+    const at::Tensor a = at::full({1}, 3, at::TensorOptions().dtype(at::kLong)), b = a + 4;
+    const std::vector<DecodeOutput> from_both =
+        target.step_batch({&mixed[0], &mixed[1]}, {a, b.to(options.device)}, {}, /*croppable=*/false);
+    const std::vector<DecodeOutput> from_host = target.step_batch({&host[0], &host[1]}, {a, b}, {}, false);
+    for (size_t j = 0; j < 2; ++j) EXPECT_TRUE(at::equal(from_both[j].logits, from_host[j].logits)) << "sequence " << j;
+  }
+}
 
 }  // namespace
 }  // namespace dflash::target

@@ -20,6 +20,7 @@
 #include "target/incremental.h"
 #include "target/model.h"
 #include "target/stages.h"
+#include "tests/kernel_sized.h"
 #include "tests/test_util.h"
 
 namespace dflash::target {
@@ -325,15 +326,6 @@ TEST(TargetRandom, DemandedKernelsAreRefusedWhereTheyCannotRun) {
 }
 
 // ---- GatedDeltaNet CUDA kernels against the reference path (GPU only) ---------------------------
-
-// A tiny Qwen3.5 whose GatedDeltaNet layers have the real head size (128).
-ModelConfig kernel_sized_qwen3_5() {
-  std::string json = preset_config_json("tiny-qwen3_5");
-  for (const std::string key : {"\"linear_key_head_dim\": 16", "\"linear_value_head_dim\": 16"}) {
-    json.replace(json.find(key), key.size(), key.substr(0, key.size() - 2) + "128");
-  }
-  return parse_model_config(json, "tiny-128");
-}
 
 double relative_l2_error(const at::Tensor& ours, const at::Tensor& reference) {
   EXPECT_EQ(ours.sizes(), reference.sizes());
