@@ -6,8 +6,9 @@
 //   2. A whole 27B-shaped target forward (random weights, up to layer 61, 3072 and 4096
 //      tokens): time, tokens/s, and MFU against the bf16 matmul rate measured here.
 // The Python peers (FLA, transformers' fallback) run beside it from bench/run_h200.sh gdn.
-// Usage: gdn_bench <directory with the 27B config.json> [core]   (bench/configs/qwen3_5-27b;
-//        `core`: the core table only, batch-1 4096 and 16384 tokens, no whole forward)
+// Usage: gdn_bench <directory with the 27B config.json> [core | decode]   (bench/configs/qwen3_5-27b;
+//        `core`: the core table only, batch-1 4096 and 16384 tokens, no whole forward;
+//        `decode`: one decoding step's state update at 64 and 128 sequences against a copy)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/core/InferenceMode.h>
@@ -130,6 +131,31 @@ void time_core(const std::vector<int64_t>& lengths, int64_t hk, int64_t hv) {
 
 // The whole 27B-shaped target forward at 3072 and 4096 tokens, MFU against the measured matmul
 // rate; with `profile`, the kernels of the 3072-token forward.
+// One decoding step's state update (decode_token kernels: one token per sequence) at 27B shapes,
+// `sequences` at once, against a plain copy of the same bytes (the rate a kernel that reads and
+// writes each state once could reach) and a plain read (a sum). Four state sets rotated (each
+// beyond L2).
+void time_decode_step(int64_t sequences, int64_t hk, int64_t hv, at::ScalarType state_dtype) {
+  const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const auto f32 = bf16.dtype(at::kFloat);
+  const at::Tensor q = at::randn({sequences, 1, hk, 128}, bf16), k = at::randn({sequences, 1, hk, 128}, bf16);
+  const at::Tensor v = at::randn({sequences, 1, hv, 128}, bf16);
+  const at::Tensor g = -at::rand({sequences, 1, hv}, f32), beta = at::rand({sequences, 1, hv}, f32);
+  std::vector<at::Tensor> states, copies;
+  for (int i = 0; i < 4; ++i) {
+    states.push_back(at::randn({sequences, hv, 128, 128}, f32).mul_(0.1).to(state_dtype));
+    copies.push_back(at::empty_like(states.back()));
+  }
+  const double bytes = 2.0 * static_cast<double>(states[0].nbytes());
+  const double step = cuda_ms(20, [&](int i) { target::gated_delta_rule_decode_step_cuda(q, k, v, g, beta, states[i % 4]); });
+  const double copy = cuda_ms(20, [&](int i) { copies[i % 4].copy_(states[(i + 1) % 4]); });
+  const double read = cuda_ms(20, [&](int i) { (void)states[i % 4].sum(); });
+  std::printf("decode step, %lld sequences, %s states (%.0f MB read + written): step %.3f ms (%.2f TB/s); copy %.3f ms "
+              "(%.2f TB/s); read %.3f ms (%.2f TB/s)\n",
+              static_cast<long long>(sequences), state_dtype == at::kBFloat16 ? "bf16" : "fp32", bytes / 2e6, step,
+              bytes / step / 1e9, copy, bytes / copy / 1e9, read, bytes / 2 / read / 1e9);
+}
+
 void time_target(const char* config_dir, bool profile) {
   // bf16 matmul rate of this GPU (the MFU denominator).
   const at::Tensor a = at::randn({8192, 8192}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
@@ -189,6 +215,12 @@ int main(int argc, char** argv) {
   const bool profile = std::getenv("DFLASHD_PROFILE") != nullptr;
   std::vector<std::vector<int64_t>> shapes = {{2048}, {4096}, {8192}, {16384}, {1024, 1024, 1024, 1024},
                                               {4096, 4096, 4096, 4096}};
+  if (argc > 2 && std::string(argv[2]) == "decode") {
+    for (const int64_t sequences : {64, 128}) {
+      for (const at::ScalarType dtype : {at::kBFloat16, at::kFloat}) time_decode_step(sequences, hk, hv, dtype);
+    }
+    return 0;
+  }
   const bool core_only = argc > 2 && std::string(argv[2]) == "core";
   if (core_only) shapes = {{4096}, {16384}};
   if (profile) shapes.clear();

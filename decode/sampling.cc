@@ -4,6 +4,8 @@
 
 #include <stdexcept>
 
+#include "common/tensor_math.h"
+
 namespace dflash::decode {
 
 void check_sampling(const Sampling& s) {
@@ -34,23 +36,28 @@ at::Tensor draw(const at::Tensor& probs, at::Generator& gen) {
   return at::multinomial(rows, 1, false, gen).reshape({rows.size(0)});
 }
 
-std::vector<int64_t> draw_rows(const at::Tensor& probs_in, const std::vector<at::Generator*>& gens) {
+std::vector<double> uniforms(const std::vector<at::Generator*>& gens) {
+  std::vector<double> u;
+  for (at::Generator* gen : gens) u.push_back(at::rand({1}, *gen, at::TensorOptions().dtype(at::kDouble)).item<double>());
+  return u;
+}
+
+at::Tensor choose_rows(const at::Tensor& probs_in, const std::vector<double>& u) {
   const at::Tensor probs = probs_in.to(at::kFloat);
   const int64_t rows = probs.size(0), vocab = probs.size(1);
-  if (static_cast<int64_t>(gens.size()) != rows) throw std::invalid_argument("draw_rows: one generator per row");
-  const auto doubles = at::TensorOptions().dtype(at::kDouble);
-  std::vector<double> u;
-  for (at::Generator* gen : gens) u.push_back(at::rand({1}, *gen, doubles).item<double>());
+  if (static_cast<int64_t>(u.size()) != rows) throw std::invalid_argument("choose_rows: one uniform per row");
   const at::Tensor cdf = probs.cumsum(-1);
-  const at::Tensor bound = at::tensor(u, doubles).to(probs.device(), at::kFloat).unsqueeze(1) * cdf.narrow(1, vocab - 1, 1);
+  const at::Tensor bound =
+      to_device_async(at::tensor(u, at::TensorOptions().dtype(at::kDouble)), probs.device()).to(at::kFloat).unsqueeze(1) *
+      cdf.narrow(1, vocab - 1, 1);
   const at::Tensor index = at::searchsorted(cdf, bound, /*out_int32=*/false, /*right=*/true).clamp_max(vocab - 1);
-  // -1 where the search found a zero-probability token: those rows are drawn again below.
-  const at::Tensor chosen = at::where(probs.gather(1, index) > 0, index, -1).reshape({rows}).to(at::kCPU);
-  std::vector<int64_t> tokens(chosen.data_ptr<int64_t>(), chosen.data_ptr<int64_t>() + rows);
-  for (size_t r = 0; r < tokens.size(); ++r) {
-    if (tokens[r] < 0) tokens[r] = draw(probs.select(0, static_cast<int64_t>(r)).unsqueeze(0), *gens[r]).item<int64_t>();
-  }
-  return tokens;
+  return at::where(probs.gather(1, index) > 0, index, probs.argmax(-1, /*keepdim=*/true)).reshape({rows});
+}
+
+std::vector<int64_t> draw_rows(const at::Tensor& probs, const std::vector<at::Generator*>& gens) {
+  if (static_cast<int64_t>(gens.size()) != probs.size(0)) throw std::invalid_argument("draw_rows: one generator per row");
+  const at::Tensor chosen = choose_rows(probs, uniforms(gens)).to(at::kCPU);
+  return std::vector<int64_t>(chosen.data_ptr<int64_t>(), chosen.data_ptr<int64_t>() + chosen.numel());
 }
 
 std::vector<SpeculativeOutcome> rejection_sample_blocks(const std::vector<SpeculativeBlock>& blocks,

@@ -27,13 +27,18 @@ at::Tensor sampling_probs(const at::Tensor& logits, const Sampling& s);
 // One token per row of probs [rows, vocab], drawn from `gen` (a CPU generator): int64 [rows].
 at::Tensor draw(const at::Tensor& probs, at::Generator& gen);
 
-// One token per row of probs [rows, vocab] (on any device), row r with its own generator gens[r]
-// (CPU; one uniform u_r each, so a row's draws do not depend on the other rows): the first token
-// whose cumulative probability exceeds u_r times the row's total, found for every row at once on
-// the probs' device (a cumulative sum and a binary search per row, the chosen ids copied to the
-// host together) where draw() copies each whole row to the host (1 MB per row at a 248K
-// vocabulary). A search that lands on a zero-probability token (the fp32 sum's rounding, about one
-// draw in 10^7) draws that row with draw() instead.
+// One uniform in [0, 1) from each generator (CPU), in order: what choose_rows takes.
+std::vector<double> uniforms(const std::vector<at::Generator*>& gens);
+
+// One token per row of probs [rows, vocab], on the probs' device (int64 [rows], nothing read on
+// the host): the first token whose cumulative probability exceeds u[r] times the row's total (a
+// cumulative sum and a binary search per row). A search that lands on a zero-probability token
+// (the fp32 sum's rounding, about one draw in 10^7) takes the row's most likely token instead.
+at::Tensor choose_rows(const at::Tensor& probs, const std::vector<double>& u);
+
+// choose_rows with row r's uniform from its own generator gens[r] (so a row's draws do not
+// depend on the other rows), the chosen ids copied to the host together (draw() copies each whole
+// row to the host: 1 MB per row at a 248K vocabulary).
 std::vector<int64_t> draw_rows(const at::Tensor& probs, const std::vector<at::Generator*>& gens);
 
 // Speculative sampling of several blocks at once. Block b: drafts[b] (n_b tokens) drawn from

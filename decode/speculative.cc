@@ -106,7 +106,7 @@ int64_t up_to_stop(const std::vector<int64_t>& tokens, size_t from, int64_t coun
 
 }  // namespace
 
-// The tokens one plain greedy step chose, one per row, while the device may still be computing
+// The tokens one plain step chose, one per row, while the device may still be computing
 // them: the next step takes its ids from `chosen` on the device, and the host learns them from a
 // copy into pinned memory that it waits for only when it needs them (after queueing that next
 // step, so the device never waits for the host between steps).
@@ -155,7 +155,7 @@ struct Decoder::Sequence {
   int64_t start = 0;                     // the last committed token, not yet run through the target
   int64_t max_length = 0;                // prompt + max_new_tokens
   Clock::time_point decode_start;
-  // Plain greedy decoding: the step in flight that chose this sequence's next token (its row
+  // Plain decoding: the step in flight that chose this sequence's next token (its row
   // `flight_row`), not yet taken into g.tokens; null when none.
   std::shared_ptr<TokensInFlight> flight;
   int64_t flight_row = 0;
@@ -448,18 +448,21 @@ void PlainDecoder::advance(const std::vector<Sequence*>& active, const GenerateS
   }
   const std::vector<target::DecodeOutput> out = target_.step_batch(caches, ids, {}, /*croppable=*/false);
   for (const target::DecodeOutput& o : out) logits.push_back(o.logits);
-  if (!settings.sampling.greedy()) {
-    // Each row drawn from its sequence's own generator on the host, so the step waits here.
+  // This step's tokens, chosen on the device (sampled: each row with a uniform from its sequence's
+  // own generator, drawn on the host without waiting for the logits), stay there as the next
+  // step's ids; the host takes the step before's. A sequence that finishes then leaves with this
+  // step's token untaken: one step of work lost per finished sequence, against the host's
+  // planning and launches between steps.
+  const Sampling& sampling = settings.sampling;
+  at::Tensor chosen;
+  if (sampling.greedy()) {
+    chosen = joined_rows(logits).argmax(-1);
+  } else {
     std::vector<at::Generator*> gens;
     for (Sequence* s : active) gens.push_back(&s->gen);
-    const std::vector<int64_t> next = draw_rows(sampling_probs(joined_rows(logits), settings.sampling), gens);
-    for (size_t j = 0; j < active.size(); ++j) active[j]->take(next[j], settings.stop_token_ids);
-    return;
+    chosen = choose_rows(sampling_probs(joined_rows(logits), sampling), uniforms(gens));
   }
-  // Greedy: this step's tokens stay on the device as the next step's ids, and the host takes the
-  // step before's (a sequence it finishes leaves with this step's token untaken: one step of
-  // work lost per finished sequence, against the host's planning and launches between steps).
-  auto step = std::make_shared<TokensInFlight>(joined_rows(logits).argmax(-1));
+  auto step = std::make_shared<TokensInFlight>(chosen);
   for (size_t j = 0; j < active.size(); ++j) {
     Sequence& s = *active[j];
     if (s.flight) s.take(s.flight->host_row(s.flight_row), settings.stop_token_ids);

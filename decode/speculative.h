@@ -81,7 +81,7 @@ class Decoder {
   const target::IncrementalTarget& target() const { return target_; }
 
   struct Sequence;        // one sequence's state between rounds (speculative.cc)
-  class TokensInFlight;  // a plain greedy step's tokens, still being computed (speculative.cc)
+  class TokensInFlight;  // a plain step's tokens, still being computed (speculative.cc)
 
  protected:
   explicit Decoder(const target::IncrementalTarget& target) : target_(target) {}
@@ -91,7 +91,7 @@ class Decoder {
   // time, each timed alone).
   virtual void start_all(const std::vector<Sequence*>& admitted, const GenerateSettings& settings) const;
   // One round: every sequence in `active` (none finished) advances by one target step. The host
-  // may learn a step's tokens one round later (plain greedy decoding keeps one step in flight).
+  // may learn a step's tokens one round later (plain decoding keeps one step in flight).
   virtual void advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const = 0;
 
   const target::IncrementalTarget& target_;

@@ -651,12 +651,12 @@ TEST(SpeculativeDecoding, MatchesDflashGenerateWithTheTransformersLlama) { compa
 // and served by z-lab's DFlashDraftModel (its layer_types and sliding_window): the same drafts.
 TEST(SpeculativeDecoding, MatchesDflashGenerateWithASlidingWindowDrafter) { compare_with_dflash_generate("qwen3", 10); }
 
-// Plain greedy decoding on a GPU keeps one step in flight: each step's ids are the tokens the
-// step before chose, read on the device, and the host takes them a round later. Its output
-// against the same batch stepped synchronously (each step's argmaxes copied to the host, the
-// next ids sent from there): the same forwards, so the same tokens. Then ids on the host and on
-// the device mixed in one step (a joining prompt beside sequences in flight) give what ids all on
-// the host give.
+// Plain decoding on a GPU keeps one step in flight: each step's ids are the tokens the step
+// before chose, read on the device, and the host takes them a round later. Its output against
+// the same batch stepped synchronously (each step's tokens chosen and copied to the host, the next
+// ids sent from there), greedy and sampled (each sequence's own generator): the same forwards and
+// draws, so the same tokens. Then ids on the host and on the device mixed in one step (a joining
+// prompt beside sequences in flight) give what ids all on the host give.
 TEST(PlainDecoding, GpuStepsInFlightAreTheSynchronousSteps) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   for (const char* preset : {"tiny-qwen3", "kernel-sized-qwen3_5"}) {
@@ -674,25 +674,46 @@ TEST(PlainDecoding, GpuStepsInFlightAreTheSynchronousSteps) {
       prompt_ids.push_back(at::randint(0, config.vocab_size, {length}, at::TensorOptions().dtype(at::kLong)));
       prompts.emplace_back(prompt_ids.back().data_ptr<int64_t>(), prompt_ids.back().data_ptr<int64_t>() + length);
     }
-    decode::GenerateSettings settings;
-    settings.max_new_tokens = 12;
-    const std::vector<decode::Generation> ours = decode::PlainDecoder(target).generate_all(prompts, settings, 4);
+    for (const double temperature : {0.0, 0.8}) {
+      SCOPED_TRACE("temperature " + std::to_string(temperature));
+      decode::GenerateSettings settings;
+      settings.max_new_tokens = 12;
+      settings.sampling.temperature = temperature;
+      settings.seed = 3;
+      const std::vector<decode::Generation> ours = decode::PlainDecoder(target).generate_all(prompts, settings, 4);
 
-    std::vector<DecodeCache> caches(prompts.size());
-    std::vector<DecodeCache*> all;
-    for (DecodeCache& c : caches) c = target.new_cache(), all.push_back(&c);
-    std::vector<std::vector<int64_t>> expected = prompts;
-    std::vector<at::Tensor> next;
-    for (const DecodeOutput& o : target.prefill_batch(all, prompt_ids, {})) next.push_back(o.logits.argmax(-1).cpu());
-    for (int64_t step = 0; step < settings.max_new_tokens; ++step) {
-      for (size_t j = 0; j < all.size(); ++j) expected[j].push_back(next[j].item<int64_t>());
-      if (step + 1 == settings.max_new_tokens) break;
-      const std::vector<DecodeOutput> out = target.step_batch(all, next, {}, /*croppable=*/false);
-      for (size_t j = 0; j < all.size(); ++j) next[j] = out[j].logits.argmax(-1).cpu();
-    }
-    for (size_t j = 0; j < prompts.size(); ++j) {
-      EXPECT_EQ(ours[j].tokens, expected[j]) << "prompt " << j;
-      EXPECT_EQ(ours[j].new_tokens(), settings.max_new_tokens) << "prompt " << j;
+      std::vector<DecodeCache> caches(prompts.size());
+      std::vector<DecodeCache*> all;
+      std::vector<at::Generator> gens;
+      std::vector<at::Generator*> gen_pointers;
+      for (size_t j = 0; j < prompts.size(); ++j) {
+        caches[j] = target.new_cache(), all.push_back(&caches[j]);
+        gens.push_back(at::make_generator<at::CPUGeneratorImpl>(decode::sequence_seed(settings.seed, j)));
+      }
+      for (at::Generator& g : gens) gen_pointers.push_back(&g);
+      const auto choose = [&](const at::Tensor& logits, size_t j) {  // a prefill's first token
+        if (temperature == 0) return logits.argmax(-1).cpu();
+        return decode::draw(decode::sampling_probs(logits, settings.sampling), gens[j]);
+      };
+      std::vector<std::vector<int64_t>> expected = prompts;
+      std::vector<at::Tensor> next;
+      const std::vector<DecodeOutput> prefilled = target.prefill_batch(all, prompt_ids, {});
+      for (size_t j = 0; j < all.size(); ++j) next.push_back(choose(prefilled[j].logits, j).reshape({1}));
+      for (int64_t step = 0; step < settings.max_new_tokens; ++step) {
+        for (size_t j = 0; j < all.size(); ++j) expected[j].push_back(next[j].item<int64_t>());
+        if (step + 1 == settings.max_new_tokens) break;
+        std::vector<at::Tensor> logits;
+        for (const DecodeOutput& o : target.step_batch(all, next, {}, /*croppable=*/false)) logits.push_back(o.logits);
+        const at::Tensor rows = at::cat(logits);
+        const at::Tensor tokens =
+            temperature == 0 ? rows.argmax(-1).cpu()
+                             : at::tensor(decode::draw_rows(decode::sampling_probs(rows, settings.sampling), gen_pointers));
+        for (size_t j = 0; j < all.size(); ++j) next[j] = tokens.narrow(0, static_cast<int64_t>(j), 1);
+      }
+      for (size_t j = 0; j < prompts.size(); ++j) {
+        EXPECT_EQ(ours[j].tokens, expected[j]) << "prompt " << j;
+        EXPECT_EQ(ours[j].new_tokens(), settings.max_new_tokens) << "prompt " << j;
+      }
     }
 
     // Two copies of the same caches, one step each: ids on the host and the device mixed, and
