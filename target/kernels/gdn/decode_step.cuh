@@ -16,17 +16,14 @@ namespace dflash::target::kernels::gdn {
 // column j, each holding kDecodeRows key rows of column j of S in registers for all the call's
 // tokens, so the state is read once and written once however many tokens run. Per token t:
 //   S = e^g_t S;  delta_j = beta_t (v_tj - sum_i k_ti S_ij);  S_ij += k_ti delta_j;  o_tj = sum_i q_ti S_ij
-// with q, k L2-normalised here (q also scaled), as the reference path does. A column's sums over
-// i are its threads' partial sums combined by two shuffles. 32 rows per thread keep the kernel at
-// about 80 registers, three CTAs per SM (a thread holding all 128 rows of a column would spill).
-// A warp holds 8 columns: each of its loads and stores is 4 runs of 32 bytes of fp32 states,
-// whole sectors (16 bytes of bf16 states: the neighbouring warp's columns fill the sectors).
-constexpr int kDecodeSplit = 4;                       // threads per column: lanes c, c + 8, c + 16, c + 24
+// with q, k L2-normalised here (q also scaled), as the reference path does. 32 rows per thread
+// keep the kernel at about 80 registers, three CTAs per SM (a thread holding all 128 rows of a
+// column would spill).
+constexpr int kDecodeSplit = 4;                       // threads (warps) per column
 constexpr int kDecodeRows = D / kDecodeSplit;         // key rows per thread
 constexpr int kDecodeCtasPerHead = 2;
 constexpr int kDecodeColumns = D / kDecodeCtasPerHead;  // value columns per CTA
 constexpr int kDecodeThreads = kDecodeColumns * kDecodeSplit;  // 256
-constexpr int kDecodeColumnsPerWarp = 32 / kDecodeSplit;
 // Three CTAs per SM (at most 85 registers a thread): the kernels are bound by how many state
 // bytes are in flight, which is how many CTAs are resident.
 constexpr int kDecodeCtasPerSm = 3;
@@ -88,24 +85,32 @@ __device__ __forceinline__ void normalise_qk(const bf16* q_in, const bf16* k_in,
   __syncthreads();
 }
 
-// The sum over a column's kDecodeSplit threads (lanes apart by kDecodeColumnsPerWarp).
-__device__ __forceinline__ float column_sum(float x) {
+// The sum of x over a column's kDecodeSplit row blocks, through `partial` (every thread of the CTA
+// calls it: it synchronises). The k.S and q.S sums of one token use two arrays; normalise_qk's
+// barrier separates consecutive tokens'.
+__device__ __forceinline__ float column_total(float (*partial)[kDecodeColumns], int block, int column, float x) {
+  partial[block][column] = x;
+  __syncthreads();
+  float total = 0;
 #pragma unroll
-  for (int offset = kDecodeColumnsPerWarp; offset < 32; offset <<= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
+  for (int b = 0; b < kDecodeSplit; ++b) total += partial[b][column];
+  return total;
 }
 
+// Warp w of a CTA holds rows 32 (w / 2) .. + 31 of the 32 columns 32 (w % 2) .. of its 64: each of
+// its loads and stores is one row's 32 consecutive values (one 128-byte line of fp32 states; a warp
+// over four rows touched four lines per access and kept the L1 busy). A column's sums over its
+// four warps meet in shared memory, once per token for k.S and once for q.S.
 template <typename State>
-__global__ void __launch_bounds__(kDecodeThreads) decode_step_kernel(GdnDecodeStep a) {
+__global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm) decode_step_kernel(GdnDecodeStep a) {
   const int item = blockIdx.x / kDecodeCtasPerHead, sequence = item / a.value_heads, head = item % a.value_heads;
   const int key_head = head / (a.value_heads / a.key_heads);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int part = lane / kDecodeColumnsPerWarp;
-  const int j =
-      blockIdx.x % kDecodeCtasPerHead * kDecodeColumns + warp * kDecodeColumnsPerWarp + lane % kDecodeColumnsPerWarp;
-  const int i0 = part * kDecodeRows;  // this thread's rows i0 .. i0 + kDecodeRows - 1 of column j
+  const int block = warp / (kDecodeColumns / 32), column = warp % (kDecodeColumns / 32) * 32 + lane;  // of the CTA's
+  const int j = blockIdx.x % kDecodeCtasPerHead * kDecodeColumns + column;
+  const int i0 = block * kDecodeRows;  // this thread's rows i0 .. i0 + kDecodeRows - 1 of column j
   __shared__ float q[D], k[D], sums[3][D / 32];
-  const int64_t row = static_cast<int64_t>(sequence) * a.value_heads + head;
+  __shared__ float partial[2][kDecodeSplit][kDecodeColumns];  // each row block's k.S, then q.S, of a column
   const int64_t first_token = static_cast<int64_t>(sequence) * a.tokens;  // [sequences, tokens] rows
   const State* state_in = sequence_state<State>(a.state_in, a.state_rows, sequence, a.value_heads) +
                           static_cast<int64_t>(head) * D * D + i0 * D + j;
@@ -126,16 +131,17 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_step_kernel(GdnDecodeSt
       s[i] *= decay;
       predicted += k[i0 + i] * s[i];
     }
-    const float delta = beta * (v - column_sum(predicted));
+    const float delta = beta * (v - column_total(partial[0], block, column, predicted));
     float o = 0;
 #pragma unroll
     for (int i = 0; i < kDecodeRows; ++i) {
       s[i] += k[i0 + i] * delta;
       o += q[i0 + i] * s[i];
     }
-    o = column_sum(o);
-    if (part == 0) a.out[gate * D + j] = o;
+    o = column_total(partial[1], block, column, o);
+    if (block == 0) a.out[gate * D + j] = o;
   }
+  const int64_t row = static_cast<int64_t>(sequence) * a.value_heads + head;
   State* state_out = static_cast<State*>(a.state_out) + row * D * D + static_cast<int64_t>(i0) * D + j;
 #pragma unroll
   for (int i = 0; i < kDecodeRows; ++i) state_out[i * D] = stored_state<State>(s[i]);
