@@ -30,6 +30,7 @@
 #include "bench/timing.h"
 #include "config/config.h"
 #include "decode/eval.h"
+#include "decode/sampling.h"
 #include "drafter/drafter_config.h"
 #include "target/incremental.h"
 #include "target/model.h"
@@ -109,6 +110,29 @@ std::pair<double, double> back_to_back_ms(const target::IncrementalTarget& targe
   return {steps, host[host.size() / 2]};
 }
 
+// What choosing a plain step's tokens costs: the argmaxes, and sampled draws (temperature 0.7,
+// with and without top-p 0.95: sampling_probs then choose_rows, all rows at once), the median of
+// 5 each; DFLASHD_PROFILE=1: the sampled draw's kernels.
+void sampled_choice(const std::vector<target::DecodeOutput>& out, int64_t batch) {
+  std::vector<at::Tensor> rows;
+  for (const target::DecodeOutput& o : out) rows.push_back(o.logits);
+  const at::Tensor logits = at::cat(rows);
+  const std::vector<double> u(static_cast<size_t>(logits.size(0)), 0.5);
+  decode::Sampling top_p{0.7, 0.95, 0}, all{0.7, 1.0, 0};
+  const auto draw = [&](const decode::Sampling& s) { decode::choose_rows(decode::sampling_probs(logits, s), u); };
+  const double greedy = median_ms(5, [&] { (void)logits.argmax(-1); });
+  const double plain = median_ms(5, [&] { draw(all); }), nucleus = median_ms(5, [&] { draw(top_p); });
+  std::printf("batch of %3lld: choosing the tokens: argmax %.2f ms; sampled at temperature 0.7 %.2f ms, with top-p 0.95 "
+              "%.2f ms\n",
+              static_cast<long long>(batch), greedy, plain, nucleus);
+  if (std::getenv("DFLASHD_PROFILE") != nullptr) {
+    bench::print_kernel_profile("a sampled choice with top-p", [&] {
+      draw(top_p);
+      c10::cuda::device_synchronize();
+    }, 12);
+  }
+}
+
 // Fresh caches, each prefilled with a random prompt of `prompt_tokens` tokens as `dflashd
 // generate` prefills: as many prompts together as one prefill batch takes.
 void prefill_random(const target::IncrementalTarget& target, std::vector<target::DecodeCache>& caches,
@@ -181,6 +205,7 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
     }, 20);
   }
   const double changing = changing_batch_ms(target, all, one);
+  sampled_choice(target.step_batch(all, one, {}, /*croppable=*/false), batch);
   // Back to the prompts for the verify rounds: a plain step keeps nothing to crop with, so the
   // caches are prefilled again.
   prefill_random(target, caches, prompt_tokens);
