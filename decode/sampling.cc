@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "common/tensor_math.h"
+#include "target/fused_ops.h"
 
 namespace dflash::decode {
 
@@ -21,10 +22,7 @@ at::Tensor sampling_probs(const at::Tensor& logits, const Sampling& s) {
   if (s.top_k > 0 && s.top_k < vocab) std::tie(scores, indices) = at::topk(scores, s.top_k, -1);
   at::Tensor probs = at::softmax(scores, -1);
   if (s.top_p < 1.0) {
-    auto [sorted, order] = probs.sort(-1, /*descending=*/true);
-    const at::Tensor keep = (sorted.cumsum(-1) - sorted) < s.top_p;
-    sorted = sorted * keep;
-    probs = at::zeros_like(probs).scatter(-1, order, sorted);
+    probs = target::top_p_keep(probs, s.top_p);
     probs = probs / probs.sum(-1, true);
   }
   if (indices.defined()) probs = at::zeros(logits.sizes(), probs.options()).scatter(-1, indices, probs);

@@ -21,7 +21,8 @@ struct Sampling {
 void check_sampling(const Sampling& s);
 
 // Probabilities [rows, vocab] (fp32) of logits [rows, vocab] at the temperature, kept to the top
-// k and then to the smallest set of mass >= top_p (renormalised).
+// k and then to the smallest set of mass >= top_p (target::top_p_keep: no sort on a GPU; equal
+// probabilities at the boundary kept in index order), renormalised.
 at::Tensor sampling_probs(const at::Tensor& logits, const Sampling& s);
 
 // One token per row of probs [rows, vocab], drawn from `gen` (a CPU generator): int64 [rows].

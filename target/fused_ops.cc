@@ -11,6 +11,7 @@
 #include <ATen/cuda/CUDAContext.h>
 
 #include "target/kernels/elementwise.h"
+#include "target/kernels/top_p.h"
 #endif
 
 namespace dflash::target {
@@ -216,6 +217,20 @@ std::pair<at::Tensor, at::Tensor> gdn_gates(const at::Tensor& a, const at::Tenso
 #else
   return {};
 #endif
+}
+
+at::Tensor top_p_keep(const at::Tensor& probs, double top_p) {
+#ifdef DFLASHD_WITH_CUDA
+  if (probs.is_cuda() && probs.scalar_type() == at::kFloat && probs.dim() == 2 && probs.is_contiguous()) {
+    at::Tensor out = at::empty_like(probs);
+    kernels::top_p_keep(probs.data_ptr<float>(), out.data_ptr<float>(), static_cast<int>(probs.size(0)), probs.size(1),
+                        static_cast<float>(top_p), at::cuda::getCurrentCUDAStream().stream());
+    return out;
+  }
+#endif
+  auto [sorted, order] = probs.sort(/*stable=*/true, -1, /*descending=*/true);
+  const at::Tensor kept = sorted * ((sorted.cumsum(-1) - sorted) < top_p);
+  return at::zeros_like(probs).scatter(-1, order, kept);
 }
 
 }  // namespace dflash::target

@@ -60,4 +60,12 @@ at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Te
 std::pair<at::Tensor, at::Tensor> gdn_gates(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
                                             const at::Tensor& dt_bias);
 
+// Nucleus filtering of sampling probabilities [rows, n] (fp32): each row keeps the smallest set of
+// its most likely entries whose mass reaches top_p (an entry is kept while the mass of those
+// before it, most likely first, is below top_p; equal probabilities in index order) and zeroes
+// the rest, unnormalised. On a GPU one kernel per call (a search over the boundary's bits, no
+// sort: target/kernels/top_p.h); elsewhere a stable sort and a cumulative sum. The two sum the
+// masses in different orders, so a boundary within float rounding of top_p may fall either way.
+at::Tensor top_p_keep(const at::Tensor& probs, double top_p);
+
 }  // namespace dflash::target

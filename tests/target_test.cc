@@ -440,6 +440,47 @@ TEST(GatedDeltaNetKernels, GatesFromProjectionsMatchPrecomputedGates) {
   }
 }
 
+// top_p_keep's rule on the CPU: the most likely entries while the mass before each is below
+// top_p, equal probabilities in index order, the rest zero (not renormalised).
+TEST(FusedOps, TopPKeepsTheMostLikelyEntriesUntilTheMassIsReached) {
+  const at::Tensor probs = at::tensor(std::vector<float>{0.2f, 0.3f, 0.2f, 0.1f, 0.2f}).unsqueeze(0);
+  // Most likely first: 0.3 (entry 1), then the three 0.2s in index order (0, 2, 4); the mass before
+  // entry 4 is 0.7.
+  EXPECT_TRUE(at::equal(top_p_keep(probs, 0.6), at::tensor(std::vector<float>{0.2f, 0.3f, 0.2f, 0.f, 0.f}).unsqueeze(0)));
+  EXPECT_TRUE(at::equal(top_p_keep(probs, 0.25), at::tensor(std::vector<float>{0.f, 0.3f, 0.f, 0.f, 0.f}).unsqueeze(0)));
+  EXPECT_TRUE(at::equal(top_p_keep(probs, 0.95), probs));
+}
+
+// The GPU kernel (a search over the boundary's bits, no sort) against the sorted reference on the
+// CPU: flat, peaked and tied rows of a 248K and a 1,000-entry vocabulary at several top_p. The
+// kept entries are the input's exactly, the others zero; an entry may be decided otherwise only
+// where the mass before it (float64, the reference's order) lies within 1e-5 of top_p (the two
+// sum the masses in different orders).
+TEST(FusedOps, GpuTopPKeepMatchesTheSortedReference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(5);
+  for (const int64_t vocab : {248320, 1000}) {
+    std::vector<at::Tensor> rows;
+    for (const double scale : {0.5, 3.0, 10.0}) rows.push_back(at::softmax(at::randn({2, vocab}) * scale, -1));
+    const at::Tensor tied = at::randint(0, 5, {2, vocab}).to(at::kFloat);  // many equal probabilities
+    rows.push_back(tied / tied.sum(-1, true));
+    const at::Tensor probs = at::cat(rows).contiguous();
+    for (const double top_p : {0.5, 0.9, 0.95}) {
+      SCOPED_TRACE("vocabulary " + std::to_string(vocab) + ", top_p " + std::to_string(top_p));
+      const at::Tensor ours = top_p_keep(probs.cuda(), top_p).cpu();
+      const at::Tensor reference = top_p_keep(probs, top_p);
+      const at::Tensor kept = ours > 0;
+      EXPECT_TRUE(at::equal(at::where(kept, probs, at::zeros_like(probs)), ours)) << "kept entries changed";
+      auto [sorted, order] = probs.to(at::kDouble).sort(/*stable=*/true, -1, /*descending=*/true);
+      const at::Tensor before = at::empty_like(sorted).scatter_(-1, order, sorted.cumsum(-1) - sorted);
+      const at::Tensor differ = kept != (reference > 0);
+      const int64_t far = (differ & ((before - top_p).abs() > 1e-5)).sum().item<int64_t>();
+      EXPECT_EQ(far, 0) << differ.sum().item<int64_t>() << " entries decided otherwise";
+      EXPECT_GT(kept.sum().item<int64_t>(), 0);
+    }
+  }
+}
+
 // The fused residual add + RMSNorm and SiLU-mul kernels against the composite expressions they
 // replace, on the same bf16 inputs: the residual sum bit-identical, the outputs equal but for
 // the last bit of elements where the order of the fp32 sum of squares differs.
