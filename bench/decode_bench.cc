@@ -122,8 +122,8 @@ void sampled_choice(const std::vector<target::DecodeOutput>& out, int64_t batch)
   const auto draw = [&](const decode::Sampling& s) { decode::choose_rows(decode::sampling_probs(logits, s), u); };
   const double greedy = median_ms(5, [&] { (void)logits.argmax(-1); });
   const double plain = median_ms(5, [&] { draw(all); }), nucleus = median_ms(5, [&] { draw(top_p); });
-  std::printf("batch of %3lld: choosing the tokens: argmax %.2f ms; sampled at temperature 0.7 %.2f ms, with top-p 0.95 "
-              "%.2f ms\n",
+  std::printf("batch of %3lld: choosing the tokens: argmax %.2f ms; sampled at temperature 0.7 %.2f ms, with top-p "
+              "0.95 %.2f ms\n",
               static_cast<long long>(batch), greedy, plain, nucleus);
   if (std::getenv("DFLASHD_PROFILE") != nullptr) {
     bench::print_kernel_profile("a sampled choice with top-p", [&] {

@@ -147,7 +147,8 @@ void time_decode_step(int64_t sequences, int64_t hk, int64_t hv, at::ScalarType 
     copies.push_back(at::empty_like(states.back()));
   }
   const double bytes = 2.0 * static_cast<double>(states[0].nbytes());
-  const double step = cuda_ms(20, [&](int i) { target::gated_delta_rule_decode_step_cuda(q, k, v, g, beta, states[i % 4]); });
+  const double step =
+      cuda_ms(20, [&](int i) { target::gated_delta_rule_decode_step_cuda(q, k, v, g, beta, states[i % 4]); });
   const double copy = cuda_ms(20, [&](int i) { copies[i % 4].copy_(states[(i + 1) % 4]); });
   const double read = cuda_ms(20, [&](int i) { (void)states[i % 4].sum(); });
   std::printf("decode step, %lld sequences, %s states (%.0f MB read + written): step %.3f ms (%.2f TB/s); copy %.3f ms "

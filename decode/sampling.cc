@@ -36,7 +36,8 @@ at::Tensor draw(const at::Tensor& probs, at::Generator& gen) {
 
 std::vector<double> uniforms(const std::vector<at::Generator*>& gens) {
   std::vector<double> u;
-  for (at::Generator* gen : gens) u.push_back(at::rand({1}, *gen, at::TensorOptions().dtype(at::kDouble)).item<double>());
+  const auto doubles = at::TensorOptions().dtype(at::kDouble);
+  for (at::Generator* gen : gens) u.push_back(at::rand({1}, *gen, doubles).item<double>());
   return u;
 }
 
@@ -45,15 +46,16 @@ at::Tensor choose_rows(const at::Tensor& probs_in, const std::vector<double>& u)
   const int64_t rows = probs.size(0), vocab = probs.size(1);
   if (static_cast<int64_t>(u.size()) != rows) throw std::invalid_argument("choose_rows: one uniform per row");
   const at::Tensor cdf = probs.cumsum(-1);
-  const at::Tensor bound =
-      to_device_async(at::tensor(u, at::TensorOptions().dtype(at::kDouble)), probs.device()).to(at::kFloat).unsqueeze(1) *
-      cdf.narrow(1, vocab - 1, 1);
+  const at::Tensor u_rows = values_on(u, at::kDouble, probs.device()).to(at::kFloat).unsqueeze(1);
+  const at::Tensor bound = u_rows * cdf.narrow(1, vocab - 1, 1);
   const at::Tensor index = at::searchsorted(cdf, bound, /*out_int32=*/false, /*right=*/true).clamp_max(vocab - 1);
   return at::where(probs.gather(1, index) > 0, index, probs.argmax(-1, /*keepdim=*/true)).reshape({rows});
 }
 
 std::vector<int64_t> draw_rows(const at::Tensor& probs, const std::vector<at::Generator*>& gens) {
-  if (static_cast<int64_t>(gens.size()) != probs.size(0)) throw std::invalid_argument("draw_rows: one generator per row");
+  if (static_cast<int64_t>(gens.size()) != probs.size(0)) {
+    throw std::invalid_argument("draw_rows: one generator per row");
+  }
   const at::Tensor chosen = choose_rows(probs, uniforms(gens)).to(at::kCPU);
   return std::vector<int64_t>(chosen.data_ptr<int64_t>(), chosen.data_ptr<int64_t>() + chosen.numel());
 }

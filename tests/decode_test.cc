@@ -706,8 +706,9 @@ TEST(PlainDecoding, GpuStepsInFlightAreTheSynchronousSteps) {
         for (const DecodeOutput& o : target.step_batch(all, next, {}, /*croppable=*/false)) logits.push_back(o.logits);
         const at::Tensor rows = at::cat(logits);
         const at::Tensor tokens =
-            temperature == 0 ? rows.argmax(-1).cpu()
-                             : at::tensor(decode::draw_rows(decode::sampling_probs(rows, settings.sampling), gen_pointers));
+            temperature == 0
+                ? rows.argmax(-1).cpu()
+                : at::tensor(decode::draw_rows(decode::sampling_probs(rows, settings.sampling), gen_pointers));
         for (size_t j = 0; j < all.size(); ++j) next[j] = tokens.narrow(0, static_cast<int64_t>(j), 1);
       }
       for (size_t j = 0; j < prompts.size(); ++j) {

@@ -446,8 +446,9 @@ TEST(FusedOps, TopPKeepsTheMostLikelyEntriesUntilTheMassIsReached) {
   const at::Tensor probs = at::tensor(std::vector<float>{0.2f, 0.3f, 0.2f, 0.1f, 0.2f}).unsqueeze(0);
   // Most likely first: 0.3 (entry 1), then the three 0.2s in index order (0, 2, 4); the mass before
   // entry 4 is 0.7.
-  EXPECT_TRUE(at::equal(top_p_keep(probs, 0.6), at::tensor(std::vector<float>{0.2f, 0.3f, 0.2f, 0.f, 0.f}).unsqueeze(0)));
-  EXPECT_TRUE(at::equal(top_p_keep(probs, 0.25), at::tensor(std::vector<float>{0.f, 0.3f, 0.f, 0.f, 0.f}).unsqueeze(0)));
+  const auto row = [](std::vector<float> v) { return at::tensor(v).unsqueeze(0); };
+  EXPECT_TRUE(at::equal(top_p_keep(probs, 0.6), row({0.2f, 0.3f, 0.2f, 0.f, 0.f})));
+  EXPECT_TRUE(at::equal(top_p_keep(probs, 0.25), row({0.f, 0.3f, 0.f, 0.f, 0.f})));
   EXPECT_TRUE(at::equal(top_p_keep(probs, 0.95), probs));
 }
 

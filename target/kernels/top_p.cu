@@ -29,7 +29,8 @@ __device__ __forceinline__ float block_sum(float x, float* scratch) {
   return total;
 }
 
-__global__ void __launch_bounds__(kThreads) top_p_keep_kernel(const float* probs, float* out, int64_t vocab, float top_p) {
+__global__ void __launch_bounds__(kThreads)
+    top_p_keep_kernel(const float* probs, float* out, int64_t vocab, float top_p) {
   const float* row = probs + static_cast<int64_t>(blockIdx.x) * vocab;
   float* out_row = out + static_cast<int64_t>(blockIdx.x) * vocab;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
