@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -444,6 +445,47 @@ TEST(SpeculativeDecoding, BatchedDecodingIsEachPromptDecodedAlone) {
         }
       }
     }
+  }
+}
+
+// Plain decoding keeps a step in flight and learns its tokens a round later, so a sequence that
+// stops leaves with one step's token untaken while the others go on and prompts join beside them.
+// With stop tokens that end the prompts at different steps, every prompt's output (greedy and
+// sampled, 2 places for 6 prompts) is the output of decoding it alone: no token of another
+// sequence, none lost, none past its stop token or its max_new_tokens.
+TEST(PlainDecoding, SequencesStoppingAtDifferentStepsAreEachDecodedAlone) {
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny-qwen3_5");
+  auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 47);
+  const IncrementalTarget target(*model);
+  const decode::PlainDecoder plain(target);
+  std::vector<std::vector<int64_t>> prompts;
+  for (int64_t length : {3, 8, 1, 12, 5, 6}) {
+    const at::Tensor p = at::randint(0, config.vocab_size, {length}, at::TensorOptions().dtype(at::kLong));
+    prompts.emplace_back(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + length);
+  }
+  for (double temperature : {0.0, 1.0}) {
+    SCOPED_TRACE("temperature " + std::to_string(temperature));
+    decode::GenerateSettings settings;
+    settings.max_new_tokens = 16;
+    settings.sampling.temperature = temperature;
+    settings.seed = 9;
+    // Stop tokens from the unstopped outputs: the 3rd new token of prompt 0, the 7th of prompt 3.
+    const std::vector<decode::Generation> free_run = plain.generate_all(prompts, settings, 6);
+    settings.stop_token_ids = {free_run[0].tokens[prompts[0].size() + 2], free_run[3].tokens[prompts[3].size() + 6]};
+    const std::vector<decode::Generation> batched = plain.generate_all(prompts, settings, 2);
+    std::set<int64_t> lengths;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      decode::GenerateSettings own = settings;
+      own.seed = decode::sequence_seed(settings.seed, i);
+      const decode::Generation alone = decode::plain_generate(target, prompts[i], own);
+      EXPECT_EQ(batched[i].tokens, alone.tokens) << "prompt " << i;
+      EXPECT_EQ(batched[i].stopped, alone.stopped) << "prompt " << i;
+      EXPECT_LE(batched[i].new_tokens(), settings.max_new_tokens) << "prompt " << i;
+      lengths.insert(batched[i].new_tokens());
+    }
+    EXPECT_TRUE(batched[0].stopped);
+    EXPECT_LE(batched[0].new_tokens(), 3);
+    EXPECT_GE(lengths.size(), 2u) << "the prompts should end at different steps";
   }
 }
 
