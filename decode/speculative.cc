@@ -439,35 +439,50 @@ void PlainDecoder::start(Sequence& s, const GenerateSettings& settings) const {
   s.take_first_token(target_.prefill(s.cache, ids_tensor(s.request.prompt), {}).logits, settings.sampling);
 }
 
-void PlainDecoder::advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const {
+namespace {
+
+// Queues one plain step of `stepping` (ids: each sequence's token in flight, on the device, or
+// its last token) and chooses its tokens on the device (sampled: each row with a uniform from its
+// sequence's own generator, drawn on the host without waiting for the logits).
+std::shared_ptr<Decoder::TokensInFlight> queue_plain_step(const target::IncrementalTarget& target,
+                                                          const std::vector<Decoder::Sequence*>& stepping,
+                                                          const GenerateSettings& settings) {
   std::vector<target::DecodeCache*> caches;
   std::vector<at::Tensor> ids, logits;
-  for (Sequence* s : active) {
+  for (Decoder::Sequence* s : stepping) {
     caches.push_back(&s->cache);
     ids.push_back(s->flight ? s->flight->device_row(s->flight_row) : ids_tensor({s->g.tokens.back()}));
   }
-  const std::vector<target::DecodeOutput> out = target_.step_batch(caches, ids, {}, /*croppable=*/false);
-  for (const target::DecodeOutput& o : out) logits.push_back(o.logits);
-  // This step's tokens, chosen on the device (sampled: each row with a uniform from its sequence's
-  // own generator, drawn on the host without waiting for the logits), stay there as the next
-  // step's ids; the host takes the step before's. A sequence that finishes then leaves with this
-  // step's token untaken: one step of work lost per finished sequence, against the host's
-  // planning and launches between steps.
-  const Sampling& sampling = settings.sampling;
-  at::Tensor chosen;
-  if (sampling.greedy()) {
-    chosen = joined_rows(logits).argmax(-1);
-  } else {
-    std::vector<at::Generator*> gens;
-    for (Sequence* s : active) gens.push_back(&s->gen);
-    chosen = choose_rows(sampling_probs(joined_rows(logits), sampling), uniforms(gens));
+  for (const target::DecodeOutput& o : target.step_batch(caches, ids, {}, /*croppable=*/false)) {
+    logits.push_back(o.logits);
   }
-  auto step = std::make_shared<TokensInFlight>(chosen);
-  for (size_t j = 0; j < active.size(); ++j) {
-    Sequence& s = *active[j];
-    if (s.flight) s.take(s.flight->host_row(s.flight_row), settings.stop_token_ids);
-    s.flight = step;
-    s.flight_row = static_cast<int64_t>(j);
+  if (settings.sampling.greedy()) return std::make_shared<Decoder::TokensInFlight>(joined_rows(logits).argmax(-1));
+  std::vector<at::Generator*> gens;
+  for (Decoder::Sequence* s : stepping) gens.push_back(&s->gen);
+  return std::make_shared<Decoder::TokensInFlight>(
+      choose_rows(sampling_probs(joined_rows(logits), settings.sampling), uniforms(gens)));
+}
+
+}  // namespace
+
+// This step's tokens stay on the device as the next step's ids, and the host takes the step
+// before's once this one is queued. A sequence whose token in flight is its last by length is not
+// stepped again; one that a stop token ends leaves with this step's token untaken (one step of
+// work lost per such sequence, against the host's planning and launches between steps).
+void PlainDecoder::advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const {
+  std::vector<Sequence*> stepping;
+  for (Sequence* s : active) {
+    if (!(s->flight && s->start + 2 >= s->max_length)) stepping.push_back(s);
+  }
+  const std::shared_ptr<TokensInFlight> step =
+      stepping.empty() ? nullptr : queue_plain_step(target_, stepping, settings);
+  for (Sequence* s : active) {
+    if (s->flight) s->take(s->flight->host_row(s->flight_row), settings.stop_token_ids);
+    s->flight = nullptr;
+  }
+  for (size_t j = 0; j < stepping.size(); ++j) {
+    stepping[j]->flight = step;
+    stepping[j]->flight_row = static_cast<int64_t>(j);
   }
 }
 
