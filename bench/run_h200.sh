@@ -69,11 +69,14 @@ elif [ "$phase" = decode ]; then
   # Speculative decoding (issue 23): a verify step, a plain decode step, the drafter's block, and
   # plain against speculative decoding end to end, at 27B (and 35B-A3B) shapes, random weights
   # (DECODE_STATE_DTYPE=bfloat16: the GatedDeltaNet states bf16 between steps).
+  # First one step's GatedDeltaNet state update alone against a copy of its bytes (gdn_bench decode).
+  timeout 120 env DFLASHD_EXEC=gdn_bench "$B/bin/dflashd" bench/configs/qwen3_5-27b decode 2>&1 | tee "$out/gdn_decode.txt"
   for cfg in ${DECODE_CONFIGS:-qwen3_5-27b}; do
     timeout 400 env DFLASHD_EXEC=decode_bench "$B/bin/dflashd" "bench/configs/$cfg" ${DECODE_ARGS:-4 64 512} 2>&1 | tee "$out/decode_bench_$cfg.txt"
   done
   echo "==== decode summary"
-  grep -hE "step|drafter block|tok/s|64 prompts" "$out"/decode_bench_*.txt
+  grep -hE "^decode step" "$out/gdn_decode.txt"
+  grep -hE "step|drafter block|tok/s|64 prompts|choosing" "$out"/decode_bench_*.txt
 elif [ "$phase" = generate ]; then
   # Regenerating responses (issue 26): dflashd generate at 27B shapes (random weights) with 64 and
   # 128 sequences at once (GENERATE_DTYPE=float8: the target's projections FP8;
