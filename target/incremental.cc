@@ -417,11 +417,11 @@ at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Te
   return o.view({n, size, hv, v.size(3)}).transpose(0, 1);
 }
 
-// The first full-attention layer, or the first GatedDeltaNet layer (-1: none): its batches' layout
-// is that of every layer of its kind.
-int64_t first_layer(const std::vector<Layer>& layers, bool attention) {
+// The first GatedDeltaNet layer (-1: none): its batches' layout is that of every GatedDeltaNet
+// layer.
+int64_t first_gdn_layer(const std::vector<Layer>& layers) {
   for (size_t i = 0; i < layers.size(); ++i) {
-    if ((layers[i].kind == LayerKind::full_attention) == attention) return static_cast<int64_t>(i);
+    if (layers[i].kind != LayerKind::full_attention) return static_cast<int64_t>(i);
   }
   return -1;
 }
@@ -635,7 +635,7 @@ std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std:
                                     const std::vector<DecodeCache*>& caches, at::Device device, bool kernels,
                                     bool croppable) {
   std::vector<GdnStep> steps;
-  const int64_t first = first_layer(layers, /*attention=*/false);
+  const int64_t first = first_gdn_layer(layers);
   for (const RowGroup& group : groups) {
     if (first < 0) break;
     std::vector<const at::Tensor*> sources;
@@ -818,7 +818,7 @@ void IncrementalTarget::crop_batch(const std::vector<DecodeCache*>& caches, cons
     if (lengths[s] - last.begin < last.count) by_kept[lengths[s] - last.begin].push_back(s);
   }
   const std::vector<Layer>& layers = model_.impl_->layers;
-  const int64_t first_gdn = first_layer(layers, /*attention=*/false);
+  const int64_t first_gdn = first_gdn_layer(layers);
   for (const auto& [keep, members] : by_kept) {
     if (first_gdn < 0) break;  // full attention only: rows past `length` are ignored
     // Where the members' rows lie in their last steps' batches: the same in every layer.
