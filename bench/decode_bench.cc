@@ -168,7 +168,14 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   std::vector<const drafter::DrafterContextCache*> all_contexts;
   at::Tensor features;
   for (size_t j = 0; j < caches.size(); ++j) all.push_back(&caches[j]);
+  c10::cuda::device_synchronize();
+  const auto prefill_start = std::chrono::steady_clock::now();
   prefill_random(target, caches, prompt_tokens);
+  c10::cuda::device_synchronize();
+  const double prefills = std::chrono::duration<double>(std::chrono::steady_clock::now() - prefill_start).count();
+  std::printf("batch of %3lld: prefills of %lld prompts of %lld tokens (as generate batches them): %.1f ms (%.0f tok/s)\n",
+              static_cast<long long>(batch), static_cast<long long>(batch), static_cast<long long>(prompt_tokens),
+              1e3 * prefills, static_cast<double>(batch * prompt_tokens) / prefills);
   {  // one prompt's tapped features: every drafter context is this prompt's
     target::DecodeCache scratch = target.new_cache();
     features = target.prefill(scratch, random_ids(prompt_tokens), tap).features;
@@ -202,7 +209,7 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
       target.step_batch(all, one, {}, /*croppable=*/false);
       c10::cuda::device_synchronize();
       nvtxRangePop();
-    }, 20);
+    }, 45);
   }
   const double changing = changing_batch_ms(target, all, one);
   sampled_choice(target.step_batch(all, one, {}, /*croppable=*/false), batch);

@@ -8,8 +8,9 @@
 // layers 0..61 for each.
 // `explore-fp8` / `explore-bf16` instead time the product through every configuration cuBLASLt
 // lists (tiles, stages, cluster shapes, custom options; FP8 also with fast accumulation) against
-// the heuristic's first.
-// Usage: gemm_bench [explore-fp8 | explore-bf16] [ROWS...]   (default: 3072 128)
+// the heuristic's first; `explore-split-k` the bf16 product through the heuristic's first 8
+// algorithms at every split-k and reduction scheme, the weights read from memory (4 copies).
+// Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k] [ROWS...]   (default: 3072 128)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/InferenceMode.h>
@@ -19,6 +20,7 @@
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -130,6 +132,12 @@ class LtProduct {
     std::vector<cublasLtMatmulAlgo_t> out;
     expand(algo, out);
     return out;
+  }
+  // Whether cuBLASLt's check accepts a configuration for this product within the workspace.
+  bool accepts(const cublasLtMatmulAlgo_t& algo) const {
+    cublasLtMatmulHeuristicResult_t result{};
+    return cublasLtMatmulAlgoCheck(handle_, op_, a_, b_, d_, d_, &algo, &result) == CUBLAS_STATUS_SUCCESS &&
+           result.workspaceSize <= static_cast<size_t>(workspace_.numel());
   }
   void run(const cublasLtMatmulAlgo_t& algo) {
     const float alpha = 1.f, beta = 0.f;
@@ -307,6 +315,60 @@ std::pair<double, double> explore(cublasLtHandle_t handle, const Shape& s, int64
   return {heuristic, fastest};
 }
 
+// bf16 at `m` rows with split-k (which `explore` leaves at 1): the heuristic's first 8 algorithms,
+// each at split-k 1 .. 16 with every reduction scheme cuBLASLt's check accepts, the weights rotated
+// over 4 copies (as a step reads them: from memory, not L2). Returns {heuristic ms, fastest ms}.
+std::pair<double, double> explore_split_k(cublasLtHandle_t handle, const Shape& s, int64_t m) {
+  const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
+  const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
+  std::vector<at::Tensor> weights;
+  std::vector<std::unique_ptr<LtProduct>> products;
+  at::Tensor out = at::empty({m, s.n}, gpu.dtype(at::kBFloat16));
+  for (int i = 0; i < 4; ++i) {
+    weights.push_back((at::randn({s.n, s.k}, gpu) * 0.02).to(at::kBFloat16));
+    products.push_back(std::make_unique<LtProduct>(handle, x, weights.back(), out));
+  }
+  const at::Tensor reference = at::matmul(x, weights[0].t());
+  auto rotated_ms = [&](const cublasLtMatmulAlgo_t& algo) {
+    int i = 0;
+    return bench::median_ms(12, [&] { products[static_cast<size_t>(i++ % 4)]->run(algo); });
+  };
+  const auto algorithms = products[0]->algorithms(8);
+  if (algorithms.empty()) return {0, 0};
+  const double heuristic = rotated_ms(algorithms[0].algo);
+  double fastest = 1e30;
+  std::string best;
+  size_t tried = 0;
+  const uint32_t schemes[] = {CUBLASLT_REDUCTION_SCHEME_NONE, CUBLASLT_REDUCTION_SCHEME_INPLACE,
+                              CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE, CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE};
+  for (const auto& result : algorithms) {
+    for (const int32_t split : {1, 2, 3, 4, 5, 6, 8, 12, 16}) {
+      for (const uint32_t scheme : schemes) {
+        cublasLtMatmulAlgo_t algo = result.algo;
+        cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split, sizeof(split));
+        cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof(scheme));
+        if (!products[0]->accepts(algo)) continue;
+        try {
+          products[0]->run(algo);
+          ++tried;
+          if (relative_error(out, reference) > 1e-2) continue;
+          const double ms = rotated_ms(algo);
+          if (ms < fastest) fastest = ms, best = describe(algo) + " reduction " + std::to_string(scheme);
+        } catch (const std::exception&) {
+          continue;
+        }
+      }
+    }
+  }
+  const double bytes = 2.0 * static_cast<double>(s.n) * static_cast<double>(s.k);
+  std::printf("%-12s m %5lld n %5lld k %5lld | bf16, weights from memory: heuristic %.4f ms (%.2f TB/s: %s) | fastest of "
+              "%zu split-k variants %.4f (%.2f TB/s: %s)\n",
+              s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), heuristic,
+              bytes / heuristic / 1e9, describe(algorithms[0].algo).c_str(), tried, fastest, bytes / fastest / 1e9,
+              best.c_str());
+  return {heuristic, fastest};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -317,8 +379,8 @@ int main(int argc, char** argv) {
   c10::InferenceMode inference;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines out as they come, should a shape abort
   const std::string mode = argc > 1 && !std::isdigit(argv[1][0]) ? argv[1] : "";
-  if (!mode.empty() && mode != "explore-fp8" && mode != "explore-bf16") {
-    std::fprintf(stderr, "gemm_bench: unknown mode %s (explore-fp8 or explore-bf16)\n", mode.c_str());
+  if (!mode.empty() && mode != "explore-fp8" && mode != "explore-bf16" && mode != "explore-split-k") {
+    std::fprintf(stderr, "gemm_bench: unknown mode %s (explore-fp8, explore-bf16 or explore-split-k)\n", mode.c_str());
     return 1;
   }
   std::vector<int64_t> rows;
@@ -327,6 +389,16 @@ int main(int argc, char** argv) {
   cublasLtHandle_t handle = nullptr;
   check(cublasLtCreate(&handle), "handle");
   for (const int64_t m : rows) {
+    if (mode == "explore-split-k") {
+      double heuristic = 0, fastest = 0;
+      for (const Shape& s : kShapes) {
+        const auto [h, f] = explore_split_k(handle, s, m);
+        heuristic += h * s.per_forward, fastest += f * s.per_forward;
+      }
+      std::printf("| %lld rows, bf16 GEMMs of a forward over layers 0..61, weights from memory | heuristic %.1f ms | "
+                  "fastest split-k variant %.1f |\n", static_cast<long long>(m), heuristic, fastest);
+      continue;
+    }
     if (!mode.empty()) {
       double heuristic = 0, fastest = 0;
       for (const Shape& s : kShapes) {

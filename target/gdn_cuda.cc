@@ -283,6 +283,26 @@ at::Tensor bind_output(const at::Tensor& z, const at::Tensor& norm_weight_in, at
   return out;
 }
 
+// The states a prefill's sequences start from and end with (GdnCarriedStates).
+void bind_carried_states(GdnCarriedStates* carried, int64_t sequences, int64_t value_heads, at::Device device,
+                         GdnLaunch* l) {
+  constexpr int64_t D = kernels::kGdnHeadDim;
+  kernels::GdnForward& a = l->args;
+  const std::vector<int64_t> shape{sequences, value_heads, D, D};
+  if (carried->before.defined()) {
+    const at::ScalarType dtype = carried->before.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+    const at::Tensor& before = l->hold(carried->before.to(dtype).contiguous());
+    expect(before.sizes() == at::IntArrayRef(shape) && before.device() == device,
+           "the carried states must be [sequences, value_heads, 128, 128] on the input's device");
+    a.state_before = before.data_ptr();
+    carried->dtype = dtype;
+  }
+  expect(carried->dtype == at::kFloat || carried->dtype == at::kBFloat16, "the carried states are fp32 or bf16");
+  carried->after = at::empty(shape, at::TensorOptions().dtype(carried->dtype).device(device));
+  a.state_after = carried->after.data_ptr();
+  a.carried_bf16 = carried->dtype == at::kBFloat16;
+}
+
 // Queues the kernels; with `stage_ms`, times the three stages (prepare, state, output) by events.
 void launch(GdnLaunch& l, float* stage_ms) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
@@ -303,7 +323,8 @@ void launch(GdnLaunch& l, float* stage_ms) {
 
 at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, int64_t value_heads, const GdnGates& gates,
                                  const GdnChunkPlan& plan, const at::Tensor& z, const at::Tensor& norm_weight_in,
-                                 double eps, int state_columns, float* stage_ms, at::ScalarType o_dtype) {
+                                 double eps, int state_columns, float* stage_ms, at::ScalarType o_dtype,
+                                 GdnCarriedStates* carried) {
   constexpr int64_t D = kernels::kGdnHeadDim;
   expect(mixed_in.is_cuda() && mixed_in.scalar_type() == at::kBFloat16 && mixed_in.dim() == 2 &&
              mixed_in.size(1) == (2 * key_heads + value_heads) * D,
@@ -323,6 +344,7 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
   bind_gates(gates, tokens, value_heads, &l);
   bind_workspace(mixed.options(), value_heads, plan, state_columns, &l);
   const at::Tensor out = bind_output(z, norm_weight_in, o_dtype, mixed.options(), tokens, value_heads, &l);
+  if (carried != nullptr) bind_carried_states(carried, plan.num_seqs, value_heads, mixed.device(), &l);
   launch(l, stage_ms);
   return out;
 }
@@ -357,8 +379,9 @@ ConvStepResult conv_step_cuda(const at::Tensor&, const at::Tensor&, const at::Te
 at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   throw std::logic_error("conv1d_silu_l2norm_cuda: this build has no CUDA kernels");
 }
-at::Tensor gated_delta_rule_cuda(const at::Tensor&, int64_t, int64_t, const GdnGates&,
-                                 const GdnChunkPlan&, const at::Tensor&, const at::Tensor&, double, int, float*, at::ScalarType) {
+at::Tensor gated_delta_rule_cuda(const at::Tensor&, int64_t, int64_t, const GdnGates&, const GdnChunkPlan&,
+                                 const at::Tensor&, const at::Tensor&, double, int, float*, at::ScalarType,
+                                 GdnCarriedStates*) {
   throw std::logic_error("gated_delta_rule_cuda: this build has no CUDA kernels");
 }
 GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,

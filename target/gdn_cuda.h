@@ -66,10 +66,18 @@ struct GdnGates {
 // silu(z) as bf16 [tokens, value_heads * 128] (z: bf16 [tokens, value_heads, 128], any row
 // stride); without, o itself as [tokens, value_heads, 128] in o_dtype: fp32, or bf16 (what FLA's
 // chunk_gated_delta_rule returns: the same values rounded).
+// With `carried` (decoding's prefills), the plan's sequences start from carried->before (fp32 or
+// bf16 [sequences, value_heads, 128 key dims, 128 value dims], their order in the plan; zero states
+// when undefined) and their states after the tokens are returned in carried->after (a new tensor,
+// fp32 unless `before` is bf16, which is widened on load and rounded once on store).
+struct GdnCarriedStates {
+  at::Tensor before, after;
+  at::ScalarType dtype = at::kFloat;  // of `after` when `before` is undefined
+};
 at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed, int64_t key_heads, int64_t value_heads, const GdnGates& gates,
                                  const GdnChunkPlan& plan, const at::Tensor& z = {}, const at::Tensor& norm_weight = {},
                                  double eps = 1e-6, int state_columns = 64, float* stage_ms = nullptr,
-                                 at::ScalarType o_dtype = at::kFloat);
+                                 at::ScalarType o_dtype = at::kFloat, GdnCarriedStates* carried = nullptr);
 // stage_ms (profiling; synchronises): when given, receives the milliseconds of the three
 // kernels (prepare, state, output) of this call.
 

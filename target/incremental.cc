@@ -10,6 +10,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -395,10 +396,10 @@ at::Tensor run_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 
 // The rule for a group of sequences from `states` [G, Hv, dk, dv] (replaced by the states after
 // the tokens): q, k [G, n, Hk, dk], v [G, n, Hv, dv], g, beta [G, n, Hv]. Returns o [G, n, Hv, dv].
-// `kernel` (the model's GatedDeltaNet layers run the CUDA kernels): every step, crop and prefill
-// runs the decode-step kernel (same math, the state read and written once, each CTA walking its
-// sequence's tokens in order; the chunked rule as libtorch ops made a 512-token prefill 3x slower
-// per token than the training forward); otherwise token by token or chunked (recurrent_step_tokens).
+// `kernel` (the model's GatedDeltaNet layers run the CUDA kernels): every step and crop runs the
+// decode-step kernel (same math, the state read and written once, each CTA walking its
+// sequence's tokens in order; prefills take the chunked kernels before this, GdnStep::chunks);
+// otherwise token by token or chunked (recurrent_step_tokens).
 at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                           const at::Tensor& beta, at::Tensor* states, int64_t recurrent_step_tokens, bool kernel) {
   const int64_t size = q.size(0), n = q.size(1), hv = v.size(2);
@@ -439,11 +440,16 @@ constexpr int64_t kConvStepTokens = 16;
 //   (int64 [G * (K - 1 + n)] on the device, 0 .. K - 2 + n per member: the kernel then convolves
 //   each step token over the K - 1 inputs before it, in one launch instead of the reference's
 //   seven fp32 ops).
-// Neither on the reference path.
+// Neither on the reference path. A longer step that keeps nothing for a crop (a prefill) runs the
+// rule as the training forward does, chunked (`chunks`: each member's n rows one sequence of the
+// plan; GdnCarriedStates starts them from their states and returns the states after), where the
+// decode-step kernel walks each sequence's tokens in order (a 512-token prompt: 512 dependent
+// steps per CTA).
 struct GdnStep {
   RowGather rows;
   bool one_pass = false;
   at::Tensor window_positions;
+  std::optional<GdnChunkPlan> chunks;
   // When the decode-step kernel reads the states where they lie (a one-pass step whose members
   // are not their batch's rows in order: gathering them first moved every state, 9 GB at 128
   // sequences with bf16 states): int64 [layers, G] on the device, member j's state in layer i at
@@ -473,11 +479,14 @@ at::Tensor state_addresses(const std::vector<Layer>& layers, const RowGroup& gro
 
 // The causal depthwise conv + SiLU of a group's step tokens over their window ([G, K - 1 + n, C],
 // the K - 1 inputs before the step, then the step's): [G, n, C] in `dtype`.
-at::Tensor conv_window(const GdnStep& step, const at::Tensor& window, const at::Tensor& weight, at::ScalarType dtype) {
+// `qk_channels`: the leading channels (q and k) the kernel also L2-normalises per 128-channel head
+// (for the chunked rule; the decode-step kernel normalises them itself).
+at::Tensor conv_window(const GdnStep& step, const at::Tensor& window, const at::Tensor& weight, at::ScalarType dtype,
+                       int64_t qk_channels = 0) {
   if (!step.window_positions.defined()) return conv_over_window(window, weight, dtype);
   const int64_t size = window.size(0), rows = window.size(1), n = rows - (weight.size(1) - 1);
   const at::Tensor all = conv1d_silu_l2norm_cuda(window.view({size * rows, window.size(2)}), weight,
-                                                 step.window_positions, /*qk_channels=*/0);
+                                                 step.window_positions, qk_channels);
   return all.view(window.sizes()).narrow(1, rows - n, n);
 }
 
@@ -506,7 +515,7 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
     tails = std::move(r.tails);
   } else {
     window = at::cat({rows.gather(convs), group_rows(group, proj.mixed).view({size, n, proj.mixed.size(1)})}, 1);
-    convolved = conv_window(step, window, p.conv, proj.mixed.scalar_type());
+    convolved = conv_window(step, window, p.conv, proj.mixed.scalar_type(), step.chunks ? 2 * hk * dk : 0);
     // The members' last K - 1 conv inputs, compact, in one copy (a view would keep the whole
     // step's window alive: 10 MB per layer and sequence after a 512-token prefill at 27B shapes).
     // clone, not contiguous(): with one member the narrowed window counts as contiguous.
@@ -518,7 +527,14 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   const at::Tensor g = group_rows(group, gates.g).view({size, n, hv});
   const at::Tensor beta = group_rows(group, gates.beta).view({size, n, hv});
   at::Tensor before, after, o;
-  if (step.state_addresses.defined()) {  // the kernel reads each state where it lies (no `before`: not croppable)
+  if (step.chunks) {  // a prefill: the chunked kernels from the members' states (not croppable)
+    GdnCarriedStates carried;
+    carried.before = rows.gather(states);
+    o = gated_delta_rule_cuda(convolved.reshape({size * n, proj.mixed.size(1)}), hk, hv,
+                              GdnGates::precomputed(g.reshape({size * n, hv}), beta.reshape({size * n, hv})),
+                              *step.chunks, {}, {}, c.rms_norm_eps, 64, nullptr, at::kFloat, &carried);
+    after = std::move(carried.after);
+  } else if (step.state_addresses.defined()) {  // the kernel reads each state where it lies (no `before`: not croppable)
     const at::Tensor addresses = step.state_addresses[static_cast<int64_t>(layer)];
     GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, addresses, states[0]->scalar_type());
     after = std::move(r.state);
@@ -650,6 +666,11 @@ std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std:
       const int64_t window = layers[static_cast<size_t>(first)].gdn.conv.size(1) - 1 + group.count;
       step.window_positions = at::arange(window, at::TensorOptions().dtype(at::kLong).device(device))
                                   .repeat({static_cast<int64_t>(group.members.size())});
+    }
+    if (kernels && !step.one_pass && !croppable) {
+      std::vector<int64_t> cu_seqlens{0};
+      for (size_t j = 0; j < group.members.size(); ++j) cu_seqlens.push_back(cu_seqlens.back() + group.count);
+      step.chunks = make_gdn_chunk_plan(cu_seqlens, device);
     }
     steps.push_back(std::move(step));
   }

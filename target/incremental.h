@@ -20,8 +20,9 @@
 // Math as TargetModel::forward (same weights, same roundings of each layer's pieces); the
 // GatedDeltaNet rule runs as libtorch ops (token by token for one-token steps, chunked for
 // verify steps and prefills), on any device; where the model's GatedDeltaNet layers run the CUDA
-// kernels, every step, crop and prefill runs the decode-step kernel (the state read and written
-// once), the conv the conv kernel, and on a GPU in bf16 the attention FlashAttention's
+// kernels, every step and crop runs the decode-step kernel (the state read and written once),
+// prefills the training forward's chunked kernels from and to the cached states, the conv the
+// conv kernel, and on a GPU in bf16 the attention FlashAttention's
 // variable-length kernel over the cache rows (no mask). Thread-safety: const methods; a cache belongs to one thread, and caches that
 // stepped together share tensors that no step modifies in place except the attention batch
 // their group shares (its new keys and values).

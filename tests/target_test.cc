@@ -389,6 +389,51 @@ TEST(GatedDeltaNetKernels, MmaSyncStatePassMatchesTheReference) {
   EXPECT_LE(((fast - sync).norm() / sync.norm()).item<double>(), 1e-2);
 }
 
+// Decoding's prefills through the chunked kernels (GdnCarriedStates): sequences of several
+// lengths (a partial chunk, one token, whole chunks) start from given states and return their
+// states after the tokens, on both state passes (wgmma, mma.sync), as the token-by-token rule in
+// fp32 gives them within the kernels' bf16 products; bf16 states as the fp32 ones rounded; no
+// `before` is zero states.
+TEST(GatedDeltaNetKernels, CarriedStatesMatchTheRecurrentRule) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(17);
+  const int64_t hk = 2, hv = 6, d = 128;
+  const GdnInputs in = random_gdn_inputs({200, 64, 1, 130}, hk, hv, 0.5, at::kCUDA);
+  const std::vector<int64_t>& cu = in.cu_seqlens;
+  const int64_t sequences = static_cast<int64_t>(cu.size()) - 1;
+  const GdnChunkPlan plan = make_gdn_chunk_plan(cu, at::kCUDA);
+  const GdnGates gates = GdnGates::precomputed(in.g, in.beta);
+  const at::Tensor before = 0.1 * at::randn({sequences, hv, d, d}, at::TensorOptions().device(at::kCUDA));
+  auto run = [&](const at::Tensor& initial, at::ScalarType dtype, GdnCarriedStates* carried) {
+    carried->before = initial;
+    carried->dtype = dtype;
+    return gated_delta_rule_cuda(in.mixed, hk, hv, gates, plan, {}, {}, 1e-6, 64, nullptr, at::kFloat, carried);
+  };
+  for (const bool mma_sync : {false, true}) {
+    SCOPED_TRACE(mma_sync ? "mma.sync state pass" : "default state pass");
+    force_mma_sync(MmaKernels::gated_delta_net, mma_sync);
+    GdnCarriedStates fp32, bf16, zero, none;
+    const at::Tensor o = run(before, at::kFloat, &fp32);
+    run(before.to(at::kBFloat16), at::kBFloat16, &bf16);
+    const at::Tensor o_zero = run(at::zeros_like(before), at::kFloat, &zero);
+    const at::Tensor o_none = run({}, at::kFloat, &none);
+    force_mma_sync(MmaKernels::gated_delta_net, false);
+    ASSERT_EQ(fp32.after.sizes(), before.sizes());
+    ASSERT_EQ(bf16.after.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(o_zero, o_none));
+    EXPECT_TRUE(at::equal(zero.after, none.after));
+    for (int64_t s = 0; s < sequences; ++s) {
+      const int64_t begin = cu[static_cast<size_t>(s)], n = cu[static_cast<size_t>(s) + 1] - begin;
+      const GdnSteps ref = recurrent_gated_delta_rule_steps(in.q.narrow(0, begin, n), in.k.narrow(0, begin, n),
+                                                            in.v.narrow(0, begin, n), in.g.narrow(0, begin, n),
+                                                            in.beta.narrow(0, begin, n), before[s]);
+      EXPECT_LE(relative_l2_error(o.narrow(0, begin, n), ref.o), 1e-2) << "sequence " << s;
+      EXPECT_LE(relative_l2_error(fp32.after[s], ref.states[n - 1]), 1e-2) << "sequence " << s;
+      EXPECT_LE(relative_l2_error(bf16.after[s].to(at::kFloat), ref.states[n - 1]), 1e-2) << "sequence " << s;
+    }
+  }
+}
+
 // o in bf16 (FLA's output format) is o in fp32 rounded, from the same accumulators: the fused
 // kernel stages it through shared memory as whole rows, the mma.sync output kernel stores pairs.
 TEST(GatedDeltaNetKernels, Bf16OutputIsTheFp32OutputRounded) {

@@ -11,6 +11,7 @@
 #include "common/bf16x8.cuh"
 #include "common/cuda_check.h"
 #include "target/kernels/fp8_group.cuh"
+#include "target/kernels/gdn_gates.cuh"
 
 namespace dflash::target::kernels {
 namespace {
@@ -241,10 +242,8 @@ __global__ void gdn_gates_kernel(const bf16* __restrict__ a, int64_t a_stride, c
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t token = i / heads;
     const int head = static_cast<int>(i % heads);
-    const float x = __bfloat162float(a[token * a_stride + head]) + dt_bias[head];
-    const float softplus = x > 20.f ? x : log1pf(expf(x));
-    g[i] = -expf(a_log[head]) * softplus;
-    beta[i] = 1.f / (1.f + expf(-__bfloat162float(b[token * b_stride + head])));
+    g[i] = gdn_decay_gate(__bfloat162float(a[token * a_stride + head]), a_log[head], dt_bias[head]);
+    beta[i] = gdn_beta_gate(__bfloat162float(b[token * b_stride + head]));
   }
 }
 

@@ -121,6 +121,13 @@ struct GdnForward {
   int64_t z_stride = 0;
   const void* norm_weight = nullptr;
   float eps = 1e-6f;
+  // Optional (decoding's prefills): sequence s's state before its tokens, state_before [num_seqs,
+  // value_heads, 128 key dims, 128 value dims] (zero when null), and its state after them, written
+  // to state_after (the same layout; distinct buffers); fp32, or bf16 with carried_bf16 (widened on
+  // load, rounded once on store).
+  const void* state_before = nullptr;
+  void* state_after = nullptr;
+  bool carried_bf16 = false;
   // Value columns per CTA of the state pass (32, 64 or 128; 16 per pair of warps): smaller gives
   // more CTAs, larger reads W and K fewer times.
   int state_columns = 64;

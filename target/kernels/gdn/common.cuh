@@ -13,6 +13,7 @@
 #include "common/mma_tile.cuh"
 #include "common/wgmma.cuh"
 #include "target/kernels/gated_delta_net.h"
+#include "target/kernels/gdn_gates.cuh"
 
 namespace dflash::target::kernels::gdn {
 
@@ -23,6 +24,49 @@ using bf16x8::weighted_norm;
 constexpr int C = kGdnChunk;    // 64 tokens per chunk
 constexpr int D = kGdnHeadDim;  // 128
 constexpr int LDA = C + 8;      // fp32 row stride of 64x64 matrices (float2 fragment accesses conflict-free)
+
+// ---- the state a sequence starts from and ends with (GdnForward::state_before / state_after) ----
+// A warp's S^T accumulator fragments st[n][c]: value column col0 + g (+ 8 for c >= 2), key dim
+// k0 + 8 n + 2 t4 (+ 1 for odd c), of sequence `seq`'s state [value_heads, 128 key, 128 value] in
+// the layout decoding keeps (element (i, j) at i * 128 + j). Loaded once before the chain and
+// stored once after it: a few KB per warp, not worth coalescing.
+template <int N>
+__device__ __forceinline__ int64_t carried_offset(int seq, int head, int value_heads, int col0, int k0, int n, int c) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int key = k0 + 8 * n + 2 * t4 + (c & 1), column = col0 + g + (c >= 2 ? 8 : 0);
+  return ((static_cast<int64_t>(seq) * value_heads + head) * D + key) * D + column;
+}
+template <int N>
+__device__ __forceinline__ void load_carried_state(float (&st)[N][4], const GdnForward& a, int seq, int head, int col0,
+                                                   int k0) {
+  if (a.state_before == nullptr) return;
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int64_t at = carried_offset<N>(seq, head, a.value_heads, col0, k0, n, c);
+      st[n][c] = a.carried_bf16 ? __bfloat162float(static_cast<const bf16*>(a.state_before)[at])
+                                : static_cast<const float*>(a.state_before)[at];
+    }
+  }
+}
+template <int N>
+__device__ __forceinline__ void store_carried_state(const float (&st)[N][4], const GdnForward& a, int seq, int head,
+                                                    int col0, int k0) {
+  if (a.state_after == nullptr) return;
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int64_t at = carried_offset<N>(seq, head, a.value_heads, col0, k0, n, c);
+      if (a.carried_bf16) {
+        static_cast<bf16*>(a.state_after)[at] = __float2bfloat16_rn(st[n][c]);
+      } else {
+        static_cast<float*>(a.state_after)[at] = st[n][c];
+      }
+    }
+  }
+}
 
 // ---- the state chain's per-chunk math, shared by the mma.sync and the wgmma state passes ----
 // vt = U^T - vt for the warp's 16 value columns [col0, col0 + 16) x the chunk's 64 tokens

@@ -117,9 +117,9 @@ __device__ __forceinline__ void gates_at(const GdnForward& a, int head, int star
   if (t >= length) return;
   const int64_t token = start + t;
   if (a.gate_a != nullptr) {
-    const float x = __bfloat162float(static_cast<const bf16*>(a.gate_a)[token * a.a_stride + head]) + a.dt_bias[head];
-    g = -expf(a.a_log[head]) * (x > 20.0f ? x : log1pf(expf(x)));  // softplus with torch's threshold
-    beta = 1.0f / (1.0f + expf(-__bfloat162float(static_cast<const bf16*>(a.gate_b)[token * a.b_stride + head])));
+    g = gdn_decay_gate(__bfloat162float(static_cast<const bf16*>(a.gate_a)[token * a.a_stride + head]),
+                       a.a_log[head], a.dt_bias[head]);
+    beta = gdn_beta_gate(__bfloat162float(static_cast<const bf16*>(a.gate_b)[token * a.b_stride + head]));
   } else {
     g = a.g[token * a.value_heads + head];
     beta = a.beta[token * a.value_heads + head];
