@@ -45,8 +45,10 @@ at::Tensor choose_rows(const at::Tensor& probs_in, const std::vector<double>& u)
   const at::Tensor probs = probs_in.to(at::kFloat);
   const int64_t rows = probs.size(0), vocab = probs.size(1);
   if (static_cast<int64_t>(u.size()) != rows) throw std::invalid_argument("choose_rows: one uniform per row");
+  const at::Tensor u_device = values_on(u, at::kDouble, probs.device());
+  if (at::Tensor chosen = target::choose_by_uniform(probs.contiguous(), u_device); chosen.defined()) return chosen;
   const at::Tensor cdf = probs.cumsum(-1);
-  const at::Tensor u_rows = values_on(u, at::kDouble, probs.device()).to(at::kFloat).unsqueeze(1);
+  const at::Tensor u_rows = u_device.to(at::kFloat).unsqueeze(1);
   const at::Tensor bound = u_rows * cdf.narrow(1, vocab - 1, 1);
   const at::Tensor index = at::searchsorted(cdf, bound, /*out_int32=*/false, /*right=*/true).clamp_max(vocab - 1);
   return at::where(probs.gather(1, index) > 0, index, probs.argmax(-1, /*keepdim=*/true)).reshape({rows});

@@ -32,9 +32,10 @@ at::Tensor draw(const at::Tensor& probs, at::Generator& gen);
 std::vector<double> uniforms(const std::vector<at::Generator*>& gens);
 
 // One token per row of probs [rows, vocab], on the probs' device (int64 [rows], nothing read on
-// the host): the first token whose cumulative probability exceeds u[r] times the row's total (a
-// cumulative sum and a binary search per row). A search that lands on a zero-probability token
-// (the fp32 sum's rounding, about one draw in 10^7) takes the row's most likely token instead.
+// the host): the first token whose cumulative probability exceeds u[r] times the row's total. On
+// a GPU one kernel (target::choose_by_uniform: never a zero-probability token); elsewhere a
+// cumulative sum and a binary search per row, where a search that lands on a zero-probability
+// token (the fp32 sum's rounding, about one draw in 10^7) takes the row's most likely token.
 at::Tensor choose_rows(const at::Tensor& probs, const std::vector<double>& u);
 
 // choose_rows with row r's uniform from its own generator gens[r] (so a row's draws do not

@@ -233,4 +233,20 @@ at::Tensor top_p_keep(const at::Tensor& probs, double top_p) {
   return at::zeros_like(probs).scatter(-1, order, kept);
 }
 
+at::Tensor choose_by_uniform(const at::Tensor& probs, const at::Tensor& u) {
+#ifdef DFLASHD_WITH_CUDA
+  if (probs.is_cuda() && probs.scalar_type() == at::kFloat && probs.dim() == 2 && probs.is_contiguous() &&
+      u.device() == probs.device() && u.scalar_type() == at::kDouble && u.numel() == probs.size(0) &&
+      u.is_contiguous()) {
+    at::Tensor chosen = at::empty({probs.size(0)}, probs.options().dtype(at::kLong));
+    kernels::choose_by_uniform(probs.data_ptr<float>(), static_cast<int>(probs.size(0)), probs.size(1),
+                               u.data_ptr<double>(), chosen.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream().stream());
+    return chosen;
+  }
+#else
+  (void)probs, (void)u;
+#endif
+  return {};
+}
+
 }  // namespace dflash::target

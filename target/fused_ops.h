@@ -68,4 +68,10 @@ std::pair<at::Tensor, at::Tensor> gdn_gates(const at::Tensor& a, const at::Tenso
 // masses in different orders, so a boundary within float rounding of top_p may fall either way.
 at::Tensor top_p_keep(const at::Tensor& probs, double top_p);
 
+// One token per row of probs [rows, n] (fp32, contiguous, on a GPU): the first whose cumulative
+// probability exceeds u[r] (fp64 [rows] on the same device, in [0, 1)) times the row's total, never
+// one of zero probability (kernels::choose_by_uniform, one kernel); int64 [rows]. Undefined where
+// the kernel does not apply (not a GPU, not fp32 rows): the caller forms it otherwise.
+at::Tensor choose_by_uniform(const at::Tensor& probs, const at::Tensor& u);
+
 }  // namespace dflash::target

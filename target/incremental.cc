@@ -660,7 +660,7 @@ std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std:
       sources.push_back(&caches[member]->state[first]);
       slots.push_back(caches[member]->slot);
     }
-    GdnStep step{RowGather(sources, slots, device), kernels && !croppable && group.count <= kConvStepTokens, {}, {}};
+    GdnStep step{RowGather(sources, slots, device), kernels && !croppable && group.count <= kConvStepTokens, {}, {}, {}};
     if (step.one_pass && !step.rows.whole()) step.state_addresses = state_addresses(layers, group, caches, device);
     if (kernels && !step.one_pass) {
       const int64_t window = layers[static_cast<size_t>(first)].gdn.conv.size(1) - 1 + group.count;

@@ -505,7 +505,7 @@ TEST(FusedOps, TopPKeepsTheMostLikelyEntriesUntilTheMassIsReached) {
 TEST(FusedOps, GpuTopPKeepMatchesTheSortedReference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(5);
-  for (const int64_t vocab : {248320, 1000}) {
+  for (const int64_t vocab : {248320, 1000, 1001}) {  // 1001: rows not read as float4
     std::vector<at::Tensor> rows;
     for (const double scale : {0.5, 3.0, 10.0}) rows.push_back(at::softmax(at::randn({2, vocab}) * scale, -1));
     const at::Tensor tied = at::randint(0, 5, {2, vocab}).to(at::kFloat);  // many equal probabilities
@@ -523,6 +523,42 @@ TEST(FusedOps, GpuTopPKeepMatchesTheSortedReference) {
       const int64_t far = (differ & ((before - top_p).abs() > 1e-5)).sum().item<int64_t>();
       EXPECT_EQ(far, 0) << differ.sum().item<int64_t>() << " entries decided otherwise";
       EXPECT_GT(kept.sum().item<int64_t>(), 0);
+    }
+  }
+}
+
+// A token per row chosen by a uniform on the GPU (choose_by_uniform, one kernel) against the
+// cumulative sum in fp64: the same token but where u times the total lies within float rounding
+// of a cumulative sum; never a zero-probability token (rows cut by top-p, u near 0 and near 1);
+// the same tokens when called again.
+TEST(FusedOps, GpuChooseByUniformMatchesTheCumulativeSum) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(9);
+  for (const int64_t vocab : {248320, 1000, 1001}) {
+    SCOPED_TRACE("vocabulary " + std::to_string(vocab));
+    std::vector<at::Tensor> rows;
+    for (const double scale : {0.5, 3.0, 10.0}) rows.push_back(at::softmax(at::randn({3, vocab}) * scale, -1));
+    rows.push_back(top_p_keep(at::softmax(at::randn({3, vocab}) * 3.0, -1), 0.9));  // mostly zeros
+    const at::Tensor probs = at::cat(rows).contiguous();
+    const int64_t n = probs.size(0);
+    at::Tensor u = at::rand({n}, at::TensorOptions().dtype(at::kDouble));
+    u[0] = 0.0, u[1] = 1.0 - 1e-12, u[n - 1] = 1.0 - 1e-7;
+    const at::Tensor ours = choose_by_uniform(probs.cuda(), u.cuda()).cpu();
+    ASSERT_TRUE(ours.defined());
+    EXPECT_TRUE(at::equal(ours, choose_by_uniform(probs.cuda(), u.cuda()).cpu()));
+    const at::Tensor cdf = probs.to(at::kDouble).cumsum(-1);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t index = ours[r].item<int64_t>();
+      ASSERT_GE(index, 0);
+      ASSERT_LT(index, vocab);
+      EXPECT_GT(probs[r][index].item<float>(), 0.f) << "row " << r;
+      const double target = u[r].item<double>() * cdf[r][vocab - 1].item<double>();
+      const int64_t reference = std::min<int64_t>((cdf[r] <= target).sum().item<int64_t>(), vocab - 1);
+      if (index == reference) continue;
+      // Otherwise the two sit on either side of a boundary within float rounding of the target.
+      const double before = index > 0 ? cdf[r][index - 1].item<double>() : 0.0;
+      const double at_index = cdf[r][index].item<double>();
+      EXPECT_LE(std::min(std::abs(before - target), std::abs(at_index - target)), 1e-5) << "row " << r;
     }
   }
 }
