@@ -152,6 +152,21 @@ void prefill_random(const target::IncrementalTarget& target, std::vector<target:
   }
 }
 
+// prefill_random over every cache, timed: the batch's prefills as `dflashd generate` runs them.
+void timed_prefills(const target::IncrementalTarget& target, std::vector<target::DecodeCache>& caches,
+                    int64_t prompt_tokens) {
+  c10::cuda::device_synchronize();
+  const auto start = std::chrono::steady_clock::now();
+  prefill_random(target, caches, prompt_tokens);
+  c10::cuda::device_synchronize();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto batch = static_cast<long long>(caches.size());
+  std::printf("batch of %3lld: prefills of %lld prompts of %lld tokens (as generate batches them): %.1f ms "
+              "(%.0f tok/s)\n",
+              batch, batch, static_cast<long long>(prompt_tokens), 1e3 * seconds,
+              static_cast<double>(batch * prompt_tokens) / seconds);
+}
+
 // Batched rounds of `batch` sequences whose caches hold `prompt_tokens` tokens: a plain step (1
 // token each), a verify step (a block each) with the crops after it, and the drafter's batched
 // block and context extension; then what 64 x 256 new tokens cost at acceptance length L.
@@ -168,14 +183,7 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   std::vector<const drafter::DrafterContextCache*> all_contexts;
   at::Tensor features;
   for (size_t j = 0; j < caches.size(); ++j) all.push_back(&caches[j]);
-  c10::cuda::device_synchronize();
-  const auto prefill_start = std::chrono::steady_clock::now();
-  prefill_random(target, caches, prompt_tokens);
-  c10::cuda::device_synchronize();
-  const double prefills = std::chrono::duration<double>(std::chrono::steady_clock::now() - prefill_start).count();
-  std::printf("batch of %3lld: prefills of %lld prompts of %lld tokens (as generate batches them): %.1f ms (%.0f tok/s)\n",
-              static_cast<long long>(batch), static_cast<long long>(batch), static_cast<long long>(prompt_tokens),
-              1e3 * prefills, static_cast<double>(batch * prompt_tokens) / prefills);
+  timed_prefills(target, caches, prompt_tokens);
   {  // one prompt's tapped features: every drafter context is this prompt's
     target::DecodeCache scratch = target.new_cache();
     features = target.prefill(scratch, random_ids(prompt_tokens), tap).features;

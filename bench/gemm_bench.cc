@@ -361,8 +361,8 @@ std::pair<double, double> explore_split_k(cublasLtHandle_t handle, const Shape& 
     }
   }
   const double bytes = 2.0 * static_cast<double>(s.n) * static_cast<double>(s.k);
-  std::printf("%-12s m %5lld n %5lld k %5lld | bf16, weights from memory: heuristic %.4f ms (%.2f TB/s: %s) | fastest of "
-              "%zu split-k variants %.4f (%.2f TB/s: %s)\n",
+  std::printf("%-12s m %5lld n %5lld k %5lld | bf16, weights from memory: heuristic %.4f ms (%.2f TB/s: %s) | "
+              "fastest of %zu split-k variants %.4f (%.2f TB/s: %s)\n",
               s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), heuristic,
               bytes / heuristic / 1e9, describe(algorithms[0].algo).c_str(), tried, fastest, bytes / fastest / 1e9,
               best.c_str());

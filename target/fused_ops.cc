@@ -240,7 +240,8 @@ at::Tensor choose_by_uniform(const at::Tensor& probs, const at::Tensor& u) {
       u.is_contiguous()) {
     at::Tensor chosen = at::empty({probs.size(0)}, probs.options().dtype(at::kLong));
     kernels::choose_by_uniform(probs.data_ptr<float>(), static_cast<int>(probs.size(0)), probs.size(1),
-                               u.data_ptr<double>(), chosen.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream().stream());
+                               u.data_ptr<double>(), chosen.data_ptr<int64_t>(),
+                               at::cuda::getCurrentCUDAStream().stream());
     return chosen;
   }
 #else

@@ -534,7 +534,7 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
                               GdnGates::precomputed(g.reshape({size * n, hv}), beta.reshape({size * n, hv})),
                               *step.chunks, {}, {}, c.rms_norm_eps, 64, nullptr, at::kFloat, &carried);
     after = std::move(carried.after);
-  } else if (step.state_addresses.defined()) {  // the kernel reads each state where it lies (no `before`: not croppable)
+  } else if (step.state_addresses.defined()) {  // each state read where it lies (no `before`: not croppable)
     const at::Tensor addresses = step.state_addresses[static_cast<int64_t>(layer)];
     GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, addresses, states[0]->scalar_type());
     after = std::move(r.state);
@@ -660,7 +660,8 @@ std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std:
       sources.push_back(&caches[member]->state[first]);
       slots.push_back(caches[member]->slot);
     }
-    GdnStep step{RowGather(sources, slots, device), kernels && !croppable && group.count <= kConvStepTokens, {}, {}, {}};
+    GdnStep step{RowGather(sources, slots, device), kernels && !croppable && group.count <= kConvStepTokens, {}, {},
+                 {}};
     if (step.one_pass && !step.rows.whole()) step.state_addresses = state_addresses(layers, group, caches, device);
     if (kernels && !step.one_pass) {
       const int64_t window = layers[static_cast<size_t>(first)].gdn.conv.size(1) - 1 + group.count;

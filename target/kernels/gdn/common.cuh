@@ -30,36 +30,24 @@ constexpr int LDA = C + 8;      // fp32 row stride of 64x64 matrices (float2 fra
 // k0 + 8 n + 2 t4 (+ 1 for odd c), of sequence `seq`'s state [value_heads, 128 key, 128 value] in
 // the layout decoding keeps (element (i, j) at i * 128 + j). Loaded once before the chain and
 // stored once after it: a few KB per warp, not worth coalescing.
-template <int N>
-__device__ __forceinline__ int64_t carried_offset(int seq, int head, int value_heads, int col0, int k0, int n, int c) {
+enum class Carry { load, store };
+template <Carry kCarry, int N>
+__device__ __forceinline__ void carry_state(float (&st)[N][4], const GdnForward& a, int seq, int head, int col0,
+                                            int k0) {
+  const void* state = kCarry == Carry::load ? a.state_before : a.state_after;
+  if (state == nullptr) return;
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const int key = k0 + 8 * n + 2 * t4 + (c & 1), column = col0 + g + (c >= 2 ? 8 : 0);
-  return ((static_cast<int64_t>(seq) * value_heads + head) * D + key) * D + column;
-}
-template <int N>
-__device__ __forceinline__ void load_carried_state(float (&st)[N][4], const GdnForward& a, int seq, int head, int col0,
-                                                   int k0) {
-  if (a.state_before == nullptr) return;
+  const int64_t base = (static_cast<int64_t>(seq) * a.value_heads + head) * D * D;
 #pragma unroll
   for (int n = 0; n < N; ++n) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const int64_t at = carried_offset<N>(seq, head, a.value_heads, col0, k0, n, c);
-      st[n][c] = a.carried_bf16 ? __bfloat162float(static_cast<const bf16*>(a.state_before)[at])
-                                : static_cast<const float*>(a.state_before)[at];
-    }
-  }
-}
-template <int N>
-__device__ __forceinline__ void store_carried_state(const float (&st)[N][4], const GdnForward& a, int seq, int head,
-                                                    int col0, int k0) {
-  if (a.state_after == nullptr) return;
-#pragma unroll
-  for (int n = 0; n < N; ++n) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int64_t at = carried_offset<N>(seq, head, a.value_heads, col0, k0, n, c);
-      if (a.carried_bf16) {
+      const int key = k0 + 8 * n + 2 * t4 + (c & 1), column = col0 + g + (c >= 2 ? 8 : 0);
+      const int64_t at = base + static_cast<int64_t>(key) * D + column;
+      if (kCarry == Carry::load) {
+        st[n][c] = a.carried_bf16 ? __bfloat162float(static_cast<const bf16*>(a.state_before)[at])
+                                  : static_cast<const float*>(a.state_before)[at];
+      } else if (a.carried_bf16) {
         static_cast<bf16*>(a.state_after)[at] = __float2bfloat16_rn(st[n][c]);
       } else {
         static_cast<float*>(a.state_after)[at] = st[n][c];

@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
   float st[8][4];
 #pragma unroll
   for (int n = 0; n < 8; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
-  load_carried_state(st, a, seq, head, v0 + vw, d0);
+  carry_state<Carry::load>(st, a, seq, head, v0 + vw, d0);
   for (int i = 0; i + 1 < kStateStages; ++i) {
     if (i < count) load(i, i);
     __pipeline_commit();
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(64 * kPairs) state_kernel(GdnForward a) {
     mma_tile::accumulate_16xn<4>(st, va, s.k[buffer], d0);
     __syncthreads();  // this chunk's buffers and exchange slots are refilled next
   }
-  store_carried_state(st, a, seq, head, v0 + vw, d0);
+  carry_state<Carry::store>(st, a, seq, head, v0 + vw, d0);
 }
 
 }  // namespace dflash::target::kernels::gdn

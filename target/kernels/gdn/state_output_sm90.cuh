@@ -138,7 +138,7 @@ __device__ __forceinline__ void chain_mainloop(const GdnForward& a, FusedShared&
   float st[16][4];
 #pragma unroll
   for (int n = 0; n < 16; ++n) st[n][0] = st[n][1] = st[n][2] = st[n][3] = 0.f;
-  load_carried_state(st, a, t.seq, t.head, t.v0 + vw, 0);
+  carry_state<Carry::load>(st, a, t.seq, t.head, t.v0 + vw, 0);
   static_assert(kChainStages == 2, "the chain loads one chunk ahead");
   const barriers::NamedBarrier chain = warpgroup_barrier(kChainBarrier);
   if (t.count > 0) load(0, 0, kInputs);
@@ -176,7 +176,7 @@ __device__ __forceinline__ void chain_mainloop(const GdnForward& a, FusedShared&
     wgmma::issue_accumulate(st, va, s.k[buffer]);
     wgmma::wait<0>(st, va);
   }
-  store_carried_state(st, a, t.seq, t.head, t.v0 + vw, 0);
+  carry_state<Carry::store>(st, a, t.seq, t.head, t.v0 + vw, 0);
 }
 
 // ---- epilogue: an output group turns each of its chunks' states into the output ---------------
