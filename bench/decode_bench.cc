@@ -165,6 +165,15 @@ void timed_prefills(const target::IncrementalTarget& target, std::vector<target:
               "(%.0f tok/s)\n",
               batch, batch, static_cast<long long>(prompt_tokens), 1e3 * seconds,
               static_cast<double>(batch * prompt_tokens) / seconds);
+  // DFLASHD_PROFILE=1: one prefill forward's kernels (as many prompts as one takes).
+  if (std::getenv("DFLASHD_PROFILE") != nullptr) {
+    std::vector<target::DecodeCache> one_forward(
+        static_cast<size_t>(std::max<int64_t>(1, target::IncrementalTarget::kPrefillBatchTokens / prompt_tokens)));
+    bench::print_kernel_profile("one prefill forward", [&] {
+      prefill_random(target, one_forward, static_cast<int>(prompt_tokens));
+      c10::cuda::device_synchronize();
+    }, 20);
+  }
 }
 
 // Batched rounds of `batch` sequences whose caches hold `prompt_tokens` tokens: a plain step (1

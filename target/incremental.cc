@@ -450,6 +450,10 @@ struct GdnStep {
   bool one_pass = false;
   at::Tensor window_positions;
   std::optional<GdnChunkPlan> chunks;
+  // A prefill whose members start here (no conv inputs before the step: new caches): the conv runs
+  // over the step rows alone, the taps before a sequence's start skipped (window_positions then
+  // the rows' positions 0 .. n - 1 per member): no window is concatenated.
+  bool fresh = false;
   // When the decode-step kernel reads the states where they lie (a one-pass step whose members
   // are not their batch's rows in order: gathering them first moved every state, 9 GB at 128
   // sequences with bf16 states): int64 [layers, G] on the device, member j's state in layer i at
@@ -513,6 +517,11 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
     ConvStepResult r = conv_step_cuda(rows.gather(convs), group_rows(group, proj.mixed), p.conv);
     convolved = r.y.view({size, n, proj.mixed.size(1)});
     tails = std::move(r.tails);
+  } else if (step.fresh) {  // q and k normalised here for the chunked rule; the last K - 1 rows cached
+    const int64_t channels = proj.mixed.size(1);
+    const at::Tensor x = group_rows(group, proj.mixed);
+    convolved = conv1d_silu_l2norm_cuda(x, p.conv, step.window_positions, 2 * hk * dk).view({size, n, channels});
+    tails = x.view({size, n, channels}).narrow(1, n - (kernel - 1), kernel - 1).clone(at::MemoryFormat::Contiguous);
   } else {
     window = at::cat({rows.gather(convs), group_rows(group, proj.mixed).view({size, n, proj.mixed.size(1)})}, 1);
     convolved = conv_window(step, window, p.conv, proj.mixed.scalar_type(), step.chunks ? 2 * hk * dk : 0);
@@ -528,8 +537,12 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   const at::Tensor beta = group_rows(group, gates.beta).view({size, n, hv});
   at::Tensor before, after, o;
   if (step.chunks) {  // a prefill: the chunked kernels from the members' states (not croppable)
-    GdnCarriedStates carried;
-    carried.before = rows.gather(states);
+    GdnCarriedStates carried;  // new caches start from zero states: nothing to read
+    if (step.fresh) {
+      carried.dtype = states[0]->scalar_type();
+    } else {
+      carried.before = rows.gather(states);
+    }
     o = gated_delta_rule_cuda(convolved.reshape({size * n, proj.mixed.size(1)}), hk, hv,
                               GdnGates::precomputed(g.reshape({size * n, hv}), beta.reshape({size * n, hv})),
                               *step.chunks, {}, {}, c.rms_norm_eps, 64, nullptr, at::kFloat, &carried);
@@ -661,17 +674,19 @@ std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std:
       slots.push_back(caches[member]->slot);
     }
     GdnStep step{RowGather(sources, slots, device), kernels && !croppable && group.count <= kConvStepTokens, {}, {},
-                 {}};
+                 false, {}};
     if (step.one_pass && !step.rows.whole()) step.state_addresses = state_addresses(layers, group, caches, device);
-    if (kernels && !step.one_pass) {
-      const int64_t window = layers[static_cast<size_t>(first)].gdn.conv.size(1) - 1 + group.count;
-      step.window_positions = at::arange(window, at::TensorOptions().dtype(at::kLong).device(device))
-                                  .repeat({static_cast<int64_t>(group.members.size())});
-    }
     if (kernels && !step.one_pass && !croppable) {
       std::vector<int64_t> cu_seqlens{0};
       for (size_t j = 0; j < group.members.size(); ++j) cu_seqlens.push_back(cu_seqlens.back() + group.count);
       step.chunks = make_gdn_chunk_plan(cu_seqlens, device);
+      step.fresh = std::all_of(group.members.begin(), group.members.end(),
+                               [&](size_t member) { return caches[member]->length == 0; });
+    }
+    if (kernels && !step.one_pass) {
+      const int64_t held = step.fresh ? 0 : layers[static_cast<size_t>(first)].gdn.conv.size(1) - 1;
+      step.window_positions = at::arange(held + group.count, at::TensorOptions().dtype(at::kLong).device(device))
+                                  .repeat({static_cast<int64_t>(group.members.size())});
     }
     steps.push_back(std::move(step));
   }
