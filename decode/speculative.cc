@@ -166,12 +166,13 @@ struct Decoder::Sequence {
     g.tokens = request.prompt;
     g.tokens.push_back(choose(logits, sampling, gen));
   }
-  // A plain step's token: the next of g.tokens.
+  // A plain step's token: the next of g.tokens. The first new token (its prefill's, taken a round
+  // later) is no step's: no acceptance entry.
   void take(int64_t token, const std::vector<int64_t>& stop_token_ids) {
+    if (g.new_tokens() > 0) g.acceptance.push_back(1);
     g.tokens.push_back(token);
     g.stopped = is_stop(token, stop_token_ids);
     start += 1;
-    g.acceptance.push_back(1);
   }
 };
 
@@ -228,13 +229,15 @@ void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const Nex
       count(starting, 0);
       for (auto& s : admitted) {
         s->decode_start = Clock::now();
-        s->start = s->g.prompt_tokens;
-        s->g.stopped = is_stop(s->g.tokens.back(), settings.stop_token_ids);
-        if (s->finished()) {
-          finish(*s);
-        } else {
-          active.push_back(std::move(s));
+        if (!s->flight) {  // its first token taken (plain decoding leaves it in flight: the next round takes it)
+          s->start = s->g.prompt_tokens;
+          s->g.stopped = is_stop(s->g.tokens.back(), settings.stop_token_ids);
+          if (s->finished()) {
+            finish(*s);
+            continue;
+          }
         }
+        active.push_back(std::move(s));
       }
     }
     if (active.empty()) break;
@@ -393,6 +396,40 @@ void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const Gen
   if (!contexts.empty()) drafter_.extend_contexts(contexts, committed_features);
 }
 
+namespace {
+
+// The token of each of `sequences` from its row of `out` (a step's or a prefill's last logits),
+// chosen on the device: the argmax, or sampled with a uniform from the sequence's own generator
+// (drawn on the host without waiting for the logits). The host takes them later.
+std::shared_ptr<Decoder::TokensInFlight> choose_in_flight(const std::vector<target::DecodeOutput>& out,
+                                                          const std::vector<Decoder::Sequence*>& sequences,
+                                                          const GenerateSettings& settings) {
+  std::vector<at::Tensor> logits;
+  for (const target::DecodeOutput& o : out) logits.push_back(o.logits);
+  if (settings.sampling.greedy()) return std::make_shared<Decoder::TokensInFlight>(joined_rows(logits).argmax(-1));
+  std::vector<at::Generator*> gens;
+  for (Decoder::Sequence* s : sequences) gens.push_back(&s->gen);
+  return std::make_shared<Decoder::TokensInFlight>(
+      choose_rows(sampling_probs(joined_rows(logits), settings.sampling), uniforms(gens)));
+}
+
+// Prefilled sequences' first tokens, chosen as a plain step's and left in flight: the host takes
+// them in the next round, after queueing it (waiting for them here left the GPU idle while the
+// host planned that round).
+void first_tokens_in_flight(const std::vector<Decoder::Sequence*>& sequences,
+                            const std::vector<target::DecodeOutput>& out, const GenerateSettings& settings) {
+  const std::shared_ptr<Decoder::TokensInFlight> first = choose_in_flight(out, sequences, settings);
+  for (size_t j = 0; j < sequences.size(); ++j) {
+    Decoder::Sequence& s = *sequences[j];
+    s.g.tokens = s.request.prompt;
+    s.start = s.g.prompt_tokens - 1;  // take() moves it to the prompt's end
+    s.flight = first;
+    s.flight_row = static_cast<int64_t>(j);
+  }
+}
+
+}  // namespace
+
 void Decoder::start_all(const std::vector<Sequence*>& admitted, const GenerateSettings& settings) const {
   for (Sequence* s : admitted) {
     const auto prefill_start = Clock::now();
@@ -428,7 +465,7 @@ void PlainDecoder::start_all(const std::vector<Sequence*>& admitted, const Gener
       ids.push_back(ids_tensor(s->request.prompt));
     }
     const std::vector<target::DecodeOutput> out = target_.prefill_batch(caches, ids, {});
-    for (size_t j = 0; j < batch.size(); ++j) batch[j]->take_first_token(out[j].logits, settings.sampling);
+    first_tokens_in_flight(batch, out, settings);
     const double seconds = seconds_since(prefill_start);
     for (Sequence* s : batch) s->g.prefill_seconds = seconds;
   }
@@ -436,7 +473,7 @@ void PlainDecoder::start_all(const std::vector<Sequence*>& admitted, const Gener
 
 void PlainDecoder::start(Sequence& s, const GenerateSettings& settings) const {
   s.cache = target_.new_cache();
-  s.take_first_token(target_.prefill(s.cache, ids_tensor(s.request.prompt), {}).logits, settings.sampling);
+  first_tokens_in_flight({&s}, {target_.prefill(s.cache, ids_tensor(s.request.prompt), {})}, settings);
 }
 
 namespace {
@@ -448,19 +485,12 @@ std::shared_ptr<Decoder::TokensInFlight> queue_plain_step(const target::Incremen
                                                           const std::vector<Decoder::Sequence*>& stepping,
                                                           const GenerateSettings& settings) {
   std::vector<target::DecodeCache*> caches;
-  std::vector<at::Tensor> ids, logits;
+  std::vector<at::Tensor> ids;
   for (Decoder::Sequence* s : stepping) {
     caches.push_back(&s->cache);
     ids.push_back(s->flight ? s->flight->device_row(s->flight_row) : ids_tensor({s->g.tokens.back()}));
   }
-  for (const target::DecodeOutput& o : target.step_batch(caches, ids, {}, /*croppable=*/false)) {
-    logits.push_back(o.logits);
-  }
-  if (settings.sampling.greedy()) return std::make_shared<Decoder::TokensInFlight>(joined_rows(logits).argmax(-1));
-  std::vector<at::Generator*> gens;
-  for (Decoder::Sequence* s : stepping) gens.push_back(&s->gen);
-  return std::make_shared<Decoder::TokensInFlight>(
-      choose_rows(sampling_probs(joined_rows(logits), settings.sampling), uniforms(gens)));
+  return choose_in_flight(target.step_batch(caches, ids, {}, /*croppable=*/false), stepping, settings);
 }
 
 }  // namespace

@@ -37,8 +37,9 @@ struct Generation {
   // was accepted (speculative decoding only).
   std::vector<int64_t> drafted_at, accepted_at;
   bool stopped = false;  // a stop token ended it
-  // Its prefill, and the wall time from then to its end (shared with the other sequences in
-  // flight: a batched run's rate is its tokens over the run's wall time).
+  // Its prefill (plain decoding: the time to queue it; its first token is taken with the next
+  // round's), and the wall time from then to its end (shared with the other sequences in flight:
+  // a batched run's rate is its tokens over the run's wall time).
   double prefill_seconds = 0, decode_seconds = 0;
 
   int64_t new_tokens() const { return static_cast<int64_t>(tokens.size()) - prompt_tokens; }
@@ -85,7 +86,8 @@ class Decoder {
 
  protected:
   explicit Decoder(const target::IncrementalTarget& target) : target_(target) {}
-  // Prefills s's prompt and takes its first token.
+  // Prefills s's prompt and takes its first token (plain decoding: chooses it on the device and
+  // leaves it in flight, for the next advance() to take).
   virtual void start(Sequence& s, const GenerateSettings& settings) const = 0;
   // start() of sequences admitted together, each with its g.prefill_seconds set (here: one at a
   // time, each timed alone).

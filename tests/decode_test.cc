@@ -733,9 +733,10 @@ TEST(PlainDecoding, GpuStepsInFlightAreTheSynchronousSteps) {
         gens.push_back(at::make_generator<at::CPUGeneratorImpl>(decode::sequence_seed(settings.seed, j)));
       }
       for (at::Generator& g : gens) gen_pointers.push_back(&g);
-      const auto choose = [&](const at::Tensor& logits, size_t j) {  // a prefill's first token
+      const auto choose = [&](const at::Tensor& logits, size_t j) {  // a prefill's first token, as a step's
         if (temperature == 0) return logits.argmax(-1).cpu();
-        return decode::draw(decode::sampling_probs(logits, settings.sampling), gens[j]);
+        const at::Tensor probs = decode::sampling_probs(logits, settings.sampling);
+        return decode::choose_rows(probs, decode::uniforms({&gens[j]})).cpu();
       };
       std::vector<std::vector<int64_t>> expected = prompts;
       std::vector<at::Tensor> next;
