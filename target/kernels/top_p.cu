@@ -223,8 +223,8 @@ __global__ void __launch_bounds__(kThreads)
       left -= segment_mass[w];
     }
   }
-  if (holder < 0) {  // rounding put the target at or above the total
-    if (threadIdx.x == 0) chosen[blockIdx.x] = last_positive;
+  if (holder < 0) {  // rounding put the target at or above the total (or no entry is positive: NaN)
+    if (threadIdx.x == 0) chosen[blockIdx.x] = last_positive >= 0 ? last_positive : 0;
     return;
   }
   if (warp != holder) return;

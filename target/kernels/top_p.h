@@ -19,9 +19,10 @@ void top_p_keep(const float* probs, float* out, int rows, int64_t vocab, float t
 // Per row r of probs [rows, vocab] (fp32, contiguous, non-negative, a positive sum): chosen[r] =
 // the first index whose cumulative probability exceeds u[r] (in [0, 1)) times the row's total, or,
 // where rounding leaves u[r] times the total at or above every cumulative sum, the row's last
-// index of positive probability; never a zero-probability index. One CTA per row: each warp sums a
-// contiguous segment 32 entries at a time (a scan per group, the same order when it walks it), the
-// segment whose range holds the target walks it. Deterministic: fixed summation orders.
+// index of positive probability; never a zero-probability index (a row without one, e.g. of NaN
+// logits, gets index 0). One CTA per row: each warp sums a contiguous segment 32 entries at a time
+// (a scan per group, the same order when it walks it), the segment whose range holds the target
+// walks it. Deterministic: fixed summation orders.
 void choose_by_uniform(const float* probs, int rows, int64_t vocab, const double* u, int64_t* chosen,
                        cudaStream_t stream);
 
