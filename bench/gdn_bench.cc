@@ -129,8 +129,6 @@ void time_core(const std::vector<int64_t>& lengths, int64_t hk, int64_t hv) {
               stages[2][0], stages[2][1], stages[2][2]);
 }
 
-// The whole 27B-shaped target forward at 3072 and 4096 tokens, MFU against the measured matmul
-// rate; with `profile`, the kernels of the 3072-token forward.
 // One decoding step's state update (decode_token kernels: one token per sequence) at 27B shapes,
 // `sequences` at once, against a plain copy of the same bytes (the rate a kernel that reads and
 // writes each state once could reach) and a plain read (a sum). Four state sets rotated (each
@@ -157,6 +155,8 @@ void time_decode_step(int64_t sequences, int64_t hk, int64_t hv, at::ScalarType 
               bytes / step / 1e9, copy, bytes / copy / 1e9, read, bytes / 2 / read / 1e9);
 }
 
+// The whole 27B-shaped target forward at 3072 and 4096 tokens, MFU against the measured matmul
+// rate; with `profile`, the kernels of the 3072-token forward.
 void time_target(const char* config_dir, bool profile) {
   // bf16 matmul rate of this GPU (the MFU denominator).
   const at::Tensor a = at::randn({8192, 8192}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));

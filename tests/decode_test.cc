@@ -735,8 +735,7 @@ TEST(PlainDecoding, GpuStepsInFlightAreTheSynchronousSteps) {
       for (at::Generator& g : gens) gen_pointers.push_back(&g);
       const auto choose = [&](const at::Tensor& logits, size_t j) {  // a prefill's first token, as a step's
         if (temperature == 0) return logits.argmax(-1).cpu();
-        const at::Tensor probs = decode::sampling_probs(logits, settings.sampling);
-        return decode::choose_rows(probs, decode::uniforms({&gens[j]})).cpu();
+        return at::tensor(decode::draw_rows(decode::sampling_probs(logits, settings.sampling), {&gens[j]}));
       };
       std::vector<std::vector<int64_t>> expected = prompts;
       std::vector<at::Tensor> next;
