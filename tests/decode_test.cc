@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <nlohmann/json.hpp>
@@ -629,6 +630,23 @@ TEST(Sampling, DrawRowsDrawsEachRowFromItsOwnGenerator) {
   EXPECT_EQ(alone[0], 4);
   EXPECT_EQ(alone[1], tokens[7]);
   EXPECT_EQ(alone[2], tokens[8]);
+}
+
+// A uniform or a generator per row, or a clear error naming what is missing.
+TEST(Sampling, ChoosingRowsWithoutOneUniformPerRowIsRefused) {
+  const at::Tensor probs = at::tensor(std::vector<float>{0.5f, 0.5f, 0.2f, 0.8f}).view({2, 2});
+  auto message = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message([&] { decode::choose_rows(probs, {0.5}); }), "choose_rows: one uniform per row");
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  EXPECT_EQ(message([&] { decode::draw_rows(probs, {&gen}); }), "draw_rows: one generator per row");
+  EXPECT_EQ(decode::choose_rows(probs, {0.0, 0.99}).sizes(), at::IntArrayRef({2}));
 }
 
 // Greedy speculative decoding against the reference stack: the same tokens as the transformers

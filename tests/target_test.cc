@@ -393,7 +393,7 @@ TEST(GatedDeltaNetKernels, MmaSyncStatePassMatchesTheReference) {
 // lengths (a partial chunk, one token, whole chunks) start from given states and return their
 // states after the tokens, on both state passes (wgmma, mma.sync), as the token-by-token rule in
 // fp32 gives them within the kernels' bf16 products; bf16 states as the fp32 ones rounded; no
-// `before` is zero states.
+// `before` is zero states; misshapen states are refused, named.
 TEST(GatedDeltaNetKernels, CarriedStatesMatchTheRecurrentRule) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(17);
@@ -409,6 +409,16 @@ TEST(GatedDeltaNetKernels, CarriedStatesMatchTheRecurrentRule) {
     carried->dtype = dtype;
     return gated_delta_rule_cuda(in.mixed, hk, hv, gates, plan, {}, {}, 1e-6, 64, nullptr, at::kFloat, carried);
   };
+  GdnCarriedStates misshapen;  // one state more than the plan's sequences: refused before any launch
+  misshapen.before = at::zeros({sequences + 1, hv, d, d}, before.options());
+  try {
+    gated_delta_rule_cuda(in.mixed, hk, hv, gates, plan, {}, {}, 1e-6, 64, nullptr, at::kFloat, &misshapen);
+    ADD_FAILURE() << "misshapen carried states were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("the carried states must be [sequences, value_heads, 128, 128]"),
+              std::string::npos)
+        << e.what();
+  }
   for (const bool mma_sync : {false, true}) {
     SCOPED_TRACE(mma_sync ? "mma.sync state pass" : "default state pass");
     force_mma_sync(MmaKernels::gated_delta_net, mma_sync);
