@@ -28,6 +28,7 @@
 
 #include "bench/kernel_profile.h"
 #include "bench/timing.h"
+#include "common/kernel_variants.h"
 #include "config/config.h"
 #include "decode/eval.h"
 #include "decode/sampling.h"
@@ -215,6 +216,9 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   const std::vector<at::Tensor> one(static_cast<size_t>(batch), random_ids(1));
   const double plain = median_ms(5, [&] { target.step_batch(all, one, {}, /*croppable=*/false); });
   const auto [back_to_back, enqueue] = back_to_back_ms(target, all, one);
+  force_mma_sync(MmaKernels::projections, true);  // the same steps with cuBLASLt's projections
+  const double back_to_back_lt = back_to_back_ms(target, all, one).first;
+  force_mma_sync(MmaKernels::projections, false);
   print_memory("plain rounds");
   // DFLASHD_PROFILE=1: where a batched plain step's GPU time goes (GPU time far below the wall
   // time means the step is bound by launches, not by the kernels).
@@ -252,6 +256,9 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   std::printf("batch of %3lld: plain steps back to back %.2f ms each (%.0f tok/s); the host returns from one after "
               "%.2f ms\n",
               static_cast<long long>(batch), back_to_back, 1e3 * static_cast<double>(batch) / back_to_back, enqueue);
+  std::printf("batch of %3lld: plain steps back to back with cuBLASLt's projections (not the stream-K GEMM) %.2f ms "
+              "each (%.0f tok/s)\n",
+              static_cast<long long>(batch), back_to_back_lt, 1e3 * static_cast<double>(batch) / back_to_back_lt);
   std::printf("batch of %3lld: plain steps alternating with one sequence fewer (the batch changing every step): "
               "%.2f ms (+%.2f ms)\n",
               static_cast<long long>(batch), changing, changing - plain);

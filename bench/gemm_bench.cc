@@ -9,8 +9,10 @@
 // `explore-fp8` / `explore-bf16` instead time the product through every configuration cuBLASLt
 // lists (tiles, stages, cluster shapes, custom options; FP8 also with fast accumulation) against
 // the heuristic's first; `explore-split-k` the bf16 product through the heuristic's first 8
-// algorithms at every split-k and reduction scheme, the weights read from memory (4 copies).
-// Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k] [ROWS...]   (default: 3072 128)
+// algorithms at every split-k and reduction scheme, the weights read from memory (4 copies);
+// `stream` the product as the target runs it (projection_bf16) against cuBLASLt's heuristic.
+// Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k | stream] [ROWS...]
+//        (default: 3072 128)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/InferenceMode.h>
@@ -369,6 +371,31 @@ std::pair<double, double> explore_split_k(cublasLtHandle_t handle, const Shape& 
   return {heuristic, fastest};
 }
 
+// bf16 at `m` rows as the target runs its projections (projection_bf16: the stream-K GEMM on
+// Hopper up to 128 rows) against cuBLASLt's heuristic (lt_gemm_bf16), 20 products back to back
+// over 4 rotated copies of the weights (as a step reads them: from memory, launch gaps included).
+// Returns {cuBLASLt ms, projection ms} per product.
+std::pair<double, double> stream_vs_lt(const Shape& s, int64_t m) {
+  const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
+  const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
+  std::vector<at::Tensor> weights;
+  for (int i = 0; i < 4; ++i) weights.push_back((at::randn({s.n, s.k}, gpu) * 0.02).to(at::kBFloat16));
+  const at::Tensor reference = at::matmul(x, weights[0].t());
+  const double error = relative_error(target::projection_bf16(x, weights[0]), reference);
+  auto per_product_ms = [&](auto gemm) {
+    return bench::median_ms(7, [&] {
+             for (int i = 0; i < 20; ++i) gemm(x, weights[static_cast<size_t>(i % 4)]);
+           }) / 20;
+  };
+  const double lt = per_product_ms(target::lt_gemm_bf16), ours = per_product_ms(target::projection_bf16);
+  const double bytes = 2.0 * static_cast<double>(s.n) * static_cast<double>(s.k);
+  std::printf("%-12s m %5lld n %5lld k %5lld | cuBLASLt %.4f ms (%.2f TB/s) | projection %.4f ms (%.2f TB/s, vs "
+              "aten %.0e) | %.2fx\n",
+              s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), lt,
+              bytes / lt / 1e9, ours, bytes / ours / 1e9, error, lt / ours);
+  return {lt, ours};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -379,8 +406,10 @@ int main(int argc, char** argv) {
   c10::InferenceMode inference;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines out as they come, should a shape abort
   const std::string mode = argc > 1 && !std::isdigit(argv[1][0]) ? argv[1] : "";
-  if (!mode.empty() && mode != "explore-fp8" && mode != "explore-bf16" && mode != "explore-split-k") {
-    std::fprintf(stderr, "gemm_bench: unknown mode %s (explore-fp8, explore-bf16 or explore-split-k)\n", mode.c_str());
+  if (!mode.empty() && mode != "explore-fp8" && mode != "explore-bf16" && mode != "explore-split-k" &&
+      mode != "stream") {
+    std::fprintf(stderr, "gemm_bench: unknown mode %s (explore-fp8, explore-bf16, explore-split-k or stream)\n",
+                 mode.c_str());
     return 1;
   }
   std::vector<int64_t> rows;
@@ -389,6 +418,16 @@ int main(int argc, char** argv) {
   cublasLtHandle_t handle = nullptr;
   check(cublasLtCreate(&handle), "handle");
   for (const int64_t m : rows) {
+    if (mode == "stream") {
+      double lt = 0, ours = 0;
+      for (const Shape& s : kShapes) {
+        const auto [l, o] = stream_vs_lt(s, m);
+        lt += l * s.per_forward, ours += o * s.per_forward;
+      }
+      std::printf("| %lld rows, bf16 GEMMs of a forward over layers 0..61, weights from memory | cuBLASLt %.2f ms | "
+                  "projection_bf16 %.2f |\n", static_cast<long long>(m), lt, ours);
+      continue;
+    }
     if (mode == "explore-split-k") {
       double heuristic = 0, fastest = 0;
       for (const Shape& s : kShapes) {

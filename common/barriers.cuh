@@ -80,6 +80,10 @@ struct TransactionBarrier {
   __device__ __forceinline__ void expect_bytes(uint32_t bytes) const {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(address), "r"(bytes) : "memory");
   }
+  // Arrives without announcing bytes (a consumer's release of the buffer the barrier guards).
+  __device__ __forceinline__ void arrive() const {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(address) : "memory");
+  }
   // Until the phase of parity `phase` has completed.
   __device__ __forceinline__ void wait(uint32_t phase) const {
     uint32_t done = 0;

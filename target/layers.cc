@@ -184,7 +184,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at:
         reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0) {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
       shape.back() = weight.size(0);
-      return lt_gemm_bf16(rows, weight).view(shape);
+      return projection_bf16(rows, weight).view(shape);
     }
   }
 #endif

@@ -12,6 +12,8 @@
 #include <string>
 #include <tuple>
 
+#include "target/kernels/stream_gemm.h"
+
 namespace dflash::target {
 namespace {
 
@@ -128,6 +130,7 @@ class Plan {
 struct ThreadState {
   std::map<Key, std::unique_ptr<Plan>> plans;
   std::map<cudaStream_t, at::Tensor> workspaces;
+  std::map<cudaStream_t, at::Tensor> stream_gemm_workspaces;  // zeroed once; each run leaves them so
 };
 
 ThreadState& thread_state() {
@@ -138,6 +141,15 @@ ThreadState& thread_state() {
 void* workspace(at::Device device, cudaStream_t stream) {
   at::Tensor& w = thread_state().workspaces[stream];
   if (!w.defined()) w = at::empty({kWorkspaceBytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  return w.data_ptr();
+}
+
+void* stream_gemm_workspace(at::Device device, cudaStream_t stream) {
+  at::Tensor& w = thread_state().stream_gemm_workspaces[stream];
+  if (!w.defined()) {
+    const auto bytes = static_cast<int64_t>(stream_gemm::workspace_bytes(device.index()));
+    w = at::zeros({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  }
   return w.data_ptr();
 }
 
@@ -171,6 +183,19 @@ at::Tensor lt_gemm_bf16(const at::Tensor& x, const at::Tensor& w) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
   plan({device.index(), m, n, k, x.stride(0), at::kBFloat16, at::kBFloat16})
       .run(w.data_ptr(), x.data_ptr(), y.data_ptr(), nullptr, nullptr, workspace(device, stream), stream);
+  return y;
+}
+
+at::Tensor projection_bf16(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+  const at::Device device = x.device();
+  const c10::cuda::CUDAGuard guard(device);
+  stream_gemm::Problem p{x.data_ptr(), x.stride(0), w.data_ptr(), nullptr, m, n, k};
+  if (!stream_gemm::preferred(p) || !stream_gemm::applies(p, device.index())) return lt_gemm_bf16(x, w);
+  at::Tensor y = at::empty({m, n}, x.options());
+  p.y = y.data_ptr();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+  stream_gemm::run(p, stream_gemm_workspace(device, stream), device.index(), stream);
   return y;
 }
 

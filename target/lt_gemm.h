@@ -1,5 +1,6 @@
-// lt_gemm.h: the target's projection GEMMs through cuBLASLt called directly (private to
-// target/; GPU builds only), y [m, n] = x [m, k] . W^T with W [n, k] row-major:
+// lt_gemm.h: the target's projection GEMMs through cuBLASLt called directly, and the choice
+// between it and our stream-K GEMM (private to target/; GPU builds only), y [m, n] = x [m, k] .
+// W^T with W [n, k] row-major:
 // - block-scaled FP8 (x e4m3 in 1x128 groups, W e4m3 in 128x128 blocks: fp8.h's operands);
 // - bf16 (x and W bf16, fp32 accumulation).
 //
@@ -27,5 +28,10 @@ at::Tensor lt_gemm_fp8(const Fp8Activations& a, const Fp8Weight& w);
 // x [m, k] (rows at any stride that is a multiple of 8, last dim contiguous) times W^T, W [n, k]
 // contiguous, both bf16 on one CUDA device: [m, n] bf16.
 at::Tensor lt_gemm_bf16(const at::Tensor& x, const at::Tensor& w);
+
+// The same product as the target's projections run it: on Hopper at a decoding step's rows
+// (at most 128) and a long reduction, the stream-K GEMM (kernels/stream_gemm.h: applies,
+// preferred); lt_gemm_bf16 otherwise.
+at::Tensor projection_bf16(const at::Tensor& x, const at::Tensor& w);
 
 }  // namespace dflash::target

@@ -19,7 +19,14 @@
 #include "target/gdn_cuda.h"
 #include "target/incremental.h"
 #include "target/model.h"
+#include "target/layers.h"
 #include "target/stages.h"
+#include "target/kernels/stream_gemm/schedule.h"
+#ifdef DFLASHD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+
+#include "target/kernels/stream_gemm.h"
+#endif
 #include "tests/kernel_sized.h"
 #include "tests/test_util.h"
 
@@ -576,6 +583,119 @@ TEST(FusedOps, GpuChooseByUniformMatchesTheCumulativeSum) {
 // The fused residual add + RMSNorm and SiLU-mul kernels against the composite expressions they
 // replace, on the same bf16 inputs: the residual sum bit-identical, the outputs equal but for
 // the last bit of elements where the order of the fp32 sum of squares differs.
+// Every unit of every CTA's range is covered once; only a CTA's first segment can be a part and
+// only its last a head; each tile has one CTA at its first k-block, and a head's followers are
+// exactly the CTAs that hold a part of its tile.
+TEST(StreamGemmSchedule, EveryKBlockOfEveryTileIsSummedOnce) {
+  using namespace dflash::stream_gemm;
+  struct Shape {
+    int64_t n, k;
+    int sms;
+  };
+  for (const Shape& shape : {Shape{5120, 6144, 132}, Shape{34816, 5120, 132}, Shape{5120, 17408, 132},
+                             Shape{300, 4096, 132}, Shape{1000, 72, 132}, Shape{256, 64, 132}, Shape{16480, 5120, 7},
+                             Shape{257, 640, 3}}) {
+    const Schedule s = Schedule::make(shape.n, shape.k, shape.sms);
+    SCOPED_TRACE(std::to_string(shape.n) + " x " + std::to_string(shape.k) + " on " + std::to_string(shape.sms));
+    ASSERT_EQ(s.tiles, (shape.n + kRowsPerTile - 1) / kRowsPerTile);
+    ASSERT_EQ(s.k_blocks, (shape.k + kBlockK - 1) / kBlockK);
+    ASSERT_LE(s.ctas, shape.sms);
+    ASSERT_EQ(s.begin(0), 0);
+    ASSERT_EQ(s.begin(s.ctas), s.units());
+    std::vector<int> covered(static_cast<size_t>(s.units()), 0);
+    std::vector<int> head_of(static_cast<size_t>(s.tiles), -1);
+    std::vector<std::vector<int>> parts_of(static_cast<size_t>(s.tiles));
+    for (int c = 0; c < s.ctas; ++c) {
+      const int64_t end = s.begin(c + 1);
+      ASSERT_LT(s.begin(c), end) << "CTA " << c << " without a unit";
+      ASSERT_LE(end - s.begin(c), s.units() / s.ctas + 1) << "CTA " << c << " unbalanced";
+      for (int64_t u = s.begin(c); u < end;) {
+        const Segment g = s.segment(u, end);
+        ASSERT_LT(g.k_begin, g.k_end);
+        for (int kb = g.k_begin; kb < g.k_end; ++kb) ++covered[static_cast<size_t>(g.tile) * s.k_blocks + kb];
+        if (g.kind == SegmentKind::part) {
+          EXPECT_EQ(u, s.begin(c)) << "a part that is not CTA " << c << "'s first segment";
+          parts_of[static_cast<size_t>(g.tile)].push_back(c);
+        } else {
+          EXPECT_EQ(g.k_begin, 0);
+          EXPECT_EQ(head_of[static_cast<size_t>(g.tile)], -1) << "tile " << g.tile << " begun twice";
+          head_of[static_cast<size_t>(g.tile)] = g.kind == SegmentKind::head ? c : -2;
+        }
+        if (g.kind == SegmentKind::head) {
+          EXPECT_EQ(u + g.k_end - g.k_begin, end) << "a head that is not last";
+        }
+        if (g.kind == SegmentKind::whole) {
+          EXPECT_EQ(g.k_end, s.k_blocks);
+        }
+        u += g.k_end - g.k_begin;
+      }
+    }
+    for (int64_t u = 0; u < s.units(); ++u) ASSERT_EQ(covered[static_cast<size_t>(u)], 1) << "unit " << u;
+    for (int t = 0; t < s.tiles; ++t) {
+      const int head = head_of[static_cast<size_t>(t)];
+      ASSERT_NE(head, -1) << "tile " << t << " never begun";
+      std::vector<int> followers;
+      if (head >= 0) {
+        for (int f = head + 1; f < s.followers_end(head, t); ++f) followers.push_back(f);
+      }
+      EXPECT_EQ(followers, parts_of[static_cast<size_t>(t)]) << "tile " << t;
+    }
+  }
+}
+
+#ifdef DFLASHD_WITH_CUDA
+// The stream-K GEMM against the fp32 product of its bf16 operands: shapes of the 27B decoding
+// step, tiles split among many CTAs (few tiles, long k), n not a multiple of the tile, k not a
+// multiple of the k-block, x's rows strided, 1..128 rows; the same workspace for every product
+// and each product run twice, bit for bit the same (every flag is left down). Through Linear
+// too where the projections prefer it (long reductions).
+TEST(StreamGemm, GpuMatchesTheFp32ProductAndRepeatsItself) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  namespace sg = dflash::stream_gemm;
+  const int device = 0;
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, device);
+  struct Case {
+    int64_t m, n, k, stride;
+  };
+  const sg::Problem probe{nullptr, 64, nullptr, nullptr, 1, 64, 64};
+  if (!sg::applies(probe, device)) {
+    EXPECT_NE(at::cuda::getDeviceProperties(device)->major * 10 + at::cuda::getDeviceProperties(device)->minor, 90)
+        << "a Hopper GPU where the kernels were built for sm_90a must run them";
+    GTEST_SKIP() << "the stream GEMM runs on compute capability 9.0 (sm_90a builds) only";
+  }
+  at::Tensor workspace =
+      at::zeros({static_cast<int64_t>(sg::workspace_bytes(device))}, bf16.dtype(at::kByte));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+  at::manual_seed(7);
+  for (const Case& c : {Case{128, 5120, 6144, 6144}, Case{100, 300, 4096, 4096}, Case{1, 1000, 72, 72},
+                        Case{64, 2304, 1280, 1280}, Case{65, 520, 200, 256}, Case{128, 34816, 512, 512},
+                        Case{37, 16480, 5120, 5128}, Case{128, 256, 17408, 17408},
+                        Case{128, 5120, 17408, 17408}}) {
+    SCOPED_TRACE(std::to_string(c.m) + " x " + std::to_string(c.k) + " -> " + std::to_string(c.n));
+    const at::Tensor x = at::randn({c.m, c.stride}, bf16).narrow(1, 0, c.k);
+    const at::Tensor w = (at::randn({c.n, c.k}, bf16) / std::sqrt(static_cast<double>(c.k))).to(at::kBFloat16);
+    const at::Tensor want = x.to(at::kFloat).matmul(w.to(at::kFloat).t());
+    at::Tensor got = at::empty({c.m, c.n}, bf16), again = at::empty({c.m, c.n}, bf16);
+    const sg::Problem p{x.data_ptr(), x.stride(0), w.data_ptr(), got.data_ptr(), c.m, c.n, c.k};
+    ASSERT_TRUE(sg::applies(p, device));
+    sg::run(p, workspace.data_ptr(), device, stream);
+    sg::Problem p2 = p;
+    p2.y = again.data_ptr();
+    sg::run(p2, workspace.data_ptr(), device, stream);
+    const at::Tensor error = (got.to(at::kFloat) - want).abs();
+    const at::Tensor bound = want.abs() * (1.0 / 128) + 1e-3;
+    EXPECT_TRUE(error.le(bound).all().item<bool>()) << "worst excess " << (error - bound).max().item<float>();
+    EXPECT_TRUE(at::equal(got, again)) << "a second run differs";
+    if (sg::preferred(p)) {
+      dflash::target::Linear linear;
+      linear.weight = w;
+      EXPECT_TRUE(at::equal(linear(x), got)) << "Linear did not run the stream GEMM";
+    }
+  }
+  EXPECT_EQ(workspace.narrow(0, 0, sg::kFlagInts * 4).count_nonzero().item<int64_t>(), 0) << "a flag left raised";
+}
+#endif
+
 TEST(FusedOps, GpuKernelsMatchTheCompositeExpressions) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(17);

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "common/cuda_check.h"
+#include "common/launch.h"
 #include "target/kernels/gdn/common.cuh"
 #include "target/kernels/gdn/conv.cuh"
 #include "target/kernels/gdn/decode_step.cuh"
@@ -64,25 +65,6 @@ bool warpgroup_kernels() {
 #else
   return false;
 #endif
-}
-
-// Launches `kernel` as a programmatic dependent of the stream's previous kernel (see
-// barriers::dependents_may_launch), so that its CTAs start, and its set-up runs, while that kernel's last
-// CTAs finish.
-template <typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Args...), dim3 grid, int threads, size_t shared_bytes, cudaStream_t stream,
-                             Args... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
 template <int kPairs>

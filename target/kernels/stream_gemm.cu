@@ -1,0 +1,184 @@
+// The stream-K GEMM (stream_gemm.h): the kernel composed from its pieces (stream_gemm/: the
+// schedule, the TMA + wgmma mainloop, the epilogue) and its host side (tensor maps, launch).
+#include "target/kernels/stream_gemm.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <array>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "common/cuda_check.h"
+#include "common/launch.h"
+#include "target/kernels/stream_gemm/epilogue.cuh"
+#include "target/kernels/stream_gemm/mainloop.cuh"
+#include "target/kernels/stream_gemm/schedule.h"
+
+namespace dflash::stream_gemm {
+namespace {
+
+constexpr int kThreads = 128 + kConsumerThreads;  // a producer warpgroup and two consumers
+
+// Stages per ring: as many as fit in 227 KB of shared memory beside the staged output (each SM
+// keeps 64-96 KB of W in flight: bench/RESULTS.md, session 23, streamed W as fast with any
+// stage shape from 96 KB).
+template <int kTokens>
+inline constexpr int kStages = kTokens == 128 ? 5 : 7;
+
+template <int kTokens>
+constexpr size_t shared_bytes() {
+  return sizeof(Shared<kTokens, kStages<kTokens>>) + 1024;  // + the alignment of the ring
+}
+
+template <int kTokens>
+__global__ void __launch_bounds__(kThreads, 1)
+    stream_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map,
+                       Schedule schedule, Output out) {
+#ifdef DFLASHD_WGMMA
+  constexpr int S = kStages<kTokens>;
+  extern __shared__ unsigned char raw[];
+  auto& shared = mma_tile::aligned_shared<Shared<kTokens, S>>(raw);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      full_barrier(shared, s).init(1);
+      empty_barrier(shared, s).init(kConsumerWarps);
+    }
+    barriers::TransactionBarrier::fence_init();
+    tma::prefetch_map(&w_map);
+    tma::prefetch_map(&x_map);
+  }
+  __syncthreads();
+  barriers::dependents_may_launch();
+  const int cta = static_cast<int>(blockIdx.x);
+  const int64_t begin = schedule.begin(cta), end = schedule.begin(cta + 1);
+  const int warpgroup = static_cast<int>(threadIdx.x) / 128;
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) produce(shared, &w_map, &x_map, schedule, begin, end);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  barriers::wait_for_prerequisite();  // before any write: y and the workspace may be in its use
+  const int ct = static_cast<int>(threadIdx.x) - 128;
+  RingPosition at;
+  Accumulators<kTokens> acc;
+  for (int64_t u = begin; u < end;) {
+    const Segment g = schedule.segment(u, end);
+    consume_segment(shared, acc, at, g.k_end - g.k_begin, warpgroup - 1);
+    finish_segment(acc, g, schedule, out, &shared.out[0][0], cta, ct);
+    u += g.k_end - g.k_begin;
+  }
+#else
+  __trap();
+#endif
+}
+
+// ---- host --------------------------------------------------------------------------------------
+
+struct DeviceFacts {
+  bool hopper = false;
+  int sms = 0;
+};
+
+const DeviceFacts& facts(int device) {
+  static std::array<DeviceFacts, 64> all;
+  static std::array<std::once_flag, 64> once;
+  if (device < 0 || device >= 64) throw std::invalid_argument("stream GEMM: device " + std::to_string(device));
+  std::call_once(once[device], [device] {
+    int major = 0, minor = 0, sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
+    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "compute capability");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
+    all[device] = {major == 9 && minor == 0, sms};
+  });
+  return all[device];
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found),
+               "stream GEMM: the driver's cuTensorMapEncodeTiled");
+    if (found != cudaDriverEntryPointSuccess || f == nullptr) {
+      throw std::runtime_error("stream GEMM: the driver has no cuTensorMapEncodeTiled");
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return encode;
+}
+
+// A bf16 [rows, columns] matrix, rows `stride` elements apart, read in boxes of box_rows x 64
+// columns (128 bytes) in the 128-byte swizzle.
+CUtensorMap tensor_map(const void* base, int64_t rows, int64_t columns, int64_t stride, int box_rows,
+                       const char* what) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(columns), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
+  const cuuint32_t box[2] = {kBlockK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode_function()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
+                                       strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    throw std::runtime_error(std::string("stream GEMM: tensor map of ") + what + " [" + std::to_string(rows) + ", " +
+                             std::to_string(columns) + "] (stride " + std::to_string(stride) + "): CUresult " +
+                             std::to_string(static_cast<int>(r)));
+  }
+  return map;
+}
+
+template <int kTokens>
+void launch(const Problem& p, void* workspace, int device, cudaStream_t stream) {
+  static std::array<std::once_flag, 64> once;  // the attribute is set per device
+  std::call_once(once[device], [] {
+    allow_shared_memory(stream_gemm_kernel<kTokens>, shared_bytes<kTokens>(), "stream GEMM kernel");
+  });
+  const CUtensorMap w_map = tensor_map(p.w, p.n, p.k, p.k, kRowsPerTile, "W");
+  const CUtensorMap x_map = tensor_map(p.x, p.m, p.k, p.x_stride, kTokens, "x");
+  const Schedule schedule = Schedule::make(p.n, p.k, facts(device).sms);
+  int* flags = static_cast<int*>(workspace);
+  const Output out{static_cast<__nv_bfloat16*>(p.y), static_cast<int>(p.m), static_cast<int>(p.n), flags,
+                   reinterpret_cast<float*>(flags + kFlagInts)};
+  check_cuda(launch_dependent(stream_gemm_kernel<kTokens>, dim3(schedule.ctas), kThreads, shared_bytes<kTokens>(),
+                              stream, w_map, x_map, schedule, out),
+             "stream GEMM kernel");
+}
+
+bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool applies(const Problem& p, int device) {
+#ifdef DFLASHD_CUDA_SM90A
+  return facts(device).hopper && !mma_sync_forced(MmaKernels::projections) && p.m >= 1 && p.m <= kMaxRows && p.k % 8 == 0 && p.k > 0 && p.n > 0 &&
+         p.n < (int64_t{1} << 31) && p.x_stride % 8 == 0 && p.x_stride >= p.k && aligned(p.x) && aligned(p.w);
+#else
+  (void)p;
+  (void)device;
+  return false;
+#endif
+}
+
+size_t workspace_bytes(int device) {
+  const int sms = facts(device).sms;
+  if (sms > kFlagInts) throw std::runtime_error("stream GEMM: more SMs than flags: " + std::to_string(sms));
+  return kFlagInts * sizeof(int) + static_cast<size_t>(sms) * kSlotFloats<kMaxRows> * sizeof(float);
+}
+
+void run(const Problem& p, void* workspace, int device, cudaStream_t stream) {
+  if (!applies(p, device) || !aligned(p.y)) {
+    throw std::invalid_argument("stream GEMM: " + std::to_string(p.m) + " x " + std::to_string(p.k) + " -> " +
+                                std::to_string(p.n) + " does not run on device " + std::to_string(device));
+  }
+  if (p.m <= 64) {
+    launch<64>(p, workspace, device, stream);
+  } else {
+    launch<128>(p, workspace, device, stream);
+  }
+}
+
+}  // namespace dflash::stream_gemm

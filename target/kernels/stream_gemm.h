@@ -1,0 +1,50 @@
+// stream_gemm.h: the target's bf16 projections at a decoding step's rows (at most 128), y [m, n]
+// = x [m, k] . W^T with W [n, k] row-major, as a stream-K GEMM of our own (kernels in
+// stream_gemm.cu, pieces in stream_gemm/): TMA streams W through a ring of shared-memory stages,
+// two wgmma warpgroups multiply, and every SM takes the same number of W's k-blocks, the tiles
+// it shares with its neighbours summed through a workspace (stream_gemm/schedule.h).
+//
+// Why: at 128 rows the product is bound by W's bytes. Where cuBLASLt splits a long reduction it
+// runs a second kernel to sum the splits and leaves a partial wave; here every SM streams the
+// same share of W and the shares of a tile are summed in the same kernel (preferred() says where
+// that measured faster). No torch headers here.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace dflash::stream_gemm {
+
+inline constexpr int64_t kMaxRows = 128;
+
+struct Problem {
+  const void* x;         // bf16 [m, k], rows x_stride elements apart, 16-byte aligned
+  int64_t x_stride;      // a multiple of 8, >= k
+  const void* w;         // bf16 [n, k] contiguous, 16-byte aligned
+  void* y;               // bf16 [m, n] contiguous
+  int64_t m, n, k;
+};
+
+// Whether the kernels were built for this GPU (sm_90a, compute capability 9.0), no test or bench
+// forced cuBLASLt (force_mma_sync(MmaKernels::projections), kernel_variants.h), and they take the
+// problem: 1 <= m <= 128, k a multiple of 8, n < 2^31, x and W aligned as above (y is not
+// looked at: run checks it).
+bool applies(const Problem& p, int device);
+
+// Whether the target's projections take the stream-K GEMM for this problem where it applies:
+// long reductions (k >= 2n: a decoding step's down_proj), where cuBLASLt's heuristic splits k and
+// sums the splits in a second kernel and the stream-K GEMM measured 1.06-1.08x faster at 64 and
+// 128 rows. On the shorter reductions cuBLASLt measured as fast or faster (0.88-1.05x; the tail
+// of summing a tile's shares weighs most on the smallest products): bench/RESULTS.md, session 23.
+inline bool preferred(const Problem& p) { return p.k >= 2 * p.n; }
+
+// Bytes of workspace one stream needs on `device`; zero it once before its first use. Each run
+// leaves it as it found it (every flag down), so a stream reuses it without clearing.
+size_t workspace_bytes(int device);
+
+// Runs the product on `stream`. `workspace` belongs to that stream (workspace_bytes, zeroed).
+void run(const Problem& p, void* workspace, int device, cudaStream_t stream);
+
+}  // namespace dflash::stream_gemm
