@@ -10,7 +10,7 @@
 // lists (tiles, stages, cluster shapes, custom options; FP8 also with fast accumulation) against
 // the heuristic's first; `explore-split-k` the bf16 product through the heuristic's first 8
 // algorithms at every split-k and reduction scheme, the weights read from memory (4 copies);
-// `stream` the product as the target runs it (projection_bf16) against cuBLASLt's heuristic.
+// `stream` the stream-K GEMM against cuBLASLt's heuristic (and which the projections take).
 // Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k | stream] [ROWS...]
 //        (default: 3072 128)
 #include <ATen/ATen.h>
@@ -29,6 +29,7 @@
 
 #include "bench/timing.h"
 #include "target/fp8.h"
+#include "target/kernels/stream_gemm.h"
 #include "target/lt_gemm.h"
 
 using namespace dflash;
@@ -371,28 +372,39 @@ std::pair<double, double> explore_split_k(cublasLtHandle_t handle, const Shape& 
   return {heuristic, fastest};
 }
 
-// bf16 at `m` rows as the target runs its projections (projection_bf16: the stream-K GEMM on
-// Hopper up to 128 rows) against cuBLASLt's heuristic (lt_gemm_bf16), 20 products back to back
-// over 4 rotated copies of the weights (as a step reads them: from memory, launch gaps included).
-// Returns {cuBLASLt ms, projection ms} per product.
+// bf16 at `m` rows: the stream-K GEMM (kernels/stream_gemm.h, run directly) against cuBLASLt's
+// heuristic (lt_gemm_bf16), 20 products back to back over 4 rotated copies of the weights (as a
+// step reads them: from memory, launch gaps included), and which of the two the target's
+// projections take (projection_bf16). Returns {cuBLASLt ms, stream-K ms} per product.
 std::pair<double, double> stream_vs_lt(const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
   std::vector<at::Tensor> weights;
   for (int i = 0; i < 4; ++i) weights.push_back((at::randn({s.n, s.k}, gpu) * 0.02).to(at::kBFloat16));
   const at::Tensor reference = at::matmul(x, weights[0].t());
-  const double error = relative_error(target::projection_bf16(x, weights[0]), reference);
+  const at::Tensor workspace =
+      at::zeros({static_cast<int64_t>(stream_gemm::workspace_bytes(0))}, gpu.dtype(at::kByte));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(0).stream();
+  const auto stream_k = [&](const at::Tensor& in, const at::Tensor& w) {
+    at::Tensor y = at::empty({m, s.n}, gpu.dtype(at::kBFloat16));
+    const stream_gemm::Problem p{in.data_ptr(), in.stride(0), w.data_ptr(), y.data_ptr(), m, s.n, s.k};
+    stream_gemm::run(p, workspace.data_ptr(), 0, stream);
+    return y;
+  };
+  const double error = relative_error(stream_k(x, weights[0]), reference);
   auto per_product_ms = [&](auto gemm) {
     return bench::median_ms(7, [&] {
              for (int i = 0; i < 20; ++i) gemm(x, weights[static_cast<size_t>(i % 4)]);
            }) / 20;
   };
-  const double lt = per_product_ms(target::lt_gemm_bf16), ours = per_product_ms(target::projection_bf16);
+  const double lt = per_product_ms(target::lt_gemm_bf16), ours = per_product_ms(stream_k);
+  const stream_gemm::Problem shape{x.data_ptr(), s.k, weights[0].data_ptr(), nullptr, m, s.n, s.k};
   const double bytes = 2.0 * static_cast<double>(s.n) * static_cast<double>(s.k);
-  std::printf("%-12s m %5lld n %5lld k %5lld | cuBLASLt %.4f ms (%.2f TB/s) | projection %.4f ms (%.2f TB/s, vs "
-              "aten %.0e) | %.2fx\n",
+  std::printf("%-12s m %5lld n %5lld k %5lld | cuBLASLt %.4f ms (%.2f TB/s) | stream-K %.4f ms (%.2f TB/s, vs "
+              "aten %.0e) | %.2fx | projections take %s\n",
               s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), lt,
-              bytes / lt / 1e9, ours, bytes / ours / 1e9, error, lt / ours);
+              bytes / lt / 1e9, ours, bytes / ours / 1e9, error, lt / ours,
+              stream_gemm::preferred(shape) ? "stream-K" : "cuBLASLt");
   return {lt, ours};
 }
 
@@ -425,7 +437,7 @@ int main(int argc, char** argv) {
         lt += l * s.per_forward, ours += o * s.per_forward;
       }
       std::printf("| %lld rows, bf16 GEMMs of a forward over layers 0..61, weights from memory | cuBLASLt %.2f ms | "
-                  "projection_bf16 %.2f |\n", static_cast<long long>(m), lt, ours);
+                  "stream-K %.2f |\n", static_cast<long long>(m), lt, ours);
       continue;
     }
     if (mode == "explore-split-k") {

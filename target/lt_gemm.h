@@ -30,7 +30,7 @@ at::Tensor lt_gemm_fp8(const Fp8Activations& a, const Fp8Weight& w);
 at::Tensor lt_gemm_bf16(const at::Tensor& x, const at::Tensor& w);
 
 // The same product as the target's projections run it: on Hopper at a decoding step's rows
-// (at most 128) and a long reduction, the stream-K GEMM (kernels/stream_gemm.h: applies,
+// (at most 128) and W of 128 MB or more, the stream-K GEMM (kernels/stream_gemm.h: applies,
 // preferred); lt_gemm_bf16 otherwise.
 at::Tensor projection_bf16(const at::Tensor& x, const at::Tensor& w);
 

@@ -648,7 +648,7 @@ TEST(StreamGemmSchedule, EveryKBlockOfEveryTileIsSummedOnce) {
 // step, tiles split among many CTAs (few tiles, long k), n not a multiple of the tile, k not a
 // multiple of the k-block, x's rows strided, 1..128 rows; the same workspace for every product
 // and each product run twice, bit for bit the same (every flag is left down). Through Linear
-// too where the projections prefer it (long reductions).
+// too where the projections prefer it (the larger products).
 TEST(StreamGemm, GpuMatchesTheFp32ProductAndRepeatsItself) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   namespace sg = dflash::stream_gemm;

@@ -21,30 +21,41 @@ namespace {
 
 constexpr int kThreads = 128 + kConsumerThreads;  // a producer warpgroup and two consumers
 
-// Stages per ring: as many as fit in 227 KB of shared memory beside the staged output (each SM
-// keeps 64-96 KB of W in flight: bench/RESULTS.md, session 23, streamed W as fast with any
-// stage shape from 96 KB).
+// Stages per ring, as measured fastest (bench/RESULTS.md, session 23): 6 of W (96 KB in flight
+// per SM streamed W at 4.1 TB/s without products; deeper rings were no faster), 4-5 of x (3
+// starved the products at 128 rows).
 template <int kTokens>
-inline constexpr int kStages = kTokens == 128 ? 5 : 7;
+inline constexpr int kWStages = 6;
+template <int kTokens>
+inline constexpr int kXStages = kTokens == 128 ? 5 : 4;
+template <int kTokens>
+using SharedFor = Shared<kTokens, kWStages<kTokens>, kXStages<kTokens>>;
+
+// The rows of x's box: the product's, rounded up to whole 8-row swizzle groups. The rows of a
+// stage beyond them hold whatever was there; they only reach the tokens' columns that are never
+// stored (each column of y^T depends on its own row of x). Boxes past the tensor's rows cost time
+// filling zeros.
+__host__ __device__ constexpr int x_box_rows(int m) { return (m + 7) / 8 * 8; }
 
 template <int kTokens>
 constexpr size_t shared_bytes() {
-  return sizeof(Shared<kTokens, kStages<kTokens>>) + 1024;  // + the alignment of the ring
+  return sizeof(SharedFor<kTokens>) + 1024;  // + the alignment of the rings
 }
 
+// Warpgroup 0 produces (thread 0 W, thread 32 x), warpgroups 1 and 2 consume. The kernel is a
+// programmatic dependent of the stream's previous kernel (launch.h), which may still be writing
+// x or reading memory that y or the workspace reuse: W, which no kernel writes, streams at once;
+// x and every write wait for that kernel.
 template <int kTokens>
 __global__ void __launch_bounds__(kThreads, 1)
     stream_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map,
                        Schedule schedule, Output out) {
 #ifdef DFLASHD_WGMMA
-  constexpr int S = kStages<kTokens>;
   extern __shared__ unsigned char raw[];
-  auto& shared = mma_tile::aligned_shared<Shared<kTokens, S>>(raw);
+  auto& shared = mma_tile::aligned_shared<SharedFor<kTokens>>(raw);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      full_barrier(shared, s).init(1);
-      empty_barrier(shared, s).init(kConsumerWarps);
-    }
+    shared.w.init();
+    shared.x.init();
     barriers::TransactionBarrier::fence_init();
     tma::prefetch_map(&w_map);
     tma::prefetch_map(&x_map);
@@ -56,13 +67,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warpgroup = static_cast<int>(threadIdx.x) / 128;
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (threadIdx.x == 0) produce(shared, &w_map, &x_map, schedule, begin, end);
+    if (threadIdx.x == 0) {
+      produce(shared.w, &w_map, schedule, begin, end, true, kRowsPerTile * kBlockK * 2, tma::evict_first());
+    }
+    if (threadIdx.x == 32) {
+      barriers::wait_for_prerequisite();
+      produce(shared.x, &x_map, schedule, begin, end, false, x_box_rows(out.m) * kBlockK * 2, tma::evict_last());
+    }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  barriers::wait_for_prerequisite();  // before any write: y and the workspace may be in its use
+  barriers::wait_for_prerequisite();
   const int ct = static_cast<int>(threadIdx.x) - 128;
-  RingPosition at;
+  ConsumerPosition at;
   Accumulators<kTokens> acc;
   for (int64_t u = begin; u < end;) {
     const Segment g = schedule.segment(u, end);
@@ -138,7 +155,7 @@ void launch(const Problem& p, void* workspace, int device, cudaStream_t stream) 
     allow_shared_memory(stream_gemm_kernel<kTokens>, shared_bytes<kTokens>(), "stream GEMM kernel");
   });
   const CUtensorMap w_map = tensor_map(p.w, p.n, p.k, p.k, kRowsPerTile, "W");
-  const CUtensorMap x_map = tensor_map(p.x, p.m, p.k, p.x_stride, kTokens, "x");
+  const CUtensorMap x_map = tensor_map(p.x, p.m, p.k, p.x_stride, x_box_rows(static_cast<int>(p.m)), "x");
   const Schedule schedule = Schedule::make(p.n, p.k, facts(device).sms);
   int* flags = static_cast<int*>(workspace);
   const Output out{static_cast<__nv_bfloat16*>(p.y), static_cast<int>(p.m), static_cast<int>(p.n), flags,

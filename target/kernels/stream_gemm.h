@@ -34,11 +34,12 @@ struct Problem {
 bool applies(const Problem& p, int device);
 
 // Whether the target's projections take the stream-K GEMM for this problem where it applies:
-// long reductions (k >= 2n: a decoding step's down_proj), where cuBLASLt's heuristic splits k and
-// sums the splits in a second kernel and the stream-K GEMM measured 1.06-1.08x faster at 64 and
-// 128 rows. On the shorter reductions cuBLASLt measured as fast or faster (0.88-1.05x; the tail
-// of summing a tile's shares weighs most on the smallest products): bench/RESULTS.md, session 23.
-inline bool preferred(const Problem& p) { return p.k >= 2 * p.n; }
+// W of 64M elements (128 MB) or more. Against cuBLASLt's heuristic at 1-128 rows
+// (bench/RESULTS.md, session 23): the long reduction of down_proj 1.02-1.11x (cuBLASLt splits k
+// and sums the splits in a second kernel), gate_up 1.00-1.06x, GatedDeltaNet in_proj
+// 0.99-1.02x, attention qkv 0.96-1.05x; on the smallest products, out_proj and o_proj (31M
+// elements), 0.86-0.91x: the tail of summing a tile's shares is not amortised there.
+inline bool preferred(const Problem& p) { return p.n * p.k >= (int64_t{1} << 26); }
 
 // Bytes of workspace one stream needs on `device`; zero it once before its first use. Each run
 // leaves it as it found it (every flag down), so a stream reuses it without clearing.

@@ -1,6 +1,7 @@
-// mainloop.cuh: the stream-K GEMM's pipeline (stream_gemm.cu). One producer thread streams the
-// k-blocks of a CTA's range into a ring of shared-memory stages by TMA; two consumer warpgroups
-// multiply each stage on wgmma as it lands and hand it back.
+// mainloop.cuh: the stream-K GEMM's pipeline (stream_gemm.cu). Two producer threads stream the
+// k-blocks of a CTA's range by TMA, W's into one ring of shared-memory stages and x's into
+// another; two consumer warpgroups multiply each k-block on wgmma as both land and hand its
+// stages back.
 //
 // The product is taken transposed, y^T = W . x^T: a tile's 128 rows of W are the wgmma's M (each
 // consumer warpgroup owns 64 of them, one m64 product) and x's rows (the tokens, at most kTokens)
@@ -8,9 +9,13 @@
 // weights, read once, are the operand that streams. (Tiles of 256 rows, two m64 products per
 // warpgroup, streamed slower and doubled the sums handed between CTAs: bench/RESULTS.md.)
 //
-// Stage s holds W's tile rows x 64 columns and x's kTokens rows x 64 columns, both in the
-// 128-byte swizzle that TMA writes and wgmma reads (wgmma.cuh's K-major layout: 128 bytes a row,
-// 8-row groups 1024 bytes apart). full[s] completes when the producer's bytes have landed;
+// Why two rings: W comes from memory and only bytes in flight hide its latency, x (every CTA
+// reads the same rows) from L2. One ring of W + x stages spent half its room on x; W's ring is
+// now as deep as shared memory allows, x's only as deep as L2's latency needs.
+//
+// A W stage holds the tile's rows x 64 columns, an x stage kTokens rows x 64 columns, both in
+// the 128-byte swizzle that TMA writes and wgmma reads (wgmma.cuh's K-major layout: 128 bytes a
+// row, 8-row groups 1024 bytes apart). full[s] completes when the producer's bytes have landed;
 // empty[s] when each of the 8 consumer warps has finished reading it.
 #pragma once
 
@@ -29,20 +34,41 @@ namespace dflash::stream_gemm {
 inline constexpr int kConsumerWarps = 8;  // two warpgroups
 inline constexpr int kOutStride = kRowsPerTile + 8;  // the staged output's row (bf16), padded
 
-// The ring, and the output tile staged for coalesced stores ([token][row], rows padded by 8 so
-// that the consumers' column-wise writes spread over the banks).
-template <int kTokens, int kStages>
-struct Shared {
-  static constexpr int kWBytes = kRowsPerTile * kBlockK * 2;
-  static constexpr int kXBytes = kTokens * kBlockK * 2;
-  alignas(1024) unsigned char w[kStages][kWBytes];
-  alignas(1024) unsigned char x[kStages][kXBytes];
-  alignas(16) __nv_bfloat16 out[kTokens][kOutStride];
+// kStages buffers of kBytes and their barriers.
+template <int kBytes, int kStages>
+struct Ring {
+  static constexpr int kBufferBytes = kBytes;
+  static constexpr int kDepth = kStages;
+  alignas(1024) unsigned char buffer[kStages][kBytes];
   uint64_t full[kStages];
   uint64_t empty[kStages];
+
+  __device__ __forceinline__ uint32_t address(int stage) const { return mma_tile::shared_address(buffer[stage]); }
+  __device__ __forceinline__ barriers::TransactionBarrier full_at(int stage) const {
+    return {mma_tile::shared_address(&full[stage])};
+  }
+  __device__ __forceinline__ barriers::TransactionBarrier empty_at(int stage) const {
+    return {mma_tile::shared_address(&empty[stage])};
+  }
+  // One thread, before any use (then fence_init and a CTA sync).
+  __device__ __forceinline__ void init() const {
+    for (int s = 0; s < kStages; ++s) {
+      full_at(s).init(1);
+      empty_at(s).init(kConsumerWarps);
+    }
+  }
 };
 
-// A position in the ring: the stage and the parity of its current use.
+// W's and x's rings, and the output tile staged for coalesced stores ([token][row], rows padded
+// by 8 so that the consumers' column-wise writes spread over the banks).
+template <int kTokens, int kWStages, int kXStages>
+struct Shared {
+  Ring<kRowsPerTile * kBlockK * 2, kWStages> w;
+  Ring<kTokens * kBlockK * 2, kXStages> x;
+  alignas(16) __nv_bfloat16 out[kTokens][kOutStride];
+};
+
+// A position in a ring: the stage and the parity of its current use.
 struct RingPosition {
   int stage = 0;
   uint32_t phase = 0;
@@ -55,54 +81,21 @@ struct RingPosition {
   }
 };
 
-template <typename S>
-__device__ __forceinline__ barriers::TransactionBarrier full_barrier(S& shared, int stage) {
-  return {mma_tile::shared_address(&shared.full[stage])};
-}
-template <typename S>
-__device__ __forceinline__ barriers::TransactionBarrier empty_barrier(S& shared, int stage) {
-  return {mma_tile::shared_address(&shared.empty[stage])};
-}
-
-// One thread: every unit of the CTA's range [u, end), in order, one stage each. The kernel is a
-// programmatic dependent of the stream's previous kernel (launch.h), which may still be writing
-// x: W, which no kernel writes, starts streaming into the first stages before the wait for that
-// kernel, x after it.
-template <int kTokens, int kStages>
-__device__ __forceinline__ void produce(Shared<kTokens, kStages>& shared, const void* w_map, const void* x_map,
-                                        const Schedule& schedule, int64_t u, int64_t end) {
-  using S = Shared<kTokens, kStages>;
-  const uint64_t stream = tma::evict_first(), keep = tma::evict_last();
-  const auto column_of = [&](int64_t unit, int& tile) {
-    tile = static_cast<int>(unit / schedule.k_blocks);
-    return static_cast<int>(unit - static_cast<int64_t>(tile) * schedule.k_blocks) * kBlockK;
-  };
-  const int64_t primed = end - u < kStages ? end - u : kStages;
-  for (int s = 0; s < primed; ++s) {  // the first stages are free: no wait
-    int tile = 0;
-    const int column = column_of(u + s, tile);
-    const barriers::TransactionBarrier full = full_barrier(shared, s);
-    full.expect_bytes(S::kWBytes + S::kXBytes);
-    tma::load_2d(mma_tile::shared_address(shared.w[s]), w_map, column, tile * kRowsPerTile, full.address, stream);
-  }
-  barriers::wait_for_prerequisite();
-  for (int s = 0; s < primed; ++s) {
-    int tile = 0;
-    const int column = column_of(u + s, tile);
-    tma::load_2d(mma_tile::shared_address(shared.x[s]), x_map, column, 0, full_barrier(shared, s).address, keep);
-  }
+// One thread: the k-blocks of every unit of the CTA's range [u, end), in order, into `ring`:
+// W's tile rows (weights) or x's rows; `bytes` per stage (the tensor map's box: x's box has only
+// the rows the product has, rounded up to 8).
+template <typename R>
+__device__ __forceinline__ void produce(R& ring, const void* map, const Schedule& schedule, int64_t u, int64_t end,
+                                        bool weights, uint32_t bytes, uint64_t policy) {
   RingPosition at;
-  for (int s = 0; s < primed; ++s) at.advance<kStages>();
-  for (u += primed; u < end; ++u) {
-    int tile = 0;
-    const int column = column_of(u, tile);
-    empty_barrier(shared, at.stage).wait(at.phase ^ 1);
-    const barriers::TransactionBarrier full = full_barrier(shared, at.stage);
-    full.expect_bytes(S::kWBytes + S::kXBytes);
-    tma::load_2d(mma_tile::shared_address(shared.w[at.stage]), w_map, column, tile * kRowsPerTile, full.address,
-                 stream);
-    tma::load_2d(mma_tile::shared_address(shared.x[at.stage]), x_map, column, 0, full.address, keep);
-    at.advance<kStages>();
+  for (; u < end; ++u) {
+    const int tile = static_cast<int>(u / schedule.k_blocks);
+    const int column = static_cast<int>(u - static_cast<int64_t>(tile) * schedule.k_blocks) * kBlockK;
+    ring.empty_at(at.stage).wait(at.phase ^ 1);
+    const barriers::TransactionBarrier full = ring.full_at(at.stage);
+    full.expect_bytes(bytes);
+    tma::load_2d(ring.address(at.stage), map, column, weights ? tile * kRowsPerTile : 0, full.address, policy);
+    at.advance<R::kDepth>();
   }
 }
 
@@ -131,24 +124,37 @@ __device__ __forceinline__ void multiply_stage(Accumulators<kTokens>& acc, uint3
   wgmma::commit();
 }
 
-// A consumer warpgroup's k-blocks [k_begin, k_end) of one tile into `acc` (overwritten), each
-// stage handed back once the products that read it have finished.
-template <int kTokens, int kStages>
-__device__ __forceinline__ void consume_segment(Shared<kTokens, kStages>& shared, Accumulators<kTokens>& acc,
-                                                RingPosition& at, int k_blocks, int warpgroup) {
+// Where a consumer warpgroup stands in both rings.
+struct ConsumerPosition {
+  RingPosition w, x;
+};
+
+// A consumer warpgroup's `k_blocks` k-blocks of one tile into `acc` (overwritten), each k-block's
+// stages handed back once the products that read them have finished.
+template <int kTokens, int kWStages, int kXStages>
+__device__ __forceinline__ void consume_segment(Shared<kTokens, kWStages, kXStages>& shared,
+                                                Accumulators<kTokens>& acc, ConsumerPosition& at, int k_blocks,
+                                                int warpgroup) {
   const bool signals = (threadIdx.x & 31) == 0;
-  int previous = -1;
+  ConsumerPosition previous{{-1, 0}, {-1, 0}};
+  const auto release = [&](const ConsumerPosition& p) {
+    if (p.w.stage >= 0 && signals) {
+      shared.w.empty_at(p.w.stage).arrive();
+      shared.x.empty_at(p.x.stage).arrive();
+    }
+  };
   for (int i = 0; i < k_blocks; ++i) {
-    full_barrier(shared, at.stage).wait(at.phase);
-    multiply_stage(acc, mma_tile::shared_address(shared.w[at.stage]), mma_tile::shared_address(shared.x[at.stage]),
-                   warpgroup, i == 0);
+    shared.w.full_at(at.w.stage).wait(at.w.phase);
+    shared.x.full_at(at.x.stage).wait(at.x.phase);
+    multiply_stage(acc, shared.w.address(at.w.stage), shared.x.address(at.x.stage), warpgroup, i == 0);
     wgmma::wait<1>(acc.c);
-    if (previous >= 0 && signals) empty_barrier(shared, previous).arrive();
-    previous = at.stage;
-    at.advance<kStages>();
+    release(previous);
+    previous = at;
+    at.w.advance<kWStages>();
+    at.x.advance<kXStages>();
   }
   wgmma::wait<0>(acc.c);
-  if (previous >= 0 && signals) empty_barrier(shared, previous).arrive();
+  release(previous);
 }
 
 }  // namespace dflash::stream_gemm
