@@ -18,6 +18,12 @@ __device__ __forceinline__ float weighted_norm(float normed, float w, bool zero_
   return round_bf16(zero_centred ? normed * (w + 1.f) : w * round_bf16(normed));
 }
 
+// SwiGLU's product of a bf16 gate and up value, rounded as the composite bf16(silu(g)) * u is
+// (the caller rounds the product): silu_mul's kernel and the stream-K GEMM's fused epilogue.
+__device__ __forceinline__ float silu_times(float g, float u) {
+  return round_bf16(__fdividef(g, 1.f + __expf(-g))) * u;
+}
+
 // Eight bf16 values held as 16 raw bytes (a load issued before its values are needed).
 __device__ __forceinline__ void unpack8(float (&dst)[8], const uint4& raw) {
   const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #ifdef DFLASHD_WITH_CUDA
+#include "target/fused_ops.h"
 #include "target/lt_gemm.h"
 #endif
 
@@ -174,19 +175,35 @@ struct LayerReader {
 
 namespace {
 
+#ifdef DFLASHD_WITH_CUDA
+// x's rows as the [rows, in] view our GEMMs take (lt_gemm.h: bf16 on a GPU, no bias, at most
+// kCublasLtRows rows, rows at a stride of a multiple of 8, 16-byte aligned); undefined otherwise.
+at::Tensor gemm_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  if (bias.defined() || !x.is_cuda() || x.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 ||
+      !weight.is_contiguous() || weight.size(1) % 8 != 0) {
+    return {};
+  }
+  at::Tensor rows = x.reshape({-1, x.size(-1)});
+  if (rows.size(0) <= kCublasLtRows && rows.stride(1) == 1 && rows.stride(0) % 8 == 0 && rows.stride(0) >= rows.size(1) &&
+      reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0) {
+    return rows;
+  }
+  return {};
+}
+
+// x's shape with its last dimension `last`.
+std::vector<int64_t> with_last(const at::Tensor& x, int64_t last) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = last;
+  return shape;
+}
+#endif
+
 // x [..., in] @ weight^T (+ bias) in the model dtype.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
 #ifdef DFLASHD_WITH_CUDA
-  if (!bias.defined() && x.is_cuda() && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-      weight.is_contiguous() && weight.size(1) % 8 == 0) {
-    const at::Tensor rows = x.reshape({-1, x.size(-1)});
-    if (rows.size(0) <= kCublasLtRows && rows.stride(1) == 1 && rows.stride(0) % 8 == 0 && rows.stride(0) >= rows.size(1) &&
-        reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0) {
-      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-      shape.back() = weight.size(0);
-      return projection_bf16(rows, weight).view(shape);
-    }
-  }
+  const at::Tensor rows = gemm_rows(x, weight, bias);
+  if (rows.defined()) return projection_bf16(rows, weight).view(with_last(x, weight.size(0)));
 #endif
   return at::linear(x, weight, bias);
 }
@@ -195,6 +212,19 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 
 at::Tensor Linear::operator()(const at::Tensor& x) const {
   return fp8.defined() ? fp8_linear(x, fp8, bias) : dense_linear(x, weight, bias);
+}
+
+at::Tensor Linear::silu_mul_of(const at::Tensor& x) const {
+#ifdef DFLASHD_WITH_CUDA
+  const at::Tensor rows = fp8.defined() ? at::Tensor() : gemm_rows(x, weight, bias);
+  if (rows.defined()) {
+    const at::Tensor fused = projection_silu_mul_bf16(rows, weight);
+    if (fused.defined()) return fused.view(with_last(x, weight.size(0) / 2));
+  }
+#endif
+  const at::Tensor both = (*this)(x);
+  const int64_t inner = both.size(-1) / 2;
+  return silu_mul(both.narrow(-1, 0, inner), both.narrow(-1, inner, inner));
 }
 
 int64_t Linear::bytes() const {

@@ -199,4 +199,17 @@ at::Tensor projection_bf16(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+at::Tensor projection_silu_mul_bf16(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+  const at::Device device = x.device();
+  const c10::cuda::CUDAGuard guard(device);
+  stream_gemm::Problem p{x.data_ptr(), x.stride(0), w.data_ptr(), nullptr, m, n, k, n / 2};
+  if (n % 2 != 0 || !stream_gemm::preferred(p) || !stream_gemm::applies(p, device.index())) return {};
+  at::Tensor y = at::empty({m, n / 2}, x.options());
+  p.y = y.data_ptr();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
+  stream_gemm::run(p, stream_gemm_workspace(device, stream), device.index(), stream);
+  return y;
+}
+
 }  // namespace dflash::target

@@ -34,4 +34,10 @@ at::Tensor lt_gemm_bf16(const at::Tensor& x, const at::Tensor& w);
 // preferred); lt_gemm_bf16 otherwise.
 at::Tensor projection_bf16(const at::Tensor& x, const at::Tensor& w);
 
+// silu(x . gate^T) * (x . up^T) for a SwiGLU's stacked W = [gate; up] ([2I, k]) in one stream-K
+// GEMM whose epilogue applies the SwiGLU as silu_mul does (stream_gemm.h: glu_inner), where
+// projection_bf16 would take the stream-K GEMM; undefined otherwise (the caller runs the product
+// and silu_mul).
+at::Tensor projection_silu_mul_bf16(const at::Tensor& x, const at::Tensor& w);
+
 }  // namespace dflash::target

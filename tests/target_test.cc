@@ -694,6 +694,47 @@ TEST(StreamGemm, GpuMatchesTheFp32ProductAndRepeatsItself) {
   }
   EXPECT_EQ(workspace.narrow(0, 0, sg::kFlagInts * 4).count_nonzero().item<int64_t>(), 0) << "a flag left raised";
 }
+
+// The SwiGLU epilogue (glu_inner: W = [gate; up]) against silu_mul of the fp32 products rounded to
+// bf16: I a multiple of the 64-feature tile or not, y's rows not 16-byte aligned (I odd), 1..128
+// rows; and Linear::silu_mul_of, which a Hopper GPU sends here for a large enough W, equal to it.
+TEST(StreamGemm, GpuSwiGluEpilogueIsSiluMulOfTheProducts) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  namespace sg = dflash::stream_gemm;
+  const int device = 0;
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, device);
+  if (!sg::applies(sg::Problem{nullptr, 64, nullptr, nullptr, 1, 128, 64, 64}, device)) {
+    GTEST_SKIP() << "the stream GEMM runs on compute capability 9.0 (sm_90a builds) only";
+  }
+  at::Tensor workspace = at::zeros({static_cast<int64_t>(sg::workspace_bytes(device))}, bf16.dtype(at::kByte));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+  struct Case {
+    int64_t m, inner, k;
+  };
+  at::manual_seed(11);
+  for (const Case& c : {Case{128, 8192, 4096}, Case{37, 1000, 256}, Case{1, 64, 64}, Case{100, 300, 4096},
+                        Case{65, 1003, 136}}) {
+    SCOPED_TRACE(std::to_string(c.m) + " x " + std::to_string(c.k) + " -> 2 x " + std::to_string(c.inner));
+    const at::Tensor x = at::randn({c.m, c.k}, bf16);
+    const at::Tensor w = (at::randn({2 * c.inner, c.k}, bf16) / std::sqrt(static_cast<double>(c.k))).to(at::kBFloat16);
+    const at::Tensor both = x.to(at::kFloat).matmul(w.to(at::kFloat).t()).to(at::kBFloat16);
+    const at::Tensor want =
+        dflash::target::silu_mul(both.narrow(1, 0, c.inner), both.narrow(1, c.inner, c.inner)).to(at::kFloat);
+    at::Tensor got = at::empty({c.m, c.inner}, bf16);
+    const sg::Problem p{x.data_ptr(), c.k, w.data_ptr(), got.data_ptr(), c.m, 2 * c.inner, c.k, c.inner};
+    ASSERT_TRUE(sg::applies(p, device));
+    sg::run(p, workspace.data_ptr(), device, stream);
+    const at::Tensor error = (got.to(at::kFloat) - want).abs();
+    const at::Tensor bound = want.abs() * (1.0 / 64) + 2e-3;
+    EXPECT_TRUE(error.le(bound).all().item<bool>()) << "worst excess " << (error - bound).max().item<float>();
+    if (sg::preferred(p)) {
+      dflash::target::Linear gate_up;
+      gate_up.weight = w;
+      EXPECT_TRUE(at::equal(gate_up.silu_mul_of(x), got)) << "Linear did not run the fused GEMM";
+    }
+  }
+  EXPECT_EQ(workspace.narrow(0, 0, sg::kFlagInts * 4).count_nonzero().item<int64_t>(), 0) << "a flag left raised";
+}
 #endif
 
 TEST(FusedOps, GpuKernelsMatchTheCompositeExpressions) {

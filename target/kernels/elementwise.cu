@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kSiluThreads) silu_mul_kernel(const bf16* __re
   load8(g, gate + in);
   load8(u, up + in);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) g[j] = round_bf16(__fdividef(g[j], 1.f + __expf(-g[j]))) * u[j];
+  for (int j = 0; j < 8; ++j) g[j] = bf16x8::silu_times(g[j], u[j]);
   if constexpr (kFp8) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) g[j] = round_bf16(g[j]);

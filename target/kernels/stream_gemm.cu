@@ -68,11 +68,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x == 0) {
-      produce(shared.w, &w_map, schedule, begin, end, true, kRowsPerTile * kBlockK * 2, tma::evict_first());
+      const BoxRows rows{kRowsPerTile, out.glu_inner > 0 ? out.glu_inner : -1};
+      produce(shared.w, &w_map, schedule, begin, end, rows, kRowsPerTile * kBlockK * 2, tma::evict_first());
     }
     if (threadIdx.x == 32) {
       barriers::wait_for_prerequisite();
-      produce(shared.x, &x_map, schedule, begin, end, false, x_box_rows(out.m) * kBlockK * 2, tma::evict_last());
+      produce(shared.x, &x_map, schedule, begin, end, BoxRows{}, x_box_rows(out.m) * kBlockK * 2, tma::evict_last());
     }
     return;
   }
@@ -154,12 +155,15 @@ void launch(const Problem& p, void* workspace, int device, cudaStream_t stream) 
   std::call_once(once[device], [] {
     allow_shared_memory(stream_gemm_kernel<kTokens>, shared_bytes<kTokens>(), "stream GEMM kernel");
   });
-  const CUtensorMap w_map = tensor_map(p.w, p.n, p.k, p.k, kRowsPerTile, "W");
+  const bool glu = p.glu_inner > 0;
+  const CUtensorMap w_map = tensor_map(p.w, p.n, p.k, p.k, glu ? kRowsPerTile / 2 : kRowsPerTile, "W");
   const CUtensorMap x_map = tensor_map(p.x, p.m, p.k, p.x_stride, x_box_rows(static_cast<int>(p.m)), "x");
-  const Schedule schedule = Schedule::make(p.n, p.k, facts(device).sms);
+  // A SwiGLU's tile is 64 features' gate and up rows: as many tiles as a product of 2 I rounded.
+  const int64_t glu_rows = 2 * ((p.glu_inner + kRowsPerTile / 2 - 1) / (kRowsPerTile / 2) * (kRowsPerTile / 2));
+  const Schedule schedule = Schedule::make(glu ? glu_rows : p.n, p.k, facts(device).sms);
   int* flags = static_cast<int*>(workspace);
-  const Output out{static_cast<__nv_bfloat16*>(p.y), static_cast<int>(p.m), static_cast<int>(p.n), flags,
-                   reinterpret_cast<float*>(flags + kFlagInts)};
+  const Output out{static_cast<__nv_bfloat16*>(p.y), static_cast<int>(p.m), static_cast<int>(p.n),
+                   static_cast<int>(p.glu_inner), flags, reinterpret_cast<float*>(flags + kFlagInts)};
   check_cuda(launch_dependent(stream_gemm_kernel<kTokens>, dim3(schedule.ctas), kThreads, shared_bytes<kTokens>(),
                               stream, w_map, x_map, schedule, out),
              "stream GEMM kernel");
@@ -172,7 +176,8 @@ bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 bool applies(const Problem& p, int device) {
 #ifdef DFLASHD_CUDA_SM90A
   return facts(device).hopper && !mma_sync_forced(MmaKernels::projections) && p.m >= 1 && p.m <= kMaxRows && p.k % 8 == 0 && p.k > 0 && p.n > 0 &&
-         p.n < (int64_t{1} << 31) && p.x_stride % 8 == 0 && p.x_stride >= p.k && aligned(p.x) && aligned(p.w);
+         p.n < (int64_t{1} << 31) && p.x_stride % 8 == 0 && p.x_stride >= p.k && aligned(p.x) && aligned(p.w) &&
+         p.glu_inner >= 0 && (p.glu_inner == 0 || p.n == 2 * p.glu_inner);
 #else
   (void)p;
   (void)device;

@@ -19,18 +19,24 @@ namespace dflash::stream_gemm {
 
 inline constexpr int64_t kMaxRows = 128;
 
+// glu_inner 0: y = x . W^T. glu_inner I > 0: W is a SwiGLU's stacked [gate; up] ([2I, k], n = 2I)
+// and y [m, I] = silu(x . gate^T) * (x . up^T), each product rounded to bf16 first and the rest
+// rounded as silu_mul rounds it; the tiles then pair 64 gate rows with the same 64 up rows, so the
+// product's output never goes to memory. (The products' fp32 sums may be split among CTAs at
+// other k-blocks than the plain product's, so the last bits may differ from silu_mul of it.)
 struct Problem {
   const void* x;         // bf16 [m, k], rows x_stride elements apart, 16-byte aligned
   int64_t x_stride;      // a multiple of 8, >= k
   const void* w;         // bf16 [n, k] contiguous, 16-byte aligned
-  void* y;               // bf16 [m, n] contiguous
+  void* y;               // bf16 [m, n] (or [m, glu_inner]) contiguous
   int64_t m, n, k;
+  int64_t glu_inner = 0;
 };
 
 // Whether the kernels were built for this GPU (sm_90a, compute capability 9.0), no test or bench
 // forced cuBLASLt (force_mma_sync(MmaKernels::projections), kernel_variants.h), and they take the
-// problem: 1 <= m <= 128, k a multiple of 8, n < 2^31, x and W aligned as above (y is not
-// looked at: run checks it).
+// problem: 1 <= m <= 128, k a multiple of 8, n < 2^31 (n = 2 glu_inner for a SwiGLU), x and W
+// aligned as above (y is not looked at: run checks it).
 bool applies(const Problem& p, int device);
 
 // Whether the target's projections take the stream-K GEMM for this problem where it applies:

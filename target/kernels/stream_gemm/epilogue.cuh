@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "common/barriers.cuh"
+#include "common/bf16x8.cuh"
 #include "target/kernels/stream_gemm/mainloop.cuh"
 
 namespace dflash::stream_gemm {
@@ -24,15 +25,61 @@ inline constexpr int kSlotFloats = kTokens * kRowsPerTile;
 
 // The product's output and workspace as the consumers see them.
 struct Output {
-  __nv_bfloat16* y;  // [m, n], rows n apart
+  __nv_bfloat16* y;  // [m, n], rows n apart (a SwiGLU: [m, glu_inner])
   int m, n;
+  int glu_inner;     // 0, or a SwiGLU's intermediate size (stream_gemm.h)
   int* flags;
   float* slots;
 };
 
+// The staged tile's rows of each token as 16-byte stores (element by element where a row of y
+// is not 16-byte aligned or the tile runs past n).
+__device__ __forceinline__ void copy_out(const __nv_bfloat16* staged, const Output& out, int tile, int ct) {
+  const int first_row = tile * kRowsPerTile;
+  const int rows = out.n - first_row < kRowsPerTile ? out.n - first_row : kRowsPerTile;
+  const bool whole_chunks = out.n % 8 == 0;
+  for (int i = ct; i < out.m * (kRowsPerTile / 8); i += kConsumerThreads) {
+    const int token = i / (kRowsPerTile / 8), row = (i % (kRowsPerTile / 8)) * 8;
+    if (row >= rows) continue;
+    __nv_bfloat16* dst = out.y + static_cast<int64_t>(token) * out.n + first_row + row;
+    const __nv_bfloat16* src = staged + token * kOutStride + row;
+    if (whole_chunks && row + 8 <= rows) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 8 && row + e < rows; ++e) dst[e] = src[e];
+    }
+  }
+}
+
+// A SwiGLU's tile: staged rows 0..63 are the gate's features, 64..127 the same features' up rows;
+// each token's 64 features of silu(gate) * up leave as 16-byte stores.
+__device__ __forceinline__ void copy_out_glu(const __nv_bfloat16* staged, const Output& out, int tile, int ct) {
+  constexpr int kFeatures = kRowsPerTile / 2;
+  const int first = tile * kFeatures;
+  const int features = out.glu_inner - first < kFeatures ? out.glu_inner - first : kFeatures;
+  const bool whole_chunks = out.glu_inner % 8 == 0;
+  for (int i = ct; i < out.m * (kFeatures / 8); i += kConsumerThreads) {
+    const int token = i / (kFeatures / 8), f = (i % (kFeatures / 8)) * 8;
+    if (f >= features) continue;
+    const __nv_bfloat16* gate = staged + token * kOutStride + f;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      v[e] = bf16x8::silu_times(__bfloat162float(gate[e]), __bfloat162float(gate[e + kFeatures]));
+    }
+    __nv_bfloat16* dst = out.y + static_cast<int64_t>(token) * out.glu_inner + first + f;
+    if (whole_chunks && f + 8 <= features) {
+      bf16x8::store8(dst, v);
+    } else {
+      for (int e = 0; e < 8 && f + e < features; ++e) dst[e] = __float2bfloat16(v[e]);
+    }
+  }
+}
+
 // Thread `ct` of the consumers (0..255), warp w = ct / 32 (warpgroup w / 4): c[j][r] is the
 // tile's row 16 w + lane / 4 + 8 (r / 2) and token 8 j + 2 (lane % 4) + r % 2. The tile goes
-// through shared memory ([token][row]) so that each token's rows leave as 16-byte stores.
+// through shared memory ([token][row], rounded to bf16) so that each token's rows leave as
+// 16-byte stores.
 template <int kTokens>
 __device__ __forceinline__ void store_tile(const Accumulators<kTokens>& acc, __nv_bfloat16* staged, const Output& out,
                                            int tile, int ct) {
@@ -48,19 +95,10 @@ __device__ __forceinline__ void store_tile(const Accumulators<kTokens>& acc, __n
     }
   }
   consumers.sync();
-  const int first_row = tile * kRowsPerTile;
-  const int rows = out.n - first_row < kRowsPerTile ? out.n - first_row : kRowsPerTile;
-  const bool whole_chunks = out.n % 8 == 0;  // every token's row of y starts 16-byte aligned
-  for (int i = ct; i < out.m * (kRowsPerTile / 8); i += kConsumerThreads) {
-    const int token = i / (kRowsPerTile / 8), row = (i % (kRowsPerTile / 8)) * 8;
-    if (row >= rows) continue;
-    __nv_bfloat16* dst = out.y + static_cast<int64_t>(token) * out.n + first_row + row;
-    const __nv_bfloat16* src = staged + token * kOutStride + row;
-    if (whole_chunks && row + 8 <= rows) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-    } else {
-      for (int e = 0; e < 8 && row + e < rows; ++e) dst[e] = src[e];
-    }
+  if (out.glu_inner > 0) {
+    copy_out_glu(staged, out, tile, ct);
+  } else {
+    copy_out(staged, out, tile, ct);
   }
 }
 

@@ -81,12 +81,21 @@ struct RingPosition {
   }
 };
 
-// One thread: the k-blocks of every unit of the CTA's range [u, end), in order, into `ring`:
-// W's tile rows (weights) or x's rows; `bytes` per stage (the tensor map's box: x's box has only
-// the rows the product has, rounded up to 8).
+// Where a unit's box starts in its tensor: x's at row 0 for every tile (per_tile 0); W's at the
+// tile's first row (per_tile 128), or for a SwiGLU's stacked [gate; up] (up_rows >= 0) two boxes
+// of 64 rows, the tile's gate rows and the same rows of up, the second landing 64 rows into the
+// stage (so that warpgroup 0 multiplies the gate, warpgroup 1 the up rows).
+struct BoxRows {
+  int per_tile = 0;
+  int64_t up_rows = -1;
+};
+
+// One thread: the k-blocks of every unit of the CTA's range [u, end), in order, into `ring`;
+// `bytes` per stage (the tensor map's box: x's box has only the rows the product has, rounded up
+// to 8).
 template <typename R>
 __device__ __forceinline__ void produce(R& ring, const void* map, const Schedule& schedule, int64_t u, int64_t end,
-                                        bool weights, uint32_t bytes, uint64_t policy) {
+                                        BoxRows rows, uint32_t bytes, uint64_t policy) {
   RingPosition at;
   for (; u < end; ++u) {
     const int tile = static_cast<int>(u / schedule.k_blocks);
@@ -94,7 +103,13 @@ __device__ __forceinline__ void produce(R& ring, const void* map, const Schedule
     ring.empty_at(at.stage).wait(at.phase ^ 1);
     const barriers::TransactionBarrier full = ring.full_at(at.stage);
     full.expect_bytes(bytes);
-    tma::load_2d(ring.address(at.stage), map, column, weights ? tile * kRowsPerTile : 0, full.address, policy);
+    if (rows.up_rows < 0) {
+      tma::load_2d(ring.address(at.stage), map, column, tile * rows.per_tile, full.address, policy);
+    } else {
+      const int gate = tile * (kRowsPerTile / 2), up = static_cast<int>(rows.up_rows) + gate;
+      tma::load_2d(ring.address(at.stage), map, column, gate, full.address, policy);
+      tma::load_2d(ring.address(at.stage) + kRowsPerTile / 2 * 128, map, column, up, full.address, policy);
+    }
     at.advance<R::kDepth>();
   }
 }
