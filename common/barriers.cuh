@@ -29,6 +29,14 @@ __device__ __forceinline__ void wait_for_prerequisite() {
 #endif
 }
 
+// The first statement of a kernel launched as a programmatic dependent (launch.h) that reads its
+// inputs at once: its CTAs are resident before the previous kernel ends, and its own dependents
+// may launch as soon as all of its CTAs have started.
+__device__ __forceinline__ void start_as_dependent() {
+  wait_for_prerequisite();
+  dependents_may_launch();
+}
+
 // ---- named barriers: ids 1..15 (0 is __syncthreads); `threads` counts every thread that syncs
 // or arrives on the barrier (a multiple of 32). A consumer syncs; a producer that must not wait
 // arrives.

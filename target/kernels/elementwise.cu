@@ -8,8 +8,10 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/barriers.cuh"
 #include "common/bf16x8.cuh"
 #include "common/cuda_check.h"
+#include "common/launch.h"
 #include "target/kernels/fp8_group.cuh"
 #include "target/kernels/gdn_gates.cuh"
 
@@ -38,6 +40,7 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(const bf16* 
                                                                     bf16* __restrict__ normed_out,
                                                                     fp8_group::Destination fp8, int n, float eps,
                                                                     bool zero_centred) {
+  barriers::start_as_dependent();
   const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
   auto column = [&](int i) { return (static_cast<int>(threadIdx.x) + i * kNormThreads) * 8; };
   auto load = [](const bf16* p) { return *reinterpret_cast<const uint4*>(p); };
@@ -103,7 +106,9 @@ void launch_add_rms_norm(int rows, int n, cudaStream_t stream, const bf16* x, co
   const auto kernel = chunks <= 2 ? add_rms_norm_kernel<kFp8, 2>
                       : chunks <= 4 ? add_rms_norm_kernel<kFp8, 4>
                                     : add_rms_norm_kernel<kFp8, 8>;
-  kernel<<<rows, kNormThreads, 0, stream>>>(x, delta, weight, sum_out, normed_out, fp8, n, eps, zero_centred);
+  check_cuda(launch_dependent(kernel, dim3(rows), kNormThreads, 0, stream, x, delta, weight, sum_out, normed_out, fp8, n,
+                              eps, zero_centred),
+             "target kernel add_rms_norm");
 }
 
 // Rows of n (a multiple of 8) elements: gate and up rows at a common stride, out contiguous, or
@@ -152,6 +157,7 @@ __global__ void __launch_bounds__(kRowThreads) qk_norm_rope_kernel(const bf16* _
                                                                    const bf16* __restrict__ cos,
                                                                    const bf16* __restrict__ sin, int rotary,
                                                                    bf16* __restrict__ out, float eps, bool zero_centred) {
+  barriers::start_as_dependent();
   const int row = blockIdx.x * (kRowThreads / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (row >= rows) return;  // whole warps
   const int token = row / heads, head = row % heads, c = lane * 8;
@@ -189,6 +195,7 @@ __global__ void __launch_bounds__(kRowThreads) qk_norm_rope_kernel(const bf16* _
 
 __global__ void sigmoid_gate_kernel(bf16* __restrict__ out, const bf16* __restrict__ gate, int64_t token_stride,
                                     int64_t head_stride, int heads, int d, int64_t chunks) {
+  barriers::start_as_dependent();
   const int per_token = heads * d / 8;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -209,6 +216,7 @@ __global__ void __launch_bounds__(kRowThreads) gated_rms_norm_kernel(const float
                                                                      int64_t head_stride, const bf16* __restrict__ weight,
                                                                      bf16* __restrict__ out, int rows, int heads, int d,
                                                                      float eps) {
+  barriers::start_as_dependent();
   const int row = blockIdx.x * (kRowThreads / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (row >= rows) return;  // whole warps
   const int token = row / heads, head = row % heads, c = lane * 8;
@@ -238,6 +246,7 @@ __global__ void __launch_bounds__(kRowThreads) gated_rms_norm_kernel(const float
 __global__ void gdn_gates_kernel(const bf16* __restrict__ a, int64_t a_stride, const bf16* __restrict__ b,
                                  int64_t b_stride, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                                  float* __restrict__ g, float* __restrict__ beta, int heads, int64_t count) {
+  barriers::start_as_dependent();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t token = i / heads;
@@ -300,10 +309,11 @@ void qk_norm_rope(const void* x, int64_t token_stride, int64_t head_stride, int 
   const int rows = tokens * heads;
   if (rows == 0) return;
   const int per_cta = kRowThreads / 32;
-  qk_norm_rope_kernel<<<(rows + per_cta - 1) / per_cta, kRowThreads, 0, stream>>>(
-      static_cast<const bf16*>(x), token_stride, head_stride, rows, heads, d, static_cast<const bf16*>(weight),
-      static_cast<const bf16*>(cos), static_cast<const bf16*>(sin), rotary, static_cast<bf16*>(out), eps, zero_centred);
-  check_cuda_launch("target kernel qk_norm_rope");
+  check_cuda(launch_dependent(qk_norm_rope_kernel, dim3((rows + per_cta - 1) / per_cta), kRowThreads, 0, stream,
+                              static_cast<const bf16*>(x), token_stride, head_stride, rows, heads, d,
+                              static_cast<const bf16*>(weight), static_cast<const bf16*>(cos),
+                              static_cast<const bf16*>(sin), rotary, static_cast<bf16*>(out), eps, zero_centred),
+             "target kernel qk_norm_rope");
 }
 
 void sigmoid_gate(void* out, const void* gate, int64_t token_stride, int64_t head_stride, int tokens, int heads, int d,
@@ -312,9 +322,10 @@ void sigmoid_gate(void* out, const void* gate, int64_t token_stride, int64_t hea
   const int64_t chunks = static_cast<int64_t>(tokens) * heads * d / 8;
   if (chunks == 0) return;
   const int threads = 256;
-  sigmoid_gate_kernel<<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(
-      static_cast<bf16*>(out), static_cast<const bf16*>(gate), token_stride, head_stride, heads, d, chunks);
-  check_cuda_launch("target kernel sigmoid_gate");
+  check_cuda(launch_dependent(sigmoid_gate_kernel, dim3(grid_stride_blocks(chunks, threads)), threads, 0, stream,
+                              static_cast<bf16*>(out), static_cast<const bf16*>(gate), token_stride, head_stride, heads,
+                              d, chunks),
+             "target kernel sigmoid_gate");
 }
 
 void gated_rms_norm(const float* o, const void* z, int64_t token_stride, int64_t head_stride, const void* weight,
@@ -323,10 +334,10 @@ void gated_rms_norm(const float* o, const void* z, int64_t token_stride, int64_t
   const int rows = tokens * heads;
   if (rows == 0) return;
   const int per_cta = kRowThreads / 32;
-  gated_rms_norm_kernel<<<(rows + per_cta - 1) / per_cta, kRowThreads, 0, stream>>>(
-      o, static_cast<const bf16*>(z), token_stride, head_stride, static_cast<const bf16*>(weight), static_cast<bf16*>(out),
-      rows, heads, d, eps);
-  check_cuda_launch("target kernel gated_rms_norm");
+  check_cuda(launch_dependent(gated_rms_norm_kernel, dim3((rows + per_cta - 1) / per_cta), kRowThreads, 0, stream, o,
+                              static_cast<const bf16*>(z), token_stride, head_stride, static_cast<const bf16*>(weight),
+                              static_cast<bf16*>(out), rows, heads, d, eps),
+             "target kernel gated_rms_norm");
 }
 
 void gdn_gates(const void* a, int64_t a_stride, const void* b, int64_t b_stride, const float* a_log,
@@ -334,9 +345,10 @@ void gdn_gates(const void* a, int64_t a_stride, const void* b, int64_t b_stride,
   const int64_t count = static_cast<int64_t>(tokens) * heads;
   if (count == 0) return;
   const int threads = 256;
-  gdn_gates_kernel<<<grid_stride_blocks(count, threads), threads, 0, stream>>>(
-      static_cast<const bf16*>(a), a_stride, static_cast<const bf16*>(b), b_stride, a_log, dt_bias, g, beta, heads, count);
-  check_cuda_launch("target kernel gdn_gates");
+  check_cuda(launch_dependent(gdn_gates_kernel, dim3(grid_stride_blocks(count, threads)), threads, 0, stream,
+                              static_cast<const bf16*>(a), a_stride, static_cast<const bf16*>(b), b_stride, a_log,
+                              dt_bias, g, beta, heads, count),
+             "target kernel gdn_gates");
 }
 
 }  // namespace dflash::target::kernels

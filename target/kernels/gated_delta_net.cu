@@ -52,8 +52,7 @@ void conv_step(const ConvStep& a, cudaStream_t stream) {
   if (a.sequences == 0 || a.channels == 0 || a.tokens == 0) return;
   const dim3 grid(static_cast<unsigned>(a.sequences),
                   static_cast<unsigned>((a.channels / 8 + kConvStepThreads - 1) / kConvStepThreads));
-  conv_step_kernel<<<grid, kConvStepThreads, 0, stream>>>(a);
-  check_cuda_launch("GatedDeltaNet kernel conv_step");
+  check_cuda(launch_dependent(conv_step_kernel, grid, kConvStepThreads, 0, stream, a), "GatedDeltaNet kernel conv_step");
 }
 
 // The fused wgmma state + output kernel on compute capability 9.0 when built for sm_90a (64 value
@@ -148,14 +147,16 @@ void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream
   const int ctas = args.sequences * args.value_heads * kDecodeCtasPerHead;
   // One token on bf16 states (plain decoding steps): column pairs, v read as bf16 pairs.
   const bool v_pairs = reinterpret_cast<uintptr_t>(args.v) % 4 == 0 && args.v_stride % 2 == 0;
+  cudaError_t launched;
   if (args.state_bf16 && args.tokens == 1 && v_pairs) {
-    decode_token_bf16_kernel<<<args.sequences * args.value_heads, kTokenThreads, 0, stream>>>(args);
+    launched = launch_dependent(decode_token_bf16_kernel, dim3(args.sequences * args.value_heads), kTokenThreads, 0,
+                                stream, args);
   } else if (args.state_bf16) {
-    decode_step_kernel<bf16><<<ctas, kDecodeThreads, 0, stream>>>(args);
+    launched = launch_dependent(decode_step_kernel<bf16>, dim3(ctas), kDecodeThreads, 0, stream, args);
   } else {
-    decode_step_kernel<float><<<ctas, kDecodeThreads, 0, stream>>>(args);
+    launched = launch_dependent(decode_step_kernel<float>, dim3(ctas), kDecodeThreads, 0, stream, args);
   }
-  check_cuda_launch("GatedDeltaNet kernel decode_step");
+  check_cuda(launched, "GatedDeltaNet kernel decode_step");
 }
 
 }  // namespace dflash::target::kernels

@@ -3,6 +3,7 @@
 // the math and the data layout.
 #pragma once
 
+#include "common/barriers.cuh"
 #include "target/kernels/gdn/common.cuh"
 
 namespace dflash::target::kernels::gdn {
@@ -123,6 +124,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const 
 constexpr int kConvStepThreads = 128;
 
 __global__ void __launch_bounds__(kConvStepThreads) conv_step_kernel(ConvStep a) {
+  barriers::start_as_dependent();
   const int sequence = blockIdx.x, c0 = (blockIdx.y * kConvStepThreads + threadIdx.x) * 8;
   if (c0 >= a.channels) return;
   const int held = a.kernel - 1;

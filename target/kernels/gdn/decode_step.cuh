@@ -8,6 +8,7 @@
 // the math and the data layout.
 #pragma once
 
+#include "common/barriers.cuh"
 #include "target/kernels/gdn/common.cuh"
 
 namespace dflash::target::kernels::gdn {
@@ -103,6 +104,7 @@ __device__ __forceinline__ float column_total(float (*partial)[kDecodeColumns], 
 // four warps meet in shared memory, once per token for k.S and once for q.S.
 template <typename State>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm) decode_step_kernel(GdnDecodeStep a) {
+  barriers::start_as_dependent();
   const int item = blockIdx.x / kDecodeCtasPerHead, sequence = item / a.value_heads, head = item % a.value_heads;
   const int key_head = head / (a.value_heads / a.key_heads);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -175,6 +177,7 @@ constexpr int kRowBlocks = D / kDecodeRows;                  // warps sharing a 
 constexpr int kTokenThreads = D / kLineColumns * kRowBlocks * 32;  // 256
 
 __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_bf16_kernel(GdnDecodeStep a) {
+  barriers::start_as_dependent();
   const int sequence = blockIdx.x / a.value_heads, head = blockIdx.x % a.value_heads;
   const int key_head = head / (a.value_heads / a.key_heads);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
