@@ -111,6 +111,31 @@ std::pair<double, double> back_to_back_ms(const target::IncrementalTarget& targe
   return {steps, host[host.size() / 2]};
 }
 
+// DFLASHD_PROFILE=1: where a batched plain step's GPU time goes (GPU time far below the wall
+// time means the step is bound by launches, not by the kernels).
+void profile_plain_step(const target::IncrementalTarget& target, const std::vector<target::DecodeCache*>& all,
+                        const std::vector<at::Tensor>& one) {
+  if (std::getenv("DFLASHD_PROFILE") == nullptr) return;
+  // The NVTX range names this step for Nsight Compute (`--nvtx --nvtx-include plain_step_128/`).
+  const std::string name = "plain_step_" + std::to_string(all.size());
+  bench::print_kernel_profile(("plain step of " + std::to_string(all.size())).c_str(), [&] {
+    nvtxRangePushA(name.c_str());
+    target.step_batch(all, one, {}, /*croppable=*/false);
+    c10::cuda::device_synchronize();
+    nvtxRangePop();
+  }, 45);
+}
+
+// The same steps back to back with every bf16 projection on cuBLASLt (the stream-K GEMM and its
+// SwiGLU epilogue off: kernel_variants.h), to compare in one process.
+double cublaslt_back_to_back_ms(const target::IncrementalTarget& target, const std::vector<target::DecodeCache*>& all,
+                                const std::vector<at::Tensor>& one) {
+  force_mma_sync(MmaKernels::projections, true);
+  const double ms = back_to_back_ms(target, all, one).first;
+  force_mma_sync(MmaKernels::projections, false);
+  return ms;
+}
+
 // What choosing a plain step's tokens costs: the argmaxes, and sampled draws (temperature 0.7,
 // with and without top-p 0.95: sampling_probs then choose_rows, all rows at once), the median of
 // 5 each; DFLASHD_PROFILE=1: the sampled draw's kernels.
@@ -216,22 +241,9 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   const std::vector<at::Tensor> one(static_cast<size_t>(batch), random_ids(1));
   const double plain = median_ms(5, [&] { target.step_batch(all, one, {}, /*croppable=*/false); });
   const auto [back_to_back, enqueue] = back_to_back_ms(target, all, one);
-  force_mma_sync(MmaKernels::projections, true);  // the same steps with cuBLASLt's projections
-  const double back_to_back_lt = back_to_back_ms(target, all, one).first;
-  force_mma_sync(MmaKernels::projections, false);
+  const double back_to_back_lt = cublaslt_back_to_back_ms(target, all, one);
   print_memory("plain rounds");
-  // DFLASHD_PROFILE=1: where a batched plain step's GPU time goes (GPU time far below the wall
-  // time means the step is bound by launches, not by the kernels).
-  if (std::getenv("DFLASHD_PROFILE") != nullptr) {
-    // The NVTX range names this step for Nsight Compute (`--nvtx --nvtx-include plain_step_128/`).
-    const std::string name = "plain_step_" + std::to_string(batch);
-    bench::print_kernel_profile(("plain step of " + std::to_string(batch)).c_str(), [&] {
-      nvtxRangePushA(name.c_str());
-      target.step_batch(all, one, {}, /*croppable=*/false);
-      c10::cuda::device_synchronize();
-      nvtxRangePop();
-    }, 45);
-  }
+  profile_plain_step(target, all, one);
   const double changing = changing_batch_ms(target, all, one);
   sampled_choice(target.step_batch(all, one, {}, /*croppable=*/false), batch);
   // Back to the prompts for the verify rounds: a plain step keeps nothing to crop with, so the
@@ -254,10 +266,9 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
               static_cast<long long>(batch), plain, 1e3 * static_cast<double>(batch) / plain,
               static_cast<double>(batch) * plain_one / plain, verify, draft, extend);
   std::printf("batch of %3lld: plain steps back to back %.2f ms each (%.0f tok/s); the host returns from one after "
-              "%.2f ms\n",
-              static_cast<long long>(batch), back_to_back, 1e3 * static_cast<double>(batch) / back_to_back, enqueue);
-  std::printf("batch of %3lld: plain steps back to back with cuBLASLt's projections (not the stream-K GEMM) %.2f ms "
-              "each (%.0f tok/s)\n",
+              "%.2f ms\nbatch of %3lld: plain steps back to back with cuBLASLt's projections (not the stream-K GEMM) "
+              "%.2f ms each (%.0f tok/s)\n",
+              static_cast<long long>(batch), back_to_back, 1e3 * static_cast<double>(batch) / back_to_back, enqueue,
               static_cast<long long>(batch), back_to_back_lt, 1e3 * static_cast<double>(batch) / back_to_back_lt);
   std::printf("batch of %3lld: plain steps alternating with one sequence fewer (the batch changing every step): "
               "%.2f ms (+%.2f ms)\n",

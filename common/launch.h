@@ -12,8 +12,8 @@ namespace dflash {
 // kernel's last CTAs finish. The kernel must call barriers::wait_for_prerequisite before it reads
 // what that kernel wrote or writes memory it may still read.
 template <typename... Params, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, size_t shared_bytes, cudaStream_t stream,
-                             Args&&... args) {
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, size_t shared_bytes,
+                             cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(threads);

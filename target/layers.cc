@@ -184,11 +184,9 @@ at::Tensor gemm_rows(const at::Tensor& x, const at::Tensor& weight, const at::Te
     return {};
   }
   at::Tensor rows = x.reshape({-1, x.size(-1)});
-  if (rows.size(0) <= kCublasLtRows && rows.stride(1) == 1 && rows.stride(0) % 8 == 0 && rows.stride(0) >= rows.size(1) &&
-      reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0) {
-    return rows;
-  }
-  return {};
+  const bool aligned = rows.stride(1) == 1 && rows.stride(0) % 8 == 0 && rows.stride(0) >= rows.size(1) &&
+                       reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0;
+  return rows.size(0) <= kCublasLtRows && aligned ? rows : at::Tensor();
 }
 
 // x's shape with its last dimension `last`.

@@ -106,8 +106,8 @@ void launch_add_rms_norm(int rows, int n, cudaStream_t stream, const bf16* x, co
   const auto kernel = chunks <= 2 ? add_rms_norm_kernel<kFp8, 2>
                       : chunks <= 4 ? add_rms_norm_kernel<kFp8, 4>
                                     : add_rms_norm_kernel<kFp8, 8>;
-  check_cuda(launch_dependent(kernel, dim3(rows), kNormThreads, 0, stream, x, delta, weight, sum_out, normed_out, fp8, n,
-                              eps, zero_centred),
+  check_cuda(launch_dependent(kernel, dim3(rows), kNormThreads, 0, stream, x, delta, weight, sum_out, normed_out,
+                              fp8, n, eps, zero_centred),
              "target kernel add_rms_norm");
 }
 

@@ -52,7 +52,8 @@ void conv_step(const ConvStep& a, cudaStream_t stream) {
   if (a.sequences == 0 || a.channels == 0 || a.tokens == 0) return;
   const dim3 grid(static_cast<unsigned>(a.sequences),
                   static_cast<unsigned>((a.channels / 8 + kConvStepThreads - 1) / kConvStepThreads));
-  check_cuda(launch_dependent(conv_step_kernel, grid, kConvStepThreads, 0, stream, a), "GatedDeltaNet kernel conv_step");
+  check_cuda(launch_dependent(conv_step_kernel, grid, kConvStepThreads, 0, stream, a),
+             "GatedDeltaNet kernel conv_step");
 }
 
 // The fused wgmma state + output kernel on compute capability 9.0 when built for sm_90a (64 value

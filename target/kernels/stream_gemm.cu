@@ -175,9 +175,10 @@ bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 bool applies(const Problem& p, int device) {
 #ifdef DFLASHD_CUDA_SM90A
-  return facts(device).hopper && !mma_sync_forced(MmaKernels::projections) && p.m >= 1 && p.m <= kMaxRows && p.k % 8 == 0 && p.k > 0 && p.n > 0 &&
-         p.n < (int64_t{1} << 31) && p.x_stride % 8 == 0 && p.x_stride >= p.k && aligned(p.x) && aligned(p.w) &&
-         p.glu_inner >= 0 && (p.glu_inner == 0 || p.n == 2 * p.glu_inner);
+  const bool shape = p.m >= 1 && p.m <= kMaxRows && p.k % 8 == 0 && p.k > 0 && p.n > 0 && p.n < (int64_t{1} << 31) &&
+                     p.glu_inner >= 0 && (p.glu_inner == 0 || p.n == 2 * p.glu_inner);
+  const bool layout = p.x_stride % 8 == 0 && p.x_stride >= p.k && aligned(p.x) && aligned(p.w);
+  return facts(device).hopper && !mma_sync_forced(MmaKernels::projections) && shape && layout;
 #else
   (void)p;
   (void)device;
