@@ -27,7 +27,9 @@ inline constexpr int64_t kMaxRows = 128;
 struct Problem {
   const void* x;         // bf16 [m, k], rows x_stride elements apart, 16-byte aligned
   int64_t x_stride;      // a multiple of 8, >= k
-  const void* w;         // bf16 [n, k] contiguous, 16-byte aligned
+  const void* w;         // bf16 [n, k] contiguous, 16-byte aligned; weights: the kernel starts
+                         // reading them before the previous kernel on the stream has finished
+                         // (launch.h), so no kernel still running may write them
   void* y;               // bf16 [m, n] (or [m, glu_inner]) contiguous
   int64_t m, n, k;
   int64_t glu_inner = 0;
