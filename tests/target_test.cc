@@ -583,6 +583,22 @@ TEST(FusedOps, GpuChooseByUniformMatchesTheCumulativeSum) {
 // The fused residual add + RMSNorm and SiLU-mul kernels against the composite expressions they
 // replace, on the same bf16 inputs: the residual sum bit-identical, the outputs equal but for
 // the last bit of elements where the order of the fp32 sum of squares differs.
+// Linear::silu_mul_of on a stacked [gate; up] weight: silu of the first half's product times the
+// second half's (CPU: the product and silu_mul; a Hopper GPU fuses them, StreamGemm tests).
+TEST(Projections, SiluMulOfTakesTheGateFromTheFirstHalf) {
+  at::manual_seed(3);
+  const int64_t inner = 24, k = 40;
+  dflash::target::Linear gate_up;
+  gate_up.weight = (at::randn({2 * inner, k}) / std::sqrt(static_cast<double>(k))).to(at::kBFloat16);
+  const at::Tensor x = at::randn({5, k}).to(at::kBFloat16);
+  const at::Tensor gate = x.to(at::kFloat).matmul(gate_up.weight.narrow(0, 0, inner).to(at::kFloat).t());
+  const at::Tensor up = x.to(at::kFloat).matmul(gate_up.weight.narrow(0, inner, inner).to(at::kFloat).t());
+  const at::Tensor want = gate * at::sigmoid(gate) * up;
+  const at::Tensor got = gate_up.silu_mul_of(x).to(at::kFloat);
+  ASSERT_EQ(got.sizes(), want.sizes());
+  EXPECT_TRUE(at::allclose(got, want, 3e-2, 3e-2)) << (got - want).abs().max().item<float>();
+}
+
 // Every unit of every CTA's range is covered once; only a CTA's first segment can be a part and
 // only its last a head; each tile has one CTA at its first k-block, and a head's followers are
 // exactly the CTAs that hold a part of its tile.
