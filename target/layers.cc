@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <vector>
 
-#ifdef DFLASHD_WITH_CUDA
 #include "target/fused_ops.h"
+#ifdef DFLASHD_WITH_CUDA
 #include "target/lt_gemm.h"
 #endif
 
