@@ -212,15 +212,15 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
   return fp8.defined() ? fp8_linear(x, fp8, bias) : dense_linear(x, weight, bias);
 }
 
-at::Tensor Linear::silu_mul_of(const at::Tensor& x) const {
+at::Tensor Linear::silu_mul_of(const GemmInput& in) const {
 #ifdef DFLASHD_WITH_CUDA
-  const at::Tensor rows = fp8.defined() ? at::Tensor() : gemm_rows(x, weight, bias);
+  const at::Tensor rows = fp8.defined() || !in.x.defined() ? at::Tensor() : gemm_rows(in.x, weight, bias);
   if (rows.defined()) {
     const at::Tensor fused = projection_silu_mul_bf16(rows, weight);
-    if (fused.defined()) return fused.view(with_last(x, weight.size(0) / 2));
+    if (fused.defined()) return fused.view(with_last(in.x, weight.size(0) / 2));
   }
 #endif
-  const at::Tensor both = (*this)(x);
+  const at::Tensor both = (*this)(in);
   const int64_t inner = both.size(-1) / 2;
   return silu_mul(both.narrow(-1, 0, inner), both.narrow(-1, inner, inner));
 }

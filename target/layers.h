@@ -32,7 +32,7 @@ struct Linear {
   // For a SwiGLU's stacked gate_up ([gate; up] rows): silu(x . gate^T) * (x . up^T), in one fused
   // GEMM where the stream-K GEMM takes the product (lt_gemm.h), else the product then silu_mul
   // (rounded alike; the fused products' fp32 sums in another order).
-  at::Tensor silu_mul_of(const at::Tensor& x) const;
+  at::Tensor silu_mul_of(const GemmInput& in) const;
   int64_t bytes() const;  // what the weights hold on the device
 };
 
