@@ -130,7 +130,7 @@ class Plan {
 struct ThreadState {
   std::map<Key, std::unique_ptr<Plan>> plans;
   std::map<cudaStream_t, at::Tensor> workspaces;
-  std::map<cudaStream_t, at::Tensor> stream_gemm_workspaces;  // zeroed once; each run leaves them so
+  std::map<cudaStream_t, at::Tensor> stream_gemm_workspaces;
 };
 
 ThreadState& thread_state() {
@@ -138,19 +138,20 @@ ThreadState& thread_state() {
   return state;
 }
 
-void* workspace(at::Device device, cudaStream_t stream) {
-  at::Tensor& w = thread_state().workspaces[stream];
-  if (!w.defined()) w = at::empty({kWorkspaceBytes}, at::TensorOptions().dtype(at::kByte).device(device));
+// `stream`'s buffer in `buffers`, allocated at its first use (bytes() of them, zeroed if asked).
+template <typename Bytes>
+void* stream_buffer(std::map<cudaStream_t, at::Tensor>& buffers, cudaStream_t stream, at::Device device,
+                    Bytes bytes, bool zeroed) {
+  at::Tensor& w = buffers[stream];
+  if (!w.defined()) {
+    const auto options = at::TensorOptions().dtype(at::kByte).device(device);
+    w = zeroed ? at::zeros({bytes()}, options) : at::empty({bytes()}, options);
+  }
   return w.data_ptr();
 }
 
-void* stream_gemm_workspace(at::Device device, cudaStream_t stream) {
-  at::Tensor& w = thread_state().stream_gemm_workspaces[stream];
-  if (!w.defined()) {
-    const auto bytes = static_cast<int64_t>(stream_gemm::workspace_bytes(device.index()));
-    w = at::zeros({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
-  }
-  return w.data_ptr();
+void* workspace(at::Device device, cudaStream_t stream) {
+  return stream_buffer(thread_state().workspaces, stream, device, [] { return kWorkspaceBytes; }, false);
 }
 
 Plan& plan(const Key& key, const float* w_scale = nullptr, const float* x_scale = nullptr) {
@@ -186,30 +187,36 @@ at::Tensor lt_gemm_bf16(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-at::Tensor projection_bf16(const at::Tensor& x, const at::Tensor& w) {
+namespace {
+
+// x . W^T (glu_inner 0) or a SwiGLU of it (glu_inner = n / 2) on the stream-K GEMM where it
+// applies and is preferred; undefined otherwise.
+at::Tensor stream_gemm_product(const at::Tensor& x, const at::Tensor& w, int64_t glu_inner) {
   const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
   const at::Device device = x.device();
   const c10::cuda::CUDAGuard guard(device);
-  stream_gemm::Problem p{x.data_ptr(), x.stride(0), w.data_ptr(), nullptr, m, n, k};
-  if (!stream_gemm::preferred(p) || !stream_gemm::applies(p, device.index())) return lt_gemm_bf16(x, w);
-  at::Tensor y = at::empty({m, n}, x.options());
+  stream_gemm::Problem p{x.data_ptr(), x.stride(0), w.data_ptr(), nullptr, m, n, k, glu_inner};
+  if (!stream_gemm::preferred(p) || !stream_gemm::applies(p, device.index())) return {};
+  at::Tensor y = at::empty({m, glu_inner > 0 ? glu_inner : n}, x.options());
   p.y = y.data_ptr();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
-  stream_gemm::run(p, stream_gemm_workspace(device, stream), device.index(), stream);
+  // Zeroed once: each run leaves every flag down again.
+  void* workspace = stream_buffer(
+      thread_state().stream_gemm_workspaces, stream, device,
+      [&] { return static_cast<int64_t>(stream_gemm::workspace_bytes(device.index())); }, true);
+  stream_gemm::run(p, workspace, device.index(), stream);
   return y;
 }
 
+}  // namespace
+
+at::Tensor projection_bf16(const at::Tensor& x, const at::Tensor& w) {
+  at::Tensor y = stream_gemm_product(x, w, 0);
+  return y.defined() ? y : lt_gemm_bf16(x, w);
+}
+
 at::Tensor projection_silu_mul_bf16(const at::Tensor& x, const at::Tensor& w) {
-  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
-  const at::Device device = x.device();
-  const c10::cuda::CUDAGuard guard(device);
-  stream_gemm::Problem p{x.data_ptr(), x.stride(0), w.data_ptr(), nullptr, m, n, k, n / 2};
-  if (n % 2 != 0 || !stream_gemm::preferred(p) || !stream_gemm::applies(p, device.index())) return {};
-  at::Tensor y = at::empty({m, n / 2}, x.options());
-  p.y = y.data_ptr();
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();
-  stream_gemm::run(p, stream_gemm_workspace(device, stream), device.index(), stream);
-  return y;
+  return w.size(0) % 2 == 0 ? stream_gemm_product(x, w, w.size(0) / 2) : at::Tensor();
 }
 
 }  // namespace dflash::target
