@@ -318,19 +318,36 @@ std::pair<double, double> explore(cublasLtHandle_t handle, const Shape& s, int64
   return {heuristic, fastest};
 }
 
+// Four copies of a shape's random weights: products rotated over them read W from memory, as a
+// decoding step does, not from L2.
+std::vector<at::Tensor> rotated_weights(const Shape& s) {
+  const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
+  std::vector<at::Tensor> weights;
+  for (int i = 0; i < 4; ++i) weights.push_back((at::randn({s.n, s.k}, gpu) * 0.02).to(at::kBFloat16));
+  return weights;
+}
+
+// Two times per product (ms) summed over a forward over layers 0..61 (each shape per_forward times).
+template <typename F>
+std::pair<double, double> per_forward(F&& times) {
+  double first = 0, second = 0;
+  for (const Shape& s : kShapes) {
+    const auto [a, b] = times(s);
+    first += a * s.per_forward, second += b * s.per_forward;
+  }
+  return {first, second};
+}
+
 // bf16 at `m` rows with split-k (which `explore` leaves at 1): the heuristic's first 8 algorithms,
 // each at split-k 1 .. 16 with every reduction scheme cuBLASLt's check accepts, the weights rotated
 // over 4 copies (as a step reads them: from memory, not L2). Returns {heuristic ms, fastest ms}.
 std::pair<double, double> explore_split_k(cublasLtHandle_t handle, const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
-  std::vector<at::Tensor> weights;
+  const std::vector<at::Tensor> weights = rotated_weights(s);
   std::vector<std::unique_ptr<LtProduct>> products;
   at::Tensor out = at::empty({m, s.n}, gpu.dtype(at::kBFloat16));
-  for (int i = 0; i < 4; ++i) {
-    weights.push_back((at::randn({s.n, s.k}, gpu) * 0.02).to(at::kBFloat16));
-    products.push_back(std::make_unique<LtProduct>(handle, x, weights.back(), out));
-  }
+  for (const at::Tensor& w : weights) products.push_back(std::make_unique<LtProduct>(handle, x, w, out));
   const at::Tensor reference = at::matmul(x, weights[0].t());
   auto rotated_ms = [&](const cublasLtMatmulAlgo_t& algo) {
     int i = 0;
@@ -379,8 +396,7 @@ std::pair<double, double> explore_split_k(cublasLtHandle_t handle, const Shape& 
 std::pair<double, double> stream_vs_lt(const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
-  std::vector<at::Tensor> weights;
-  for (int i = 0; i < 4; ++i) weights.push_back((at::randn({s.n, s.k}, gpu) * 0.02).to(at::kBFloat16));
+  const std::vector<at::Tensor> weights = rotated_weights(s);
   const at::Tensor reference = at::matmul(x, weights[0].t());
   const at::Tensor workspace =
       at::zeros({static_cast<int64_t>(stream_gemm::workspace_bytes(0))}, gpu.dtype(at::kByte));
@@ -431,31 +447,20 @@ int main(int argc, char** argv) {
   check(cublasLtCreate(&handle), "handle");
   for (const int64_t m : rows) {
     if (mode == "stream") {
-      double lt = 0, ours = 0;
-      for (const Shape& s : kShapes) {
-        const auto [l, o] = stream_vs_lt(s, m);
-        lt += l * s.per_forward, ours += o * s.per_forward;
-      }
+      const auto [lt, ours] = per_forward([&](const Shape& s) { return stream_vs_lt(s, m); });
       std::printf("| %lld rows, bf16 GEMMs of a forward over layers 0..61, weights from memory | cuBLASLt %.2f ms | "
                   "stream-K %.2f |\n", static_cast<long long>(m), lt, ours);
       continue;
     }
     if (mode == "explore-split-k") {
-      double heuristic = 0, fastest = 0;
-      for (const Shape& s : kShapes) {
-        const auto [h, f] = explore_split_k(handle, s, m);
-        heuristic += h * s.per_forward, fastest += f * s.per_forward;
-      }
+      const auto [heuristic, fastest] = per_forward([&](const Shape& s) { return explore_split_k(handle, s, m); });
       std::printf("| %lld rows, bf16 GEMMs of a forward over layers 0..61, weights from memory | heuristic %.1f ms | "
                   "fastest split-k variant %.1f |\n", static_cast<long long>(m), heuristic, fastest);
       continue;
     }
     if (!mode.empty()) {
-      double heuristic = 0, fastest = 0;
-      for (const Shape& s : kShapes) {
-        const auto [h, f] = explore(handle, s, m, mode == "explore-fp8");
-        heuristic += h * s.per_forward, fastest += f * s.per_forward;
-      }
+      const auto [heuristic, fastest] =
+          per_forward([&](const Shape& s) { return explore(handle, s, m, mode == "explore-fp8"); });
       std::printf("| %lld rows, %s GEMMs of a forward over layers 0..61 | heuristic %.1f ms | fastest configuration "
                   "%.1f |\n", static_cast<long long>(m), mode.c_str() + 8, heuristic, fastest);
       continue;
