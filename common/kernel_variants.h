@@ -2,8 +2,9 @@
 // Hopper, wgmma (what runs there) and mma.sync (what runs on other GPUs). Tests force the
 // mma.sync variant on an H200 to check it against the reference there; benchmarks time the
 // two in one process. For the target's bf16 projections the two are the stream-K GEMM (Hopper,
-// up to 128 rows) and cuBLASLt (everywhere else). The daemon never calls force_mma_sync() and reads nothing from the
-// environment for it: on a given GPU the variant is a fixed function of its compute capability.
+// up to 128 rows) and cuBLASLt (everywhere else). The daemon never calls force_mma_sync() and
+// reads nothing from the environment for it: on a given GPU the variant is a fixed function of
+// its compute capability.
 // No CUDA or torch here, so that host-only tests and benches can include it.
 #pragma once
 
