@@ -34,6 +34,7 @@
 #include "decode/sampling.h"
 #include "drafter/drafter_config.h"
 #include "target/incremental.h"
+#include "target/kernels/decode_attention.h"
 #include "target/model.h"
 
 using namespace dflash;
@@ -133,6 +134,17 @@ double cublaslt_back_to_back_ms(const target::IncrementalTarget& target, const s
   force_mma_sync(MmaKernels::projections, true);
   const double ms = back_to_back_ms(target, all, one).first;
   force_mma_sync(MmaKernels::projections, false);
+  return ms;
+}
+
+// The same steps with FlashAttention's kernel for the one-token attention (the decoding
+// attention kernel off: target/kernels/decode_attention.h), to compare in one process.
+double flash_attention_back_to_back_ms(const target::IncrementalTarget& target,
+                                       const std::vector<target::DecodeCache*>& all,
+                                       const std::vector<at::Tensor>& one) {
+  target::kernels::decode_attention_off = true;
+  const double ms = back_to_back_ms(target, all, one).first;
+  target::kernels::decode_attention_off = false;
   return ms;
 }
 
@@ -242,6 +254,7 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   const double plain = median_ms(5, [&] { target.step_batch(all, one, {}, /*croppable=*/false); });
   const auto [back_to_back, enqueue] = back_to_back_ms(target, all, one);
   const double back_to_back_lt = cublaslt_back_to_back_ms(target, all, one);
+  const double back_to_back_fa = flash_attention_back_to_back_ms(target, all, one);
   print_memory("plain rounds");
   profile_plain_step(target, all, one);
   const double changing = changing_batch_ms(target, all, one);
@@ -270,6 +283,8 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
               "%.2f ms each (%.0f tok/s)\n",
               static_cast<long long>(batch), back_to_back, 1e3 * static_cast<double>(batch) / back_to_back, enqueue,
               static_cast<long long>(batch), back_to_back_lt, 1e3 * static_cast<double>(batch) / back_to_back_lt);
+  std::printf("batch of %3lld: plain steps back to back with FlashAttention's kernel for the attention %.2f ms each\n",
+              static_cast<long long>(batch), back_to_back_fa);
   std::printf("batch of %3lld: plain steps alternating with one sequence fewer (the batch changing every step): "
               "%.2f ms (+%.2f ms)\n",
               static_cast<long long>(batch), changing, changing - plain);

@@ -58,6 +58,23 @@ inline void print_kernel_profile(const char* title, const std::function<void()>&
     std::printf("  host side (operators and runtime calls, nested; %% of the GPU time):\n");
     print(host, top);
   }
+  // DFLASHD_PROFILE_ORDER=N: the first N events of each side in the order they started (which
+  // operator issued which kernel: a layer's sequence).
+  if (const char* order = std::getenv("DFLASHD_PROFILE_ORDER")) {
+    std::vector<const torch::autograd::profiler::KinetoEvent*> events;
+    for (const auto& e : result->events()) events.push_back(&e);
+    std::sort(events.begin(), events.end(), [](const auto* a, const auto* b) { return a->startNs() < b->startNs(); });
+    for (const bool gpu : {false, true}) {
+      std::printf("  %s side in order:\n", gpu ? "GPU" : "host");
+      int shown = 0;
+      for (const auto* e : events) {
+        if ((e->deviceType() == c10::DeviceType::CUDA) != gpu) continue;
+        if (shown++ >= std::atoi(order)) break;
+        std::printf("    %10.3f us +%8.3f  %.100s\n", static_cast<double>(static_cast<int64_t>(e->startNs()) - static_cast<int64_t>(first)) / 1e3,
+                    static_cast<double>(e->durationNs()) / 1e3, e->name().c_str());
+      }
+    }
+  }
 }
 
 }  // namespace dflash::bench

@@ -4,6 +4,8 @@
 #include <c10/core/InferenceMode.h>
 #ifdef DFLASHD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+
+#include "target/kernels/decode_attention.h"
 #endif
 
 #include <algorithm>
@@ -328,6 +330,44 @@ at::Tensor kv_batch(const KvStep& step, const std::vector<const at::Tensor*>& so
   return batch;
 }
 
+// A step of one token per member on the decoding attention kernel (kernels/decode_attention.h)
+// where it applies (bf16 on a GPU, d 128 or 256, at most 16 query heads per kv head, q's heads
+// dense): the keys and values read where kv_batch left them, the rows written into `out`
+// (directly when the group holds every row). False, with nothing done, where it does not apply.
+bool one_token_attention(const ModelConfig& c, const RowGroup& group, const KvStep& step, const at::Tensor& q,
+                         const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& out) {
+#ifdef DFLASHD_WITH_CUDA
+  const int64_t d = c.head_dim, heads = c.num_attention_heads, kv_heads = c.num_key_value_heads;
+  if (kernels::decode_attention_off.load() || q.scalar_type() != at::kBFloat16 ||
+      !kernels::decode_attention_head_dim(static_cast<int>(d)) || heads % kv_heads != 0 ||
+      heads / kv_heads > kernels::kDecodeAttentionMaxGroup || q.dim() != 3 || q.stride(2) != 1 || q.stride(1) != d ||
+      !k.is_contiguous() || !v.is_contiguous() || k.sizes() != v.sizes()) {
+    return false;
+  }
+  const int64_t size = static_cast<int64_t>(group.members.size());
+  const bool direct = holds_every_row(group, out) && out.is_contiguous();
+  at::Tensor rows = direct ? out : at::empty({size, heads, d}, q.options());
+  kernels::DecodeAttention a;
+  a.q = q.data_ptr(), a.q_stride = q.stride(0);
+  a.k = k.data_ptr(), a.v = v.data_ptr(), a.capacity = k.size(1);
+  a.rows = step.in_place ? step.key_rows.data_ptr<int32_t>() : nullptr;
+  a.lengths = step.used_k.data_ptr<int32_t>();
+  a.out = rows.data_ptr(), a.out_stride = heads * d;
+  a.sequences = static_cast<int>(size), a.heads = static_cast<int>(heads), a.kv_heads = static_cast<int>(kv_heads);
+  a.d = static_cast<int>(d), a.longest = static_cast<int>(step.longest), a.scale = static_cast<float>(scale);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const size_t bytes = kernels::decode_attention_workspace(a, sms);
+  const at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
+  a.workspace = bytes > 0 ? workspace.data_ptr() : nullptr;
+  kernels::decode_attention(a, sms, at::cuda::getCurrentCUDAStream().stream());
+  if (!direct) put_group_rows(group, out, rows);
+  return true;
+#else
+  (void)c, (void)group, (void)step, (void)q, (void)k, (void)v, (void)scale, (void)out;
+  return false;
+#endif
+}
+
 // One full-attention layer for a group: its members' keys and values written into the batch
 // they share (kv_batch), each query attending to its own sequence's keys up to its position
 // (step.visible hides the rest). Writes the attention rows into `out` [tokens, Hq, d].
@@ -344,6 +384,7 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
   const at::Tensor v = kv_batch(step, values, group_rows(group, a.v), n);
   for (size_t member : group.members) caches[member]->keys[layer] = k, caches[member]->values[layer] = v;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  if (step.flash && n == 1 && one_token_attention(c, group, step, group_rows(group, a.q), k, v, scale, out)) return;
   if (step.flash) {  // member j's keys: rows j * capacity .. + used_k[j] - 1 of the flattened batch
     const int64_t capacity = k.size(1), hkv = k.size(2);
     // In place, member j's keys start at in_place_rows[j] * capacity.

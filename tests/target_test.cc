@@ -7,6 +7,7 @@
 
 #include "common/kernel_variants.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -25,6 +26,7 @@
 #ifdef DFLASHD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 
+#include "target/kernels/decode_attention.h"
 #include "target/kernels/stream_gemm.h"
 #endif
 #include "tests/kernel_sized.h"
@@ -1109,10 +1111,13 @@ TEST(IncrementalTarget, GpuSequencesLeavingAndJoiningMatchEachAlone) {
 // full forward of its whole tokens (SDPA, causal) on the same GPU.
 TEST(IncrementalTarget, GpuAttentionMatchesTheFullForward) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  for (const char* preset : {"tiny-qwen3", "tiny-128-qwen3_5"}) {
+  // tiny-128-qwen3_5-d256: attention heads of 256, so the one-token steps take the decoding
+  // attention kernel (target/kernels/decode_attention.h) rather than FlashAttention's.
+  for (const std::string preset : {"tiny-qwen3", "tiny-128-qwen3_5", "tiny-128-qwen3_5-d256"}) {
     SCOPED_TRACE(preset);
-    const ModelConfig config = std::string(preset) == "tiny-qwen3" ? parse_model_config(preset_config_json(preset), preset)
-                                                                   : kernel_sized_qwen3_5();
+    const ModelConfig config = preset == "tiny-qwen3"         ? parse_model_config(preset_config_json(preset), preset)
+                               : preset == "tiny-128-qwen3_5" ? kernel_sized_qwen3_5()
+                                                              : kernel_sized_qwen3_5(256);
     auto model = random_target(config, config.num_layers - 1, TargetOptions{at::Device(at::kCUDA, 0), at::kBFloat16, false}, 9);
     const IncrementalTarget decoder(*model);
     const auto ids = [&](int64_t n) { return at::randint(0, config.vocab_size, {n}, at::TensorOptions().dtype(at::kLong)); };
@@ -1148,6 +1153,70 @@ TEST(IncrementalTarget, GpuAttentionMatchesTheFullForward) {
     }
   }
 }
+
+#ifdef DFLASHD_WITH_CUDA
+// The one-token decoding attention against the softmax of the products of the same bf16 values
+// in float64: kv heads serving 1 to 16 query heads, d 128 and 256, lengths from one key to
+// several key ranges per sequence (the merge kernel), keys in rows of a shared batch (a row
+// table) or each sequence in its own row, q at a row stride wider than its heads; a second run
+// gives the same bits.
+TEST(DecodeAttention, GpuMatchesTheSoftmaxOfTheProducts) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  namespace kn = dflash::target::kernels;
+  struct Case {
+    int sequences, heads, kv_heads, d, capacity;
+    bool row_table;
+  };
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  for (const Case c : {Case{3, 8, 2, 128, 96, false}, Case{5, 24, 4, 256, 700, true}, Case{128, 24, 4, 256, 576, true},
+                       Case{2, 16, 1, 256, 300, false}, Case{7, 4, 4, 128, 1100, true}}) {
+    SCOPED_TRACE("sequences " + std::to_string(c.sequences) + ", heads " + std::to_string(c.heads) + " over " +
+                 std::to_string(c.kv_heads) + ", d " + std::to_string(c.d));
+    const int batch_rows = c.sequences + 2, group = c.heads / c.kv_heads;
+    const at::Tensor keys = at::randn({batch_rows, c.capacity, c.kv_heads, c.d}, bf16);
+    const at::Tensor values = at::randn({batch_rows, c.capacity, c.kv_heads, c.d}, bf16);
+    const at::Tensor q = at::randn({c.sequences, c.heads * c.d + 64}, bf16).narrow(1, 0, c.heads * c.d);
+    std::vector<int32_t> lengths, rows;
+    const at::Tensor order = at::randperm(batch_rows, at::TensorOptions().dtype(at::kLong));
+    for (int b = 0; b < c.sequences; ++b) {
+      lengths.push_back(b == 0 ? 1 : b == 1 ? c.capacity : 1 + static_cast<int>(std::rand() % c.capacity));
+      rows.push_back(c.row_table ? static_cast<int32_t>(order[b].item<int64_t>()) : b);
+    }
+    const at::Tensor lengths_on = at::tensor(lengths, at::TensorOptions().dtype(at::kInt)).to(at::kCUDA);
+    const at::Tensor rows_on = at::tensor(rows, at::TensorOptions().dtype(at::kInt)).to(at::kCUDA);
+    kn::DecodeAttention a;
+    a.q = q.data_ptr(), a.q_stride = q.stride(0);
+    a.k = keys.data_ptr(), a.v = values.data_ptr(), a.capacity = c.capacity;
+    a.rows = c.row_table ? rows_on.data_ptr<int32_t>() : nullptr;
+    a.lengths = lengths_on.data_ptr<int32_t>();
+    a.sequences = c.sequences, a.heads = c.heads, a.kv_heads = c.kv_heads, a.d = c.d;
+    a.longest = *std::max_element(lengths.begin(), lengths.end());
+    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+    a.out_stride = static_cast<int64_t>(c.heads) * c.d;
+    const at::Tensor workspace =
+        at::empty({static_cast<int64_t>(kn::decode_attention_workspace(a, sms)) + 1}, bf16.dtype(at::kByte));
+    a.workspace = workspace.data_ptr();
+    auto run = [&] {
+      const at::Tensor out = at::full({c.sequences, c.heads, c.d}, NAN, bf16);
+      a.out = out.data_ptr();
+      kn::decode_attention(a, sms, at::cuda::getCurrentCUDAStream().stream());
+      return out;
+    };
+    const at::Tensor got = run();
+    EXPECT_TRUE(at::equal(got, run()));
+    for (int b = 0; b < c.sequences; ++b) {
+      const at::Tensor k = keys[rows[b]].narrow(0, 0, lengths[b]).to(at::kDouble).repeat_interleave(group, 1);
+      const at::Tensor v = values[rows[b]].narrow(0, 0, lengths[b]).to(at::kDouble).repeat_interleave(group, 1);
+      const at::Tensor qb = q[b].view({c.heads, c.d}).to(at::kDouble);
+      const at::Tensor p = at::softmax(at::einsum("lhd,hd->hl", {k, qb}) * a.scale, -1);
+      const at::Tensor want = at::einsum("hl,lhd->hd", {p, v});
+      const double error = (got[b].to(at::kDouble) - want).abs().max().item<double>();
+      EXPECT_LE(error, 2e-2) << "sequence " << b << ", " << lengths[b] << " keys";
+    }
+  }
+}
+#endif
 
 TEST(TargetConfig, DefaultTappedLayersFollowTheRecipe) {
   ModelConfig c;
