@@ -301,16 +301,16 @@ KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& cach
 // (KvStep::in_place), else a new one (capacity doubled, at least 256 positions; zeros past each
 // member's positions, which the mask hides: garbage there could be NaN, and 0 x NaN is NaN;
 // FlashAttention reads only used_k keys, so no zeros there) with their rows copied in; then the
-// step's rows written.
+// step's rows written (unless the attention kernel writes them: !append).
 at::Tensor kv_batch(const KvStep& step, const std::vector<const at::Tensor*>& sources, const at::Tensor& step_rows,
-                    int64_t n) {
+                    int64_t n, bool append) {
   if (step.in_place) {  // the shared batch, joining members' positions copied into their rows
     at::Tensor batch = *sources[step.shared_member];
     for (const KvStep::Join& join : step.joins) {
       batch[step.in_place_rows[join.member]].narrow(0, 0, join.held).copy_(
           (*sources[join.member])[join.own_row].narrow(0, 0, join.held));
     }
-    batch.index_put_({step.append_rows, step.append_positions}, step_rows);
+    if (append) batch.index_put_({step.append_rows, step.append_positions}, step_rows);
     return batch;
   }
   at::Tensor batch = *sources[0];
@@ -322,6 +322,7 @@ at::Tensor kv_batch(const KvStep& step, const std::vector<const at::Tensor*>& so
     batch = step.flash ? at::empty(shape, step_rows.options()) : at::zeros(shape, step_rows.options());
     step.rows.copy_into(batch, sources, step.held);
   }
+  if (!append) return batch;
   if (step.same_begin) {
     batch.narrow(1, step.begin, n).copy_(step_rows.view({batch.size(0), n, step_rows.size(1), step_rows.size(2)}));
   } else {
@@ -330,48 +331,72 @@ at::Tensor kv_batch(const KvStep& step, const std::vector<const at::Tensor*>& so
   return batch;
 }
 
-// A step of one token per member on the decoding attention kernel (kernels/decode_attention.h)
-// where it applies (bf16 on a GPU, d 128 or 256, at most 16 query heads per kv head, q's heads
-// dense): the keys and values read where kv_batch left them, the rows written into `out`
-// (directly when the group holds every row). False, with nothing done, where it does not apply.
-bool one_token_attention(const ModelConfig& c, const RowGroup& group, const KvStep& step, const at::Tensor& q,
-                         const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& out) {
+// Whether a group's step takes the decoding attention kernel (kernels/decode_attention.h): one
+// token per member, bf16 on a GPU (the flash plan), d 128 or 256, at most 16 query heads per kv
+// head, q's heads and the step's keys and values dense in rows 16-byte aligned.
+bool one_token_attention_applies(const ModelConfig& c, const KvStep& step, int64_t n, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v) {
 #ifdef DFLASHD_WITH_CUDA
   const int64_t d = c.head_dim, heads = c.num_attention_heads, kv_heads = c.num_key_value_heads;
-  if (kernels::decode_attention_off.load() || q.scalar_type() != at::kBFloat16 ||
-      !kernels::decode_attention_head_dim(static_cast<int>(d)) || heads % kv_heads != 0 ||
-      heads / kv_heads > kernels::kDecodeAttentionMaxGroup || q.dim() != 3 || q.stride(2) != 1 || q.stride(1) != d ||
-      !k.is_contiguous() || !v.is_contiguous() || k.sizes() != v.sizes()) {
-    return false;
+  auto rows = [&](const at::Tensor& t) {
+    return t.scalar_type() == at::kBFloat16 && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == d &&
+           t.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  return step.flash && n == 1 && !kernels::decode_attention_off.load() &&
+         kernels::decode_attention_head_dim(static_cast<int>(d)) && heads % kv_heads == 0 &&
+         heads / kv_heads <= kernels::kDecodeAttentionMaxGroup && rows(q) && rows(k) && rows(v);
+#else
+  (void)c, (void)step, (void)n, (void)q, (void)k, (void)v;
+  return false;
+#endif
+}
+
+// The group's one-token step on the decoding attention kernel (one_token_attention_applies): the
+// keys and values of the caches read where kv_batch left them, the step's own written into them
+// by the kernel, the rows written into `out` (directly when the group holds every row, and then
+// gated too when the layer is: returns whether it was).
+bool one_token_attention(const ModelConfig& c, const AttentionQkv& qkv, const RowGroup& group, const KvStep& step,
+                         const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& out) {
+#ifdef DFLASHD_WITH_CUDA
+  if (!k.is_contiguous() || !v.is_contiguous() || k.sizes() != v.sizes()) {
+    throw std::logic_error("decoding attention: the key and value batches are not dense alike");
   }
+  const int64_t d = c.head_dim, heads = c.num_attention_heads;
   const int64_t size = static_cast<int64_t>(group.members.size());
   const bool direct = holds_every_row(group, out) && out.is_contiguous();
+  const bool gated = direct && c.gated_attention;
+  const at::Tensor q = group_rows(group, qkv.q), new_k = group_rows(group, qkv.k), new_v = group_rows(group, qkv.v);
   at::Tensor rows = direct ? out : at::empty({size, heads, d}, q.options());
   kernels::DecodeAttention a;
   a.q = q.data_ptr(), a.q_stride = q.stride(0);
   a.k = k.data_ptr(), a.v = v.data_ptr(), a.capacity = k.size(1);
   a.rows = step.in_place ? step.key_rows.data_ptr<int32_t>() : nullptr;
   a.lengths = step.used_k.data_ptr<int32_t>();
+  a.new_k = new_k.data_ptr(), a.new_k_stride = new_k.stride(0);
+  a.new_v = new_v.data_ptr(), a.new_v_stride = new_v.stride(0);
   a.out = rows.data_ptr(), a.out_stride = heads * d;
-  a.sequences = static_cast<int>(size), a.heads = static_cast<int>(heads), a.kv_heads = static_cast<int>(kv_heads);
-  a.d = static_cast<int>(d), a.longest = static_cast<int>(step.longest), a.scale = static_cast<float>(scale);
+  if (gated) a.gate = qkv.gate.data_ptr(), a.gate_stride = qkv.gate.stride(0), a.gate_head_stride = qkv.gate.stride(1);
+  a.sequences = static_cast<int>(size), a.heads = static_cast<int>(heads);
+  a.kv_heads = static_cast<int>(c.num_key_value_heads), a.d = static_cast<int>(d);
+  a.longest = static_cast<int>(step.longest), a.scale = static_cast<float>(scale);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const size_t bytes = kernels::decode_attention_workspace(a, sms);
   const at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
   a.workspace = bytes > 0 ? workspace.data_ptr() : nullptr;
   kernels::decode_attention(a, sms, at::cuda::getCurrentCUDAStream().stream());
   if (!direct) put_group_rows(group, out, rows);
-  return true;
+  return gated;
 #else
-  (void)c, (void)group, (void)step, (void)q, (void)k, (void)v, (void)scale, (void)out;
-  return false;
+  (void)c, (void)qkv, (void)group, (void)step, (void)k, (void)v, (void)scale, (void)out;
+  throw std::logic_error("decoding attention: this build has no CUDA kernels");
 #endif
 }
 
 // One full-attention layer for a group: its members' keys and values written into the batch
 // they share (kv_batch), each query attending to its own sequence's keys up to its position
-// (step.visible hides the rest). Writes the attention rows into `out` [tokens, Hq, d].
-void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup& group, const KvStep& step,
+// (step.visible hides the rest). Writes the attention rows into `out` [tokens, Hq, d]; returns
+// whether they were gated too (one_token_attention).
+bool attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup& group, const KvStep& step,
                      const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& out) {
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t d = c.head_dim, hq = c.num_attention_heads;
@@ -380,11 +405,12 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
     keys.push_back(&caches[member]->keys[layer]);
     values.push_back(&caches[member]->values[layer]);
   }
-  const at::Tensor k = kv_batch(step, keys, group_rows(group, a.k), n);
-  const at::Tensor v = kv_batch(step, values, group_rows(group, a.v), n);
+  const bool own_kernel = one_token_attention_applies(c, step, n, a.q, a.k, a.v);
+  const at::Tensor k = kv_batch(step, keys, group_rows(group, a.k), n, !own_kernel);
+  const at::Tensor v = kv_batch(step, values, group_rows(group, a.v), n, !own_kernel);
   for (size_t member : group.members) caches[member]->keys[layer] = k, caches[member]->values[layer] = v;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  if (step.flash && n == 1 && one_token_attention(c, group, step, group_rows(group, a.q), k, v, scale, out)) return;
+  if (own_kernel) return one_token_attention(c, a, group, step, k, v, scale, out);
   if (step.flash) {  // member j's keys: rows j * capacity .. + used_k[j] - 1 of the flattened batch
     const int64_t capacity = k.size(1), hkv = k.size(2);
     // In place, member j's keys start at in_place_rows[j] * capacity.
@@ -395,13 +421,14 @@ void attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
         step.cu_q, cu_k, n, step.longest, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, scale, std::nullopt,
         std::nullopt, step.used_k));
     put_group_rows(group, out, o);
-    return;
+    return false;
   }
   const at::Tensor q = group_rows(group, a.q).view({size, n, hq, d}).transpose(1, 2);
   const at::Tensor o = at::scaled_dot_product_attention(
       q, k.narrow(1, 0, step.longest).transpose(1, 2), v.narrow(1, 0, step.longest).transpose(1, 2), step.visible, 0.0,
       /*is_causal=*/false, scale, /*enable_gqa=*/true);
   put_group_rows(group, out, o.transpose(1, 2).reshape({size * n, hq, d}));
+  return false;
 }
 
 // One full-attention layer over every sequence's tokens.
@@ -410,9 +437,10 @@ at::Tensor attention_layer(const ModelConfig& c, const Attention& p, const GemmI
                            const std::vector<DecodeCache*>& caches, size_t layer) {
   const AttentionQkv a = project_attention(c, p, x, cos, sin);
   at::Tensor out = at::empty({x.rows(), c.num_attention_heads, c.head_dim}, a.q.options());
-  for (size_t i = 0; i < groups.size(); ++i) attention_group(c, a, groups[i], steps[i], caches, layer, out);
+  bool gated = false;  // only a group that holds every row gates them itself
+  for (size_t i = 0; i < groups.size(); ++i) gated = attention_group(c, a, groups[i], steps[i], caches, layer, out);
   out = out.view({x.rows(), c.num_attention_heads * c.head_dim});
-  if (c.gated_attention) out = sigmoid_gate(out, a.gate);
+  if (c.gated_attention && !gated) out = sigmoid_gate(out, a.gate);
   return p.o(out);
 }
 

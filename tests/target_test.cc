@@ -1158,25 +1158,33 @@ TEST(IncrementalTarget, GpuAttentionMatchesTheFullForward) {
 // The one-token decoding attention against the softmax of the products of the same bf16 values
 // in float64: kv heads serving 1 to 16 query heads, d 128 and 256, lengths from one key to
 // several key ranges per sequence (the merge kernel), keys in rows of a shared batch (a row
-// table) or each sequence in its own row, q at a row stride wider than its heads; a second run
-// gives the same bits.
+// table) or each sequence in its own row, q at a row stride wider than its heads; the step's own
+// key and value written into the caches at each sequence's last position by the kernel; the
+// output gated as sigmoid_gate gates; a second run gives the same bits.
 TEST(DecodeAttention, GpuMatchesTheSoftmaxOfTheProducts) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   namespace kn = dflash::target::kernels;
   struct Case {
     int sequences, heads, kv_heads, d, capacity;
-    bool row_table;
+    bool row_table, step_keys, gated;
   };
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-  for (const Case c : {Case{3, 8, 2, 128, 96, false}, Case{5, 24, 4, 256, 700, true}, Case{128, 24, 4, 256, 576, true},
-                       Case{2, 16, 1, 256, 300, false}, Case{7, 4, 4, 128, 1100, true}}) {
+  for (const Case c : {Case{3, 8, 2, 128, 96, false, false, false}, Case{5, 24, 4, 256, 700, true, true, true},
+                       Case{128, 24, 4, 256, 576, true, true, true}, Case{2, 16, 1, 256, 300, false, true, false},
+                       Case{7, 4, 4, 128, 1100, true, false, true}}) {
     SCOPED_TRACE("sequences " + std::to_string(c.sequences) + ", heads " + std::to_string(c.heads) + " over " +
                  std::to_string(c.kv_heads) + ", d " + std::to_string(c.d));
     const int batch_rows = c.sequences + 2, group = c.heads / c.kv_heads;
     const at::Tensor keys = at::randn({batch_rows, c.capacity, c.kv_heads, c.d}, bf16);
     const at::Tensor values = at::randn({batch_rows, c.capacity, c.kv_heads, c.d}, bf16);
     const at::Tensor q = at::randn({c.sequences, c.heads * c.d + 64}, bf16).narrow(1, 0, c.heads * c.d);
+    // As the layer's projection lays them out: the step's key and value at a row stride, the
+    // gate beside each query head.
+    const at::Tensor step_kv = at::randn({c.sequences, 2 * c.kv_heads * c.d + 8}, bf16);
+    const at::Tensor new_k = step_kv.narrow(1, 0, c.kv_heads * c.d).view({c.sequences, c.kv_heads, c.d});
+    const at::Tensor new_v = step_kv.narrow(1, c.kv_heads * c.d, c.kv_heads * c.d).view({c.sequences, c.kv_heads, c.d});
+    const at::Tensor gate = at::randn({c.sequences, c.heads, 2 * c.d}, bf16).narrow(2, c.d, c.d);
     std::vector<int32_t> lengths, rows;
     const at::Tensor order = at::randperm(batch_rows, at::TensorOptions().dtype(at::kLong));
     for (int b = 0; b < c.sequences; ++b) {
@@ -1190,6 +1198,11 @@ TEST(DecodeAttention, GpuMatchesTheSoftmaxOfTheProducts) {
     a.k = keys.data_ptr(), a.v = values.data_ptr(), a.capacity = c.capacity;
     a.rows = c.row_table ? rows_on.data_ptr<int32_t>() : nullptr;
     a.lengths = lengths_on.data_ptr<int32_t>();
+    if (c.step_keys) {
+      a.new_k = new_k.data_ptr(), a.new_v = new_v.data_ptr();
+      a.new_k_stride = new_k.stride(0), a.new_v_stride = new_v.stride(0);
+    }
+    if (c.gated) a.gate = gate.data_ptr(), a.gate_stride = gate.stride(0), a.gate_head_stride = gate.stride(1);
     a.sequences = c.sequences, a.heads = c.heads, a.kv_heads = c.kv_heads, a.d = c.d;
     a.longest = *std::max_element(lengths.begin(), lengths.end());
     a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
@@ -1205,12 +1218,19 @@ TEST(DecodeAttention, GpuMatchesTheSoftmaxOfTheProducts) {
     };
     const at::Tensor got = run();
     EXPECT_TRUE(at::equal(got, run()));
+    auto round = [](const at::Tensor& t) { return t.to(at::kBFloat16).to(at::kDouble); };
     for (int b = 0; b < c.sequences; ++b) {
-      const at::Tensor k = keys[rows[b]].narrow(0, 0, lengths[b]).to(at::kDouble).repeat_interleave(group, 1);
-      const at::Tensor v = values[rows[b]].narrow(0, 0, lengths[b]).to(at::kDouble).repeat_interleave(group, 1);
+      const at::Tensor kb = keys[rows[b]], vb = values[rows[b]];
+      if (c.step_keys) {
+        EXPECT_TRUE(at::equal(kb[lengths[b] - 1], new_k[b])) << "sequence " << b;
+        EXPECT_TRUE(at::equal(vb[lengths[b] - 1], new_v[b])) << "sequence " << b;
+      }
+      const at::Tensor k = kb.narrow(0, 0, lengths[b]).to(at::kDouble).repeat_interleave(group, 1);
+      const at::Tensor v = vb.narrow(0, 0, lengths[b]).to(at::kDouble).repeat_interleave(group, 1);
       const at::Tensor qb = q[b].view({c.heads, c.d}).to(at::kDouble);
       const at::Tensor p = at::softmax(at::einsum("lhd,hd->hl", {k, qb}) * a.scale, -1);
-      const at::Tensor want = at::einsum("hl,lhd->hd", {p, v});
+      at::Tensor want = at::einsum("hl,lhd->hd", {p, v});
+      if (c.gated) want = round(want) * round(at::sigmoid(gate[b].to(at::kDouble)));
       const double error = (got[b].to(at::kDouble) - want).abs().max().item<double>();
       EXPECT_LE(error, 2e-2) << "sequence " << b << ", " << lengths[b] << " keys";
     }

@@ -60,18 +60,52 @@ constexpr size_t shared_bytes() {
 // What one CTA works on.
 struct Range {
   int b, h, split;
-  int begin, end;    // keys of the sequence
-  int64_t first;     // its first key's row
+  int length;        // the sequence's keys
+  int begin, end;    // the range's keys
+  int64_t first;     // the sequence's first key's row
 };
 
 __device__ __forceinline__ Range range_of(const DecodeAttention& a, int chunk) {
   Range r;
   r.split = static_cast<int>(blockIdx.x), r.h = static_cast<int>(blockIdx.y), r.b = static_cast<int>(blockIdx.z);
-  const int length = a.lengths[r.b];
+  r.length = a.lengths[r.b];
   r.begin = r.split * chunk;
-  r.end = min(length, r.begin + chunk);
+  r.end = min(r.length, r.begin + chunk);
   r.first = static_cast<int64_t>(a.rows != nullptr ? a.rows[r.b] : r.b) * a.capacity;
   return r;
+}
+
+// The CTA whose range holds the sequence's last key writes the step's key and value there
+// (a.new_k, a.new_v), before any of its threads reads that row.
+template <int D>
+__device__ __forceinline__ void append_step_key(const DecodeAttention& a, const Range& r) {
+  const int last = r.length - 1;
+  if (a.new_k == nullptr || last < r.begin || last >= r.end) return;  // the same in the whole CTA
+  constexpr int kChunks = D / 8;
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < 2 * kChunks) {
+    const bool value = t >= kChunks;
+    const int chunk = t % kChunks;
+    const bf16* from = static_cast<const bf16*>(value ? a.new_v : a.new_k) +
+                       static_cast<int64_t>(r.b) * (value ? a.new_v_stride : a.new_k_stride) +
+                       static_cast<int64_t>(r.h) * D + chunk * 8;
+    bf16* to = static_cast<bf16*>(value ? a.v : a.k) + (r.first + last) * a.kv_heads * D +
+               static_cast<int64_t>(r.h) * D + chunk * 8;
+    *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+  }
+  __threadfence_block();
+  __syncthreads();
+}
+
+// Two adjacent output elements of sequence b, query head j, from column `column`: rounded to
+// bf16, and gated as kernels::sigmoid_gate gates when a.gate is set.
+__device__ __forceinline__ uint32_t output_pair(const DecodeAttention& a, int b, int j, int column, float x, float y) {
+  if (a.gate == nullptr) return pack(x, y);
+  const float2 g = mma_tile::unpack(*reinterpret_cast<const uint32_t*>(
+      static_cast<const bf16*>(a.gate) + static_cast<int64_t>(b) * a.gate_stride +
+      static_cast<int64_t>(j) * a.gate_head_stride + column));
+  auto round = [](float f) { return __bfloat162float(__float2bfloat16(f)); };
+  return pack(round(x) * round(1.f / (1.f + __expf(-g.x))), round(y) * round(1.f / (1.f + __expf(-g.y))));
 }
 
 // Issues the copies of keys [key0, key0 + valid) of the range into stage `stage` (rows past
@@ -119,15 +153,18 @@ __device__ __forceinline__ void scores(Shared<D>& sh, int stage, const uint32_t 
                                        int valid) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane >> 2, t = lane & 3, m = lane >> 3;
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  // Even and odd k-steps into two accumulators: two chains of dependent mma, not one.
+  float c[4] = {0.f, 0.f, 0.f, 0.f}, odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int kp = 0; kp < D / 32; ++kp) {  // two k-steps per ldmatrix.x4: chunks 4 kp .. 4 kp + 3
     uint32_t b[4];
     const int row = warp * 8 + (lane & 7);
     mma_tile::ldsm_x4(b, shared_address(sh.k[stage] + tile_offset<D>(row, kp * 4 + m)));
     mma(c, q[2 * kp], b[0], b[1]);
-    mma(c, q[2 * kp + 1], b[2], b[3]);
+    mma(odd, q[2 * kp + 1], b[2], b[3]);
   }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) c[i] += odd[i];
   const int key = warp * 8 + 2 * t;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -232,9 +269,10 @@ __device__ __forceinline__ void finish(const DecodeAttention& a, const Range& r,
       const int column = warp * (D / 4) + n * 8 + 2 * t;
       const float x = acc[n][2 * half], y = acc[n][2 * half + 1];
       if (splits == 1) {
+        const int head = r.h * group + row;
         bf16* out = static_cast<bf16*>(a.out) + static_cast<int64_t>(r.b) * a.out_stride +
-                    static_cast<int64_t>(r.h * group + row) * D + column;
-        *reinterpret_cast<uint32_t*>(out) = pack(x * inverse, y * inverse);
+                    static_cast<int64_t>(head) * D + column;
+        *reinterpret_cast<uint32_t*>(out) = output_pair(a, r.b, head, column, x * inverse, y * inverse);
       } else {
         *reinterpret_cast<float2*>(partial + (slot * group + row) * D + column) = make_float2(x, y);
       }
@@ -253,6 +291,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(DecodeAttent
   auto& sh = *reinterpret_cast<Shared<D>*>(raw);
   barriers::start_as_dependent();  // q, the caches and the lengths come from the kernels before
   const Range r = range_of(a, chunk);
+  append_step_key<D>(a, r);
   Softmax sm;
   float acc[D / 32][4];
 #pragma unroll
@@ -282,34 +321,30 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(DecodeAttent
   finish<D>(a, r, group, splits, acc, sm);
 }
 
-// One CTA per (kv head, sequence): out = the ranges' sums weighted by exp2(max - the largest
-// max), over their weighted sums (ranges without keys skipped).
+// One CTA per (query head, sequence): out = the ranges' sums weighted by exp2(max - the
+// largest max), over their weighted sums (ranges without keys skipped); a thread per two columns.
 template <int D>
-__global__ void __launch_bounds__(kThreads) merge_kernel(DecodeAttention a, int group, int splits) {
+__global__ void __launch_bounds__(D / 2) merge_kernel(DecodeAttention a, int group, int splits) {
   barriers::start_as_dependent();
-  const int h = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.y);
+  const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.y);
+  const int h = head / group, row = head % group, column = 2 * static_cast<int>(threadIdx.x);
   const int64_t first = (static_cast<int64_t>(b) * a.kv_heads + h) * splits;
   const float* partial = static_cast<const float*>(a.workspace);
   const float* stats = partial + static_cast<int64_t>(a.sequences) * a.kv_heads * splits * group * D;
-  for (int row = 0; row < group; ++row) {
-    float largest = -INFINITY;
-    for (int s = 0; s < splits; ++s) largest = fmaxf(largest, stats[2 * ((first + s) * group + row)]);
-    for (int column = static_cast<int>(threadIdx.x) * 2; column < D; column += 2 * kThreads) {
-      float x = 0.f, y = 0.f, total = 0.f;
-      for (int s = 0; s < splits; ++s) {
-        const int64_t at = (first + s) * group + row;
-        const float m = stats[2 * at];
-        if (m == -INFINITY) continue;
-        const float w = exp2f(m - largest);
-        const float2 o = *reinterpret_cast<const float2*>(partial + at * D + column);
-        x += w * o.x, y += w * o.y, total += w * stats[2 * at + 1];
-      }
-      const float inverse = total > 0.f ? 1.f / total : 0.f;
-      bf16* out = static_cast<bf16*>(a.out) + static_cast<int64_t>(b) * a.out_stride +
-                  static_cast<int64_t>(h * group + row) * D + column;
-      *reinterpret_cast<uint32_t*>(out) = pack(x * inverse, y * inverse);
-    }
+  float largest = -INFINITY;
+  for (int s = 0; s < splits; ++s) largest = fmaxf(largest, stats[2 * ((first + s) * group + row)]);
+  float x = 0.f, y = 0.f, total = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const int64_t at = (first + s) * group + row;
+    const float m = stats[2 * at];
+    if (m == -INFINITY) continue;
+    const float w = exp2f(m - largest);
+    const float2 o = *reinterpret_cast<const float2*>(partial + at * D + column);
+    x += w * o.x, y += w * o.y, total += w * stats[2 * at + 1];
   }
+  const float inverse = total > 0.f ? 1.f / total : 0.f;
+  bf16* out = static_cast<bf16*>(a.out) + static_cast<int64_t>(b) * a.out_stride + static_cast<int64_t>(head) * D + column;
+  *reinterpret_cast<uint32_t*>(out) = output_pair(a, b, head, column, x * inverse, y * inverse);
 }
 
 template <int D>
@@ -322,7 +357,7 @@ void launch(const DecodeAttention& a, int splits, cudaStream_t stream) {
                               shared_bytes<D>(), stream, a, group, splits, chunk, scale_log2),
              "decode attention");
   if (splits > 1) {
-    check_cuda(launch_dependent(merge_kernel<D>, dim3(a.kv_heads, a.sequences), kThreads, 0, stream, a, group, splits),
+    check_cuda(launch_dependent(merge_kernel<D>, dim3(a.heads, a.sequences), D / 2, 0, stream, a, group, splits),
                "decode attention: merging the key ranges");
   }
 }
@@ -330,11 +365,12 @@ void launch(const DecodeAttention& a, int splits, cudaStream_t stream) {
 }  // namespace
 
 int decode_attention_splits(const DecodeAttention& a, int sms) {
-  // At least about four waves of CTAs (2 resident per SM at d = 256, 4 at 128), ranges of at least
-  // two tiles.
+  // Ranges split only to fill the GPU once (2 CTAs resident per SM at d = 256, 4 at 128): a
+  // sequence's keys in one range need no merge, and its CTA streams them as one pipeline. Ranges
+  // of at least two tiles.
   const int resident = a.d == 256 ? 2 : 4;
   const int pairs = a.sequences * a.kv_heads;
-  const int wanted = (4 * resident * sms + pairs - 1) / pairs;
+  const int wanted = (resident * sms * 9 / 10 + pairs - 1) / pairs;
   const int tiles = (a.longest + kKeys - 1) / kKeys;
   return std::max(1, std::min(wanted, tiles / 2));
 }

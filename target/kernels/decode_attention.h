@@ -31,14 +31,24 @@ struct DecodeAttention {
   // Keys and values: bf16 rows of kv_heads * d elements (kv head h at h * d in a row); sequence b's
   // keys are rows first_row(b) .. first_row(b) + lengths[b] - 1, first_row(b) = (rows ? rows[b] :
   // b) * capacity.
-  const void* k = nullptr;
-  const void* v = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
   const int* rows = nullptr;
   int64_t capacity = 0;
   const int* lengths = nullptr;  // int32 [sequences] on the device, each >= 1
-  // out: bf16, sequence b's head j at out + b * out_stride + j * d.
+  // The step's own keys and values (both or neither): sequence b's kv head h at new_k + b *
+  // new_k_stride + h * d (the same for new_v), written into the caches at its last position
+  // (lengths[b] - 1) by the CTA whose range holds that key, before it reads it.
+  const void* new_k = nullptr;
+  const void* new_v = nullptr;
+  int64_t new_k_stride = 0, new_v_stride = 0;
+  // out: bf16, sequence b's head j at out + b * out_stride + j * d. With a gate (gated
+  // attention), out = bf16(bf16(o) * bf16(sigmoid(gate))) as kernels::sigmoid_gate computes it,
+  // gate (b, j, i) at gate + b * gate_stride + j * gate_head_stride + i.
   void* out = nullptr;
   int64_t out_stride = 0;
+  const void* gate = nullptr;
+  int64_t gate_stride = 0, gate_head_stride = 0;
   int sequences = 0, heads = 0, kv_heads = 0, d = 0;
   int longest = 0;  // the largest of lengths (sizes the key ranges; a host-side bound is enough)
   float scale = 1.f;
