@@ -127,24 +127,15 @@ void profile_plain_step(const target::IncrementalTarget& target, const std::vect
   }, 45);
 }
 
-// The same steps back to back with every bf16 projection on cuBLASLt (the stream-K GEMM and its
-// SwiGLU epilogue off: kernel_variants.h), to compare in one process.
-double cublaslt_back_to_back_ms(const target::IncrementalTarget& target, const std::vector<target::DecodeCache*>& all,
-                                const std::vector<at::Tensor>& one) {
-  force_mma_sync(MmaKernels::projections, true);
+// The same steps back to back with a kernel hook set (on, then off again), to compare in one
+// process: every bf16 projection on cuBLASLt (the stream-K GEMM and its SwiGLU epilogue off:
+// kernel_variants.h), or FlashAttention's kernel for the one-token attention
+// (target/kernels/decode_attention.h).
+double back_to_back_with(const target::IncrementalTarget& target, const std::vector<target::DecodeCache*>& all,
+                         const std::vector<at::Tensor>& one, const std::function<void(bool)>& hook) {
+  hook(true);
   const double ms = back_to_back_ms(target, all, one).first;
-  force_mma_sync(MmaKernels::projections, false);
-  return ms;
-}
-
-// The same steps with FlashAttention's kernel for the one-token attention (the decoding
-// attention kernel off: target/kernels/decode_attention.h), to compare in one process.
-double flash_attention_back_to_back_ms(const target::IncrementalTarget& target,
-                                       const std::vector<target::DecodeCache*>& all,
-                                       const std::vector<at::Tensor>& one) {
-  target::kernels::decode_attention_off = true;
-  const double ms = back_to_back_ms(target, all, one).first;
-  target::kernels::decode_attention_off = false;
+  hook(false);
   return ms;
 }
 
@@ -253,8 +244,10 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   const std::vector<at::Tensor> one(static_cast<size_t>(batch), random_ids(1));
   const double plain = median_ms(5, [&] { target.step_batch(all, one, {}, /*croppable=*/false); });
   const auto [back_to_back, enqueue] = back_to_back_ms(target, all, one);
-  const double back_to_back_lt = cublaslt_back_to_back_ms(target, all, one);
-  const double back_to_back_fa = flash_attention_back_to_back_ms(target, all, one);
+  const double back_to_back_lt =
+      back_to_back_with(target, all, one, [](bool on) { force_mma_sync(MmaKernels::projections, on); });
+  const double back_to_back_fa =
+      back_to_back_with(target, all, one, [](bool on) { target::kernels::decode_attention_off = on; });
   print_memory("plain rounds");
   profile_plain_step(target, all, one);
   const double changing = changing_batch_ms(target, all, one);

@@ -70,7 +70,8 @@ inline void print_kernel_profile(const char* title, const std::function<void()>&
       for (const auto* e : events) {
         if ((e->deviceType() == c10::DeviceType::CUDA) != gpu) continue;
         if (shown++ >= std::atoi(order)) break;
-        std::printf("    %10.3f us +%8.3f  %.100s\n", static_cast<double>(static_cast<int64_t>(e->startNs()) - static_cast<int64_t>(first)) / 1e3,
+        const int64_t start = static_cast<int64_t>(e->startNs()) - static_cast<int64_t>(first);
+        std::printf("    %10.3f us +%8.3f  %.100s\n", static_cast<double>(start) / 1e3,
                     static_cast<double>(e->durationNs()) / 1e3, e->name().c_str());
       }
     }

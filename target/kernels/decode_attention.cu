@@ -19,6 +19,7 @@
 #include <string>
 
 #include "common/barriers.cuh"
+#include "common/bf16x8.cuh"
 #include "common/cuda_check.h"
 #include "common/launch.h"
 #include "common/mma_tile.cuh"
@@ -104,14 +105,16 @@ __device__ __forceinline__ uint32_t output_pair(const DecodeAttention& a, int b,
   const float2 g = mma_tile::unpack(*reinterpret_cast<const uint32_t*>(
       static_cast<const bf16*>(a.gate) + static_cast<int64_t>(b) * a.gate_stride +
       static_cast<int64_t>(j) * a.gate_head_stride + column));
-  auto round = [](float f) { return __bfloat162float(__float2bfloat16(f)); };
-  return pack(round(x) * round(1.f / (1.f + __expf(-g.x))), round(y) * round(1.f / (1.f + __expf(-g.y))));
+  using bf16x8::round_bf16;
+  return pack(round_bf16(x) * round_bf16(1.f / (1.f + __expf(-g.x))),
+              round_bf16(y) * round_bf16(1.f / (1.f + __expf(-g.y))));
 }
 
 // Issues the copies of keys [key0, key0 + valid) of the range into stage `stage` (rows past
 // `valid` zero-filled).
 template <int D>
-__device__ __forceinline__ void load_tile(Shared<D>& sh, int stage, const DecodeAttention& a, const Range& r, int key0) {
+__device__ __forceinline__ void load_tile(Shared<D>& sh, int stage, const DecodeAttention& a, const Range& r,
+                                          int key0) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   const int valid = min(kKeys, r.end - key0);
   const int64_t row_elements = static_cast<int64_t>(a.kv_heads) * D;
@@ -343,7 +346,8 @@ __global__ void __launch_bounds__(D / 2) merge_kernel(DecodeAttention a, int gro
     x += w * o.x, y += w * o.y, total += w * stats[2 * at + 1];
   }
   const float inverse = total > 0.f ? 1.f / total : 0.f;
-  bf16* out = static_cast<bf16*>(a.out) + static_cast<int64_t>(b) * a.out_stride + static_cast<int64_t>(head) * D + column;
+  bf16* out =
+      static_cast<bf16*>(a.out) + static_cast<int64_t>(b) * a.out_stride + static_cast<int64_t>(head) * D + column;
   *reinterpret_cast<uint32_t*>(out) = output_pair(a, b, head, column, x * inverse, y * inverse);
 }
 
