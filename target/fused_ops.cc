@@ -196,15 +196,19 @@ at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Te
 #endif
 }
 
-std::pair<at::Tensor, at::Tensor> gdn_gates(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
-                                            const at::Tensor& dt_bias) {
+bool gdn_gates_kernel_applies(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+                              const at::Tensor& dt_bias) {
   auto column_rows = [](const at::Tensor& t) {  // bf16 on the GPU, [tokens, heads] with contiguous heads
     return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1;
   };
-  const bool fused = column_rows(a) && column_rows(b) && a.sizes() == b.sizes() && a_log.scalar_type() == at::kFloat &&
-                     dt_bias.scalar_type() == at::kFloat && a_log.is_contiguous() && dt_bias.is_contiguous() &&
-                     a_log.is_cuda() && a_log.numel() == a.size(1) && dt_bias.numel() == a.size(1);
-  if (!fused) {
+  return column_rows(a) && column_rows(b) && a.sizes() == b.sizes() && a_log.scalar_type() == at::kFloat &&
+         dt_bias.scalar_type() == at::kFloat && a_log.is_contiguous() && dt_bias.is_contiguous() && a_log.is_cuda() &&
+         a_log.numel() == a.size(1) && dt_bias.numel() == a.size(1);
+}
+
+std::pair<at::Tensor, at::Tensor> gdn_gates(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+                                            const at::Tensor& dt_bias) {
+  if (!gdn_gates_kernel_applies(a, b, a_log, dt_bias)) {
     GdnGateValues v = gdn_gates_reference(a, b, a_log, dt_bias);
     return {v.g, v.beta};
   }

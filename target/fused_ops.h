@@ -59,6 +59,10 @@ at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Te
 // softplus(a + dt_bias) and beta = sigmoid(b), fp32 (gdn_gates_reference's values).
 std::pair<at::Tensor, at::Tensor> gdn_gates(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
                                             const at::Tensor& dt_bias);
+// Whether gdn_gates runs its kernel for these inputs (bf16 projections with contiguous heads on a
+// GPU, fp32 A_log and dt_bias there); then the conv step kernel can form them too (gdn_cuda.h).
+bool gdn_gates_kernel_applies(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+                              const at::Tensor& dt_bias);
 
 // Nucleus filtering of sampling probabilities [rows, n] (fp32): each row keeps the smallest set of
 // its most likely entries whose mass reaches top_p (an entry is kept while the mass of those

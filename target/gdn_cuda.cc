@@ -348,7 +348,8 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
   launch(l, stage_ms);
   return out;
 }
-ConvStepResult conv_step_cuda(const at::Tensor& tails_in, const at::Tensor& x_in, const at::Tensor& weight_in) {
+ConvStepResult conv_step_cuda(const at::Tensor& tails_in, const at::Tensor& x_in, const at::Tensor& weight_in,
+                              const ConvStepGates* gates) {
   expect(tails_in.is_cuda() && tails_in.dim() == 3 && tails_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2 &&
              x_in.scalar_type() == at::kBFloat16,
          "conv step inputs must be bf16 tails [G, K - 1, C] and rows [G * n, C] on a GPU");
@@ -360,7 +361,8 @@ ConvStepResult conv_step_cuda(const at::Tensor& tails_in, const at::Tensor& x_in
   expect(weight.dim() == 2 && weight.size(0) == channels && weight.size(1) == held + 1 && x.size(1) == channels &&
              x.size(0) % std::max<int64_t>(sequences, 1) == 0,
          "conv step: weight [C, K], tails [G, K - 1, C] and rows [G * n, C] disagree");
-  ConvStepResult r{at::empty({x.size(0), channels}, x.options()), at::empty({sequences, held, channels}, x.options())};
+  ConvStepResult r{at::empty({x.size(0), channels}, x.options()), at::empty({sequences, held, channels}, x.options()),
+                   {}, {}};
   kernels::ConvStep a;
   a.tails = tails.data_ptr();
   a.tails_sequence_stride = tails.stride(0), a.tails_row_stride = tails.stride(1);
@@ -369,11 +371,22 @@ ConvStepResult conv_step_cuda(const at::Tensor& tails_in, const at::Tensor& x_in
   a.kernel = static_cast<int>(held + 1), a.sequences = static_cast<int>(sequences);
   a.tokens = sequences == 0 ? 0 : static_cast<int>(x.size(0) / sequences), a.channels = static_cast<int>(channels);
   a.y = r.y.data_ptr(), a.new_tails = r.tails.data_ptr();
+  if (gates != nullptr) {
+    expect(gdn_gates_kernel_applies(gates->a, gates->b, gates->a_log, gates->dt_bias) && gates->a.size(0) == x.size(0),
+           "conv step gates: a, b must be bf16 [rows, heads] with contiguous heads, A_log and dt_bias fp32 [heads]");
+    r.g = at::empty(gates->a.sizes(), gates->a.options().dtype(at::kFloat));
+    r.beta = at::empty_like(r.g);
+    a.gate_a = gates->a.data_ptr(), a.a_stride = gates->a.stride(0);
+    a.gate_b = gates->b.data_ptr(), a.b_stride = gates->b.stride(0);
+    a.a_log = gates->a_log.data_ptr<float>(), a.dt_bias = gates->dt_bias.data_ptr<float>();
+    a.g = r.g.data_ptr<float>(), a.beta = r.beta.data_ptr<float>();
+    a.heads = static_cast<int>(gates->a.size(1));
+  }
   kernels::conv_step(a, at::cuda::getCurrentCUDAStream().stream());
   return r;
 }
 #else
-ConvStepResult conv_step_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+ConvStepResult conv_step_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, const ConvStepGates*) {
   throw std::logic_error("conv_step_cuda: this build has no CUDA kernels");
 }
 at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {

@@ -38,10 +38,17 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x, const at::Tensor& weight
 // sequence-major). Returns y bf16 [G * n, C] = SiLU(conv) and the new tails [G, K - 1, C]: what
 // concatenating the window, conv1d_silu_l2norm_cuda over it (qk_channels 0) and its last K - 1
 // rows give, in one pass.
-struct ConvStepResult {
-  at::Tensor y, tails;
+// With `gates` (where gdn_gates_kernel_applies, fused_ops.h), the same launch also forms the
+// step's GatedDeltaNet gates g and beta (fp32 [G * n, heads], gdn_gates' values) from the
+// projections a, b (bf16 [G * n, heads]) and A_log, dt_bias.
+struct ConvStepGates {
+  at::Tensor a, b, a_log, dt_bias;
 };
-ConvStepResult conv_step_cuda(const at::Tensor& tails, const at::Tensor& x, const at::Tensor& weight);
+struct ConvStepResult {
+  at::Tensor y, tails, g, beta;
+};
+ConvStepResult conv_step_cuda(const at::Tensor& tails, const at::Tensor& x, const at::Tensor& weight,
+                              const ConvStepGates* gates = nullptr);
 
 // The gates of one call: g and beta (fp32 [tokens, value_heads]), or the layer's projections a
 // and b (bf16 [tokens, value_heads], contiguous rows) with A_log and dt_bias ([value_heads]), which

@@ -568,8 +568,9 @@ at::Tensor conv_window(const GdnStep& step, const at::Tensor& window, const at::
 // become their batch (member j its row j); keeps what crop() needs, as the group's batch tensors,
 // when the step is croppable. Writes the rule's o rows into `o_out` [tokens, Hv, dv] (fp32).
 void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjections& proj, const GdnGateValues& gates,
-               const RowGroup& group, const GdnStep& step, const std::vector<DecodeCache*>& caches, size_t layer,
-               at::Tensor& o_out, int64_t recurrent_step_tokens, bool decode_kernel, bool croppable) {
+               const ConvStepGates* conv_gates, const RowGroup& group, const GdnStep& step,
+               const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& o_out, int64_t recurrent_step_tokens,
+               bool decode_kernel, bool croppable) {
   const RowGather& rows = step.rows;
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
@@ -582,10 +583,12 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   // The conv: in one pass (GdnStep::one_pass), or over the window (inputs + step rows), which a
   // croppable step keeps and whose last K - 1 rows become the cached inputs.
   at::Tensor window, convolved, tails;
+  GdnGateValues step_gates = gates;  // or formed by the conv step (conv_gates)
   if (step.one_pass) {
-    ConvStepResult r = conv_step_cuda(rows.gather(convs), group_rows(group, proj.mixed), p.conv);
+    ConvStepResult r = conv_step_cuda(rows.gather(convs), group_rows(group, proj.mixed), p.conv, conv_gates);
     convolved = r.y.view({size, n, proj.mixed.size(1)});
     tails = std::move(r.tails);
+    if (conv_gates != nullptr) step_gates = {r.g, r.beta};
   } else if (step.fresh) {  // q and k normalised here for the chunked rule; the last K - 1 rows cached
     const int64_t channels = proj.mixed.size(1);
     const at::Tensor x = group_rows(group, proj.mixed);
@@ -602,8 +605,8 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   const at::Tensor q = convolved.narrow(-1, 0, hk * dk).view({size, n, hk, dk});
   const at::Tensor k = convolved.narrow(-1, hk * dk, hk * dk).view({size, n, hk, dk});
   const at::Tensor v = convolved.narrow(-1, 2 * hk * dk, hv * dv).view({size, n, hv, dv});
-  const at::Tensor g = group_rows(group, gates.g).view({size, n, hv});
-  const at::Tensor beta = group_rows(group, gates.beta).view({size, n, hv});
+  const at::Tensor g = group_rows(group, step_gates.g).view({size, n, hv});
+  const at::Tensor beta = group_rows(group, step_gates.beta).view({size, n, hv});
   at::Tensor before, after, o;
   if (step.chunks) {  // a prefill: the chunked kernels from the members' states (not croppable)
     GdnCarriedStates carried;  // new caches start from zero states: nothing to read
@@ -640,12 +643,20 @@ at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const GemmInp
                      const std::vector<GdnStep>& steps, const std::vector<DecodeCache*>& caches, size_t layer,
                      int64_t recurrent_step_tokens, bool kernel, bool croppable) {
   const GdnProjections proj = project_gdn(c, p, x);
-  const auto [g, beta] = gdn_gates(proj.a, proj.b, p.a_log, p.dt_bias);
-  const GdnGateValues gates{g, beta};
+  // A step whose only group convolves in one pass forms the gates in the conv step's launch.
+  const ConvStepGates conv_gates{proj.a, proj.b, p.a_log, p.dt_bias};
+  const bool gates_in_conv =
+      groups.size() == 1 && steps[0].one_pass && gdn_gates_kernel_applies(proj.a, proj.b, p.a_log, p.dt_bias);
+  GdnGateValues gates;
+  if (!gates_in_conv) {
+    auto [g, beta] = gdn_gates(proj.a, proj.b, p.a_log, p.dt_bias);
+    gates = {std::move(g), std::move(beta)};
+  }
   at::Tensor o = at::empty({x.rows(), c.linear_num_value_heads, c.linear_value_head_dim},
                            proj.z.options().dtype(at::kFloat));
   for (size_t i = 0; i < groups.size(); ++i) {
-    gdn_group(c, p, proj, gates, groups[i], steps[i], caches, layer, o, recurrent_step_tokens, kernel, croppable);
+    gdn_group(c, p, proj, gates, gates_in_conv ? &conv_gates : nullptr, groups[i], steps[i], caches, layer, o,
+              recurrent_step_tokens, kernel, croppable);
   }
   return gdn_output(c, p, o, proj.z, proj.z.scalar_type());
 }

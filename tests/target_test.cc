@@ -855,6 +855,7 @@ TEST(GatedDeltaNetKernels, ConvSiluAndL2NormMatchTheReference) {
 // A decoding step's conv in one pass (conv_step_cuda) gives the bytes of the window path it
 // replaces: each sequence's cached inputs and step rows concatenated, the conv kernel over the
 // window, its step rows and its last K - 1 rows. Cached inputs and step rows as strided views.
+// With the gates in the same launch: gdn_gates' bytes, the conv's unchanged.
 TEST(GatedDeltaNetKernels, ConvStepIsTheWindowPathInOnePass) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(4);
@@ -877,6 +878,15 @@ TEST(GatedDeltaNetKernels, ConvStepIsTheWindowPathInOnePass) {
       EXPECT_TRUE(at::equal(ours.y, all.view({sequences, held + n, channels}).narrow(1, held, n).reshape({-1, channels})))
           << what;
       EXPECT_TRUE(at::equal(ours.tails, window.narrow(1, n, held))) << what;
+      const int64_t heads = 48;  // a and b as the projection lays them out: columns of a wider row
+      const at::Tensor projected = at::randn({sequences * n, 2 * heads + 16}, cuda);
+      const ConvStepGates gates{projected.narrow(1, 16, heads), projected.narrow(1, 16 + heads, heads),
+                                at::randn({heads}, cuda.dtype(at::kFloat)), at::randn({heads}, cuda.dtype(at::kFloat))};
+      const ConvStepResult with_gates = conv_step_cuda(tails, rows, weight, &gates);
+      const auto [g, beta] = gdn_gates(gates.a, gates.b, gates.a_log, gates.dt_bias);
+      EXPECT_TRUE(at::equal(with_gates.g, g)) << what;
+      EXPECT_TRUE(at::equal(with_gates.beta, beta)) << what;
+      EXPECT_TRUE(at::equal(with_gates.y, ours.y) && at::equal(with_gates.tails, ours.tails)) << what;
     }
   }
 }

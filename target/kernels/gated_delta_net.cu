@@ -49,6 +49,10 @@ void conv_step(const ConvStep& a, cudaStream_t stream) {
       a.tails_sequence_stride % 8 != 0) {
     throw std::invalid_argument("conv_step: needs kernel 2..4, channels and strides that are multiples of 8");
   }
+  if (a.g != nullptr && (a.heads < 1 || a.gate_a == nullptr || a.gate_b == nullptr || a.a_log == nullptr ||
+                         a.dt_bias == nullptr || a.beta == nullptr)) {
+    throw std::invalid_argument("conv_step: gates need a, b, A_log, dt_bias, beta and at least one head");
+  }
   if (a.sequences == 0 || a.channels == 0 || a.tokens == 0) return;
   const dim3 grid(static_cast<unsigned>(a.sequences),
                   static_cast<unsigned>((a.channels / 8 + kConvStepThreads - 1) / kConvStepThreads));

@@ -64,6 +64,9 @@ void conv1d_silu_l2norm(const void* x, int64_t x_stride, const void* weight, int
 // tokens + t at x + row * x_stride). Writes y bf16 [sequences * tokens, channels] = SiLU(conv) (no
 // L2 norm) and new_tails bf16 [sequences, kernel - 1, channels], each sequence's last kernel - 1
 // inputs. kernel 2..4; channels and strides multiples of 8; 16-byte aligned rows.
+// With g set, the same launch also forms the step's GatedDeltaNet gates as gdn_gates does
+// (elementwise.h): g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), fp32 [sequences *
+// tokens, heads], from the projections a and b (bf16, row r at r * a_stride, r * b_stride).
 struct ConvStep {
   const void* tails = nullptr;
   int64_t tails_sequence_stride = 0, tails_row_stride = 0;
@@ -73,6 +76,14 @@ struct ConvStep {
   int kernel = 0, sequences = 0, tokens = 0, channels = 0;
   void* y = nullptr;
   void* new_tails = nullptr;
+  const void* gate_a = nullptr;
+  const void* gate_b = nullptr;
+  int64_t a_stride = 0, b_stride = 0;
+  const float* a_log = nullptr;
+  const float* dt_bias = nullptr;
+  float* g = nullptr;
+  float* beta = nullptr;
+  int heads = 0;
 };
 void conv_step(const ConvStep& step, cudaStream_t stream);
 

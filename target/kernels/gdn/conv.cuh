@@ -5,6 +5,7 @@
 
 #include "common/barriers.cuh"
 #include "target/kernels/gdn/common.cuh"
+#include "target/kernels/gdn_gates.cuh"
 
 namespace dflash::target::kernels::gdn {
 
@@ -123,8 +124,22 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_silu_l2norm_kernel(const 
 // (blockIdx.y): no index division.
 constexpr int kConvStepThreads = 128;
 
+// The first CTA of each sequence also forms its rows' gates (ConvStep::g set).
+__device__ __forceinline__ void step_gates(const ConvStep& a, int sequence) {
+  const int count = a.tokens * a.heads;
+  for (int i = static_cast<int>(threadIdx.x); i < count; i += kConvStepThreads) {
+    const int64_t row = static_cast<int64_t>(sequence) * a.tokens + i / a.heads;
+    const int head = i % a.heads;
+    const float x = __bfloat162float(static_cast<const bf16*>(a.gate_a)[row * a.a_stride + head]);
+    const float y = __bfloat162float(static_cast<const bf16*>(a.gate_b)[row * a.b_stride + head]);
+    a.g[row * a.heads + head] = gdn_decay_gate(x, a.a_log[head], a.dt_bias[head]);
+    a.beta[row * a.heads + head] = gdn_beta_gate(y);
+  }
+}
+
 __global__ void __launch_bounds__(kConvStepThreads) conv_step_kernel(ConvStep a) {
   barriers::start_as_dependent();
+  if (a.g != nullptr && blockIdx.y == 0) step_gates(a, static_cast<int>(blockIdx.x));
   const int sequence = blockIdx.x, c0 = (blockIdx.y * kConvStepThreads + threadIdx.x) * 8;
   if (c0 >= a.channels) return;
   const int held = a.kernel - 1;
