@@ -1165,6 +1165,32 @@ TEST(IncrementalTarget, GpuAttentionMatchesTheFullForward) {
 }
 
 #ifdef DFLASHD_WITH_CUDA
+// The decoding attention's key ranges: split only until the CTAs fill the GPU once (2 resident
+// per SM at d = 256, 4 at 128), never into ranges of less than two 32-key tiles, with a workspace
+// only when split (for the ranges' partial sums, max and sum); shapes it does not take are
+// refused before anything runs.
+TEST(DecodeAttention, SplitsOnlyToFillTheGpuOnce) {
+  namespace kn = dflash::target::kernels;
+  kn::DecodeAttention a;
+  a.heads = 24, a.kv_heads = 4, a.d = 256, a.longest = 530;
+  for (const int sequences : {128, 64}) {  // 512 and 256 (sequence, kv head) CTAs: a wave of 264 filled
+    a.sequences = sequences;
+    EXPECT_EQ(kn::decode_attention_splits(a, 132), 1) << sequences;
+    EXPECT_EQ(kn::decode_attention_workspace(a, 132), 0u) << sequences;
+  }
+  a.sequences = 8;  // 32 CTAs unsplit; 8 ranges wanted, of 96 keys once whole tiles: 6 hold keys
+  EXPECT_EQ(kn::decode_attention_splits(a, 132), 6);
+  EXPECT_EQ(kn::decode_attention_workspace(a, 132), size_t{8} * 4 * 6 * 6 * (256 + 2) * sizeof(float));
+  a.sequences = 1, a.longest = 90;  // 3 tiles: at most one range of two tiles
+  EXPECT_EQ(kn::decode_attention_splits(a, 132), 1);
+  a.d = 128, a.heads = 32, a.kv_heads = 8, a.sequences = 16, a.longest = 4096;  // 4 resident at d = 128
+  EXPECT_EQ(kn::decode_attention_splits(a, 132), 4);
+  a.d = 64;
+  EXPECT_THROW(kn::decode_attention(a, 132, nullptr), std::invalid_argument);
+  a.d = 128, a.heads = 8 * 17;  // 17 query heads per kv head: more than an m16 product's rows
+  EXPECT_THROW(kn::decode_attention(a, 132, nullptr), std::invalid_argument);
+}
+
 // The one-token decoding attention against the softmax of the products of the same bf16 values
 // in float64: kv heads serving 1 to 16 query heads, d 128 and 256, lengths from one key to
 // several key ranges per sequence (the merge kernel), keys in rows of a shared batch (a row

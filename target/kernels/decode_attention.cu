@@ -351,11 +351,14 @@ __global__ void __launch_bounds__(D / 2) merge_kernel(DecodeAttention a, int gro
   *reinterpret_cast<uint32_t*>(out) = output_pair(a, b, head, column, x * inverse, y * inverse);
 }
 
+// Keys per range when `longest` keys are split into `splits` ranges of whole tiles.
+int range_keys(int longest, int splits) { return ((longest + splits - 1) / splits + kKeys - 1) / kKeys * kKeys; }
+
 template <int D>
 void launch(const DecodeAttention& a, int splits, cudaStream_t stream) {
   allow_shared_memory(decode_attention_kernel<D>, shared_bytes<D>(), "decode attention");
   const int group = a.heads / a.kv_heads;
-  const int chunk = ((a.longest + splits - 1) / splits + kKeys - 1) / kKeys * kKeys;
+  const int chunk = range_keys(a.longest, splits);
   const float scale_log2 = a.scale * kLog2e;
   check_cuda(launch_dependent(decode_attention_kernel<D>, dim3(splits, a.kv_heads, a.sequences), kThreads,
                               shared_bytes<D>(), stream, a, group, splits, chunk, scale_log2),
@@ -371,12 +374,14 @@ void launch(const DecodeAttention& a, int splits, cudaStream_t stream) {
 int decode_attention_splits(const DecodeAttention& a, int sms) {
   // Ranges split only to fill the GPU once (2 CTAs resident per SM at d = 256, 4 at 128): a
   // sequence's keys in one range need no merge, and its CTA streams them as one pipeline. Ranges
-  // of at least two tiles.
+  // of at least two tiles, and only as many as hold keys once rounded to whole tiles.
   const int resident = a.d == 256 ? 2 : 4;
-  const int pairs = a.sequences * a.kv_heads;
+  const int pairs = std::max(1, a.sequences * a.kv_heads);
   const int wanted = (resident * sms * 9 / 10 + pairs - 1) / pairs;
   const int tiles = (a.longest + kKeys - 1) / kKeys;
-  return std::max(1, std::min(wanted, tiles / 2));
+  const int splits = std::max(1, std::min(wanted, tiles / 2));
+  const int keys = range_keys(std::max(1, a.longest), splits);
+  return (std::max(1, a.longest) + keys - 1) / keys;
 }
 
 size_t decode_attention_workspace(const DecodeAttention& a, int sms) {
