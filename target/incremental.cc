@@ -4,6 +4,7 @@
 #include <c10/core/InferenceMode.h>
 #ifdef DFLASHD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include "target/kernels/decode_attention.h"
 #endif
@@ -361,6 +362,7 @@ bool one_token_attention(const ModelConfig& c, const AttentionQkv& qkv, const Ro
   if (!k.is_contiguous() || !v.is_contiguous() || k.sizes() != v.sizes()) {
     throw std::logic_error("decoding attention: the key and value batches are not dense alike");
   }
+  const c10::cuda::CUDAGuard guard(k.device());  // the stream and properties of the caches' GPU
   const int64_t d = c.head_dim, heads = c.num_attention_heads;
   const int64_t size = static_cast<int64_t>(group.members.size());
   const bool direct = holds_every_row(group, out) && out.is_contiguous();
