@@ -24,6 +24,13 @@ __device__ __forceinline__ float silu_times(float g, float u) {
   return round_bf16(__fdividef(g, 1.f + __expf(-g))) * u;
 }
 
+// Gated attention's output: a bf16 value o times bf16(sigmoid(gate)), rounded as the composite
+// o * sigmoid(gate) in bf16 is (the caller rounds the product): the sigmoid gate kernel and the
+// decoding attention's epilogue.
+__device__ __forceinline__ float sigmoid_gated(float o, float gate) {
+  return o * round_bf16(1.f / (1.f + __expf(-gate)));
+}
+
 // Eight bf16 values held as 16 raw bytes (a load issued before its values are needed).
 __device__ __forceinline__ void unpack8(float (&dst)[8], const uint4& raw) {
   const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);

@@ -106,8 +106,7 @@ __device__ __forceinline__ uint32_t output_pair(const DecodeAttention& a, int b,
       static_cast<const bf16*>(a.gate) + static_cast<int64_t>(b) * a.gate_stride +
       static_cast<int64_t>(j) * a.gate_head_stride + column));
   using bf16x8::round_bf16;
-  return pack(round_bf16(x) * round_bf16(1.f / (1.f + __expf(-g.x))),
-              round_bf16(y) * round_bf16(1.f / (1.f + __expf(-g.y))));
+  return pack(bf16x8::sigmoid_gated(round_bf16(x), g.x), bf16x8::sigmoid_gated(round_bf16(y), g.y));
 }
 
 // Issues the copies of keys [key0, key0 + valid) of the range into stage `stage` (rows past

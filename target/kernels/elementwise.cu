@@ -205,7 +205,7 @@ __global__ void sigmoid_gate_kernel(bf16* __restrict__ out, const bf16* __restri
     load8(o, out + i * 8);
     load8(g, gate + token * token_stride + static_cast<int64_t>(head) * head_stride + col);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = o[j] * round_bf16(1.f / (1.f + __expf(-g[j])));
+    for (int j = 0; j < 8; ++j) o[j] = bf16x8::sigmoid_gated(o[j], g[j]);
     store8(out + i * 8, o);
   }
 }
@@ -249,10 +249,7 @@ __global__ void gdn_gates_kernel(const bf16* __restrict__ a, int64_t a_stride, c
   barriers::start_as_dependent();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t token = i / heads;
-    const int head = static_cast<int>(i % heads);
-    g[i] = gdn_decay_gate(__bfloat162float(a[token * a_stride + head]), a_log[head], dt_bias[head]);
-    beta[i] = gdn_beta_gate(__bfloat162float(b[token * b_stride + head]));
+    gdn_gates_at(i, a, a_stride, b, b_stride, a_log, dt_bias, heads, g, beta);
   }
 }
 

@@ -126,14 +126,10 @@ constexpr int kConvStepThreads = 128;
 
 // The first CTA of each sequence also forms its rows' gates (ConvStep::g set).
 __device__ __forceinline__ void step_gates(const ConvStep& a, int sequence) {
-  const int count = a.tokens * a.heads;
-  for (int i = static_cast<int>(threadIdx.x); i < count; i += kConvStepThreads) {
-    const int64_t row = static_cast<int64_t>(sequence) * a.tokens + i / a.heads;
-    const int head = i % a.heads;
-    const float x = __bfloat162float(static_cast<const bf16*>(a.gate_a)[row * a.a_stride + head]);
-    const float y = __bfloat162float(static_cast<const bf16*>(a.gate_b)[row * a.b_stride + head]);
-    a.g[row * a.heads + head] = gdn_decay_gate(x, a.a_log[head], a.dt_bias[head]);
-    a.beta[row * a.heads + head] = gdn_beta_gate(y);
+  const int64_t first = static_cast<int64_t>(sequence) * a.tokens * a.heads;  // its rows' elements
+  for (int64_t i = first + threadIdx.x; i < first + static_cast<int64_t>(a.tokens) * a.heads; i += kConvStepThreads) {
+    gdn_gates_at(i, static_cast<const bf16*>(a.gate_a), a.a_stride, static_cast<const bf16*>(a.gate_b), a.b_stride,
+                 a.a_log, a.dt_bias, a.heads, a.g, a.beta);
   }
 }
 
