@@ -27,6 +27,7 @@
 #include <ATen/cuda/CUDAContext.h>
 
 #include "target/kernels/decode_attention.h"
+#include "target/kernels/gated_delta_net.h"
 #include "target/kernels/stream_gemm.h"
 #endif
 #include "tests/kernel_sized.h"
@@ -1165,6 +1166,22 @@ TEST(IncrementalTarget, GpuAttentionMatchesTheFullForward) {
 }
 
 #ifdef DFLASHD_WITH_CUDA
+// A conv step asked for the gates without all of their inputs and outputs is refused before
+// anything runs, with what it needs.
+TEST(GatedDeltaNetKernels, ConvStepRefusesGatesWithoutTheirInputs) {
+  namespace kn = dflash::target::kernels;
+  float g = 0;
+  kn::ConvStep a;
+  a.kernel = 4, a.sequences = 1, a.tokens = 1, a.channels = 8;
+  a.g = &g, a.heads = 1;  // no a, b, A_log, dt_bias or beta
+  try {
+    kn::conv_step(a, nullptr);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("gates need a, b, A_log, dt_bias, beta"), std::string::npos) << e.what();
+  }
+}
+
 // The decoding attention's key ranges: split only until the CTAs fill the GPU once (2 resident
 // per SM at d = 256, 4 at 128), never into ranges of less than two 32-key tiles, with a workspace
 // only when split (for the ranges' partial sums, max and sum); shapes it does not take are
