@@ -5,8 +5,11 @@
 //      with FP8 projections (target.dtype: float8, on Hopper) and how far its tapped states are
 //      from the bf16 ones;
 //   3. one MoE block at the config's expert shapes, 3072 tokens: the grouped path (moe.h), the
-//      reference host loop (what ran before), and the floor: its FLOPs (router, top-k experts'
-//      SwiGLU, shared expert) at the measured matmul rate.
+//      reference host loop (what ran before), the grouped path with FP8 experts on the FP8
+//      grouped GEMM and dequantized per call, and the floor: its FLOPs (router, top-k experts'
+//      SwiGLU, shared expert) at the measured bf16 matmul rate.
+//   An MoE target's FP8 forward runs twice: its experts dequantized per layer, then on the FP8
+//   grouped GEMM (kernels/grouped_fp8.h's hook, in one process).
 // Usage: target_bench CONFIG_DIR [LAST_LAYER]   (LAST_LAYER -1: no whole forward, the MoE block only)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -26,6 +29,7 @@
 #include "pipeline/flops.h"
 #include "target/fp8.h"
 #include "target/model.h"
+#include "target/kernels/grouped_fp8.h"
 #include "target/moe.h"
 
 using namespace dflash;
@@ -70,6 +74,13 @@ void bench_forward(const target::ModelConfig& config, const char* config_dir, in
     target::TargetOptions fp8_options = options;
     fp8_options.fp8_weights = true;
     try {
+      // An MoE target: first with its FP8 experts dequantized per layer (the path before the FP8
+      // grouped GEMM), in the same process.
+      if (config.num_experts > 0) {
+        grouped_fp8::off = true;
+        run(fp8_options, "fp8, experts dequantized per layer");
+        grouped_fp8::off = false;
+      }
       const std::vector<at::Tensor> fp8 = run(fp8_options, "fp8");
       for (size_t i = 0; i < tapped.size(); ++i) {
         const at::Tensor d = fp8[i] - bf16[i];
@@ -113,10 +124,37 @@ void bench_moe_block(const target::ModelConfig& config, double rate) {
   std::printf("  %-40s %9.3f %10.2f\n", "floor (FLOPs at the matmul rate)", floor_ms, 1.0);
   std::printf("  %-40s %9.3f %10.2f\n", "grouped (device routing, grouped GEMMs)", grouped, grouped / floor_ms);
   std::printf("  %-40s %9.3f %10.2f\n", "reference (host loop over experts)", reference, reference / floor_ms);
+  // The same experts block-scaled FP8 (target.dtype: float8): on the FP8 grouped GEMM, and
+  // dequantized per call for the bf16 grouped GEMM (the path before it).
+  target::MoeWeights fp8 = w;
+  auto experts_fp8 = [](const at::Tensor& experts) {
+    const int64_t count = experts.size(0), out = experts.size(1), in = experts.size(2);
+    const target::Fp8Weight q = target::quantize_blocks(experts.reshape({count * out, in}));
+    return target::Fp8Weight{q.data.view({count, out, in}), q.scale.view({count, out / 128, in / 128})};
+  };
+  if (!target::fp8_gemm_unavailable(x.device()) && (2 * inner) % 128 == 0 && h % 128 == 0) {
+    fp8.fp8_gate_up = experts_fp8(w.experts_gate_up);
+    fp8.fp8_down = experts_fp8(w.experts_down);
+    fp8.experts_gate_up = fp8.experts_down = at::Tensor();
+    const bool kernel = target::fp8_experts_grouped(fp8, x.device(), x.scalar_type());
+    const double on_kernel = median_ms(20, [&] { target::moe_grouped(shape, fp8, x); });
+    grouped_fp8::off = true;
+    const double dequantized = median_ms(20, [&] { target::moe_grouped(shape, fp8, x); });
+    grouped_fp8::off = false;
+    std::printf("  %-40s %9.3f %10.2f%s\n", "grouped, FP8 experts (grouped FP8 GEMM)", on_kernel, on_kernel / floor_ms,
+                kernel ? "" : "  (the kernel does not apply here)");
+    std::printf("  %-40s %9.3f %10.2f\n", "grouped, FP8 experts dequantized", dequantized, dequantized / floor_ms);
+  }
   // DFLASHD_PROFILE=1: the grouped block's kernels by GPU time (10 calls).
   if (std::getenv("DFLASHD_PROFILE") != nullptr) {
     bench::print_kernel_profile("MoE block, grouped, 10 calls", [&] {
       for (int i = 0; i < 10; ++i) target::moe_grouped(shape, w, x);
+      c10::cuda::device_synchronize();
+    });
+  }
+  if (std::getenv("DFLASHD_PROFILE") != nullptr && fp8.fp8_gate_up.defined()) {
+    bench::print_kernel_profile("MoE block, grouped, FP8 experts, 10 calls", [&] {
+      for (int i = 0; i < 10; ++i) target::moe_grouped(shape, fp8, x);
       c10::cuda::device_synchronize();
     });
   }

@@ -160,6 +160,21 @@ __device__ __forceinline__ void mma_64x128(float (&d)[16][4], uint64_t a, uint64
 #endif
 }
 
+// d (64 x 128) = (accumulate ? d : 0) + A . B over 32 columns of e4m3 (32 bytes a row, the
+// byte offsets of a bf16 k-step), fp32 sums; A and B K-major descriptors (B: 128 rows of n). FP8
+// operands are K-major only (no transpose).
+__device__ __forceinline__ void mma_64x128_e4m3(float (&d)[16][4], uint64_t a, uint64_t b, int accumulate) {
+#ifdef DFLASHD_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      DFLASHD_WGMMA_D64_TEXT
+      "%64, %65, p, 1, 1;\n}\n"
+      : DFLASHD_WGMMA_D64(d)
+      : "l"(a), "l"(b), "r"(accumulate));
+#endif
+}
+
 // The warpgroup's products over whole tiles, issued as one committed group each; the caller
 // waits (wait<n>(results...)) before it reads the results or lets the operands change.
 // s = A . B^T over the 128 columns: A 64 rows of `a`, B 64 rows of `b` (both [row][k]); warp w

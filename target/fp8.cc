@@ -9,6 +9,7 @@
 #include <ATen/cuda/CUDAContext.h>
 
 #include "target/kernels/fp8.h"
+#include "target/kernels/grouped_fp8.h"
 #include "target/lt_gemm.h"
 #endif
 
@@ -152,6 +153,65 @@ at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Ten
     y = y.to(dtype);
   }
   return a.q.size(0) != a.rows ? y.narrow(0, 0, a.rows) : y;
+}
+
+bool fp8_grouped_gemm_applies(const Fp8Weight& w, at::Device device) {
+#ifdef DFLASHD_WITH_CUDA
+  if (!device.is_cuda() || !w.defined() || w.data.dim() != 3 || !w.data.is_contiguous() || !w.scale.is_contiguous()) {
+    return false;
+  }
+  grouped_fp8::Problem probe;
+  probe.x = probe.w = probe.y = w.data.data_ptr();  // alignment only: the kernel is not run
+  probe.x_stride = probe.k = w.data.size(2);
+  probe.n = w.data.size(1);
+  probe.groups = static_cast<int>(std::min<int64_t>(w.data.size(0), grouped_fp8::kMaxGroups + 1));
+  probe.ends = reinterpret_cast<const int32_t*>(w.scale.data_ptr());
+  return w.scale.scalar_type() == at::kFloat && grouped_fp8::applies(probe, device.index());
+#else
+  (void)w;
+  (void)device;
+  return false;
+#endif
+}
+
+at::Tensor fp8_grouped_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Tensor& ends) {
+  const int64_t groups = w.data.size(0), out = w.data.size(1), in = w.data.size(2);
+  if (ends.scalar_type() != at::kInt || ends.dim() != 1 || ends.size(0) != groups || a.q.size(1) != in) {
+    throw std::invalid_argument("fp8_grouped_linear: " + std::to_string(groups) + " experts of [" +
+                                std::to_string(out) + ", " + std::to_string(in) + "] against rows of " +
+                                std::to_string(a.q.size(1)) + " and " + std::to_string(ends.numel()) + " group ends");
+  }
+  at::Tensor y = at::empty({a.rows, out}, a.q.options().dtype(a.dtype));
+#ifdef DFLASHD_WITH_CUDA
+  if (a.q.is_cuda() && a.dtype == at::kBFloat16 && fp8_grouped_gemm_applies(w, a.q.device())) {
+    grouped_fp8::Problem p;
+    p.x = a.q.data_ptr();
+    p.x_stride = a.q.stride(0);
+    p.x_factors = a.factors.data_ptr<float>();
+    p.factor_stride = a.factors.stride(1);
+    p.w = w.data.data_ptr();
+    p.w_factors = w.scale.data_ptr<float>();
+    p.ends = ends.data_ptr<int32_t>();
+    p.y = y.data_ptr();
+    p.m = a.rows, p.n = out, p.k = in;
+    p.groups = static_cast<int>(groups);
+    grouped_fp8::run(p, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream());
+    return y;
+  }
+#endif
+  const at::Tensor activations = a.q.narrow(0, 0, a.rows).to(at::kFloat) *
+                                 a.factors.narrow(0, 0, a.rows).repeat_interleave(kFp8Block, 1);
+  const at::Tensor host_ends = ends.cpu();
+  int64_t begin = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t end = host_ends[g].item<int64_t>();
+    if (end == begin) continue;
+    const Fp8Weight expert{w.data[g], w.scale[g]};
+    y.narrow(0, begin, end - begin)
+        .copy_(at::matmul(activations.narrow(0, begin, end - begin), dequantize_blocks(expert, at::kFloat).t()));
+    begin = end;
+  }
+  return y;
 }
 
 at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor& bias) {

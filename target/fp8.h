@@ -97,6 +97,17 @@ at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor&
 // The same over rows quantised already: [a.rows, out] in a.dtype.
 at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Tensor& bias);
 
+// The MoE experts' product over rows sorted by expert: rows [ends[g - 1], ends[g]) of `a` (ends
+// int32 [E] on a's device, ends[-1] = 0, rows past ends[E - 1] left unwritten) times W_g^T, W a
+// block-scaled batch [E, out, in]: [a.rows, out] in a.dtype. On a Hopper GPU the FP8 grouped GEMM
+// (kernels/grouped_fp8.h) where fp8_grouped_gemm_applies; elsewhere the emulation, one product
+// per group (the ends read on the host).
+at::Tensor fp8_grouped_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Tensor& ends);
+// Whether fp8_grouped_linear runs the kernel for weights `w` ([E, out, in]) on `device`: a build
+// and GPU for sm_90a, out and in whole 128-wide blocks, at most 1024 groups. Said once at load
+// (kernel_paths); the MoE block asks it per call.
+bool fp8_grouped_gemm_applies(const Fp8Weight& w, at::Device device);
+
 // Why fp8_linear would not run the block-scaled GEMM on `device` (it needs a Hopper GPU:
 // compute capability 9.x, as cuBLASLt's 128x128 block scaling), or nullopt. The CPU always gets
 // a reason: there the emulation runs.
@@ -109,6 +120,8 @@ double fp8_gemm_error(at::Device device);
 // What kernel_paths() says of the projections' GEMMs.
 inline constexpr const char* kFp8GemmPath =
     "block-scaled FP8 GEMMs (e4m3 weights in 128x128 blocks, activations in 1x128 groups; cuBLASLt)";
+inline constexpr const char* kFp8GroupedPath =
+    "FP8 experts on the block-scaled grouped GEMM (TMA + wgmma, factors per 128-wide k-block)";
 inline constexpr const char* kFp8EmulatedPath = "block-scaled FP8 emulated (quantise, dequantise, fp32 matmul)";
 
 }  // namespace dflash::target

@@ -253,6 +253,13 @@ const at::Tensor& TargetModel::final_norm_weight() const { return held(impl_->fi
 
 std::map<std::string, KernelPath> TargetModel::kernel_paths() const {
   std::map<std::string, KernelPath> paths;
+  const auto moe_fp8_detail = [&](const MoeWeights& experts) -> std::string {
+    if (!experts.fp8_gate_up.defined()) return "";
+    if (grouped_moe_ && fp8_experts_grouped(experts, options_.device, options_.dtype)) {
+      return std::string("; ") + kFp8GroupedPath;
+    }
+    return "; FP8 experts dequantized to bf16 per layer";
+  };
   auto add = [&](const char* component, const char* path, const std::string& detail) {
     paths[component] = {component, path, detail};
   };
@@ -268,8 +275,7 @@ std::map<std::string, KernelPath> TargetModel::kernel_paths() const {
     }
     if (l.mlp.moe) {
       add("target.moe", grouped_moe_ ? "grouped" : "reference",
-          std::string(grouped_moe_ ? kMoeGroupedPath : kMoeReferencePath) +
-              (options_.fp8_weights ? "; FP8 experts dequantized to bf16 per layer" : ""));
+          std::string(grouped_moe_ ? kMoeGroupedPath : kMoeReferencePath) + moe_fp8_detail(l.mlp.experts));
     }
   }
   if (!options_.fp8_weights) {

@@ -7,7 +7,8 @@
 // - moe_grouped (the GPU path): no host synchronisation. Token-expert pairs are sorted into
 //   expert order on the device (a stable sort: each expert's rows keep token order), the group
 //   offsets come from a search in the sorted ids, gate/up and down are one grouped GEMM each over
-//   all experts (ATen's _grouped_mm: CUTLASS grouped GEMM on Hopper), SiLU-mul is the fused
+//   all experts (ATen's _grouped_mm: CUTLASS grouped GEMM on Hopper; FP8 experts: the FP8 grouped
+//   GEMM of kernels/grouped_fp8.h), SiLU-mul is the fused
 //   kernel, and one kernel gathers each token's k expert outputs back, sums them with their
 //   weights in a fixed order (deterministic) and adds the gated shared expert.
 // - moe_reference (the CPU oracle): one host iteration per expert that has tokens; the counts
@@ -41,10 +42,9 @@ struct MoeWeights {
   at::Tensor experts_down;     // [E, H, I]
   at::Tensor shared_down;      // [H, S], undefined without a shared expert
   // FP8 experts (target.dtype: float8): the same two tensors block-scaled (fp8.h), experts_gate_up
-  // and experts_down undefined. Each forward dequantizes a layer's experts to bf16 (one kernel,
-  // a temporary of the layer's expert size) for the grouped GEMMs: ATen's FP8 grouped GEMM takes
-  // row-wise scales only on Hopper, not the checkpoints' 128x128 blocks. FP8 here saves memory
-  // (a 122B-A10B target's experts in half the bytes), not time.
+  // and experts_down undefined. On Hopper they run as they are stored, on the FP8 grouped GEMM
+  // (fp8_experts_grouped); elsewhere each forward dequantizes a layer's experts to bf16 (one
+  // kernel, a temporary of the layer's expert size) for ATen's grouped GEMM.
   Fp8Weight fp8_gate_up, fp8_down;
 
   // The experts' gate/up and down weights in `dtype`: the stored ones, or the FP8 ones dequantized.
@@ -63,6 +63,10 @@ struct MoeRouting {
 // From the router logits [tokens, E] (a column slice of the projections): softmax in fp32,
 // top-k, renormalised; the fused kernel on a GPU in bf16, ATen's ops otherwise.
 MoeRouting moe_route(const MoeShape& shape, const at::Tensor& logits);
+
+// Whether the experts of `w` run on the FP8 grouped GEMM for rows in `dtype` on `device` (FP8
+// experts, bf16 rows, fp8_grouped_gemm_applies there).
+bool fp8_experts_grouped(const MoeWeights& w, at::Device device, at::ScalarType dtype);
 
 // x [tokens, H] in the weights' dtype; returns [tokens, H].
 at::Tensor moe_grouped(const MoeShape& shape, const MoeWeights& w, const at::Tensor& x);

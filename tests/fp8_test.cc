@@ -14,10 +14,17 @@
 #include "common/safetensors.h"
 #include "target/fp8.h"
 #include "target/fused_ops.h"
+#include "target/kernels/grouped_fp8/schedule.h"
 #include "target/model.h"
 #include "target/moe.h"
 #include "target/weights.h"
 #include "tests/test_util.h"
+
+#ifdef DFLASHD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+
+#include "target/kernels/grouped_fp8.h"
+#endif
 
 namespace dflash::target {
 namespace {
@@ -324,6 +331,188 @@ TEST(Fp8, GpuQuantisationAndGemmMatchTheEmulation) {
   }
   EXPECT_LT(fp8_gemm_error(gpu), 1e-2) << "dflashd doctor's FP8 self-test";
 }
+
+// The FP8 grouped GEMM's tiles, as its CTAs count them: every row of every group lands in
+// exactly one tile (per n-tile), a tile's rows all belong to its group, at most 128 of them, and
+// no tile is empty; groups without rows (first, last, in a row) own no tile.
+TEST(GroupedFp8Schedule, EveryRowOfEveryGroupIsInOneTile) {
+  namespace gf = dflash::grouped_fp8;
+  for (const std::vector<int32_t>& sizes : std::vector<std::vector<int32_t>>{
+           {0, 1, 64, 65, 0, 0, 128, 129, 300, 7, 0}, {3072}, {0, 0, 5}, {256, 0}, {1000, 1, 1, 1, 1, 0, 0, 1}}) {
+    const int groups = static_cast<int>(sizes.size()), n_tiles = 3;
+    std::vector<int32_t> ends(sizes.size());
+    std::vector<int> before(sizes.size() + 1, 0);
+    for (int g = 0; g < groups; ++g) {
+      ends[g] = (g == 0 ? 0 : ends[g - 1]) + sizes[g];
+      before[g + 1] = before[g] + gf::m_tiles_of(ends.data(), g);
+    }
+    const int rows = ends.back();
+    std::vector<int> covered(static_cast<size_t>(rows) * n_tiles, 0);
+    for (int64_t t = 0; t < static_cast<int64_t>(before[groups]) * n_tiles; ++t) {
+      const gf::Tile tile = gf::locate(t, before.data(), ends.data(), groups, n_tiles);
+      ASSERT_GE(tile.group, 0);
+      ASSERT_LT(tile.group, groups);
+      EXPECT_LT(tile.row_begin, tile.row_end) << "tile " << t << " is empty";
+      EXPECT_LE(tile.row_end - tile.row_begin, gf::kTileRows);
+      EXPECT_GE(tile.row_begin, gf::group_begin(ends.data(), tile.group)) << "tile " << t;
+      EXPECT_LE(tile.row_end, ends[tile.group]) << "tile " << t;
+      EXPECT_EQ(tile.n_tile, t % n_tiles);
+      for (int r = tile.row_begin; r < tile.row_end; ++r) ++covered[static_cast<size_t>(r) * n_tiles + tile.n_tile];
+    }
+    for (size_t i = 0; i < covered.size(); ++i) ASSERT_EQ(covered[i], 1) << "row " << i / n_tiles;
+  }
+}
+
+// The CPU emulation of the grouped product is, group by group, fp8_linear's emulation of that
+// group's rows and expert (rows past the last group's end are not part of it).
+TEST(Fp8, GroupedLinearIsEachGroupsLinear) {
+  const std::vector<int32_t> sizes{3, 0, 20, 1};
+  std::vector<at::Tensor> data, scales;
+  for (int e = 0; e < 4; ++e) {
+    const Fp8Weight one = quantize_blocks(uneven_weight(256, 384, 40 + e));
+    data.push_back(one.data), scales.push_back(one.scale);
+  }
+  const Fp8Weight experts{at::stack(data), at::stack(scales)};
+  at::manual_seed(45);
+  const at::Tensor x = at::randn({30, 384}).to(at::kBFloat16);  // 24 rows in groups, 6 after them
+  const at::Tensor ends = at::tensor({3, 3, 23, 24}, at::TensorOptions().dtype(at::kInt));
+  const at::Tensor y = fp8_grouped_linear(quantize_groups(x), experts, ends);
+  ASSERT_EQ(y.sizes(), (std::vector<int64_t>{30, 256}));
+  int64_t begin = 0;
+  for (int e = 0; e < 4; ++e) {
+    if (sizes[e] == 0) continue;
+    const at::Tensor want = fp8_linear(x.narrow(0, begin, sizes[e]), Fp8Weight{data[e], scales[e]}, {});
+    EXPECT_TRUE(at::equal(y.narrow(0, begin, sizes[e]), want)) << "expert " << e;
+    begin += sizes[e];
+  }
+  EXPECT_THROW(fp8_grouped_linear(quantize_groups(x), experts, ends.narrow(0, 0, 3)), std::invalid_argument);
+}
+
+#ifdef DFLASHD_WITH_CUDA
+// The FP8 grouped GEMM kernel against the CPU emulation of the same e4m3 operands and factors
+// (within bf16's rounding): empty groups, groups of 1, 64, 65, 128, 129 and 300 rows (tiles
+// cut at each group's own first row), k of 3 and 16 k-blocks, rows of x strided, a dense product
+// (no ends), 35B-A3B's expert shapes; rows past the last group's end left as they were; a second
+// run bit for bit the same; shapes it cannot take refused by name.
+TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
+  namespace gf = dflash::grouped_fp8;
+  const at::Device gpu(at::kCUDA, 0);
+  const Fp8Weight probe = quantize_blocks(at::ones({128, 128}));
+  if (!fp8_grouped_gemm_applies(Fp8Weight{probe.data.unsqueeze(0).to(gpu), probe.scale.unsqueeze(0).to(gpu)}, gpu)) {
+    EXPECT_NE(at::cuda::getDeviceProperties(0)->major * 10 + at::cuda::getDeviceProperties(0)->minor, 90)
+        << "a Hopper GPU where the kernels were built for sm_90a must run them";
+    GTEST_SKIP() << "the FP8 grouped GEMM runs on compute capability 9.0 (sm_90a builds) only";
+  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(0).stream();
+  struct Case {
+    std::vector<int32_t> sizes;
+    int64_t n, k, spare_rows, stride;
+  };
+  for (const Case& c : {Case{{0, 1, 64, 65, 0, 128, 129, 300, 7, 0}, 256, 384, 9, 512},
+                        Case{{1000}, 384, 2048, 0, 2048}, Case{{0, 0, 5}, 128, 128, 3, 128},
+                        Case{std::vector<int32_t>(64, 90), 1024, 2048, 16, 2048},
+                        Case{std::vector<int32_t>(64, 90), 2048, 512, 16, 512}}) {
+    const int groups = static_cast<int>(c.sizes.size());
+    std::vector<int32_t> ends(c.sizes.size());
+    for (int g = 0; g < groups; ++g) ends[g] = (g == 0 ? 0 : ends[g - 1]) + c.sizes[g];
+    const int64_t rows = ends.back() + c.spare_rows;
+    const std::string what = std::to_string(groups) + " groups, " + std::to_string(rows) + " x " +
+                             std::to_string(c.k) + " -> " + std::to_string(c.n);
+    SCOPED_TRACE(what);
+    std::vector<at::Tensor> data, scales;
+    for (int g = 0; g < groups; ++g) {
+      const Fp8Weight one = quantize_blocks(uneven_weight(c.n, c.k, 50 + g) / std::sqrt(static_cast<double>(c.k)));
+      data.push_back(one.data), scales.push_back(one.scale);
+    }
+    const Fp8Weight cpu_w{at::stack(data), at::stack(scales)};
+    const Fp8Weight gpu_w{cpu_w.data.to(gpu), cpu_w.scale.to(gpu)};
+    at::manual_seed(60 + groups);
+    const at::Tensor wide = at::randn({rows, c.stride}).to(at::kBFloat16);
+    const Fp8Activations a = quantize_groups(wide.narrow(1, 0, c.k).contiguous());
+    const at::Tensor cpu_ends = at::tensor(at::ArrayRef<int32_t>(ends), at::TensorOptions().dtype(at::kInt));
+    const at::Tensor want = fp8_grouped_linear(a, cpu_w, cpu_ends).narrow(0, 0, ends.back()).to(at::kFloat);
+    // x strided on the GPU: the quantised rows copied into wider rows.
+    const at::Tensor q = at::zeros({rows, c.stride}, at::TensorOptions().dtype(at::kByte).device(gpu));
+    q.narrow(1, 0, c.k).copy_(a.q.view(at::kByte).to(gpu));
+    const at::Tensor factors = a.factors.to(gpu).t().contiguous().t();
+    const at::Tensor gpu_ends = cpu_ends.to(gpu);
+    const at::Tensor sentinel = at::full({rows, c.n}, 7.0, at::TensorOptions().dtype(at::kBFloat16).device(gpu));
+    at::Tensor got = sentinel.clone(), again = sentinel.clone();
+    gf::Problem p;
+    p.x = q.data_ptr(), p.x_stride = c.stride, p.x_factors = factors.data_ptr<float>();
+    p.factor_stride = factors.stride(1), p.w = gpu_w.data.data_ptr(), p.w_factors = gpu_w.scale.data_ptr<float>();
+    p.ends = groups == 1 ? nullptr : gpu_ends.data_ptr<int32_t>();
+    p.y = got.data_ptr(), p.m = groups == 1 ? ends.back() : rows, p.n = c.n, p.k = c.k, p.groups = groups;
+    ASSERT_TRUE(gf::applies(p, 0));
+    gf::run(p, 0, stream);
+    p.y = again.data_ptr();
+    gf::run(p, 0, stream);
+    const at::Tensor result = got.narrow(0, 0, ends.back()).cpu().to(at::kFloat);
+    const at::Tensor error = (result - want).abs(), bound = want.abs() * (1.0 / 128) + 2e-3;
+    EXPECT_TRUE(error.le(bound).all().item<bool>()) << "worst excess " << (error - bound).max().item<float>();
+    EXPECT_TRUE(at::equal(got, again)) << "a second run differs";
+    EXPECT_TRUE(at::equal(got.narrow(0, ends.back(), c.spare_rows), sentinel.narrow(0, ends.back(), c.spare_rows)))
+        << "rows past the groups were written";
+    // Through fp8_grouped_linear on the GPU: the same kernel.
+    if (groups > 1 && c.stride == c.k) {
+      const Fp8Activations on_gpu{a.q.to(gpu), a.factors.to(gpu).t().contiguous().t(), a.rows, a.dtype};
+      EXPECT_TRUE(at::equal(fp8_grouped_linear(on_gpu, gpu_w, gpu_ends).narrow(0, 0, ends.back()),
+                            got.narrow(0, 0, ends.back())));
+    }
+  }
+  gf::Problem bad;
+  bad.x = bad.w = bad.y = probe.data.data_ptr();
+  bad.m = 16, bad.n = 100, bad.k = 128, bad.x_stride = 128, bad.factor_stride = 16;
+  EXPECT_FALSE(gf::applies(bad, 0)) << "n of 100 is not whole 128-row blocks";
+  try {
+    gf::run(bad, 0, stream);
+    ADD_FAILURE() << "a shape the kernel cannot take ran";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("-> 100"), std::string::npos) << e.what();
+  }
+}
+
+// A MoE block at Qwen3.5-35B-A3B's shapes with FP8 experts runs them on the grouped FP8 GEMM:
+// near the same block with the experts dequantized to bf16 (the activations' 1x128 e4m3
+// quantisation is the difference), deterministic.
+TEST(Fp8, GpuMoeExpertsRunOnTheGroupedGemm) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
+  const at::Device gpu(at::kCUDA, 0);
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(gpu);
+  at::manual_seed(70);
+  const int64_t experts = 256, hidden = 2048, inner = 512;
+  const MoeShape shape{experts, 8, inner, true, 512};
+  const Fp8Weight gate_up = quantize_blocks(
+      (at::randn({experts * 2 * inner, hidden}, bf16.dtype(at::kFloat)) / std::sqrt(2048.0)));
+  const Fp8Weight down = quantize_blocks((at::randn({experts * hidden, inner}, bf16.dtype(at::kFloat)) / std::sqrt(512.0)));
+  const Fp8Weight fp8_gate_up{gate_up.data.view({experts, 2 * inner, hidden}),
+                              gate_up.scale.view({experts, 2 * inner / 128, hidden / 128})};
+  const Fp8Weight fp8_down{down.data.view({experts, hidden, inner}), down.scale.view({experts, hidden / 128, inner / 128})};
+  auto make = [&](const at::Tensor& gu, const at::Tensor& d) {
+    at::manual_seed(71);
+    return MoeWeights::make(at::randn({experts, hidden}, bf16) * 0.02, gu, d, at::randn({512, hidden}, bf16) * 0.02,
+                            at::randn({512, hidden}, bf16) * 0.02, at::randn({hidden, 512}, bf16) * 0.02,
+                            at::randn({1, hidden}, bf16) * 0.02);
+  };
+  MoeWeights kept = make({}, {});
+  kept.fp8_gate_up = fp8_gate_up, kept.fp8_down = fp8_down;
+  const MoeWeights dequantized =
+      make(dequantize_blocks(fp8_gate_up, at::kBFloat16), dequantize_blocks(fp8_down, at::kBFloat16));
+  ASSERT_TRUE(fp8_experts_grouped(kept, gpu, at::kBFloat16));
+  for (const int64_t tokens : {1, 100, 3072}) {
+    const at::Tensor x = at::randn({tokens, hidden}, bf16);
+    const at::Tensor got = moe_grouped(shape, kept, x), again = moe_grouped(shape, kept, x);
+    const at::Tensor want = moe_grouped(shape, dequantized, x).to(at::kDouble);
+    const double error = ((got.to(at::kDouble) - want).norm() / want.norm()).item<double>();
+    std::printf("35B-A3B MoE block, %ld tokens: FP8 experts on the grouped GEMM vs dequantized bf16: %.4f\n",
+                static_cast<long>(tokens), error);
+    EXPECT_LT(error, 0.05) << tokens << " tokens";
+    EXPECT_GT(error, 1e-4) << tokens << " tokens: the activations were not quantised";
+    EXPECT_TRUE(at::equal(got, again)) << tokens << " tokens";
+  }
+}
+#endif
 
 // Random weights drawn on the CPU whatever the device (RandomWeights draws on the device itself).
 class CpuDrawnWeights : public WeightSource {

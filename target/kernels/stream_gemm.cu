@@ -2,9 +2,6 @@
 // schedule, the TMA + wgmma mainloop, the epilogue) and its host side (tensor maps, launch).
 #include "target/kernels/stream_gemm.h"
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <array>
 #include <mutex>
 #include <stdexcept>
@@ -15,6 +12,7 @@
 #include "target/kernels/stream_gemm/epilogue.cuh"
 #include "target/kernels/stream_gemm/mainloop.cuh"
 #include "target/kernels/stream_gemm/schedule.h"
+#include "target/kernels/tensor_map.h"
 
 namespace dflash::stream_gemm {
 namespace {
@@ -95,58 +93,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host --------------------------------------------------------------------------------------
 
-struct DeviceFacts {
-  bool hopper = false;
-  int sms = 0;
-};
-
-const DeviceFacts& facts(int device) {
-  static std::array<DeviceFacts, 64> all;
-  static std::array<std::once_flag, 64> once;
-  if (device < 0 || device >= 64) throw std::invalid_argument("stream GEMM: device " + std::to_string(device));
-  std::call_once(once[device], [device] {
-    int major = 0, minor = 0, sms = 0;
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
-    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "compute capability");
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
-    all[device] = {major == 9 && minor == 0, sms};
-  });
-  return all[device];
-}
-
-PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found),
-               "stream GEMM: the driver's cuTensorMapEncodeTiled");
-    if (found != cudaDriverEntryPointSuccess || f == nullptr) {
-      throw std::runtime_error("stream GEMM: the driver has no cuTensorMapEncodeTiled");
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return encode;
-}
+const tensor_map::DeviceFacts& facts(int device) { return tensor_map::device_facts(device); }
 
 // A bf16 [rows, columns] matrix, rows `stride` elements apart, read in boxes of box_rows x 64
-// columns (128 bytes) in the 128-byte swizzle.
-CUtensorMap tensor_map(const void* base, int64_t rows, int64_t columns, int64_t stride, int box_rows,
-                       const char* what) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(columns), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
-  const cuuint32_t box[2] = {kBlockK, static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode_function()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
-                                       strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    throw std::runtime_error(std::string("stream GEMM: tensor map of ") + what + " [" + std::to_string(rows) + ", " +
-                             std::to_string(columns) + "] (stride " + std::to_string(stride) + "): CUresult " +
-                             std::to_string(static_cast<int>(r)));
-  }
-  return map;
+// columns (128 bytes).
+CUtensorMap bf16_map(const void* base, int64_t rows, int64_t columns, int64_t stride, int box_rows,
+                     const char* what) {
+  return tensor_map::swizzled_rows(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows, columns, stride, box_rows,
+                                   std::string("stream GEMM: ") + what);
 }
 
 template <int kTokens>
@@ -156,8 +110,8 @@ void launch(const Problem& p, void* workspace, int device, cudaStream_t stream) 
     allow_shared_memory(stream_gemm_kernel<kTokens>, shared_bytes<kTokens>(), "stream GEMM kernel");
   });
   const bool glu = p.glu_inner > 0;
-  const CUtensorMap w_map = tensor_map(p.w, p.n, p.k, p.k, glu ? kRowsPerTile / 2 : kRowsPerTile, "W");
-  const CUtensorMap x_map = tensor_map(p.x, p.m, p.k, p.x_stride, x_box_rows(static_cast<int>(p.m)), "x");
+  const CUtensorMap w_map = bf16_map(p.w, p.n, p.k, p.k, glu ? kRowsPerTile / 2 : kRowsPerTile, "W");
+  const CUtensorMap x_map = bf16_map(p.x, p.m, p.k, p.x_stride, x_box_rows(static_cast<int>(p.m)), "x");
   // A SwiGLU's tile is 64 features' gate and up rows: as many tiles as a product of 2 I rounded.
   const int64_t glu_rows = 2 * ((p.glu_inner + kRowsPerTile / 2 - 1) / (kRowsPerTile / 2) * (kRowsPerTile / 2));
   const Schedule schedule = Schedule::make(glu ? glu_rows : p.n, p.k, facts(device).sms);

@@ -1,7 +1,7 @@
 // mainloop.cuh: the stream-K GEMM's pipeline (stream_gemm.cu). Two producer threads stream the
 // k-blocks of a CTA's range by TMA, W's into one ring of shared-memory stages and x's into
-// another; two consumer warpgroups multiply each k-block on wgmma as both land and hand its
-// stages back.
+// another (common/smem_ring.cuh); two consumer warpgroups multiply each k-block on wgmma as both
+// land and hand its stages back.
 //
 // The product is taken transposed, y^T = W . x^T: a tile's 128 rows of W are the wgmma's M (each
 // consumer warpgroup owns 64 of them, one m64 product) and x's rows (the tokens, at most kTokens)
@@ -15,8 +15,7 @@
 //
 // A W stage holds the tile's rows x 64 columns, an x stage kTokens rows x 64 columns, both in
 // the 128-byte swizzle that TMA writes and wgmma reads (wgmma.cuh's K-major layout: 128 bytes a
-// row, 8-row groups 1024 bytes apart). full[s] completes when the producer's bytes have landed;
-// empty[s] when each of the 8 consumer warps has finished reading it.
+// row, 8-row groups 1024 bytes apart).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,6 +24,7 @@
 
 #include "common/barriers.cuh"
 #include "common/mma_tile.cuh"
+#include "common/smem_ring.cuh"
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
 #include "target/kernels/stream_gemm/schedule.h"
@@ -34,30 +34,10 @@ namespace dflash::stream_gemm {
 inline constexpr int kConsumerWarps = 8;  // two warpgroups
 inline constexpr int kOutStride = kRowsPerTile + 8;  // the staged output's row (bf16), padded
 
-// kStages buffers of kBytes and their barriers.
+// kStages buffers of kBytes, each read by the 8 consumer warps.
 template <int kBytes, int kStages>
-struct Ring {
-  static constexpr int kBufferBytes = kBytes;
-  static constexpr int kDepth = kStages;
-  alignas(1024) unsigned char buffer[kStages][kBytes];
-  uint64_t full[kStages];
-  uint64_t empty[kStages];
-
-  __device__ __forceinline__ uint32_t address(int stage) const { return mma_tile::shared_address(buffer[stage]); }
-  __device__ __forceinline__ barriers::TransactionBarrier full_at(int stage) const {
-    return {mma_tile::shared_address(&full[stage])};
-  }
-  __device__ __forceinline__ barriers::TransactionBarrier empty_at(int stage) const {
-    return {mma_tile::shared_address(&empty[stage])};
-  }
-  // One thread, before any use (then fence_init and a CTA sync).
-  __device__ __forceinline__ void init() const {
-    for (int s = 0; s < kStages; ++s) {
-      full_at(s).init(1);
-      empty_at(s).init(kConsumerWarps);
-    }
-  }
-};
+using Ring = smem_ring::Ring<kBytes, kStages, kConsumerWarps>;
+using RingPosition = smem_ring::Position;
 
 // W's and x's rings, and the output tile staged for coalesced stores ([token][row], rows padded
 // by 8 so that the consumers' column-wise writes spread over the banks).
@@ -66,19 +46,6 @@ struct Shared {
   Ring<kRowsPerTile * kBlockK * 2, kWStages> w;
   Ring<kTokens * kBlockK * 2, kXStages> x;
   alignas(16) __nv_bfloat16 out[kTokens][kOutStride];
-};
-
-// A position in a ring: the stage and the parity of its current use.
-struct RingPosition {
-  int stage = 0;
-  uint32_t phase = 0;
-  template <int kStages>
-  __device__ __forceinline__ void advance() {
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
 };
 
 // Where a unit's box starts in its tensor: x's at row 0 for every tile (per_tile 0); W's at the

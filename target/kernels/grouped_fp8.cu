@@ -1,0 +1,100 @@
+// The FP8 grouped GEMM (grouped_fp8.h): the kernel composed from its pieces (grouped_fp8/: the
+// schedule, the TMA + wgmma mainloop, the epilogue) and its host side (tensor maps, launch).
+#include "target/kernels/grouped_fp8.h"
+
+#include <algorithm>
+#include <array>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "common/cuda_check.h"
+#include "target/kernels/grouped_fp8/epilogue.cuh"
+#include "target/kernels/grouped_fp8/mainloop.cuh"
+#include "target/kernels/grouped_fp8/schedule.h"
+#include "target/kernels/tensor_map.h"
+
+namespace dflash::grouped_fp8 {
+namespace {
+
+constexpr int kThreads = 128 + kConsumerThreads;  // a producer warpgroup and two consumers
+constexpr size_t kSharedBytes = sizeof(Shared) + 1024;  // + the alignment of the ring
+
+// Warpgroup 0 produces (thread 0), warpgroups 1 and 2 consume; every CTA walks the same tile
+// numbering (schedule.h), each from its own index.
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                       const Problem p) {
+#ifdef DFLASHD_WGMMA
+  extern __shared__ unsigned char raw[];
+  auto& s = mma_tile::aligned_shared<Shared>(raw);
+  if (threadIdx.x == 0) {
+    s.ring.init();
+    barriers::TransactionBarrier::fence_init();
+    tma::prefetch_map(&x_map);
+    tma::prefetch_map(&w_map);
+  }
+  const Walk walk = count_tiles(s, p);  // synchronises the CTA (the barriers' set-up too)
+  const int k_blocks = static_cast<int>(p.k / kBlockK);
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) produce(s.ring, &x_map, &w_map, walk, static_cast<int>(p.n), k_blocks);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int ct = static_cast<int>(threadIdx.x) - 128;
+  smem_ring::Position at;
+  Accumulators acc;
+  for (int64_t t = blockIdx.x; t < walk.tiles; t += gridDim.x) {
+    const Tile tile = walk.at(t);
+    consume_tile(s.ring, acc, at, tile, p, k_blocks, ct);
+    store_tile(acc, s, tile, static_cast<__nv_bfloat16*>(p.y), p.n, ct);
+  }
+#else
+  __trap();
+#endif
+}
+
+bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool applies(const Problem& p, int device) {
+#ifdef DFLASHD_CUDA_SM90A
+  constexpr int64_t kInt32 = int64_t{1} << 31;
+  const bool shape = p.m >= 0 && p.m < kInt32 && p.n > 0 && p.n % kTileCols == 0 && p.k > 0 && p.k % kBlockK == 0 &&
+                     p.groups >= 1 && p.groups <= kMaxGroups && p.groups * p.n < kInt32 &&
+                     (p.ends != nullptr || p.groups == 1);
+  const bool layout = p.x_stride % 16 == 0 && p.x_stride >= p.k && p.factor_stride >= p.m && aligned(p.x) &&
+                      aligned(p.w) && aligned(p.y);
+  return tensor_map::device_facts(device).hopper && !off.load() && shape && layout;
+#else
+  (void)p;
+  (void)device;
+  return false;
+#endif
+}
+
+void run(const Problem& p, int device, cudaStream_t stream) {
+  if (!applies(p, device)) {
+    throw std::invalid_argument("FP8 grouped GEMM: " + std::to_string(p.groups) + " groups of [" + std::to_string(p.m) +
+                                " rows, " + std::to_string(p.k) + "] -> " + std::to_string(p.n) +
+                                " does not run on device " + std::to_string(device) +
+                                " (sm_90a, n and k multiples of 128, 16-byte aligned operands)");
+  }
+  if (p.m == 0) return;
+  static std::array<std::once_flag, 64> once;  // the attribute is set per device
+  std::call_once(once[device],
+                 [] { allow_shared_memory(grouped_fp8_kernel, kSharedBytes, "FP8 grouped GEMM kernel"); });
+  const CUtensorMap x_map = tensor_map::swizzled_rows(p.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.m, p.k, p.x_stride,
+                                                      kTileRows, "FP8 grouped GEMM: x");
+  const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.groups * p.n, p.k,
+                                                      p.k, kTileCols, "FP8 grouped GEMM: W");
+  // Every group adds at most one partial m-tile: more CTAs than this would find no tile.
+  const int64_t most_tiles = ((p.m + kTileRows - 1) / kTileRows + p.groups) * (p.n / kTileCols);
+  const int64_t ctas = std::min<int64_t>(tensor_map::device_facts(device).sms, most_tiles);
+  grouped_fp8_kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(x_map, w_map, p);
+  check_cuda(cudaGetLastError(), "FP8 grouped GEMM kernel");
+}
+
+}  // namespace dflash::grouped_fp8
