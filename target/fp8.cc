@@ -138,6 +138,21 @@ Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows) {
   return {q, factors.t().contiguous().t(), rows, x.scalar_type()};
 }
 
+Fp8Activations quantize_gathered_groups(const at::Tensor& x, const at::Tensor& sources, int64_t divisor) {
+#ifdef DFLASHD_WITH_CUDA
+  const int64_t rows = sources.numel(), in = x.size(1);
+  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+      reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && in % kFp8Block == 0 &&
+      sources.scalar_type() == at::kLong && sources.is_contiguous() && sources.device() == x.device() && divisor >= 1) {
+    Fp8Activations a = allocate_activations(rows, rows, in, x.options());
+    kernels::quantize_groups_e4m3(x.data_ptr(), x.stride(0), rows, in, a.q.data_ptr(), a.factors.data_ptr<float>(), rows,
+                                  at::cuda::getCurrentCUDAStream().stream(), sources.data_ptr<int64_t>(), divisor);
+    return a;
+  }
+#endif
+  return quantize_groups(x.index_select(0, at::div(sources, divisor, "floor")));
+}
+
 at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Tensor& bias) {
   const at::ScalarType dtype = a.dtype;
   at::Tensor y;
@@ -154,6 +169,14 @@ at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Ten
   }
   return a.q.size(0) != a.rows ? y.narrow(0, 0, a.rows) : y;
 }
+
+namespace {
+
+// How far apart the factors of consecutive 128-wide groups of a row are (the column-major
+// layout's padded rows). With one group the stride ATen reports for it is arbitrary, and unused.
+int64_t factor_stride(const Fp8Activations& a) { return a.factors.size(1) == 1 ? a.factors.size(0) : a.factors.stride(1); }
+
+}  // namespace
 
 bool fp8_grouped_gemm_applies(const Fp8Weight& w, at::Device device) {
 #ifdef DFLASHD_WITH_CUDA
@@ -188,7 +211,7 @@ at::Tensor fp8_grouped_linear(const Fp8Activations& a, const Fp8Weight& w, const
     p.x = a.q.data_ptr();
     p.x_stride = a.q.stride(0);
     p.x_factors = a.factors.data_ptr<float>();
-    p.factor_stride = a.factors.stride(1);
+    p.factor_stride = factor_stride(a);
     p.w = w.data.data_ptr();
     p.w_factors = w.scale.data_ptr<float>();
     p.ends = ends.data_ptr<int32_t>();

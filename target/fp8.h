@@ -72,6 +72,9 @@ struct Fp8Activations {
   bool defined() const { return q.defined(); }
 };
 Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows = 0);
+// quantize_groups(x.index_select(0, floor(sources / divisor))), the gather read in place by the
+// quantisation kernel on a GPU (sources int64).
+Fp8Activations quantize_gathered_groups(const at::Tensor& x, const at::Tensor& sources, int64_t divisor);
 
 // The rows the block-scaled GEMM reads for `rows` on `device`: a multiple of 16 on a GPU (with 1
 // or 5 rows cuBLASLt's GEMM returned garbage on the H200: tests/fp8_test.cc), rows on the CPU.

@@ -37,17 +37,21 @@ at::Tensor add_gated_shared(const MoeShape& s, const at::Tensor& projected, cons
   return out + at::sigmoid(gate) * shared;
 }
 
-// The routed experts' SwiGLU over rows sorted by expert (group e's rows end at offsets[e]).
-// FP8 experts run on the FP8 grouped GEMM where it applies (the rows quantised per 1x128 group,
-// SiLU-mul writing down_proj's e4m3 input); otherwise the experts in x's dtype (FP8 ones
-// dequantized) on ATen's grouped GEMM.
-at::Tensor experts_forward(const MoeShape& s, const MoeWeights& w, const at::Tensor& rows, const at::Tensor& offsets) {
-  if (fp8_experts_grouped(w, rows.device(), rows.scalar_type())) {
-    const at::Tensor gate_up = fp8_grouped_linear(quantize_groups(rows), w.fp8_gate_up, offsets);  // [pairs, 2I]
+// The routed experts' SwiGLU over x's rows gathered in expert order (group e's rows end at
+// offsets[e]). FP8 experts run on the FP8 grouped GEMM where it applies (the rows gathered and
+// quantised per 1x128 group by one kernel, SiLU-mul writing down_proj's e4m3 input); otherwise
+// the experts in x's dtype (FP8 ones dequantized) on ATen's grouped GEMM.
+// `order`: the pairs in expert order (pair p is token p / top_k's).
+at::Tensor experts_forward(const MoeShape& s, const MoeWeights& w, const at::Tensor& x, const at::Tensor& order,
+                           const at::Tensor& offsets) {
+  if (fp8_experts_grouped(w, x.device(), x.scalar_type())) {
+    const Fp8Activations rows = quantize_gathered_groups(x, order, s.top_k);     // [pairs, H], quantised
+    const at::Tensor gate_up = fp8_grouped_linear(rows, w.fp8_gate_up, offsets);  // [pairs, 2I]
     const Fp8Activations hidden_rows =
         silu_mul_fp8(gate_up.narrow(1, 0, s.inner), gate_up.narrow(1, s.inner, s.inner));
     return fp8_grouped_linear(hidden_rows, w.fp8_down, offsets);
   }
+  const at::Tensor rows = x.index_select(0, at::div(order, s.top_k, "floor"));  // [pairs, H]
   const auto [gate_up_weights, down_weights] = w.experts(rows.scalar_type());
   const at::Tensor gate_up = at::_grouped_mm(rows, gate_up_weights.transpose(1, 2), offsets);  // [pairs, 2I]
   const at::Tensor hidden_rows = silu_mul(gate_up.narrow(1, 0, s.inner), gate_up.narrow(1, s.inner, s.inner));
@@ -128,8 +132,7 @@ at::Tensor moe_grouped(const MoeShape& s, const MoeWeights& w, const at::Tensor&
   // offsets[e]: pairs routed to experts 0..e, the end of group e (what _grouped_mm takes).
   const at::Tensor ends = at::arange(1, s.experts + 1, sorted.options());
   const at::Tensor offsets = at::searchsorted(sorted, ends, /*out_int32=*/true, /*right=*/false);
-  const at::Tensor rows = x.index_select(0, at::div(order, k, "floor"));  // [pairs, H]
-  const at::Tensor down = experts_forward(s, w, rows, offsets);           // [pairs, H]
+  const at::Tensor down = experts_forward(s, w, x, order, offsets);  // [pairs, H]
   // Where each pair's row went: pair order[p] is row p.
   const at::Tensor position = at::empty_like(order).index_put_({order}, at::arange(order.size(0), order.options()));
   const at::Tensor shared = shared_expert(s, w, projected);

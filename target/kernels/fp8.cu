@@ -19,15 +19,17 @@ constexpr int kQuantiseThreads = 256;
 
 // Half a warp per 1x128 group: each lane loads its 8 consecutive elements (one 16-byte load) and
 // the half-warp stores the group (fp8_group::store_e4m3). A group's 16 lanes return together.
+// Row r reads x's row gather[r] / gather_divisor where a gather is given, else row r.
 __global__ void __launch_bounds__(kQuantiseThreads)
     quantize_groups_kernel(const __nv_bfloat16* __restrict__ x, int64_t stride, int64_t rows, int64_t groups,
-                           fp8_group::Destination out) {
+                           const int64_t* __restrict__ gather, int64_t gather_divisor, fp8_group::Destination out) {
   const int64_t group = static_cast<int64_t>(blockIdx.x) * (kQuantiseThreads / fp8_group::kLanes) +
                         threadIdx.x / fp8_group::kLanes;
   if (group >= rows * groups) return;
   const int64_t row = group / groups, column = group % groups * kGroup + threadIdx.x % fp8_group::kLanes * 8;
+  const int64_t source = gather != nullptr ? gather[row] / gather_divisor : row;
   float v[8];
-  const uint4 raw = *reinterpret_cast<const uint4*>(x + row * stride + column);
+  const uint4 raw = *reinterpret_cast<const uint4*>(x + source * stride + column);
   const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -74,8 +76,9 @@ void dequantize_blocks_bf16(const void* q, const float* factors, int64_t batches
 }
 
 void quantize_groups_e4m3(const void* x, int64_t stride, int64_t rows, int64_t k, void* q, float* factors,
-                          int64_t factor_stride, cudaStream_t stream) {
-  if (k % kGroup != 0 || stride % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || factor_stride < rows) {
+                          int64_t factor_stride, cudaStream_t stream, const int64_t* gather, int64_t gather_divisor) {
+  if (k % kGroup != 0 || stride % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || factor_stride < rows ||
+      gather_divisor < 1) {
     throw std::invalid_argument("quantize_groups_e4m3: k must be a multiple of 128 and rows 16-byte aligned");
   }
   const int64_t groups = k / kGroup;
@@ -83,7 +86,7 @@ void quantize_groups_e4m3(const void* x, int64_t stride, int64_t rows, int64_t k
   constexpr int kGroupsPerBlock = kQuantiseThreads / fp8_group::kLanes;
   const int64_t blocks = (rows * groups + kGroupsPerBlock - 1) / kGroupsPerBlock;
   quantize_groups_kernel<<<static_cast<unsigned>(blocks), kQuantiseThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), stride, rows, groups,
+      static_cast<const __nv_bfloat16*>(x), stride, rows, groups, gather, gather_divisor,
       fp8_group::Destination{static_cast<__nv_fp8_storage_t*>(q), factors, factor_stride});
   check_cuda_launch("quantize_groups_e4m3");
 }

@@ -12,9 +12,12 @@ namespace dflash::target::kernels {
 // aligned) in groups of 1x128: factor = max|group| / 448 (1 for an all-zero group), q = e4m3(x / factor) with
 // round-to-nearest-even and saturation to +-448. q is written contiguous [rows, k]; the factors
 // column-major, factor of (row r, group g) at factors[g * factor_stride + r] (factor_stride >=
-// rows: the layout cuBLASLt's 1x128 block scaling reads, with padding rows).
+// rows: the layout cuBLASLt's 1x128 block scaling reads, with padding rows). With `gather`, row r
+// of q is x's row gather[r] / gather_divisor (the MoE block's token of each pair in expert order),
+// read in place.
 void quantize_groups_e4m3(const void* x, int64_t stride, int64_t rows, int64_t k, void* q, float* factors,
-                          int64_t factor_stride, cudaStream_t stream);
+                          int64_t factor_stride, cudaStream_t stream, const int64_t* gather = nullptr,
+                          int64_t gather_divisor = 1);
 
 // out = bf16(float(q) x factor) for `batches` block-scaled e4m3 matrices q [rows, cols] (cols a
 // multiple of 8, contiguous) with factors fp32 [batches, ceil(rows / 128), ceil(cols / 128)];

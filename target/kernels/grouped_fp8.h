@@ -29,16 +29,17 @@ inline constexpr int kMaxGroups = 1024;  // the MoE block's largest expert count
 inline std::atomic<bool> off{false};
 
 struct Problem {
-  const void* x;             // e4m3 [m, k], rows x_stride bytes apart, rows sorted by group
-  int64_t x_stride;          // a multiple of 16, >= k
-  const float* x_factors;    // row r's factor of k-group j at x_factors[j * factor_stride + r]
-  int64_t factor_stride;     // >= m (fp8.h's column-major layout, padding rows allowed)
-  const void* w;             // e4m3 [groups, n, k] contiguous
-  const float* w_factors;    // fp32 [groups, n / 128, k / 128] contiguous
-  const int32_t* ends;       // on the device, [groups]: group g's rows are [ends[g - 1], ends[g])
-                             // (ends[-1] = 0), non-decreasing, ends[groups - 1] <= m; nullptr:
-                             // one group of every row (groups must be 1)
-  void* y;                   // bf16 [m, n] contiguous; rows past ends[groups - 1] are not written
+  const void* x = nullptr;             // e4m3 [m, k], rows x_stride bytes apart, sorted by group
+  int64_t x_stride = 0;                // a multiple of 16, >= k
+  const float* x_factors = nullptr;    // row r's factor of k-group j at x_factors[j * factor_stride + r]
+  int64_t factor_stride = 0;           // >= m (fp8.h's column-major layout, padding rows allowed)
+  const void* w = nullptr;             // e4m3 [groups, n, k] contiguous
+  const float* w_factors = nullptr;    // fp32 [groups, n / 128, k / 128] contiguous
+  const int32_t* ends = nullptr;       // on the device, [groups]: group g's rows are [ends[g - 1],
+                                       // ends[g]) (ends[-1] = 0), non-decreasing, ends[groups - 1]
+                                       // <= m; nullptr: one group of every row (groups must be 1)
+  void* y = nullptr;                   // bf16 [m, n] contiguous; rows past ends[groups - 1] are
+                                       // not written
   int64_t m = 0, n = 0, k = 0;
   int groups = 1;
 };
