@@ -84,10 +84,34 @@ double changing_batch_ms(const target::IncrementalTarget& target, const std::vec
   std::vector<target::DecodeCache*> but_one = all;
   but_one.erase(but_one.begin() + static_cast<int64_t>(all.size() / 2));
   const std::vector<at::Tensor> one_fewer(one.begin(), one.begin() + static_cast<int64_t>(but_one.size()));
-  return median_ms(5, [&] {
+  const double ms = median_ms(5, [&] {
     target.step_batch(all, one, {}, /*croppable=*/false);
     target.step_batch(but_one, one_fewer, {}, /*croppable=*/false);
   }) / 2;
+  // The host's time in the changed step's call on an idle GPU (the median of 5), after a step of
+  // every sequence: what planning a changed batch costs the host.
+  std::vector<double> host;
+  for (int i = 0; i < 5; ++i) {
+    target.step_batch(all, one, {}, /*croppable=*/false);
+    c10::cuda::device_synchronize();
+    const auto start = std::chrono::steady_clock::now();
+    target.step_batch(but_one, one_fewer, {}, /*croppable=*/false);
+    host.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    c10::cuda::device_synchronize();
+  }
+  std::sort(host.begin(), host.end());
+  std::printf("batch of %3lld: the host returns from a changed step (one sequence fewer) after %.2f ms\n",
+              static_cast<long long>(all.size()), host[host.size() / 2]);
+  // DFLASHD_PROFILE=1: the changed step's kernels, to set beside the plain step's.
+  if (std::getenv("DFLASHD_PROFILE") != nullptr) {
+    target.step_batch(all, one, {}, /*croppable=*/false);
+    c10::cuda::device_synchronize();
+    bench::print_kernel_profile(("changed step of " + std::to_string(but_one.size())).c_str(), [&] {
+      target.step_batch(but_one, one_fewer, {}, /*croppable=*/false);
+      c10::cuda::device_synchronize();
+    }, 45);
+  }
+  return ms;
 }
 
 // Plain steps as a decoding loop runs them, each queued while the last one runs (the median of 3

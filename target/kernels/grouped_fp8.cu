@@ -19,6 +19,7 @@ namespace {
 
 constexpr int kThreads = 128 + kConsumerThreads;  // a producer warpgroup and two consumers
 constexpr size_t kSharedBytes = sizeof(Shared) + 1024;  // + the alignment of the ring
+static_assert(kSharedBytes <= 227 * 1024, "the FP8 grouped GEMM's shared memory exceeds an H200 CTA's");
 
 // Warpgroup 0 produces (thread 0), warpgroups 1 and 2 consume; every CTA walks the same tile
 // numbering (schedule.h), each from its own index.
