@@ -74,6 +74,22 @@ void print_memory(const char* where) {
               static_cast<double>(stats.allocated_bytes[0].peak) / 1e9);
 }
 
+// The host's time in `call` on an idle GPU (the median of 5), `before` run first each time (the
+// GPU then drained): a call's host work, which a step queued behind others hides.
+double host_call_ms(const std::function<void()>& before, const std::function<void()>& call) {
+  std::vector<double> host;
+  for (int i = 0; i < 5; ++i) {
+    before();
+    c10::cuda::device_synchronize();
+    const auto start = std::chrono::steady_clock::now();
+    call();
+    host.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  c10::cuda::device_synchronize();
+  std::sort(host.begin(), host.end());
+  return host[host.size() / 2];
+}
+
 // Steps alternating between every sequence and all but the middle one, as when a sequence
 // finishes and a prompt joins: each step's members are not the last step's batch in order (what
 // generation with responses of different lengths meets every few steps; the states are read
@@ -88,20 +104,12 @@ double changing_batch_ms(const target::IncrementalTarget& target, const std::vec
     target.step_batch(all, one, {}, /*croppable=*/false);
     target.step_batch(but_one, one_fewer, {}, /*croppable=*/false);
   }) / 2;
-  // The host's time in the changed step's call on an idle GPU (the median of 5), after a step of
-  // every sequence: what planning a changed batch costs the host.
-  std::vector<double> host;
-  for (int i = 0; i < 5; ++i) {
-    target.step_batch(all, one, {}, /*croppable=*/false);
-    c10::cuda::device_synchronize();
-    const auto start = std::chrono::steady_clock::now();
-    target.step_batch(but_one, one_fewer, {}, /*croppable=*/false);
-    host.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
-    c10::cuda::device_synchronize();
-  }
-  std::sort(host.begin(), host.end());
+  // What planning a changed batch costs the host: its time in the changed step's call, after a
+  // step of every sequence.
+  const double host = host_call_ms([&] { target.step_batch(all, one, {}, /*croppable=*/false); },
+                                   [&] { target.step_batch(but_one, one_fewer, {}, /*croppable=*/false); });
   std::printf("batch of %3lld: the host returns from a changed step (one sequence fewer) after %.2f ms\n",
-              static_cast<long long>(all.size()), host[host.size() / 2]);
+              static_cast<long long>(all.size()), host);
   // DFLASHD_PROFILE=1: the changed step's kernels, to set beside the plain step's.
   if (std::getenv("DFLASHD_PROFILE") != nullptr) {
     target.step_batch(all, one, {}, /*croppable=*/false);
@@ -124,16 +132,7 @@ std::pair<double, double> back_to_back_ms(const target::IncrementalTarget& targe
   const double steps = median_ms(3, [&] {
     for (int i = 0; i < kSteps; ++i) target.step_batch(all, one, {}, /*croppable=*/false);
   }) / kSteps;
-  std::vector<double> host;
-  for (int i = 0; i < 5; ++i) {
-    c10::cuda::device_synchronize();
-    const auto start = std::chrono::steady_clock::now();
-    target.step_batch(all, one, {}, /*croppable=*/false);
-    host.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
-  }
-  c10::cuda::device_synchronize();
-  std::sort(host.begin(), host.end());
-  return {steps, host[host.size() / 2]};
+  return {steps, host_call_ms([] {}, [&] { target.step_batch(all, one, {}, /*croppable=*/false); })};
 }
 
 // DFLASHD_PROFILE=1: where a batched plain step's GPU time goes (GPU time far below the wall

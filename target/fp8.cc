@@ -145,8 +145,9 @@ Fp8Activations quantize_gathered_groups(const at::Tensor& x, const at::Tensor& s
       reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && in % kFp8Block == 0 &&
       sources.scalar_type() == at::kLong && sources.is_contiguous() && sources.device() == x.device() && divisor >= 1) {
     Fp8Activations a = allocate_activations(rows, rows, in, x.options());
-    kernels::quantize_groups_e4m3(x.data_ptr(), x.stride(0), rows, in, a.q.data_ptr(), a.factors.data_ptr<float>(), rows,
-                                  at::cuda::getCurrentCUDAStream().stream(), sources.data_ptr<int64_t>(), divisor);
+    kernels::quantize_groups_e4m3(x.data_ptr(), x.stride(0), rows, in, a.q.data_ptr(), a.factors.data_ptr<float>(),
+                                  rows, at::cuda::getCurrentCUDAStream().stream(), sources.data_ptr<int64_t>(),
+                                  divisor);
     return a;
   }
 #endif
@@ -174,7 +175,9 @@ namespace {
 
 // How far apart the factors of consecutive 128-wide groups of a row are (the column-major
 // layout's padded rows). With one group the stride ATen reports for it is arbitrary, and unused.
-int64_t factor_stride(const Fp8Activations& a) { return a.factors.size(1) == 1 ? a.factors.size(0) : a.factors.stride(1); }
+int64_t factor_stride(const Fp8Activations& a) {
+  return a.factors.size(1) == 1 ? a.factors.size(0) : a.factors.stride(1);
+}
 
 }  // namespace
 

@@ -389,11 +389,72 @@ TEST(Fp8, GroupedLinearIsEachGroupsLinear) {
 }
 
 #ifdef DFLASHD_WITH_CUDA
+// One grouped product on the GPU kernel against the CPU emulation (fp8_grouped_linear), run twice.
+struct GroupedCase {
+  std::vector<int32_t> sizes;  // rows per group
+  int64_t n, k, spare_rows, stride;
+};
+
+void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_t stream) {
+  namespace gf = dflash::grouped_fp8;
+  const int groups = static_cast<int>(c.sizes.size());
+  std::vector<int32_t> ends(c.sizes.size());
+  for (int g = 0; g < groups; ++g) ends[g] = (g == 0 ? 0 : ends[g - 1]) + c.sizes[g];
+  const int64_t rows = ends.back() + c.spare_rows;
+  SCOPED_TRACE(std::to_string(groups) + " groups, " + std::to_string(rows) + " x " + std::to_string(c.k) + " -> " +
+               std::to_string(c.n));
+  std::vector<at::Tensor> data, scales;
+  for (int g = 0; g < groups; ++g) {
+    const Fp8Weight one = quantize_blocks(uneven_weight(c.n, c.k, 50 + g) / std::sqrt(static_cast<double>(c.k)));
+    data.push_back(one.data), scales.push_back(one.scale);
+  }
+  const Fp8Weight cpu_w{at::stack(data), at::stack(scales)};
+  const Fp8Weight gpu_w{cpu_w.data.to(gpu), cpu_w.scale.to(gpu)};
+  at::manual_seed(60 + groups);
+  const at::Tensor wide = at::randn({rows, c.stride}).to(at::kBFloat16);
+  const Fp8Activations a = quantize_groups(wide.narrow(1, 0, c.k).contiguous());
+  const at::Tensor cpu_ends = at::tensor(at::ArrayRef<int32_t>(ends), at::TensorOptions().dtype(at::kInt));
+  const at::Tensor want = fp8_grouped_linear(a, cpu_w, cpu_ends).narrow(0, 0, ends.back()).to(at::kFloat);
+  // x strided on the GPU: the quantised rows copied into wider rows.
+  const at::Tensor q = at::zeros({rows, c.stride}, at::TensorOptions().dtype(at::kByte).device(gpu));
+  q.narrow(1, 0, c.k).copy_(a.q.view(at::kByte).to(gpu));
+  const at::Tensor factors = a.factors.to(gpu).t().contiguous().t();
+  const at::Tensor gpu_ends = cpu_ends.to(gpu);
+  const at::Tensor sentinel = at::full({rows, c.n}, 7.0, at::TensorOptions().dtype(at::kBFloat16).device(gpu));
+  at::Tensor got = sentinel.clone(), again = sentinel.clone();
+  gf::Problem p;
+  p.x = q.data_ptr(), p.x_stride = c.stride, p.x_factors = factors.data_ptr<float>();
+  p.factor_stride = factors.size(1) == 1 ? rows : factors.stride(1);
+  p.w = gpu_w.data.data_ptr(), p.w_factors = gpu_w.scale.data_ptr<float>();
+  p.ends = groups == 1 ? nullptr : gpu_ends.data_ptr<int32_t>();
+  p.y = got.data_ptr(), p.m = groups == 1 ? ends.back() : rows, p.n = c.n, p.k = c.k, p.groups = groups;
+  ASSERT_TRUE(gf::applies(p, 0));
+  gf::run(p, 0, stream);
+  p.y = again.data_ptr();
+  gf::run(p, 0, stream);
+  // bf16's rounding, and the tensor cores' FP8 sums within a k-block, which keep fewer bits
+  // than fp32 (the reason the factors are applied per k-block): 1e-3 of the largest value.
+  const at::Tensor result = got.narrow(0, 0, ends.back()).cpu().to(at::kFloat);
+  const at::Tensor error = (result - want).abs();
+  const at::Tensor bound = want.abs() * (1.0 / 128) + 1e-3 * want.abs().max().item<double>();
+  EXPECT_TRUE(error.le(bound).all().item<bool>()) << "worst excess " << (error - bound).max().item<float>();
+  EXPECT_TRUE(at::equal(got, again)) << "a second run differs";
+  EXPECT_TRUE(at::equal(got.narrow(0, ends.back(), c.spare_rows), sentinel.narrow(0, ends.back(), c.spare_rows)))
+      << "rows past the groups were written";
+  // Through fp8_grouped_linear on the GPU: the same kernel.
+  if (groups > 1 && c.stride == c.k) {
+    const Fp8Activations on_gpu{a.q.to(gpu), a.factors.to(gpu).t().contiguous().t(), a.rows, a.dtype};
+    EXPECT_TRUE(at::equal(fp8_grouped_linear(on_gpu, gpu_w, gpu_ends).narrow(0, 0, ends.back()),
+                          got.narrow(0, 0, ends.back())));
+  }
+}
+
 // The FP8 grouped GEMM kernel against the CPU emulation of the same e4m3 operands and factors
-// (within bf16's rounding): empty groups, groups of 1, 64, 65, 128, 129 and 300 rows (tiles
-// cut at each group's own first row), k of 3 and 16 k-blocks, rows of x strided, a dense product
-// (no ends), 35B-A3B's expert shapes; rows past the last group's end left as they were; a second
-// run bit for bit the same; shapes it cannot take refused by name.
+// (within bf16's rounding and the tensor cores' FP8 sums): empty groups, groups of 1, 64, 65,
+// 128, 129 and 300 rows (tiles cut at each group's own first row), k of 1, 3, 4 and 16 k-blocks,
+// rows of x strided, a dense product (no ends), 35B-A3B's expert shapes; rows past the last
+// group's end left as they were; a second run bit for bit the same; shapes it cannot take
+// refused by name.
 TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
   if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
   namespace gf = dflash::grouped_fp8;
@@ -405,64 +466,11 @@ TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
     GTEST_SKIP() << "the FP8 grouped GEMM runs on compute capability 9.0 (sm_90a builds) only";
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(0).stream();
-  struct Case {
-    std::vector<int32_t> sizes;
-    int64_t n, k, spare_rows, stride;
-  };
-  for (const Case& c : {Case{{0, 1, 64, 65, 0, 128, 129, 300, 7, 0}, 256, 384, 9, 512},
-                        Case{{1000}, 384, 2048, 0, 2048}, Case{{0, 0, 5}, 128, 128, 3, 128},
-                        Case{std::vector<int32_t>(64, 90), 1024, 2048, 16, 2048},
-                        Case{std::vector<int32_t>(64, 90), 2048, 512, 16, 512}}) {
-    const int groups = static_cast<int>(c.sizes.size());
-    std::vector<int32_t> ends(c.sizes.size());
-    for (int g = 0; g < groups; ++g) ends[g] = (g == 0 ? 0 : ends[g - 1]) + c.sizes[g];
-    const int64_t rows = ends.back() + c.spare_rows;
-    const std::string what = std::to_string(groups) + " groups, " + std::to_string(rows) + " x " +
-                             std::to_string(c.k) + " -> " + std::to_string(c.n);
-    SCOPED_TRACE(what);
-    std::vector<at::Tensor> data, scales;
-    for (int g = 0; g < groups; ++g) {
-      const Fp8Weight one = quantize_blocks(uneven_weight(c.n, c.k, 50 + g) / std::sqrt(static_cast<double>(c.k)));
-      data.push_back(one.data), scales.push_back(one.scale);
-    }
-    const Fp8Weight cpu_w{at::stack(data), at::stack(scales)};
-    const Fp8Weight gpu_w{cpu_w.data.to(gpu), cpu_w.scale.to(gpu)};
-    at::manual_seed(60 + groups);
-    const at::Tensor wide = at::randn({rows, c.stride}).to(at::kBFloat16);
-    const Fp8Activations a = quantize_groups(wide.narrow(1, 0, c.k).contiguous());
-    const at::Tensor cpu_ends = at::tensor(at::ArrayRef<int32_t>(ends), at::TensorOptions().dtype(at::kInt));
-    const at::Tensor want = fp8_grouped_linear(a, cpu_w, cpu_ends).narrow(0, 0, ends.back()).to(at::kFloat);
-    // x strided on the GPU: the quantised rows copied into wider rows.
-    const at::Tensor q = at::zeros({rows, c.stride}, at::TensorOptions().dtype(at::kByte).device(gpu));
-    q.narrow(1, 0, c.k).copy_(a.q.view(at::kByte).to(gpu));
-    const at::Tensor factors = a.factors.to(gpu).t().contiguous().t();
-    const at::Tensor gpu_ends = cpu_ends.to(gpu);
-    const at::Tensor sentinel = at::full({rows, c.n}, 7.0, at::TensorOptions().dtype(at::kBFloat16).device(gpu));
-    at::Tensor got = sentinel.clone(), again = sentinel.clone();
-    gf::Problem p;
-    p.x = q.data_ptr(), p.x_stride = c.stride, p.x_factors = factors.data_ptr<float>();
-    p.factor_stride = factors.size(1) == 1 ? rows : factors.stride(1), p.w = gpu_w.data.data_ptr(), p.w_factors = gpu_w.scale.data_ptr<float>();
-    p.ends = groups == 1 ? nullptr : gpu_ends.data_ptr<int32_t>();
-    p.y = got.data_ptr(), p.m = groups == 1 ? ends.back() : rows, p.n = c.n, p.k = c.k, p.groups = groups;
-    ASSERT_TRUE(gf::applies(p, 0));
-    gf::run(p, 0, stream);
-    p.y = again.data_ptr();
-    gf::run(p, 0, stream);
-    const at::Tensor result = got.narrow(0, 0, ends.back()).cpu().to(at::kFloat);
-    // bf16's rounding, and the tensor cores' FP8 sums within a k-block, which keep fewer bits
-    // than fp32 (the reason the factors are applied per k-block): 1e-3 of the largest value.
-    const at::Tensor error = (result - want).abs();
-    const at::Tensor bound = want.abs() * (1.0 / 128) + 1e-3 * want.abs().max().item<double>();
-    EXPECT_TRUE(error.le(bound).all().item<bool>()) << "worst excess " << (error - bound).max().item<float>();
-    EXPECT_TRUE(at::equal(got, again)) << "a second run differs";
-    EXPECT_TRUE(at::equal(got.narrow(0, ends.back(), c.spare_rows), sentinel.narrow(0, ends.back(), c.spare_rows)))
-        << "rows past the groups were written";
-    // Through fp8_grouped_linear on the GPU: the same kernel.
-    if (groups > 1 && c.stride == c.k) {
-      const Fp8Activations on_gpu{a.q.to(gpu), a.factors.to(gpu).t().contiguous().t(), a.rows, a.dtype};
-      EXPECT_TRUE(at::equal(fp8_grouped_linear(on_gpu, gpu_w, gpu_ends).narrow(0, 0, ends.back()),
-                            got.narrow(0, 0, ends.back())));
-    }
+  for (const GroupedCase& c : {GroupedCase{{0, 1, 64, 65, 0, 128, 129, 300, 7, 0}, 256, 384, 9, 512},
+                               GroupedCase{{1000}, 384, 2048, 0, 2048}, GroupedCase{{0, 0, 5}, 128, 128, 3, 128},
+                               GroupedCase{std::vector<int32_t>(64, 90), 1024, 2048, 16, 2048},
+                               GroupedCase{std::vector<int32_t>(64, 90), 2048, 512, 16, 512}}) {
+    check_grouped_case(c, gpu, stream);
   }
   gf::Problem bad;
   bad.x = bad.w = bad.y = probe.data.data_ptr();
@@ -489,10 +497,12 @@ TEST(Fp8, GpuMoeExpertsRunOnTheGroupedGemm) {
   const MoeShape shape{experts, 8, inner, true, 512};
   const Fp8Weight gate_up = quantize_blocks(
       (at::randn({experts * 2 * inner, hidden}, bf16.dtype(at::kFloat)) / std::sqrt(2048.0)));
-  const Fp8Weight down = quantize_blocks((at::randn({experts * hidden, inner}, bf16.dtype(at::kFloat)) / std::sqrt(512.0)));
+  const Fp8Weight down =
+      quantize_blocks((at::randn({experts * hidden, inner}, bf16.dtype(at::kFloat)) / std::sqrt(512.0)));
   const Fp8Weight fp8_gate_up{gate_up.data.view({experts, 2 * inner, hidden}),
                               gate_up.scale.view({experts, 2 * inner / 128, hidden / 128})};
-  const Fp8Weight fp8_down{down.data.view({experts, hidden, inner}), down.scale.view({experts, hidden / 128, inner / 128})};
+  const Fp8Weight fp8_down{down.data.view({experts, hidden, inner}),
+                           down.scale.view({experts, hidden / 128, inner / 128})};
   auto make = [&](const at::Tensor& gu, const at::Tensor& d) {
     at::manual_seed(71);
     return MoeWeights::make(at::randn({experts, hidden}, bf16) * 0.02, gu, d, at::randn({512, hidden}, bf16) * 0.02,

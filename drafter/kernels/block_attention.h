@@ -29,11 +29,7 @@
 
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define DFLASHD_HOST_DEVICE __host__ __device__
-#else
-#define DFLASHD_HOST_DEVICE
-#endif
+#include "common/host_device.h"
 
 namespace dflash::drafter::kernels {
 

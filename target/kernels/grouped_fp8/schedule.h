@@ -13,11 +13,8 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define DFLASHD_HOST_DEVICE __host__ __device__
-#else
-#define DFLASHD_HOST_DEVICE
-#endif
+#include "common/host_device.h"
+
 
 namespace dflash::grouped_fp8 {
 
