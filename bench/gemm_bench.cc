@@ -10,8 +10,10 @@
 // lists (tiles, stages, cluster shapes, custom options; FP8 also with fast accumulation) against
 // the heuristic's first; `explore-split-k` the bf16 product through the heuristic's first 8
 // algorithms at every split-k and reduction scheme, the weights read from memory (4 copies);
-// `stream` the stream-K GEMM against cuBLASLt's heuristic (and which the projections take).
-// Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k | stream] [ROWS...]
+// `stream` the stream-K GEMM against cuBLASLt's heuristic (and which the projections take);
+// `grouped-fp8` the FP8 grouped GEMM (kernels/grouped_fp8.h) as one group against cuBLASLt's
+// block-scaled product on the same operands.
+// Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k | stream | grouped-fp8] [ROWS...]
 //        (default: 3072 128)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -29,6 +31,7 @@
 
 #include "bench/timing.h"
 #include "target/fp8.h"
+#include "target/kernels/grouped_fp8.h"
 #include "target/kernels/stream_gemm.h"
 #include "target/lt_gemm.h"
 
@@ -424,6 +427,38 @@ std::pair<double, double> stream_vs_lt(const Shape& s, int64_t m) {
   return {lt, ours};
 }
 
+// Block-scaled FP8 at `m` rows: the FP8 grouped GEMM with one group (every row, no ends) against
+// cuBLASLt's (fp8_linear), the same quantised operands, 20 products back to back. Returns
+// {cuBLASLt ms, grouped ms} per product.
+std::pair<double, double> grouped_vs_lt(const Shape& s, int64_t m) {
+  const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
+  const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
+  const target::Fp8Weight w = target::quantize_blocks(at::randn({s.n, s.k}, gpu) / std::sqrt(static_cast<double>(s.k)));
+  const target::Fp8Activations a = target::quantize_groups(x, target::fp8_gemm_rows(m, x.device()));
+  const target::Fp8Weight batch{w.data.unsqueeze(0), w.scale.unsqueeze(0)};
+  const at::Tensor reference = target::fp8_linear(a, w, {});
+  at::Tensor y = at::empty({m, s.n}, gpu.dtype(at::kBFloat16));
+  grouped_fp8::Problem p;
+  p.x = a.q.data_ptr(), p.x_stride = s.k, p.x_factors = a.factors.data_ptr<float>();
+  p.factor_stride = a.factors.stride(1), p.w = batch.data.data_ptr(), p.w_factors = batch.scale.data_ptr<float>();
+  p.y = y.data_ptr(), p.m = m, p.n = s.n, p.k = s.k;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(0).stream();
+  grouped_fp8::run(p, 0, stream);
+  const double error = relative_error(y, reference);
+  const double lt = bench::median_ms(7, [&] {
+                      for (int i = 0; i < 20; ++i) target::fp8_linear(a, w, {});
+                    }) / 20;
+  const double ours = bench::median_ms(7, [&] {
+                        for (int i = 0; i < 20; ++i) grouped_fp8::run(p, 0, stream);
+                      }) / 20;
+  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(s.n) * static_cast<double>(s.k);
+  std::printf("%-12s m %5lld n %5lld k %5lld | FP8 cuBLASLt %.4f ms (%.0f TFLOP/s) | grouped, one group %.4f ms "
+              "(%.0f TFLOP/s, vs cuBLASLt %.0e) | %.2fx\n",
+              s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), lt,
+              flops / lt / 1e9, ours, flops / ours / 1e9, error, lt / ours);
+  return {lt, ours};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -435,8 +470,9 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines out as they come, should a shape abort
   const std::string mode = argc > 1 && !std::isdigit(argv[1][0]) ? argv[1] : "";
   if (!mode.empty() && mode != "explore-fp8" && mode != "explore-bf16" && mode != "explore-split-k" &&
-      mode != "stream") {
-    std::fprintf(stderr, "gemm_bench: unknown mode %s (explore-fp8, explore-bf16, explore-split-k or stream)\n",
+      mode != "stream" && mode != "grouped-fp8") {
+    std::fprintf(stderr,
+                 "gemm_bench: unknown mode %s (explore-fp8, explore-bf16, explore-split-k, stream or grouped-fp8)\n",
                  mode.c_str());
     return 1;
   }
@@ -450,6 +486,12 @@ int main(int argc, char** argv) {
       const auto [lt, ours] = per_forward([&](const Shape& s) { return stream_vs_lt(s, m); });
       std::printf("| %lld rows, bf16 GEMMs of a forward over layers 0..61, weights from memory | cuBLASLt %.2f ms | "
                   "stream-K %.2f |\n", static_cast<long long>(m), lt, ours);
+      continue;
+    }
+    if (mode == "grouped-fp8") {
+      const auto [lt, ours] = per_forward([&](const Shape& s) { return grouped_vs_lt(s, m); });
+      std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | FP8 grouped GEMM, one "
+                  "group %.1f |\n", static_cast<long long>(m), lt, ours);
       continue;
     }
     if (mode == "explore-split-k") {

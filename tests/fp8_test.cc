@@ -451,7 +451,8 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
 
 // The FP8 grouped GEMM kernel against the CPU emulation of the same e4m3 operands and factors
 // (within bf16's rounding and the tensor cores' FP8 sums): empty groups, groups of 1, 64, 65,
-// 128, 129 and 300 rows (tiles cut at each group's own first row), k of 1, 3, 4 and 16 k-blocks,
+// 128, 129 and 300 rows (tiles cut at each group's own first row), k of 1, 2, 3, 4 and 16
+// k-blocks, n not a multiple of 128 (the last n-tile partial, reading the next group's rows),
 // rows of x strided, a dense product (no ends), 35B-A3B's expert shapes; rows past the last
 // group's end left as they were; a second run bit for bit the same; shapes it cannot take
 // refused by name.
@@ -468,6 +469,7 @@ TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(0).stream();
   for (const GroupedCase& c : {GroupedCase{{0, 1, 64, 65, 0, 128, 129, 300, 7, 0}, 256, 384, 9, 512},
                                GroupedCase{{1000}, 384, 2048, 0, 2048}, GroupedCase{{0, 0, 5}, 128, 128, 3, 128},
+                               GroupedCase{{3, 0, 130}, 200, 256, 2, 256}, GroupedCase{{300}, 16480, 512, 0, 512},
                                GroupedCase{std::vector<int32_t>(64, 90), 1024, 2048, 16, 2048},
                                GroupedCase{std::vector<int32_t>(64, 90), 2048, 512, 16, 512}}) {
     check_grouped_case(c, gpu, stream);
@@ -475,7 +477,7 @@ TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
   gf::Problem bad;
   bad.x = bad.w = bad.y = probe.data.data_ptr();
   bad.m = 16, bad.n = 100, bad.k = 128, bad.x_stride = 128, bad.factor_stride = 16;
-  EXPECT_FALSE(gf::applies(bad, 0)) << "n of 100 is not whole 128-row blocks";
+  EXPECT_FALSE(gf::applies(bad, 0)) << "rows of 100 bf16 are not whole 16-byte chunks";
   try {
     gf::run(bad, 0, stream);
     ADD_FAILURE() << "a shape the kernel cannot take ran";

@@ -63,7 +63,7 @@ bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 bool applies(const Problem& p, int device) {
 #ifdef DFLASHD_CUDA_SM90A
   constexpr int64_t kInt32 = int64_t{1} << 31;
-  const bool shape = p.m >= 0 && p.m < kInt32 && p.n > 0 && p.n % kTileCols == 0 && p.k > 0 && p.k % kBlockK == 0 &&
+  const bool shape = p.m >= 0 && p.m < kInt32 && p.n > 0 && p.n % 8 == 0 && p.k > 0 && p.k % kBlockK == 0 &&
                      p.groups >= 1 && p.groups <= kMaxGroups && p.groups * p.n < kInt32 &&
                      (p.ends != nullptr || p.groups == 1);
   const bool layout = p.x_stride % 16 == 0 && p.x_stride >= p.k && p.factor_stride >= p.m && aligned(p.x) &&
@@ -81,7 +81,7 @@ void run(const Problem& p, int device, cudaStream_t stream) {
     throw std::invalid_argument("FP8 grouped GEMM: " + std::to_string(p.groups) + " groups of [" + std::to_string(p.m) +
                                 " rows, " + std::to_string(p.k) + "] -> " + std::to_string(p.n) +
                                 " does not run on device " + std::to_string(device) +
-                                " (sm_90a, n and k multiples of 128, 16-byte aligned operands)");
+                                " (sm_90a, n a multiple of 8, k of 128, 16-byte aligned operands)");
   }
   if (p.m == 0) return;
   static std::array<std::once_flag, 64> once;  // the attribute is set per device
@@ -92,7 +92,7 @@ void run(const Problem& p, int device, cudaStream_t stream) {
   const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.groups * p.n, p.k,
                                                       p.k, kTileCols, "FP8 grouped GEMM: W");
   // Every group adds at most one partial m-tile: more CTAs than this would find no tile.
-  const int64_t most_tiles = ((p.m + kTileRows - 1) / kTileRows + p.groups) * (p.n / kTileCols);
+  const int64_t most_tiles = ((p.m + kTileRows - 1) / kTileRows + p.groups) * n_tiles_of(p.n);
   const int64_t ctas = std::min<int64_t>(tensor_map::device_facts(device).sms, most_tiles);
   grouped_fp8_kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(x_map, w_map, p);
   check_cuda(cudaGetLastError(), "FP8 grouped GEMM kernel");

@@ -34,7 +34,7 @@ struct Problem {
   const float* x_factors = nullptr;    // row r's factor of k-group j at x_factors[j * factor_stride + r]
   int64_t factor_stride = 0;           // >= m (fp8.h's column-major layout, padding rows allowed)
   const void* w = nullptr;             // e4m3 [groups, n, k] contiguous
-  const float* w_factors = nullptr;    // fp32 [groups, n / 128, k / 128] contiguous
+  const float* w_factors = nullptr;    // fp32 [groups, ceil(n / 128), k / 128] contiguous
   const int32_t* ends = nullptr;       // on the device, [groups]: group g's rows are [ends[g - 1],
                                        // ends[g]) (ends[-1] = 0), non-decreasing, ends[groups - 1]
                                        // <= m; nullptr: one group of every row (groups must be 1)
@@ -45,8 +45,8 @@ struct Problem {
 };
 
 // Whether the kernel was built for this GPU (sm_90a: compute capability 9.0), `off` is down, and
-// it takes the problem: n and k multiples of 128, m and groups * n below 2^31, groups
-// 1..kMaxGroups, x, W and y 16-byte aligned.
+// it takes the problem: n a multiple of 8 (y's rows 16-byte aligned) and k of 128, m and groups
+// * n below 2^31, groups 1..kMaxGroups, x, W and y 16-byte aligned.
 bool applies(const Problem& p, int device);
 
 // Runs the product on `stream` (one persistent CTA per SM; no host synchronisation: the group

@@ -1,6 +1,6 @@
 // epilogue.cuh: the FP8 grouped GEMM's tile leaves the consumers' registers (grouped_fp8.cu):
-// rounded to bf16 into shared memory, then each of the tile's rows (only those of its group) to
-// y as 16-byte stores.
+// rounded to bf16 into shared memory, then each of the tile's rows (only those of its group, and
+// only its columns below n) to y as 16-byte stores.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,9 +29,12 @@ __device__ __forceinline__ void store_tile(const Accumulators& acc, Shared& s, c
   consumers.sync();
   constexpr int kChunks = kTileCols / 8;  // 16-byte chunks of a row
   const int rows = tile.row_end - tile.row_begin;
-  __nv_bfloat16* first = y + static_cast<int64_t>(tile.row_begin) * n + static_cast<int64_t>(tile.n_tile) * kTileCols;
+  const int64_t first_column = static_cast<int64_t>(tile.n_tile) * kTileCols;
+  const int chunks = n - first_column < kTileCols ? static_cast<int>(n - first_column) / 8 : kChunks;
+  __nv_bfloat16* first = y + static_cast<int64_t>(tile.row_begin) * n + first_column;
   for (int i = ct; i < rows * kChunks; i += kConsumerThreads) {
     const int row = i / kChunks, chunk = i % kChunks;
+    if (chunk >= chunks) continue;
     *reinterpret_cast<uint4*>(first + row * n + chunk * 8) = *reinterpret_cast<const uint4*>(&s.out[row][chunk * 8]);
   }
 }

@@ -79,13 +79,15 @@ __device__ __forceinline__ Walk count_tiles(Shared& s, const Problem& p) {
     if (lane == 31) s.m_tiles_before[p.groups] = through;
   }
   __syncthreads();
-  Walk walk{s.ends, s.m_tiles_before, p.groups, static_cast<int>(p.n / kTileCols), 0};
+  Walk walk{s.ends, s.m_tiles_before, p.groups, n_tiles_of(p.n), 0};
   walk.tiles = static_cast<int64_t>(s.m_tiles_before[p.groups]) * walk.n_tiles;
   return walk;
 }
 
 // One thread: every k-block of every tile of the CTA, in order, into the ring. W streams (read
-// once: evict first); x's rows are read by the n-tiles' CTAs of one wave (kept).
+// once: evict first); x's rows are read by the n-tiles' CTAs of one wave (kept). A partial last
+// n-tile's box reads the next group's first rows (or zeros past the last group): their columns
+// are never stored.
 __device__ __forceinline__ void produce(Ring& ring, const void* x_map, const void* w_map, const Walk& walk, int n,
                                         int k_blocks) {
   const uint64_t streamed = tma::evict_first(), shared = tma::evict_last();
@@ -133,7 +135,7 @@ __device__ __forceinline__ void consume_tile(Ring& ring, Accumulators& acc, smem
   const bool multiplies = first_row < tile.row_end;
   const int row_a = first_row + 16 * warp + lane / 4, row_b = row_a + 8;
   const float* w_factors =
-      p.w_factors + (static_cast<int64_t>(tile.group) * (p.n / kTileCols) + tile.n_tile) * k_blocks;
+      p.w_factors + (static_cast<int64_t>(tile.group) * n_tiles_of(p.n) + tile.n_tile) * k_blocks;
 #pragma unroll
   for (int j = 0; j < kTileCols / 8; ++j) acc.c[j][0] = acc.c[j][1] = acc.c[j][2] = acc.c[j][3] = 0.f;
   Accumulators part;

@@ -30,8 +30,11 @@ DFLASHD_HOST_DEVICE inline int m_tiles_of(const int32_t* ends, int g) {
   return (ends[g] - group_begin(ends, g) + kTileRows - 1) / kTileRows;
 }
 
+// The n-tiles of an output of n columns (the last one partial when n is not a multiple).
+DFLASHD_HOST_DEVICE inline int n_tiles_of(int64_t n) { return static_cast<int>((n + kTileCols - 1) / kTileCols); }
+
 // One tile: rows [row_begin, row_end) of x (at most kTileRows, all of group `group`) by output
-// columns [n_tile kTileCols, + kTileCols).
+// columns [n_tile kTileCols, + kTileCols) (those below n).
 struct Tile {
   int group = 0;
   int row_begin = 0, row_end = 0;
