@@ -35,6 +35,7 @@
 #include "drafter/drafter_config.h"
 #include "target/incremental.h"
 #include "target/kernels/decode_attention.h"
+#include "target/kernels/grouped_fp8.h"
 #include "target/model.h"
 
 using namespace dflash;
@@ -162,6 +163,18 @@ double back_to_back_with(const target::IncrementalTarget& target, const std::vec
   return ms;
 }
 
+// An FP8 MoE target (DECODE_DTYPE=float8): the same steps back to back with its experts
+// dequantized per layer for ATen's bf16 grouped GEMM (grouped_fp8::off, the path before the FP8
+// grouped GEMM).
+void print_fp8_experts_dequantized(const target::IncrementalTarget& target,
+                                   const std::vector<target::DecodeCache*>& all, const std::vector<at::Tensor>& one) {
+  const auto paths = target.model().kernel_paths();
+  if (target.model().config().num_experts == 0 || paths.at("target.projections").path != "fp8") return;
+  const double ms = back_to_back_with(target, all, one, [](bool on) { grouped_fp8::off = on; });
+  std::printf("batch of %3zu: plain steps back to back with the FP8 experts dequantized per layer %.2f ms each\n",
+              all.size(), ms);
+}
+
 // What choosing a plain step's tokens costs: the argmaxes, and sampled draws (temperature 0.7,
 // with and without top-p 0.95: sampling_probs then choose_rows, all rows at once), the median of
 // 5 each; DFLASHD_PROFILE=1: the sampled draw's kernels.
@@ -271,6 +284,7 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
       back_to_back_with(target, all, one, [](bool on) { force_mma_sync(MmaKernels::projections, on); });
   const double back_to_back_fa =
       back_to_back_with(target, all, one, [](bool on) { target::kernels::decode_attention_off = on; });
+  print_fp8_experts_dequantized(target, all, one);
   print_memory("plain rounds");
   profile_plain_step(target, all, one);
   const double changing = changing_batch_ms(target, all, one);
