@@ -186,13 +186,8 @@ bool fp8_grouped_gemm_applies(const Fp8Weight& w, at::Device device) {
   if (!device.is_cuda() || !w.defined() || w.data.dim() != 3 || !w.data.is_contiguous() || !w.scale.is_contiguous()) {
     return false;
   }
-  grouped_fp8::Problem probe;
-  probe.x = probe.w = probe.y = w.data.data_ptr();  // alignment only: the kernel is not run
-  probe.x_stride = probe.k = w.data.size(2);
-  probe.n = w.data.size(1);
-  probe.groups = static_cast<int>(std::min<int64_t>(w.data.size(0), grouped_fp8::kMaxGroups + 1));
-  probe.ends = reinterpret_cast<const int32_t*>(w.scale.data_ptr());
-  return w.scale.scalar_type() == at::kFloat && grouped_fp8::applies(probe, device.index());
+  return w.scale.scalar_type() == at::kFloat &&
+         grouped_fp8::weights_apply(w.data.size(0), w.data.size(1), w.data.size(2), w.data.data_ptr(), device.index());
 #else
   (void)w;
   (void)device;
@@ -228,9 +223,10 @@ at::Tensor fp8_grouped_linear(const Fp8Activations& a, const Fp8Weight& w, const
   const at::Tensor activations = a.q.narrow(0, 0, a.rows).to(at::kFloat) *
                                  a.factors.narrow(0, 0, a.rows).repeat_interleave(kFp8Block, 1);
   const at::Tensor host_ends = ends.cpu();
+  const int32_t* end_of = host_ends.data_ptr<int32_t>();
   int64_t begin = 0;
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t end = host_ends[g].item<int64_t>();
+    const int64_t end = end_of[g];
     if (end == begin) continue;
     const Fp8Weight expert{w.data[g], w.scale[g]};
     y.narrow(0, begin, end - begin)

@@ -60,20 +60,22 @@ bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
-bool applies(const Problem& p, int device) {
+bool weights_apply(int64_t groups, int64_t n, int64_t k, const void* w, int device) {
 #ifdef DFLASHD_CUDA_SM90A
-  constexpr int64_t kInt32 = int64_t{1} << 31;
-  const bool shape = p.m >= 0 && p.m < kInt32 && p.n > 0 && p.n % 8 == 0 && p.k > 0 && p.k % kBlockK == 0 &&
-                     p.groups >= 1 && p.groups <= kMaxGroups && p.groups * p.n < kInt32 &&
-                     (p.ends != nullptr || p.groups == 1);
-  const bool layout = p.x_stride % 16 == 0 && p.x_stride >= p.k && p.factor_stride >= p.m && aligned(p.x) &&
-                      aligned(p.w) && aligned(p.y);
-  return tensor_map::device_facts(device).hopper && !off.load() && shape && layout;
+  const bool shape = n > 0 && n % 8 == 0 && k > 0 && k % kBlockK == 0 && groups >= 1 && groups <= kMaxGroups &&
+                     groups * n < (int64_t{1} << 31);
+  return tensor_map::device_facts(device).hopper && !off.load() && shape && aligned(w);
 #else
-  (void)p;
-  (void)device;
+  (void)groups, (void)n, (void)k, (void)w, (void)device;
   return false;
 #endif
+}
+
+bool applies(const Problem& p, int device) {
+  const bool rest = p.m >= 0 && p.m < (int64_t{1} << 31) && (p.ends != nullptr || p.groups == 1) &&
+                    p.x_stride % 16 == 0 && p.x_stride >= p.k && p.factor_stride >= p.m && aligned(p.x) &&
+                    aligned(p.y);
+  return rest && weights_apply(p.groups, p.n, p.k, p.w, device);
 }
 
 void run(const Problem& p, int device, cudaStream_t stream) {

@@ -45,8 +45,13 @@ struct Problem {
 };
 
 // Whether the kernel was built for this GPU (sm_90a: compute capability 9.0), `off` is down, and
-// it takes the problem: n a multiple of 8 (y's rows 16-byte aligned) and k of 128, m and groups
-// * n below 2^31, groups 1..kMaxGroups, x, W and y 16-byte aligned.
+// it takes weights of `groups` x [n, k] at w: n a multiple of 8 (y's rows 16-byte aligned) and k
+// of 128, groups * n below 2^31, groups 1..kMaxGroups, w 16-byte aligned.
+bool weights_apply(int64_t groups, int64_t n, int64_t k, const void* w, int device);
+
+// weights_apply, and the rest of the problem fits: m below 2^31, x and y 16-byte aligned, x's
+// rows at least k and a multiple of 16 bytes apart, factor_stride >= m, ends given unless there
+// is one group.
 bool applies(const Problem& p, int device);
 
 // Runs the product on `stream` (one persistent CTA per SM; no host synchronisation: the group
