@@ -616,6 +616,38 @@ TEST(Fp8, GpuTargetMatchesItsCpuEmulation) {
   EXPECT_LT(error, 0.1);
 }
 
+#ifdef DFLASHD_WITH_CUDA
+// A whole MoE target kept FP8 on a Hopper GPU (tiny-qwen3_next, every layer MoE, experts of 128)
+// runs its experts on the FP8 grouped GEMM, says so in its kernel paths, and stays near the same
+// target with its experts dequantized per layer (the activations' quantisation the difference).
+TEST(Fp8, GpuMoeTargetRunsItsExpertsOnTheGroupedGemm) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
+  if (const auto why = fp8_gemm_unavailable(at::Device(at::kCUDA, 0))) GTEST_SKIP() << *why;
+  const ModelConfig c = fp8_friendly_config("tiny-qwen3_next");
+  TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, true};
+  options.fp8_weights = true;
+  options.gdn_path = TargetOptions::GdnPath::reference;  // heads of 64: the reference path
+  CpuDrawnWeights weights(25);
+  auto model = std::make_unique<TargetModel>(c, weights, 3, options);
+  const std::string moe = model->kernel_paths().at("target.moe").detail;
+  if (moe.find(kFp8GroupedPath) == std::string::npos) {
+    EXPECT_NE(at::cuda::getDeviceProperties(0)->major * 10 + at::cuda::getDeviceProperties(0)->minor, 90) << moe;
+    GTEST_SKIP() << "the FP8 grouped GEMM runs on compute capability 9.0 (sm_90a builds) only: " << moe;
+  }
+  at::manual_seed(26);
+  const at::Tensor ids = at::randint(0, 512, {70}, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor grouped = model->forward(ids, {0, 30, 70}, {3})[0].cpu().to(at::kDouble);
+  dflash::grouped_fp8::off = true;
+  const at::Tensor dequantized = model->forward(ids, {0, 30, 70}, {3})[0].cpu().to(at::kDouble);
+  dflash::grouped_fp8::off = false;
+  const double error = ((grouped - dequantized).norm() / dequantized.norm()).item<double>();
+  std::printf("tiny FP8 MoE target at layer 3, experts on the grouped GEMM vs dequantized: %.4f (Frobenius)\n", error);
+  EXPECT_TRUE(at::isfinite(grouped).all().item<bool>());
+  EXPECT_GT(error, 1e-4) << "the experts' activations were not quantised";
+  EXPECT_LT(error, 0.25);
+}
+#endif
+
 // The tapped states of an FP8 checkpoint saved by transformers (FineGrainedFP8, 128x128 blocks)
 // against transformers' FP8 forward of it (tests/reference/make_fp8_reference.py, run on the GPU
 // host; DFLASHD_FP8_REFERENCE_DIR names its output; its block-scaled matmul, a hub kernel that
