@@ -138,6 +138,14 @@ std::string probe_fp8_gemm(int index) {
   if (auto why = target::fp8_gemm_unavailable(device)) return "emulated only: " + *why;
   return self_test([&] { return target::fp8_gemm_error(device); });
 }
+
+// The FP8 grouped GEMM (FP8 MoE experts) on GPU `index`: whether it runs there (sm_90a), and a
+// small grouped product against the CPU emulation.
+std::string probe_fp8_grouped(int index) {
+  const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+  if (auto why = target::fp8_grouped_gemm_unavailable(device)) return "FP8 experts dequantized per layer: " + *why;
+  return self_test([&] { return target::fp8_grouped_gemm_error(device); });
+}
 #endif
 
 MachineFacts probe_full() {
@@ -162,6 +170,7 @@ MachineFacts probe_full() {
     g.kernel_probe = probe_kernels(i);
     g.gdn_kernels = probe_gdn_kernels(i);
     g.fp8_gemm = probe_fp8_gemm(i);
+    g.fp8_grouped = probe_fp8_grouped(i);
     f.gpus.push_back(g);
   }
   f.peer_access.assign(f.cuda_devices, std::vector<int>(f.cuda_devices, 0));
@@ -196,7 +205,8 @@ std::string format_report(const MachineFacts& f) {
         << g.multiprocessors << " SMs  " << (g.free_bytes >> 20) << " / " << (g.total_bytes >> 20)
         << " MiB free  kernels: " << g.kernel_probe << "\n"
         << "          GatedDeltaNet: " << g.gdn_kernels << "\n"
-        << "          FP8 GEMM: " << g.fp8_gemm << "\n";
+        << "          FP8 GEMM: " << g.fp8_gemm << "\n"
+        << "          FP8 grouped GEMM (MoE experts): " << g.fp8_grouped << "\n";
   }
   if (f.peer_access.size() > 1) {
     out << "peer access (row = from)\n";

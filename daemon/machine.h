@@ -25,6 +25,9 @@ struct GpuFacts {
   // The block-scaled FP8 GEMM (target.dtype: float8) on this GPU: "ok (self-test ...)" after a
   // small product against the CPU emulation, or why FP8 projections would be emulated.
   std::string fp8_gemm;
+  // The FP8 grouped GEMM (FP8 MoE experts) on this GPU: "ok (self-test ...)" after a small grouped
+  // product against the CPU emulation, or why FP8 experts would be dequantized per layer.
+  std::string fp8_grouped;
 };
 
 struct MachineFacts {

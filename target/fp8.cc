@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 #ifdef DFLASHD_WITH_CUDA
@@ -251,6 +252,34 @@ double fp8_gemm_error(at::Device device) {
   const at::Tensor expected = fp8_linear(x, w, {}).to(at::kDouble);
   const at::Tensor got = fp8_linear(x.to(device), Fp8Weight{w.data.to(device), w.scale.to(device)}, {}).cpu();
   return ((got.to(at::kDouble) - expected).abs().max() / expected.abs().max()).item<double>();
+}
+
+std::optional<std::string> fp8_grouped_gemm_unavailable(at::Device device) {
+  if (auto why = fp8_gemm_unavailable(device)) return why;
+#ifdef DFLASHD_WITH_CUDA
+  if (!grouped_fp8::built_for(device.index())) {
+    return device.str() + ": the FP8 grouped GEMM is built for sm_90a (compute capability 9.0) only";
+  }
+#endif
+  return std::nullopt;
+}
+
+double fp8_grouped_gemm_error(at::Device device) {
+  std::vector<at::Tensor> data, scales;
+  for (int e = 0; e < 4; ++e) {
+    const Fp8Weight one = quantize_blocks(at::randn({256, 512}) / std::sqrt(512.0));
+    data.push_back(one.data), scales.push_back(one.scale);
+  }
+  const Fp8Weight cpu_w{at::stack(data), at::stack(scales)}, gpu_w{cpu_w.data.to(device), cpu_w.scale.to(device)};
+  if (!fp8_grouped_gemm_applies(gpu_w, device)) {
+    throw std::runtime_error("the FP8 grouped GEMM does not run on " + device.str());
+  }
+  const Fp8Activations a = quantize_groups(at::randn({205, 512}).to(at::kBFloat16));
+  const at::Tensor ends = at::tensor({5, 5, 75, 205}, at::TensorOptions().dtype(at::kInt));
+  const at::Tensor expected = fp8_grouped_linear(a, cpu_w, ends).to(at::kDouble);
+  const Fp8Activations on_device{a.q.to(device), a.factors.to(device).t().contiguous().t(), a.rows, a.dtype};
+  const at::Tensor got = fp8_grouped_linear(on_device, gpu_w, ends.to(device)).cpu().to(at::kDouble);
+  return ((got - expected).abs().max() / expected.abs().max()).item<double>();
 }
 
 std::optional<std::string> fp8_gemm_unavailable(at::Device device) {

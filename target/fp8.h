@@ -120,6 +120,15 @@ std::optional<std::string> fp8_gemm_unavailable(at::Device device);
 // difference over the largest value (dflashd doctor's self-test; about 1e-3 when right).
 double fp8_gemm_error(at::Device device);
 
+// Why the FP8 grouped GEMM would not run on `device` (FP8 experts then dequantized per layer),
+// or nullopt: fp8_gemm_unavailable's reasons, or a build or GPU other than sm_90a.
+std::optional<std::string> fp8_grouped_gemm_unavailable(at::Device device);
+
+// fp8_grouped_linear on `device` against the CPU emulation for 4 experts of [256, 512] (one
+// without rows) over 5 + 70 + 130 rows: the largest difference over the largest value (dflashd
+// doctor's self-test of the MoE experts' kernel). Throws where fp8_grouped_gemm_applies says no.
+double fp8_grouped_gemm_error(at::Device device);
+
 // What kernel_paths() says of the projections' GEMMs.
 inline constexpr const char* kFp8GemmPath =
     "block-scaled FP8 GEMMs (e4m3 weights in 128x128 blocks, activations in 1x128 groups; cuBLASLt)";

@@ -474,6 +474,7 @@ TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
                                GroupedCase{std::vector<int32_t>(64, 90), 2048, 512, 16, 512}}) {
     check_grouped_case(c, gpu, stream);
   }
+  EXPECT_LT(fp8_grouped_gemm_error(gpu), 1e-2) << "dflashd doctor's FP8 grouped self-test";
   gf::Problem bad;
   bad.x = bad.w = bad.y = probe.data.data_ptr();
   bad.m = 16, bad.n = 100, bad.k = 128, bad.x_stride = 128, bad.factor_stride = 16;

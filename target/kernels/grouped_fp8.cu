@@ -60,15 +60,19 @@ bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
-bool weights_apply(int64_t groups, int64_t n, int64_t k, const void* w, int device) {
+bool built_for(int device) {
 #ifdef DFLASHD_CUDA_SM90A
-  const bool shape = n > 0 && n % 8 == 0 && k > 0 && k % kBlockK == 0 && groups >= 1 && groups <= kMaxGroups &&
-                     groups * n < (int64_t{1} << 31);
-  return tensor_map::device_facts(device).hopper && !off.load() && shape && aligned(w);
+  return tensor_map::device_facts(device).hopper;
 #else
-  (void)groups, (void)n, (void)k, (void)w, (void)device;
+  (void)device;
   return false;
 #endif
+}
+
+bool weights_apply(int64_t groups, int64_t n, int64_t k, const void* w, int device) {
+  const bool shape = n > 0 && n % 8 == 0 && k > 0 && k % kBlockK == 0 && groups >= 1 && groups <= kMaxGroups &&
+                     groups * n < (int64_t{1} << 31);
+  return shape && aligned(w) && !off.load() && built_for(device);
 }
 
 bool applies(const Problem& p, int device) {

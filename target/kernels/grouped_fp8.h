@@ -44,8 +44,11 @@ struct Problem {
   int groups = 1;
 };
 
-// Whether the kernel was built for this GPU (sm_90a: compute capability 9.0), `off` is down, and
-// it takes weights of `groups` x [n, k] at w: n a multiple of 8 (y's rows 16-byte aligned) and k
+// Whether this build carries the kernel for `device` (sm_90a: compute capability 9.0).
+bool built_for(int device);
+
+// Whether the kernel was built for this GPU (built_for), `off` is down, and it takes weights of
+// `groups` x [n, k] at w: n a multiple of 8 (y's rows 16-byte aligned) and k
 // of 128, groups * n below 2^31, groups 1..kMaxGroups, w 16-byte aligned.
 bool weights_apply(int64_t groups, int64_t n, int64_t k, const void* w, int device);
 
