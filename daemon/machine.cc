@@ -123,6 +123,7 @@ std::string self_test(const std::function<double()>& relative_error) {
 std::string probe_gdn_kernels(int index) {
   target::ModelConfig c;
   c.linear_key_head_dim = c.linear_value_head_dim = 128;
+  c.linear_num_key_heads = 2, c.linear_num_value_heads = 4;  // the self-test's heads
   c.linear_conv_kernel_dim = 4;
   const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
   if (auto why = target::gdn_kernels_unavailable(c, device, at::kBFloat16)) return "reference path only: " + *why;

@@ -143,6 +143,22 @@ TEST(Daemon, DoctorWorksWithoutGpus) {
   EXPECT_NE(out.find("SDPA backend     "), std::string::npos);
 }
 
+// On a Hopper GPU (compute capability 9.0) every kernel self-test of `dflashd doctor` passes: the
+// GatedDeltaNet kernels, the FP8 GEMM and the FP8 grouped GEMM of MoE experts. Elsewhere skipped.
+TEST(Daemon, GpuDoctorSelfTestsPassOnHopper) {
+  const std::string dir = test::make_temp_dir("doctor-gpu");
+  test::Process doctor({kBinary, "doctor"}, {}, dir);
+  ASSERT_EQ(doctor.wait(), 0) << doctor.err();
+  const std::string out = doctor.out();
+  const size_t gpu = out.find("  cuda:0  ");
+  if (gpu == std::string::npos || out.find(" sm_90 ", gpu) == std::string::npos) {
+    GTEST_SKIP() << "no Hopper GPU as cuda:0";
+  }
+  for (const char* line : {"GatedDeltaNet: ok", "FP8 GEMM: ok", "FP8 grouped GEMM (MoE experts): ok"}) {
+    EXPECT_NE(out.find(line, gpu), std::string::npos) << line << " missing:\n" << out;
+  }
+}
+
 TEST(Daemon, UsageErrorsExit2WithHelp) {
   const std::string dir = test::make_temp_dir("usage");
   test::Process none({kBinary}, {}, dir);
