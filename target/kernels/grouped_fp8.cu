@@ -24,7 +24,7 @@ static_assert(kSharedBytes <= 227 * 1024, "the FP8 grouped GEMM's shared memory 
 // Warpgroup 0 produces (thread 0), warpgroups 1 and 2 consume; every CTA walks the same tile
 // numbering (schedule.h), each from its own index.
 __global__ void __launch_bounds__(kThreads, 1)
-    grouped_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+    grouped_fp8_kernel(const __grid_constant__ XMaps x_maps, const __grid_constant__ CUtensorMap w_map,
                        const Problem p) {
 #ifdef DFLASHD_WGMMA
   extern __shared__ unsigned char raw[];
@@ -32,14 +32,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     s.ring.init();
     barriers::TransactionBarrier::fence_init();
-    tma::prefetch_map(&x_map);
+    for (int box = 0; box < kXBoxes; ++box) tma::prefetch_map(&x_maps.box[box]);
     tma::prefetch_map(&w_map);
   }
   const Walk walk = count_tiles(s, p);  // synchronises the CTA (the barriers' set-up too)
   const int k_blocks = static_cast<int>(p.k / kBlockK);
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (threadIdx.x == 0) produce(s.ring, &x_map, &w_map, walk, static_cast<int>(p.n), k_blocks);
+    if (threadIdx.x == 0) produce(s.ring, x_maps, &w_map, walk, static_cast<int>(p.n), k_blocks);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
@@ -93,14 +93,17 @@ void run(const Problem& p, int device, cudaStream_t stream) {
   static std::array<std::once_flag, 64> once;  // the attribute is set per device
   std::call_once(once[device],
                  [] { allow_shared_memory(grouped_fp8_kernel, kSharedBytes, "FP8 grouped GEMM kernel"); });
-  const CUtensorMap x_map = tensor_map::swizzled_rows(p.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.m, p.k, p.x_stride,
-                                                      kTileRows, "FP8 grouped GEMM: x");
+  XMaps x_maps;
+  for (int box = 0; box < kXBoxes; ++box) {
+    x_maps.box[box] = tensor_map::swizzled_rows(p.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.m, p.k, p.x_stride,
+                                                x_box_rows(box), "FP8 grouped GEMM: x");
+  }
   const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.groups * p.n, p.k,
                                                       p.k, kTileCols, "FP8 grouped GEMM: W");
   // Every group adds at most one partial m-tile: more CTAs than this would find no tile.
   const int64_t most_tiles = ((p.m + kTileRows - 1) / kTileRows + p.groups) * n_tiles_of(p.n);
   const int64_t ctas = std::min<int64_t>(tensor_map::device_facts(device).sms, most_tiles);
-  grouped_fp8_kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(x_map, w_map, p);
+  grouped_fp8_kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(x_maps, w_map, p);
   check_cuda(cudaGetLastError(), "FP8 grouped GEMM kernel");
 }
 

@@ -13,6 +13,7 @@
 // of the row, as a bf16 k-step is).
 #pragma once
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -84,21 +85,35 @@ __device__ __forceinline__ Walk count_tiles(Shared& s, const Problem& p) {
   return walk;
 }
 
+// x's tensor map in boxes of 16, 32, 64 and 128 rows: a tile loads the smallest box that holds
+// its rows (a decoding step's experts hold a few rows each: a 128-row box would read as many
+// bytes of x as of W). The stage's rows past the box keep what an earlier tile left there; they
+// only reach output rows past the tile's, which are never stored.
+inline constexpr int kXBoxes = 4;
+struct XMaps {
+  CUtensorMap box[kXBoxes];  // box[i]: 16 << i rows
+};
+__host__ __device__ constexpr int x_box_rows(int box) { return 16 << box; }
+static_assert(x_box_rows(kXBoxes - 1) == kTileRows, "the largest box is a whole tile");
+
 // One thread: every k-block of every tile of the CTA, in order, into the ring. W streams (read
 // once: evict first); x's rows are read by the n-tiles' CTAs of one wave (kept). A partial last
 // n-tile's box reads the next group's first rows (or zeros past the last group): their columns
 // are never stored.
-__device__ __forceinline__ void produce(Ring& ring, const void* x_map, const void* w_map, const Walk& walk, int n,
+__device__ __forceinline__ void produce(Ring& ring, const XMaps& x_maps, const void* w_map, const Walk& walk, int n,
                                         int k_blocks) {
   const uint64_t streamed = tma::evict_first(), shared = tma::evict_last();
   smem_ring::Position at;
   for (int64_t t = blockIdx.x; t < walk.tiles; t += gridDim.x) {
     const Tile tile = walk.at(t);
     const int w_row = tile.group * n + tile.n_tile * kTileCols;
+    int box = 0;
+    while (x_box_rows(box) < tile.row_end - tile.row_begin) ++box;
+    const void* x_map = &x_maps.box[box];
     for (int kb = 0; kb < k_blocks; ++kb) {
       ring.empty_at(at.stage).wait(at.phase ^ 1);
       const barriers::TransactionBarrier full = ring.full_at(at.stage);
-      full.expect_bytes(2 * kOperandBytes);
+      full.expect_bytes(x_box_rows(box) * kBlockK + kOperandBytes);
       tma::load_2d(ring.address(at.stage), x_map, kb * kBlockK, tile.row_begin, full.address, shared);
       tma::load_2d(ring.address(at.stage) + kOperandBytes, w_map, kb * kBlockK, w_row, full.address, streamed);
       at.advance<kStages>();
