@@ -106,6 +106,21 @@ Fp8Activations allocate_activations(int64_t rows, int64_t padded, int64_t in, co
   return {q, factors.t(), rows};
 }
 
+#ifdef DFLASHD_WITH_CUDA
+// Whether the quantisation kernel reads x's rows where they are: bf16 on a GPU, columns
+// contiguous, rows 16-byte aligned and a multiple of 16 bytes apart.
+bool quantisation_kernel_reads(const at::Tensor& x) {
+  return x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+}
+#endif
+
+// The values the block-scaled arithmetic multiplies (q times its group's factor, fp32), every row
+// of q: the emulation's activations.
+at::Tensor dequantized_activations(const Fp8Activations& a) {
+  return a.q.to(at::kFloat) * a.factors.repeat_interleave(kFp8Block, 1);
+}
+
 }  // namespace
 
 Fp8Activations empty_activations(int64_t rows, int64_t in, at::Device device) {
@@ -120,8 +135,7 @@ Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows) {
   if (in % kFp8Block != 0) throw std::invalid_argument("quantize_groups: the inner size must be a multiple of 128");
   padded_rows = std::max(padded_rows, rows);
 #ifdef DFLASHD_WITH_CUDA
-  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
-      reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0) {
+  if (quantisation_kernel_reads(x)) {
     Fp8Activations a = allocate_activations(rows, padded_rows, in, x.options());  // bf16 rows
     kernels::quantize_groups_e4m3(x.data_ptr(), x.stride(0), rows, in, a.q.data_ptr(), a.factors.data_ptr<float>(),
                                   padded_rows, at::cuda::getCurrentCUDAStream().stream());
@@ -142,9 +156,8 @@ Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows) {
 Fp8Activations quantize_gathered_groups(const at::Tensor& x, const at::Tensor& sources, int64_t divisor) {
 #ifdef DFLASHD_WITH_CUDA
   const int64_t rows = sources.numel(), in = x.size(1);
-  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
-      reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && in % kFp8Block == 0 &&
-      sources.scalar_type() == at::kLong && sources.is_contiguous() && sources.device() == x.device() && divisor >= 1) {
+  if (quantisation_kernel_reads(x) && in % kFp8Block == 0 && sources.scalar_type() == at::kLong &&
+      sources.is_contiguous() && sources.device() == x.device() && divisor >= 1) {
     Fp8Activations a = allocate_activations(rows, rows, in, x.options());
     kernels::quantize_groups_e4m3(x.data_ptr(), x.stride(0), rows, in, a.q.data_ptr(), a.factors.data_ptr<float>(),
                                   rows, at::cuda::getCurrentCUDAStream().stream(), sources.data_ptr<int64_t>(),
@@ -164,8 +177,7 @@ at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Ten
     if (bias.defined()) y.add_(bias);  // rounded once more than the emulation's fp32 add (within its tolerance)
 #endif
   } else {
-    const at::Tensor activations = a.q.to(at::kFloat) * a.factors.repeat_interleave(kFp8Block, 1);
-    y = at::matmul(activations, dequantize_blocks(w, at::kFloat).t());
+    y = at::matmul(dequantized_activations(a), dequantize_blocks(w, at::kFloat).t());
     if (bias.defined()) y = y + bias.to(at::kFloat);
     y = y.to(dtype);
   }
@@ -221,8 +233,7 @@ at::Tensor fp8_grouped_linear(const Fp8Activations& a, const Fp8Weight& w, const
     return y;
   }
 #endif
-  const at::Tensor activations = a.q.narrow(0, 0, a.rows).to(at::kFloat) *
-                                 a.factors.narrow(0, 0, a.rows).repeat_interleave(kFp8Block, 1);
+  const at::Tensor activations = dequantized_activations(a).narrow(0, 0, a.rows);
   const at::Tensor host_ends = ends.cpu();
   const int32_t* end_of = host_ends.data_ptr<int32_t>();
   int64_t begin = 0;

@@ -79,7 +79,9 @@ void quantize_groups_e4m3(const void* x, int64_t stride, int64_t rows, int64_t k
                           int64_t factor_stride, cudaStream_t stream, const int64_t* gather, int64_t gather_divisor) {
   if (k % kGroup != 0 || stride % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || factor_stride < rows ||
       gather_divisor < 1) {
-    throw std::invalid_argument("quantize_groups_e4m3: k must be a multiple of 128 and rows 16-byte aligned");
+    throw std::invalid_argument(
+        "quantize_groups_e4m3: k must be a multiple of 128, rows 16-byte aligned, factor_stride >= rows and "
+        "gather_divisor >= 1");
   }
   const int64_t groups = k / kGroup;
   if (rows == 0) return;

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+using tensor_map::aligned;
 
 }  // namespace
 

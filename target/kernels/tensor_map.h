@@ -16,6 +16,9 @@ struct DeviceFacts {
 // Asked of the driver once per device (0..63; others are refused with their number).
 const DeviceFacts& device_facts(int device);
 
+// Whether p is aligned as TMA needs a tensor's base address (16 bytes).
+inline bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // A row-major [rows, columns] matrix of `element_bytes`-wide elements (`type`), rows `stride`
 // elements apart, read in boxes of box_rows rows x 128 bytes in the 128-byte swizzle (the layout
 // wgmma's K-major operands read). Rows and columns outside the matrix land as zeros. A map the
