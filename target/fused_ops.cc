@@ -144,17 +144,60 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   return at::cat({rotated, x.narrow(-1, rotary, x.size(-1) - rotary)}, -1);
 }
 
+namespace {
+
+bool qk_norm_rope_kernel_applies(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                                 const at::Tensor& sin) {
+  const int64_t d = x.size(-1), rotary = cos.size(-1);
+  return x.dim() == 3 && rows_apply(x) && kernels_apply({&weight, &cos, &sin}) && d <= 256 && rotary % 16 == 0 &&
+         rotary <= d && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0);
+}
+
+#ifdef DFLASHD_WITH_CUDA
+// x's rows for the kernel, and their output (contiguous); an undefined x: none.
+kernels::QkRows qk_rows(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+  if (!x.defined()) return {nullptr, 0, 0, 0, nullptr, nullptr};
+  out = at::empty(x.sizes(), x.options());
+  return {x.data_ptr(), x.stride(0), x.stride(1), static_cast<int>(x.size(1)), weight.data_ptr(), out.data_ptr()};
+}
+#endif
+
+}  // namespace
+
 at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos, const at::Tensor& sin,
                         double eps, bool zero_centred) {
-  const int64_t d = x.size(-1), rotary = cos.size(-1);
-  const bool fused = x.dim() == 3 && rows_apply(x) && kernels_apply({&weight, &cos, &sin}) && d <= 256 &&
-                     rotary % 16 == 0 && rotary <= d && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0);
-  if (!fused) return apply_rope(rms_norm(x, weight, eps, zero_centred), cos, sin);
+  return qk_norm_rope(x, weight, at::Tensor(), at::Tensor(), cos, sin, eps, zero_centred).first;
+}
+
+std::pair<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& q_weight, const at::Tensor& k,
+                                               const at::Tensor& k_weight, const at::Tensor& cos, const at::Tensor& sin,
+                                               double eps, bool zero_centred) {
+  const bool fused = qk_norm_rope_kernel_applies(q, q_weight, cos, sin) &&
+                     (!k.defined() || (qk_norm_rope_kernel_applies(k, k_weight, cos, sin) && k.size(-1) == q.size(-1) &&
+                                       k.size(0) == q.size(0)));
+  if (!fused) {
+    const auto composite = [&](const at::Tensor& x, const at::Tensor& w) {
+      return x.defined() ? apply_rope(rms_norm(x, w, eps, zero_centred), cos, sin) : at::Tensor();
+    };
+    return {composite(q, q_weight), composite(k, k_weight)};
+  }
 #ifdef DFLASHD_WITH_CUDA
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  kernels::qk_norm_rope(x.data_ptr(), x.stride(0), x.stride(1), static_cast<int>(x.size(0)), static_cast<int>(x.size(1)),
-                        static_cast<int>(d), weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), static_cast<int>(rotary),
-                        out.data_ptr(), static_cast<float>(eps), zero_centred, at::cuda::getCurrentCUDAStream().stream());
+  at::Tensor q_out, k_out;
+  const kernels::QkRows q_rows = qk_rows(q, q_weight, q_out), k_rows = qk_rows(k, k_weight, k_out);
+  kernels::qk_norm_rope(q_rows, k_rows, static_cast<int>(q.size(0)), static_cast<int>(q.size(-1)), cos.data_ptr(),
+                        sin.data_ptr(), static_cast<int>(cos.size(-1)), static_cast<float>(eps), zero_centred,
+                        at::cuda::getCurrentCUDAStream().stream());
+  return {q_out, k_out};
+#else
+  return {};
+#endif
+}
+
+at::Tensor widen_to_float(const at::Tensor& x) {
+  if (!kernels_apply({&x}) || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return x.to(at::kFloat);
+#ifdef DFLASHD_WITH_CUDA
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  kernels::widen_bf16(x.data_ptr(), out.data_ptr<float>(), x.numel(), at::cuda::getCurrentCUDAStream().stream());
   return out;
 #else
   return {};

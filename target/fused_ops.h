@@ -44,6 +44,15 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 // heads, d] may be a strided view (last dim contiguous); the result is contiguous.
 at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos, const at::Tensor& sin,
                         double eps, bool zero_centred);
+// Both of a layer's q and k (k [tokens, kv heads, d] with q's tokens and d), in one launch where the
+// kernel takes them (a decoding step's attention layer is a few microseconds of work a launch).
+std::pair<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& q_weight, const at::Tensor& k,
+                                               const at::Tensor& k_weight, const at::Tensor& cos, const at::Tensor& sin,
+                                               double eps, bool zero_centred);
+
+// x.to(fp32), for bf16 logits: one pass at the memory's rate where the kernel takes x (contiguous
+// bf16 on the GPU, rows a multiple of 8), else ATen's cast. The values are the same.
+at::Tensor widen_to_float(const at::Tensor& x);
 
 // out * sigmoid(gate) (gated attention): out [tokens, heads * d] contiguous, gate [tokens, heads,
 // d] a view with contiguous last dim. May write into out.

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "common/log.h"
 #include "common/tensor_math.h"
@@ -132,8 +133,7 @@ AttentionQkv project_attention(const ModelConfig& c, const Attention& p, const G
   at::Tensor k = projected.narrow(1, q_out, hkv * d).view({tokens, hkv, d});
   at::Tensor v = projected.narrow(1, q_out + hkv * d, hkv * d).view({tokens, hkv, d});
   if (c.qk_norm) {
-    q = qk_norm_rope(q, p.q_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
-    k = qk_norm_rope(k, p.k_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
+    std::tie(q, k) = qk_norm_rope(q, p.q_norm, k, p.k_norm, cos, sin, c.rms_norm_eps, c.zero_centred_norm);
   } else {
     q = apply_rope(q, cos, sin);
     k = apply_rope(k, cos, sin);

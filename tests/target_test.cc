@@ -807,10 +807,23 @@ TEST(FusedOps, GpuKernelsMatchTheCompositeExpressions) {
         EXPECT_TRUE(ours.is_contiguous()) << what;
         nearly_equal(ours, apply_rope(rms_norm(x, w, 1e-6, zero_centred), cos, sin), what);
       }
+      // q and k in one launch (each with its own weight): the bytes of the two single launches.
+      const at::Tensor w_k = at::randn({d}, bf16) * 0.1;
+      const auto [q_both, k_both] = qk_norm_rope(q, w, k, w_k, cos, sin, 1e-6, zero_centred);
+      EXPECT_TRUE(at::equal(q_both, qk_norm_rope(q, w, cos, sin, 1e-6, zero_centred))) << what << ": q of the pair";
+      EXPECT_TRUE(at::equal(k_both, qk_norm_rope(k, w_k, cos, sin, 1e-6, zero_centred))) << what << ": k of the pair";
     }
     const at::Tensor out = at::randn({tokens, heads * d}, bf16);
     const at::Tensor expected = out * at::sigmoid(both.narrow(-1, d, d).reshape({tokens, heads * d}));
     nearly_equal(sigmoid_gate(out.clone(), both.narrow(-1, d, d)), expected, "sigmoid_gate d " + std::to_string(d));
+  }
+  // bf16 logits widened to fp32: ATen's cast's values (a row of Qwen3.5's vocabulary, and an odd
+  // size that the kernel does not take).
+  for (const int64_t n : {int64_t{248320}, int64_t{1001}}) {
+    const at::Tensor logits = at::randn({3, n}, bf16) * 30;
+    const at::Tensor widened = widen_to_float(logits);
+    EXPECT_EQ(widened.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(widened, logits.to(at::kFloat))) << "widen_to_float of " << n;
   }
   // A GatedDeltaNet layer's gated RMSNorm (o fp32, z a view of the fused projection) and its
   // gates (a, b: columns of it), as decoding's steps run them.

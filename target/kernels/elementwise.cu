@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -149,21 +150,23 @@ dim3 silu_mul_grid(int64_t rows, int64_t n) {
 
 constexpr int kRowThreads = 256;  // one warp per row of qk_norm_rope
 
-// One warp per (token, head) row; lane l holds elements [8l, 8l + 8). RoPE's partner of element
-// i < rotary is i + rotary/2 (first half) or i - rotary/2, i.e. lane l +- rotary/16.
-__global__ void __launch_bounds__(kRowThreads) qk_norm_rope_kernel(const bf16* __restrict__ x, int64_t token_stride,
-                                                                   int64_t head_stride, int rows, int heads, int d,
-                                                                   const bf16* __restrict__ weight,
+// One warp per (token, head) row, q's rows first, then k's; lane l holds elements [8l, 8l + 8).
+// RoPE's partner of element i < rotary is i + rotary/2 (first half) or i - rotary/2, i.e. lane
+// l +- rotary/16.
+__global__ void __launch_bounds__(kRowThreads) qk_norm_rope_kernel(QkRows q, QkRows k, int tokens, int d,
                                                                    const bf16* __restrict__ cos,
-                                                                   const bf16* __restrict__ sin, int rotary,
-                                                                   bf16* __restrict__ out, float eps, bool zero_centred) {
+                                                                   const bf16* __restrict__ sin, int rotary, float eps,
+                                                                   bool zero_centred) {
   barriers::start_as_dependent();
-  const int row = blockIdx.x * (kRowThreads / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (row >= rows) return;  // whole warps
-  const int token = row / heads, head = row % heads, c = lane * 8;
+  int row = blockIdx.x * (kRowThreads / 32) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31, q_rows = tokens * q.heads;
+  if (row >= q_rows + tokens * k.heads) return;  // whole warps
+  const QkRows job = row < q_rows ? q : k;
+  if (row >= q_rows) row -= q_rows;
+  const int token = row / job.heads, head = row % job.heads, c = lane * 8;
   const bool active = c < d;
   float v[8] = {};
-  if (active) load8(v, x + token * token_stride + head * head_stride + c);
+  if (active) load8(v, static_cast<const bf16*>(job.x) + token * job.token_stride + head * job.head_stride + c);
   float squares = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) squares += v[j] * v[j];
@@ -171,7 +174,7 @@ __global__ void __launch_bounds__(kRowThreads) qk_norm_rope_kernel(const bf16* _
   for (int off = 16; off > 0; off >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, off);
   const float r = rsqrtf(squares / static_cast<float>(d) + eps);
   float w[8] = {};
-  if (active) load8(w, weight + c);
+  if (active) load8(w, static_cast<const bf16*>(job.weight) + c);
 #pragma unroll
   for (int j = 0; j < 8; ++j) v[j] = weighted_norm(v[j] * r, w[j], zero_centred);
   const int shift = rotary / 16;
@@ -190,7 +193,7 @@ __global__ void __launch_bounds__(kRowThreads) qk_norm_rope_kernel(const bf16* _
       v[j] = round_bf16(round_bf16(v[j] * cs[j]) + round_bf16(half * sn[j]));
     }
   }
-  if (active) store8(out + static_cast<int64_t>(row) * d + c, v);
+  if (active) store8(static_cast<bf16*>(job.out) + static_cast<int64_t>(row) * d + c, v);
 }
 
 __global__ void sigmoid_gate_kernel(bf16* __restrict__ out, const bf16* __restrict__ gate, int64_t token_stride,
@@ -240,6 +243,17 @@ __global__ void __launch_bounds__(kRowThreads) gated_rms_norm_kernel(const float
 #pragma unroll
   for (int j = 0; j < 8; ++j) v[j] = round_bf16(round_bf16(w[j] * round_bf16(v[j] * r)) * (g[j] / (1.f + expf(-g[j]))));
   store8(out + static_cast<int64_t>(row) * d + c, v);
+}
+
+// A thread per 8 values: one 16-byte load, two 16-byte stores.
+__global__ void widen_bf16_kernel(const uint4* __restrict__ x, float4* __restrict__ out, int64_t chunks) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v[8];
+    bf16x8::unpack8(v, x[i]);
+    out[2 * i] = make_float4(v[0], v[1], v[2], v[3]);
+    out[2 * i + 1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
 }
 
 // One thread per (token, head).
@@ -297,19 +311,17 @@ void silu_mul_e4m3(const void* gate, const void* up, int64_t stride, int64_t row
   check_cuda_launch("target kernel silu_mul_e4m3");
 }
 
-void qk_norm_rope(const void* x, int64_t token_stride, int64_t head_stride, int tokens, int heads, int d,
-                  const void* weight, const void* cos, const void* sin, int rotary, void* out, float eps,
-                  bool zero_centred, cudaStream_t stream) {
+void qk_norm_rope(const QkRows& q, const QkRows& k, int tokens, int d, const void* cos, const void* sin, int rotary,
+                  float eps, bool zero_centred, cudaStream_t stream) {
   if (d > 256 || d % 8 != 0 || rotary % 16 != 0 || rotary > d) {
     throw std::invalid_argument("qk_norm_rope: needs head size <= 256 and a multiple of 8, rotary dims a multiple of 16");
   }
-  const int rows = tokens * heads;
+  const int rows = tokens * (q.heads + k.heads);
   if (rows == 0) return;
   const int per_cta = kRowThreads / 32;
-  check_cuda(launch_dependent(qk_norm_rope_kernel, dim3((rows + per_cta - 1) / per_cta), kRowThreads, 0, stream,
-                              static_cast<const bf16*>(x), token_stride, head_stride, rows, heads, d,
-                              static_cast<const bf16*>(weight), static_cast<const bf16*>(cos),
-                              static_cast<const bf16*>(sin), rotary, static_cast<bf16*>(out), eps, zero_centred),
+  check_cuda(launch_dependent(qk_norm_rope_kernel, dim3((rows + per_cta - 1) / per_cta), kRowThreads, 0, stream, q, k,
+                              tokens, d, static_cast<const bf16*>(cos), static_cast<const bf16*>(sin), rotary, eps,
+                              zero_centred),
              "target kernel qk_norm_rope");
 }
 
@@ -335,6 +347,18 @@ void gated_rms_norm(const float* o, const void* z, int64_t token_stride, int64_t
                               static_cast<const bf16*>(z), token_stride, head_stride, static_cast<const bf16*>(weight),
                               static_cast<bf16*>(out), rows, heads, d, eps),
              "target kernel gated_rms_norm");
+}
+
+void widen_bf16(const void* x, float* out, int64_t n, cudaStream_t stream) {
+  if (n % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0) {
+    throw std::invalid_argument("widen_bf16: needs a multiple of 8 values, 16-byte aligned");
+  }
+  const int64_t chunks = n / 8;
+  if (chunks == 0) return;
+  const int threads = 256;
+  widen_bf16_kernel<<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(static_cast<const uint4*>(x),
+                                                                                 reinterpret_cast<float4*>(out), chunks);
+  check_cuda_launch("target kernel widen_bf16");
 }
 
 void gdn_gates(const void* a, int64_t a_stride, const void* b, int64_t b_stride, const float* a_log,

@@ -31,13 +31,24 @@ void silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64
 void silu_mul_e4m3(const void* gate, const void* up, int64_t stride, int64_t rows, int64_t n, void* q, float* factors,
                    int64_t factor_stride, cudaStream_t stream);
 
-// Attention q or k: out = rope(rms_norm(x)) for rows of d bf16 (d <= 256, a multiple of 8), row
+// Attention q and k: out = rope(rms_norm(x)) for rows of d bf16 (d <= 256, a multiple of 8), row
 // (token t, head h) read at x + t * token_stride + h * head_stride, written contiguous [t, h, d].
 // The norm rounds as add_rms_norm; RoPE over the first `rotary` dims (a multiple of 16) with
 // cos/sin bf16 [tokens, rotary]: bf16(bf16(y cos) + bf16(rotate_half(y) sin)), as HF in bf16.
-void qk_norm_rope(const void* x, int64_t token_stride, int64_t head_stride, int tokens, int heads, int d,
-                  const void* weight, const void* cos, const void* sin, int rotary, void* out, float eps,
-                  bool zero_centred, cudaStream_t stream);
+// An attention layer's q and k in one launch: each QkRows is one of them (heads 0: none).
+struct QkRows {
+  const void* x;
+  int64_t token_stride, head_stride;
+  int heads;
+  const void* weight;
+  void* out;
+};
+void qk_norm_rope(const QkRows& q, const QkRows& k, int tokens, int d, const void* cos, const void* sin, int rotary,
+                  float eps, bool zero_centred, cudaStream_t stream);
+
+// out = x as fp32, n bf16 values (a multiple of 8; both 16-byte aligned): a decoding step's
+// logits, which ATen's cast copied at half the memory's rate.
+void widen_bf16(const void* x, float* out, int64_t n, cudaStream_t stream);
 
 // Gated attention's output gate, in place: out[t, h * d + i] = bf16(out * bf16(sigmoid(gate))) with
 // gate (t, h, i) at gate + t * token_stride + h * head_stride + i; d a multiple of 8.

@@ -154,8 +154,12 @@ void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream
   const bool v_pairs = reinterpret_cast<uintptr_t>(args.v) % 4 == 0 && args.v_stride % 2 == 0;
   cudaError_t launched;
   if (args.state_bf16 && args.tokens == 1 && v_pairs) {
-    launched = launch_dependent(decode_token_bf16_kernel, dim3(args.sequences * args.value_heads), kTokenThreads, 0,
-                                stream, args);
+    // A plain launch, not a programmatic dependent: in a step of 128 it ran 115 us a layer launched
+    // early against 101 us launched plainly (bench/RESULTS.md, session 26), probably because the
+    // early first wave (3 CTAs per SM of 6,144) leaves the grid wait at one instant and the waves
+    // after keep that lockstep (all loading, then all storing). Its own dependents still launch early.
+    decode_token_bf16_kernel<<<dim3(args.sequences * args.value_heads), kTokenThreads, 0, stream>>>(args);
+    launched = cudaGetLastError();
   } else if (args.state_bf16) {
     launched = launch_dependent(decode_step_kernel<bf16>, dim3(ctas), kDecodeThreads, 0, stream, args);
   } else {
