@@ -349,7 +349,7 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, 
   return out;
 }
 ConvStepResult conv_step_cuda(const at::Tensor& tails_in, const at::Tensor& x_in, const at::Tensor& weight_in,
-                              const ConvStepGates* gates) {
+                              const ConvStepGates* gates, bool settled) {
   expect(tails_in.is_cuda() && tails_in.dim() == 3 && tails_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2 &&
              x_in.scalar_type() == at::kBFloat16,
          "conv step inputs must be bf16 tails [G, K - 1, C] and rows [G * n, C] on a GPU");
@@ -371,6 +371,7 @@ ConvStepResult conv_step_cuda(const at::Tensor& tails_in, const at::Tensor& x_in
   a.kernel = static_cast<int>(held + 1), a.sequences = static_cast<int>(sequences);
   a.tokens = sequences == 0 ? 0 : static_cast<int>(x.size(0) / sequences), a.channels = static_cast<int>(channels);
   a.y = r.y.data_ptr(), a.new_tails = r.tails.data_ptr();
+  a.inputs_settled = settled && tails.is_same(tails_in) && weight.is_same(weight_in);
   if (gates != nullptr) {
     expect(gdn_gates_kernel_applies(gates->a, gates->b, gates->a_log, gates->dt_bias) && gates->a.size(0) == x.size(0),
            "conv step gates: a, b must be bf16 [rows, heads] with contiguous heads, A_log and dt_bias fp32 [heads]");
@@ -386,7 +387,7 @@ ConvStepResult conv_step_cuda(const at::Tensor& tails_in, const at::Tensor& x_in
   return r;
 }
 #else
-ConvStepResult conv_step_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, const ConvStepGates*) {
+ConvStepResult conv_step_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, const ConvStepGates*, bool) {
   throw std::logic_error("conv_step_cuda: this build has no CUDA kernels");
 }
 at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {

@@ -47,8 +47,11 @@ struct ConvStepGates {
 struct ConvStepResult {
   at::Tensor y, tails, g, beta;
 };
+// `settled`: tails and weight are tensors no kernel of the last two launches wrote (a decoding
+// cache's batch rows, the layer's weight): the kernel may read them before the projection before
+// it has finished (kernels::ConvStep::inputs_settled); copies made here never are.
 ConvStepResult conv_step_cuda(const at::Tensor& tails, const at::Tensor& x, const at::Tensor& weight,
-                              const ConvStepGates* gates = nullptr);
+                              const ConvStepGates* gates = nullptr, bool settled = false);
 
 // The gates of one call: g and beta (fp32 [tokens, value_heads]), or the layer's projections a
 // and b (bf16 [tokens, value_heads], contiguous rows) with A_log and dt_bias ([value_heads]), which

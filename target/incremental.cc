@@ -67,6 +67,8 @@ class RowGather {
 
   // Whether the members are their batch's rows, in order (the sequences of the last step).
   bool whole() const { return whole_; }
+  // Whether gather returns a view of one batch tensor (consecutive rows of it), not a copy.
+  bool views() const { return runs_.size() == 1 && runs_[0].consecutive; }
 
   // The members' rows [G, ...] of one layer's batch tensors (laid out as the plan's layer), each
   // batch first seen through `view` when given (a crop's kept tokens: batches of steps of
@@ -587,7 +589,8 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   at::Tensor window, convolved, tails;
   GdnGateValues step_gates = gates;  // or formed by the conv step (conv_gates)
   if (step.one_pass) {
-    ConvStepResult r = conv_step_cuda(rows.gather(convs), group_rows(group, proj.mixed), p.conv, conv_gates);
+    // The cached inputs, viewed in place, were written by an earlier step: settled.
+    ConvStepResult r = conv_step_cuda(rows.gather(convs), group_rows(group, proj.mixed), p.conv, conv_gates, rows.views());
     convolved = r.y.view({size, n, proj.mixed.size(1)});
     tails = std::move(r.tails);
     if (conv_gates != nullptr) step_gates = {r.g, r.beta};

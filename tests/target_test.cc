@@ -869,7 +869,8 @@ TEST(GatedDeltaNetKernels, ConvSiluAndL2NormMatchTheReference) {
 // A decoding step's conv in one pass (conv_step_cuda) gives the bytes of the window path it
 // replaces: each sequence's cached inputs and step rows concatenated, the conv kernel over the
 // window, its step rows and its last K - 1 rows. Cached inputs and step rows as strided views.
-// With the gates in the same launch: gdn_gates' bytes, the conv's unchanged.
+// With the gates in the same launch: gdn_gates' bytes, the conv's unchanged; with settled inputs
+// (read before the grid wait) the same bytes.
 TEST(GatedDeltaNetKernels, ConvStepIsTheWindowPathInOnePass) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(4);
@@ -901,6 +902,10 @@ TEST(GatedDeltaNetKernels, ConvStepIsTheWindowPathInOnePass) {
       EXPECT_TRUE(at::equal(with_gates.g, g)) << what;
       EXPECT_TRUE(at::equal(with_gates.beta, beta)) << what;
       EXPECT_TRUE(at::equal(with_gates.y, ours.y) && at::equal(with_gates.tails, ours.tails)) << what;
+      // Settled inputs (written many launches ago) read before the grid wait: the same bytes.
+      const ConvStepResult settled = conv_step_cuda(tails, rows, weight, &gates, true);
+      EXPECT_TRUE(at::equal(settled.y, ours.y) && at::equal(settled.tails, ours.tails)) << what << ", settled";
+      EXPECT_TRUE(at::equal(settled.g, g) && at::equal(settled.beta, beta)) << what << ", settled";
     }
   }
 }

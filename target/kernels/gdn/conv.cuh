@@ -133,19 +133,29 @@ __device__ __forceinline__ void step_gates(const ConvStep& a, int sequence) {
   }
 }
 
-__global__ void __launch_bounds__(kConvStepThreads) conv_step_kernel(ConvStep a) {
-  barriers::start_as_dependent();
-  if (a.g != nullptr && blockIdx.y == 0) step_gates(a, static_cast<int>(blockIdx.x));
-  const int sequence = blockIdx.x, c0 = (blockIdx.y * kConvStepThreads + threadIdx.x) * 8;
-  if (c0 >= a.channels) return;
-  const int held = a.kernel - 1;
-  float w[4][8] = {}, history[3][8] = {}, current[8];
+// The sequence's cached inputs and the taps of the thread's channels.
+__device__ __forceinline__ void load_window(const ConvStep& a, int sequence, int c0, float (&w)[4][8],
+                                            float (&history)[3][8]) {
   load_taps(w, static_cast<const bf16*>(a.weight), a.kernel, c0);
+  const int held = a.kernel - 1;
   const bf16* tails = static_cast<const bf16*>(a.tails) + sequence * a.tails_sequence_stride + c0;
 #pragma unroll
   for (int i = 0; i < 3; ++i) {
     if (i < held) load8(history[i], tails + (held - 1 - i) * a.tails_row_stride);
   }
+}
+
+__global__ void __launch_bounds__(kConvStepThreads) conv_step_kernel(ConvStep a) {
+  const int sequence = blockIdx.x, c0 = (blockIdx.y * kConvStepThreads + threadIdx.x) * 8;
+  const bool active = c0 < a.channels;
+  float w[4][8] = {}, history[3][8] = {}, current[8];
+  // Settled inputs load while the kernel before (the projection) still runs.
+  if (active && a.inputs_settled) load_window(a, sequence, c0, w, history);
+  barriers::start_as_dependent();
+  if (a.g != nullptr && blockIdx.y == 0) step_gates(a, sequence);
+  if (!active) return;
+  if (!a.inputs_settled) load_window(a, sequence, c0, w, history);
+  const int held = a.kernel - 1;
   for (int t = 0; t < a.tokens; ++t) {
     const int64_t row = static_cast<int64_t>(sequence) * a.tokens + t;
     load8(current, static_cast<const bf16*>(a.x) + row * a.x_stride + c0);
