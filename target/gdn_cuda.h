@@ -47,9 +47,10 @@ struct ConvStepGates {
 struct ConvStepResult {
   at::Tensor y, tails, g, beta;
 };
-// `settled`: tails and weight are tensors no kernel of the last two launches wrote (a decoding
-// cache's batch rows, the layer's weight): the kernel may read them before the projection before
-// it has finished (kernels::ConvStep::inputs_settled); copies made here never are.
+// `settled`: tails and weight were written by kernels that had finished before the launch two
+// back began (a decoding cache's batch rows from an earlier step, the layer's weight): the kernel
+// may read them before the projection before it has finished (kernels::ConvStep::inputs_settled);
+// copies made here never are.
 ConvStepResult conv_step_cuda(const at::Tensor& tails, const at::Tensor& x, const at::Tensor& weight,
                               const ConvStepGates* gates = nullptr, bool settled = false);
 

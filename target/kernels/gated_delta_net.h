@@ -84,9 +84,11 @@ struct ConvStep {
   float* g = nullptr;
   float* beta = nullptr;
   int heads = 0;
-  // The tails and the weight were written before the kernel two launches back began (a cache's
-  // rows from an earlier step, not a copy made for this launch): the kernel reads them before its
-  // grid wait (a programmatic dependent of the projection, launch.h), overlapping the projection.
+  // The tails and the weight were written by kernels that had finished before the launch two
+  // back began (a cache's rows from an earlier step, not a copy made for this launch): the kernel
+  // reads them before its grid wait (a programmatic dependent of the projection, launch.h),
+  // overlapping the projection. (Only then: the launch before it may start before its own
+  // prerequisite has finished, as the stream-K GEMM does.)
   bool inputs_settled = false;
 };
 void conv_step(const ConvStep& step, cudaStream_t stream);
