@@ -591,7 +591,8 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   if (step.one_pass) {
     // The cached inputs, viewed in place, were written by an earlier step, whose kernels finished
     // before this step's first (ATen) kernel ran: settled.
-    ConvStepResult r = conv_step_cuda(rows.gather(convs), group_rows(group, proj.mixed), p.conv, conv_gates, rows.views());
+    ConvStepResult r =
+        conv_step_cuda(rows.gather(convs), group_rows(group, proj.mixed), p.conv, conv_gates, rows.views());
     convolved = r.y.view({size, n, proj.mixed.size(1)});
     tails = std::move(r.tails);
     if (conv_gates != nullptr) step_gates = {r.g, r.beta};

@@ -356,8 +356,8 @@ void widen_bf16(const void* x, float* out, int64_t n, cudaStream_t stream) {
   const int64_t chunks = n / 8;
   if (chunks == 0) return;
   const int threads = 256;
-  widen_bf16_kernel<<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(static_cast<const uint4*>(x),
-                                                                                 reinterpret_cast<float4*>(out), chunks);
+  widen_bf16_kernel<<<grid_stride_blocks(chunks, threads), threads, 0, stream>>>(
+      static_cast<const uint4*>(x), reinterpret_cast<float4*>(out), chunks);
   check_cuda_launch("target kernel widen_bf16");
 }
 
