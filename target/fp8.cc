@@ -9,6 +9,7 @@
 #ifdef DFLASHD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 
+#include "target/fused_ops.h"
 #include "target/kernels/fp8.h"
 #include "target/kernels/grouped_fp8.h"
 #include "target/lt_gemm.h"
@@ -107,11 +108,10 @@ Fp8Activations allocate_activations(int64_t rows, int64_t padded, int64_t in, co
 }
 
 #ifdef DFLASHD_WITH_CUDA
-// Whether the quantisation kernel reads x's rows where they are: bf16 on a GPU, columns
-// contiguous, rows 16-byte aligned and a multiple of 16 bytes apart.
+// Whether the quantisation kernel reads x's rows where they are: bf16 on a GPU, rows it reads
+// in 16-byte vectors (vector_rows).
 bool quantisation_kernel_reads(const at::Tensor& x) {
-  return x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
-         reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  return x.is_cuda() && x.scalar_type() == at::kBFloat16 && vector_rows(x);
 }
 #endif
 

@@ -194,7 +194,7 @@ std::pair<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Te
 }
 
 at::Tensor widen_to_float(const at::Tensor& x) {
-  if (!kernels_apply({&x}) || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return x.to(at::kFloat);
+  if (!kernels_apply({&x}) || !vector_rows(x)) return x.to(at::kFloat);
 #ifdef DFLASHD_WITH_CUDA
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
   kernels::widen_bf16(x.data_ptr(), out.data_ptr<float>(), x.numel(), at::cuda::getCurrentCUDAStream().stream());

@@ -93,8 +93,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host --------------------------------------------------------------------------------------
 
-const tensor_map::DeviceFacts& facts(int device) { return tensor_map::device_facts(device); }
-
 // A bf16 [rows, columns] matrix, rows `stride` elements apart, read in boxes of box_rows x 64
 // columns (128 bytes).
 CUtensorMap bf16_map(const void* base, int64_t rows, int64_t columns, int64_t stride, int box_rows,
@@ -114,7 +112,7 @@ void launch(const Problem& p, void* workspace, int device, cudaStream_t stream) 
   const CUtensorMap x_map = bf16_map(p.x, p.m, p.k, p.x_stride, x_box_rows(static_cast<int>(p.m)), "x");
   // A SwiGLU's tile is 64 features' gate and up rows: as many tiles as a product of 2 I rounded.
   const int64_t glu_rows = 2 * ((p.glu_inner + kRowsPerTile / 2 - 1) / (kRowsPerTile / 2) * (kRowsPerTile / 2));
-  const Schedule schedule = Schedule::make(glu ? glu_rows : p.n, p.k, facts(device).sms);
+  const Schedule schedule = Schedule::make(glu ? glu_rows : p.n, p.k, tensor_map::device_facts(device).sms);
   int* flags = static_cast<int*>(workspace);
   const Output out{static_cast<__nv_bfloat16*>(p.y), static_cast<int>(p.m), static_cast<int>(p.n),
                    static_cast<int>(p.glu_inner), flags, reinterpret_cast<float*>(flags + kFlagInts)};
@@ -132,7 +130,7 @@ bool applies(const Problem& p, int device) {
   const bool shape = p.m >= 1 && p.m <= kMaxRows && p.k % 8 == 0 && p.k > 0 && p.n > 0 && p.n < (int64_t{1} << 31) &&
                      p.glu_inner >= 0 && (p.glu_inner == 0 || p.n == 2 * p.glu_inner);
   const bool layout = p.x_stride % 8 == 0 && p.x_stride >= p.k && aligned(p.x) && aligned(p.w);
-  return facts(device).hopper && !mma_sync_forced(MmaKernels::projections) && shape && layout;
+  return tensor_map::device_facts(device).hopper && !mma_sync_forced(MmaKernels::projections) && shape && layout;
 #else
   (void)p;
   (void)device;
@@ -141,7 +139,7 @@ bool applies(const Problem& p, int device) {
 }
 
 size_t workspace_bytes(int device) {
-  const int sms = facts(device).sms;
+  const int sms = tensor_map::device_facts(device).sms;
   if (sms > kFlagInts) throw std::runtime_error("stream GEMM: more SMs than flags: " + std::to_string(sms));
   return kFlagInts * sizeof(int) + static_cast<size_t>(sms) * kSlotFloats<kMaxRows> * sizeof(float);
 }
