@@ -27,6 +27,7 @@
 #include <ATen/cuda/CUDAContext.h>
 
 #include "target/kernels/decode_attention.h"
+#include "target/kernels/elementwise.h"
 #include "target/kernels/gated_delta_net.h"
 #include "target/kernels/stream_gemm.h"
 #endif
@@ -1197,6 +1198,22 @@ TEST(GatedDeltaNetKernels, ConvStepRefusesGatesWithoutTheirInputs) {
     ADD_FAILURE() << "no error";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("gates need a, b, A_log, dt_bias, beta"), std::string::npos) << e.what();
+  }
+}
+
+// widen_bf16 takes whole 16-byte chunks of aligned bf16 only: a count that is not a multiple of 8,
+// or a misaligned pointer, is refused before anything runs (widen_to_float casts those with ATen).
+TEST(FusedOps, WidenBf16RefusesPartialChunksAndMisalignedRows) {
+  namespace kn = dflash::target::kernels;
+  alignas(16) uint16_t in[16] = {};
+  alignas(16) float out[16] = {};
+  for (const auto& [x, n] : {std::pair<const void*, int64_t>{in, 7}, {in + 1, 8}}) {
+    try {
+      kn::widen_bf16(x, out, n, nullptr);
+      ADD_FAILURE() << "no error for " << n << " values";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("multiple of 8 values, 16-byte aligned"), std::string::npos) << e.what();
+    }
   }
 }
 
