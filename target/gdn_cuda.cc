@@ -130,8 +130,30 @@ namespace {
 // The decode step's launch: the states read from `state` (a [sequences, value_heads, 128, 128]
 // batch) or, with `state_rows` defined, where its addresses point (`state` then only gives the
 // dtype and device of the new batch).
+// Binds the gated norm of a decode step's output (GdnOutputNorm) into the launch where the
+// kernels can read z and the weight as they lie; returns the normed rows' tensor, or an undefined
+// one where the norm is left to fused_ops' gated_rms_norm after the step.
+at::Tensor bind_decode_norm(const GdnOutputNorm& norm, int64_t rows, int64_t value_heads, kernels::GdnDecodeStep& a) {
+  constexpr int64_t D = kernels::kGdnHeadDim;
+  const at::Tensor& z = norm.z;
+  const bool readable = z.is_cuda() && z.scalar_type() == at::kBFloat16 && z.dim() == 3 && z.size(0) == rows &&
+                        z.size(1) == value_heads && z.size(2) == D && vector_rows(z) &&
+                        norm.weight.scalar_type() == at::kBFloat16 && norm.weight.is_contiguous() &&
+                        norm.weight.numel() == D && norm.weight.device() == z.device();
+  if (!readable) return {};
+  at::Tensor normed = at::empty({rows, value_heads * D}, z.options().memory_format(at::MemoryFormat::Contiguous));
+  a.norm.z = z.data_ptr();
+  a.norm.z_stride = z.stride(0);
+  a.norm.z_head_stride = z.stride(1);
+  a.norm.weight = norm.weight.data_ptr();
+  a.norm.eps = static_cast<float>(norm.eps);
+  a.norm.normed = normed.data_ptr();
+  return normed;
+}
+
 GdnDecodeResult decode_step(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
-                            const at::Tensor& beta_in, const at::Tensor& state_in, const at::Tensor& state_rows) {
+                            const at::Tensor& beta_in, const at::Tensor& state_in, const at::Tensor& state_rows,
+                            const GdnOutputNorm* norm) {
   constexpr int64_t D = kernels::kGdnHeadDim;
   const int64_t sequences = q_in.size(0), tokens = q_in.size(1), key_heads = q_in.size(2), value_heads = v_in.size(2);
   auto shaped = [&](const at::Tensor& t, int64_t heads) {
@@ -180,21 +202,29 @@ GdnDecodeResult decode_step(const at::Tensor& q_in, const at::Tensor& k_in, cons
   a.sequences = static_cast<int>(sequences), a.tokens = static_cast<int>(tokens);
   a.key_heads = static_cast<int>(key_heads), a.value_heads = static_cast<int>(value_heads);
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const at::Tensor normed = norm ? bind_decode_norm(*norm, sequences * tokens, value_heads, a) : at::Tensor();
   kernels::gated_delta_rule_decode_step(a, at::cuda::getCurrentCUDAStream().stream());
+  if (normed.defined()) {
+    r.o = normed;
+  } else if (norm != nullptr) {
+    r.o = gated_rms_norm(r.o.view({sequences * tokens, value_heads, D}), norm->z, norm->weight, norm->eps,
+                         at::kBFloat16);
+  }
   return r;
 }
 
 }  // namespace
 
 GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state) {
-  return decode_step(q, k, v, g, beta, state, {});
+                                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                                                  const GdnOutputNorm* norm) {
+  return decode_step(q, k, v, g, beta, state, {}, norm);
 }
 
 GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state_rows,
-                                                  at::ScalarType state_dtype) {
-  return decode_step(q, k, v, g, beta, at::empty({0}, q.options().dtype(state_dtype)), state_rows);
+                                                  at::ScalarType state_dtype, const GdnOutputNorm* norm) {
+  return decode_step(q, k, v, g, beta, at::empty({0}, q.options().dtype(state_dtype)), state_rows, norm);
 }
 
 namespace {
@@ -399,11 +429,13 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor&, int64_t, int64_t, const GdnG
   throw std::logic_error("gated_delta_rule_cuda: this build has no CUDA kernels");
 }
 GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                  const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+                                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                  const GdnOutputNorm*) {
   throw std::logic_error("gated_delta_rule_decode_step_cuda: this build has no CUDA kernels");
 }
 GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, at::ScalarType) {
+                                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                  at::ScalarType, const GdnOutputNorm*) {
   throw std::logic_error("gated_delta_rule_decode_step_cuda: this build has no CUDA kernels");
 }
 #endif

@@ -100,11 +100,20 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed, int64_t key_heads, int
 // is left as it was: a crop may need it; a bf16 state is widened on load and the new one rounded
 // once, the rule running in fp32). Reads and writes each state once: n is bounded by the time one
 // CTA takes, not memory.
+// With `norm` given, o is instead the layer's gated RMSNorm of it (fused_ops.h gated_rms_norm:
+// bf16 [G * n, value_heads * 128], the same bits): z bf16 [G * n, value_heads, 128] (the rows'
+// gates), weight bf16 [128]. A plain step on bf16 states forms it in the step's kernel and never
+// writes o (kernels::GdnDecodeNorm).
 struct GdnDecodeResult {
   at::Tensor o, state;
 };
+struct GdnOutputNorm {
+  at::Tensor z, weight;
+  double eps = 1e-6;
+};
 GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state);
+                                                  const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                                                  const GdnOutputNorm* norm = nullptr);
 // The same with sequence s's state [value_heads, 128, 128] (fp32 or bf16: `state_dtype`) read at
 // the address state_rows[s] (int64 [sequences] on the GPU): rows of the batch tensors the
 // sequences' caches hold, read where they lie instead of gathered into one batch first (a step
@@ -112,7 +121,7 @@ GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at:
 // one batch [sequences, ...]. The addressed states must stay alive until the kernel has run.
 GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state_rows,
-                                                  at::ScalarType state_dtype);
+                                                  at::ScalarType state_dtype, const GdnOutputNorm* norm = nullptr);
 
 // Random inputs of one GatedDeltaNet core on `device` (the GPU tests and doctor's self-test):
 // q, k L2-normalised and v in bf16 [tokens, heads, 128], g = -decay * U(0.05, 1) and beta =

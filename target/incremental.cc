@@ -472,12 +472,14 @@ at::Tensor run_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 // `kernel` (the model's GatedDeltaNet layers run the CUDA kernels): every step and crop runs the
 // decode-step kernel (same math, the state read and written once, each CTA walking its
 // sequence's tokens in order; prefills take the chunked kernels before this, GdnStep::chunks);
-// otherwise token by token or chunked (recurrent_step_tokens).
+// otherwise token by token or chunked (recurrent_step_tokens). `norm` (the kernel only): returns
+// the layer's gated RMSNorm of o instead (gated_delta_rule_decode_step_cuda).
 at::Tensor run_rule_group(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                          const at::Tensor& beta, at::Tensor* states, int64_t recurrent_step_tokens, bool kernel) {
+                          const at::Tensor& beta, at::Tensor* states, int64_t recurrent_step_tokens, bool kernel,
+                          const GdnOutputNorm* norm) {
   const int64_t size = q.size(0), n = q.size(1), hv = v.size(2);
   if (kernel) {
-    GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, *states);
+    GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, *states, norm);
     *states = r.state;
     return r.o;
   }
@@ -570,11 +572,13 @@ at::Tensor conv_window(const GdnStep& step, const at::Tensor& window, const at::
 // One GatedDeltaNet layer for a group, from its members' conv inputs and states (rows of the
 // batch tensors they share, read through `step.rows`): the group's new conv inputs and states
 // become their batch (member j its row j); keeps what crop() needs, as the group's batch tensors,
-// when the step is croppable. Writes the rule's o rows into `o_out` [tokens, Hv, dv] (fp32).
+// when the step is croppable. Writes the rule's o rows into `o_out` [tokens, Hv, dv] (fp32), or
+// with `norm` (a group holding every row, stepped by the decode kernel) sets o_out to the layer's
+// gated RMSNorm of them (bf16 [tokens, Hv * dv]).
 void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjections& proj, const GdnGateValues& gates,
                const ConvStepGates* conv_gates, const RowGroup& group, const GdnStep& step,
                const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& o_out, int64_t recurrent_step_tokens,
-               bool decode_kernel, bool croppable) {
+               bool decode_kernel, bool croppable, const GdnOutputNorm* norm) {
   const RowGather& rows = step.rows;
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
@@ -628,15 +632,20 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
     after = std::move(carried.after);
   } else if (step.state_addresses.defined()) {  // each state read where it lies (no `before`: not croppable)
     const at::Tensor addresses = step.state_addresses[static_cast<int64_t>(layer)];
-    GdnDecodeResult r = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, addresses, states[0]->scalar_type());
+    GdnDecodeResult r =
+        gated_delta_rule_decode_step_cuda(q, k, v, g, beta, addresses, states[0]->scalar_type(), norm);
     after = std::move(r.state);
     o = std::move(r.o);
   } else {
     before = rows.gather(states);
     after = before;
-    o = run_rule_group(q, k, v, g, beta, &after, recurrent_step_tokens, decode_kernel);
+    o = run_rule_group(q, k, v, g, beta, &after, recurrent_step_tokens, decode_kernel, norm);
   }
-  put_group_rows(group, o_out, o.reshape({size * n, hv, dv}));
+  if (norm != nullptr) {
+    o_out = o;
+  } else {
+    put_group_rows(group, o_out, o.reshape({size * n, hv, dv}));
+  }
   for (size_t member : group.members) {
     DecodeCache& cache = *caches[member];
     if (croppable) cache.last.gdn[layer] = {before, q, k, v, g, beta, window};
@@ -659,13 +668,20 @@ at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const GemmInp
     auto [g, beta] = gdn_gates(proj.a, proj.b, p.a_log, p.dt_bias);
     gates = {std::move(g), std::move(beta)};
   }
-  at::Tensor o = at::empty({x.rows(), c.linear_num_value_heads, c.linear_value_head_dim},
-                           proj.z.options().dtype(at::kFloat));
+  // A step whose only group the decode kernel steps has its gated norm formed there (for one token
+  // on bf16 states inside the step's kernel: no separate launch, o never written).
+  const GdnOutputNorm norm{proj.z, p.norm, c.rms_norm_eps};
+  const bool norm_in_step = groups.size() == 1 && kernel && !steps[0].chunks && holds_every_row(groups[0], proj.z) &&
+                            proj.z.scalar_type() == at::kBFloat16;
+  at::Tensor o;
+  if (!norm_in_step) {
+    o = at::empty({x.rows(), c.linear_num_value_heads, c.linear_value_head_dim}, proj.z.options().dtype(at::kFloat));
+  }
   for (size_t i = 0; i < groups.size(); ++i) {
     gdn_group(c, p, proj, gates, gates_in_conv ? &conv_gates : nullptr, groups[i], steps[i], caches, layer, o,
-              recurrent_step_tokens, kernel, croppable);
+              recurrent_step_tokens, kernel, croppable, norm_in_step ? &norm : nullptr);
   }
-  return gdn_output(c, p, o, proj.z, proj.z.scalar_type());
+  return norm_in_step ? p.out(o) : gdn_output(c, p, o, proj.z, proj.z.scalar_type());
 }
 
 // A step's tokens: every sequence's ids in one tensor (copied to the device once: a copy per
@@ -971,7 +987,7 @@ void IncrementalTarget::crop_batch(const std::vector<DecodeCache*>& caches, cons
       if (keep > 0) {
         run_rule_group(gather(&Gdn::q, kept_tokens), gather(&Gdn::k, kept_tokens), gather(&Gdn::v, kept_tokens),
                        gather(&Gdn::g, kept_tokens), gather(&Gdn::beta, kept_tokens), &state, recurrent_step_tokens_,
-                       model_.gdn_kernels_);
+                       model_.gdn_kernels_, nullptr);
       }
       for (size_t s : members) caches[s]->state[i] = state, caches[s]->conv[i] = conv;
     }

@@ -1018,6 +1018,38 @@ TEST(GatedDeltaNetKernels, DecodeStepOnBf16StatesRoundsTheStateOnce) {
   }
 }
 
+// A decode step asked for the layer's gated RMSNorm (GdnOutputNorm) returns the bits of the norm
+// kernel over its o: formed inside the one-token kernel on bf16 states, after the step kernel
+// otherwise (several tokens, fp32 states, v rows of odd stride). z strided as in_proj's output gives it.
+TEST(GatedDeltaNetKernels, DecodeStepFormsTheGatedNormAsItsKernelDoes) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const int64_t sequences = 6, hk = 2, hv = 4, d = 128;
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const at::Tensor weight = (1.0 + 0.1 * at::randn({d}, cuda)).to(at::kBFloat16);
+  for (const auto& [n, dtype, odd_v] :
+       std::vector<std::tuple<int64_t, at::ScalarType, bool>>{{1, at::kBFloat16, false}, {3, at::kBFloat16, false},
+                                                              {1, at::kFloat, false}, {1, at::kBFloat16, true}}) {
+    SCOPED_TRACE(std::to_string(n) + " tokens, " + std::string(c10::toString(dtype)) + (odd_v ? ", odd v" : ""));
+    auto [q, k, v, g, beta] = decode_step_inputs(sequences, n, hk, hv);
+    if (odd_v) {
+      const at::Tensor odd = at::zeros({sequences, n, hv * d + 1}, v.options());
+      odd.narrow(2, 0, hv * d).copy_(v.reshape({sequences, n, hv * d}));
+      v = odd.as_strided({sequences, n, hv, d}, {hv * d + 1, hv * d + 1, d, 1});
+    }
+    const at::Tensor state = (0.1 * at::randn({sequences, hv, d, d}, cuda)).to(dtype);
+    const at::Tensor projected = at::randn({sequences * n, hv * d + 64}, cuda).to(at::kBFloat16);
+    const at::Tensor z = projected.narrow(1, 64, hv * d).view({sequences * n, hv, d});
+    const GdnOutputNorm norm{z, weight, 1e-6};
+    const GdnDecodeResult plain = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, state);
+    const GdnDecodeResult normed = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, state, &norm);
+    const at::Tensor expected = gated_rms_norm(plain.o.reshape({sequences * n, hv, d}), z, weight, 1e-6, at::kBFloat16);
+    ASSERT_EQ(normed.o.sizes(), expected.sizes());
+    EXPECT_TRUE(at::equal(normed.o, expected));
+    EXPECT_TRUE(at::equal(normed.state, plain.state));
+    EXPECT_GT(expected.abs().max().item<float>(), 0.f);
+  }
+}
+
 // Decoding on the GPU: a target whose GatedDeltaNet layers run the kernels decodes its plain
 // steps with the decode-step kernel (batched, after a prefill and a verify step with a crop);
 // its logits stay those of the same target on the reference path.

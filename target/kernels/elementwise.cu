@@ -14,6 +14,7 @@
 #include "common/cuda_check.h"
 #include "common/launch.h"
 #include "target/kernels/fp8_group.cuh"
+#include "target/kernels/gated_rms.cuh"
 #include "target/kernels/gdn_gates.cuh"
 
 namespace dflash::target::kernels {
@@ -230,18 +231,13 @@ __global__ void __launch_bounds__(kRowThreads) gated_rms_norm_kernel(const float
     const float4 x = src[0], y = src[1];
     v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
   }
-  float squares = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) squares += v[j] * v[j];
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, off);
+  const float r = gated_rms_factor(v, d, eps);
   if (!active) return;
-  const float r = rsqrtf(squares / static_cast<float>(d) + eps);
   float w[8], g[8];
   load8(w, weight + c);
   load8(g, z + token * token_stride + head * head_stride + c);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = round_bf16(round_bf16(w[j] * round_bf16(v[j] * r)) * (g[j] / (1.f + expf(-g[j]))));
+  for (int j = 0; j < 8; ++j) v[j] = gated_rms_value(v[j], r, w[j], g[j]);
   store8(out + static_cast<int64_t>(row) * d + c, v);
 }
 

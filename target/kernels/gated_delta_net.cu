@@ -18,6 +18,7 @@
 
 #include "common/cuda_check.h"
 #include "common/launch.h"
+#include "target/kernels/elementwise.h"
 #include "target/kernels/gdn/common.cuh"
 #include "target/kernels/gdn/conv.cuh"
 #include "target/kernels/gdn/decode_step.cuh"
@@ -152,8 +153,9 @@ void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream
   const int ctas = args.sequences * args.value_heads * kDecodeCtasPerHead;
   // One token on bf16 states (plain decoding steps): column pairs, v read as bf16 pairs.
   const bool v_pairs = reinterpret_cast<uintptr_t>(args.v) % 4 == 0 && args.v_stride % 2 == 0;
+  const bool one_token = args.state_bf16 && args.tokens == 1 && v_pairs;
   cudaError_t launched;
-  if (args.state_bf16 && args.tokens == 1 && v_pairs) {
+  if (one_token) {
     // A plain launch, not a programmatic dependent: in a step of 128 it ran 115 us a layer launched
     // early against 101 us launched plainly (bench/RESULTS.md, session 26), probably because the
     // early first wave (3 CTAs per SM of 6,144) leaves the grid wait at one instant and the waves
@@ -166,6 +168,11 @@ void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream
     launched = launch_dependent(decode_step_kernel<float>, dim3(ctas), kDecodeThreads, 0, stream, args);
   }
   check_cuda(launched, "GatedDeltaNet kernel decode_step");
+  const GdnDecodeNorm& n = args.norm;
+  if (n.normed != nullptr && !one_token) {  // the step kernels above wrote o: the norm's own kernel
+    gated_rms_norm(args.out, n.z, n.z_stride, n.z_head_stride, n.weight, n.normed, args.sequences * args.tokens,
+                   args.value_heads, kGdnHeadDim, n.eps, stream);
+  }
 }
 
 }  // namespace dflash::target::kernels

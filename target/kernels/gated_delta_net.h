@@ -169,6 +169,18 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream);
 // tokens); out fp32 [rows, value_heads, 128]. With state_rows (device, [sequences]), sequence s's
 // state [value_heads, 128, 128] is read at state_rows[s] instead of row s of state_in (the rows
 // of the batch tensors the sequences' caches hold, read where they lie: no gather first).
+// With `normed` set, the call's result is the layer's gated RMSNorm of o: normed bf16 [rows,
+// value_heads * 128] = gated_rms_norm(o, z, weight, eps) (elementwise.h), z bf16 (row r, head h) at
+// z + r * z_stride + h * z_head_stride (16-byte aligned), weight bf16 [128]. One token on bf16
+// states (v 4-byte aligned) forms it in the step's kernel and never writes `out`; otherwise the
+// step writes `out` and gated_rms_norm's kernel follows. The same bits either way.
+struct GdnDecodeNorm {
+  const void* z = nullptr;
+  int64_t z_stride = 0, z_head_stride = 0;
+  const void* weight = nullptr;
+  float eps = 0;
+  void* normed = nullptr;
+};
 struct GdnDecodeStep {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -183,6 +195,7 @@ struct GdnDecodeStep {
   float* out = nullptr;
   int sequences = 0, tokens = 0, key_heads = 0, value_heads = 0;
   float scale = 0;  // q scale (head_dim^-0.5)
+  GdnDecodeNorm norm;
 };
 void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream);
 

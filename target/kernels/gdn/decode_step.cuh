@@ -9,6 +9,7 @@
 #pragma once
 
 #include "common/barriers.cuh"
+#include "target/kernels/gated_rms.cuh"
 #include "target/kernels/gdn/common.cuh"
 
 namespace dflash::target::kernels::gdn {
@@ -55,12 +56,13 @@ __device__ __forceinline__ bf16 stored_state<bf16>(float x) {
 // q and k of one token (one key head's 128 elements at q_in, k_in), L2-normalised (q also scaled
 // by `scale`) into shared memory by the CTA's first D threads (thread c: element c), and, where qk
 // is not null, their dot product q.k into qk[0]; `sums` holds the per-warp partial sums. Every
-// thread of the CTA calls it (it synchronises); q, k and q.k may be read after it returns.
+// thread of the CTA calls it (it synchronises); q, k and q.k may be read after it returns. After
+// a previous token (`follows_a_token`) it first waits until every thread has read that token's.
 __device__ __forceinline__ void normalise_qk(const bf16* q_in, const bf16* k_in, float scale, float* q, float* k, float* qk,
-                                             float (*sums)[D / 32]) {
+                                             float (*sums)[D / 32], bool follows_a_token) {
   const int c = threadIdx.x, lane = c & 31, warp = c >> 5;
   float qc = 0, kc = 0;
-  __syncthreads();  // the previous token's q, k and sums are read by every thread
+  if (follows_a_token) __syncthreads();
   if (c < D) {
     qc = __bfloat162float(q_in[c]);
     kc = __bfloat162float(k_in[c]);
@@ -123,7 +125,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeCtasPerSm) decode_step_
   for (int t = 0; t < a.tokens; ++t) {
     const int64_t token = first_token + t;
     normalise_qk(static_cast<const bf16*>(a.q) + token * a.q_stride + key_head * D,
-                 static_cast<const bf16*>(a.k) + token * a.k_stride + key_head * D, a.scale, q, k, nullptr, sums);
+                 static_cast<const bf16*>(a.k) + token * a.k_stride + key_head * D, a.scale, q, k, nullptr, sums,
+                 t > 0);
     const int64_t gate = token * a.value_heads + head;
     const float decay = __expf(a.g[gate]), beta = a.beta[gate];
     const float v = __bfloat162float(static_cast<const bf16*>(a.v)[token * a.v_stride + head * D + j]);
@@ -171,10 +174,48 @@ __device__ __forceinline__ float2 widen_pair(__nv_bfloat162 x) {
 // row's 128 contiguous bytes, one cache line (a warp over four rows touched four lines per access
 // and kept the L1 busy: 3.5 TB/s against a copy's 4.1); a column's sums over its four warps meet
 // in shared memory.
+// With GdnDecodeNorm::normed set, the head's output goes through shared memory to warps 0-3, which
+// form its gated RMSNorm as elementwise.h's kernel does (gated_rms.cuh: the same bits) after the
+// new state is stored: the layer then needs no separate norm kernel and never writes o.
 constexpr int kPairColumns = D / 2;                          // column pairs per head
 constexpr int kLineColumns = 64;                             // bf16 columns per 128-byte line
 constexpr int kRowBlocks = D / kDecodeRows;                  // warps sharing a column: 4
 constexpr int kTokenThreads = D / kLineColumns * kRowBlocks * 32;  // 256
+
+// The norm's inputs of one head, copied into shared memory when the kernel starts (cp.async: no
+// registers held, the latency hidden behind the state's): z's row and the weight.
+struct NormInputs {
+  alignas(16) bf16 z[D];
+  alignas(16) bf16 weight[D];
+};
+__device__ __forceinline__ void fetch_norm_inputs(const GdnDecodeNorm& n, NormInputs& in, int64_t token, int head,
+                                                  int warp, int lane) {
+  if (warp != 0 || lane >= D / 8) return;
+  const bf16* z = static_cast<const bf16*>(n.z) + token * n.z_stride + static_cast<int64_t>(head) * n.z_head_stride;
+  mma_tile::copy16(&in.z[8 * lane], z + 8 * lane);
+  mma_tile::copy16(&in.weight[8 * lane], static_cast<const bf16*>(n.weight) + 8 * lane);
+  __pipeline_commit();
+}
+
+// The gated RMSNorm of the head's output (o_row, written by row block 0 before the second pass),
+// formed by warps 0-3 once their second pass is issued (its stores drain meanwhile): each warp
+// forms the row's factor as gated_rms_norm's kernel does, then its 32 elements, one a lane.
+__device__ __forceinline__ void normed_output(const GdnDecodeNorm& n, const NormInputs& in, const float* o_row,
+                                              int64_t token, int head, int value_heads, int warp, int lane) {
+  if (warp >= D / 32) return;
+  if (warp == 0) __pipeline_wait_prior(0);  // the norm's inputs, copied by warp 0
+  barriers::NamedBarrier{1, D}.sync();
+  float v[8] = {};
+  if (lane < D / 8) {
+    const float4* o = reinterpret_cast<const float4*>(o_row);
+    const float4 x = o[2 * lane], y = o[2 * lane + 1];
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+  }
+  const float r = gated_rms_factor(v, D, n.eps);
+  const int e = warp * 32 + lane;
+  const float value = gated_rms_value(o_row[e], r, __bfloat162float(in.weight[e]), __bfloat162float(in.z[e]));
+  static_cast<bf16*>(n.normed)[(token * value_heads + head) * D + e] = __float2bfloat16(value);
+}
 
 __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_bf16_kernel(GdnDecodeStep a) {
   barriers::start_as_dependent();
@@ -185,6 +226,8 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
   const int j = 2 * pair, i0 = block * kDecodeRows;  // the thread's columns j, j + 1 and rows i0 ..
   __shared__ float q[D], k[D], qk[1], sums[3][D / 32];
   __shared__ float2 partial[2][kRowBlocks][kPairColumns];  // each row block's k.S and q.S of a pair
+  __shared__ alignas(16) float o_row[D];                   // the head's output, for the norm
+  __shared__ NormInputs norm_inputs;
   const int64_t row = static_cast<int64_t>(sequence) * a.value_heads + head, token = sequence;
   const auto* state_in = reinterpret_cast<const __nv_bfloat162*>(
       sequence_state<bf16>(a.state_in, a.state_rows, sequence, a.value_heads) + static_cast<int64_t>(head) * D * D +
@@ -192,13 +235,15 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
   __nv_bfloat162 held[kDecodeRows];
 #pragma unroll
   for (int i = 0; i < kDecodeRows; ++i) held[i] = state_in[i * (D / 2)];
+  const bool normalise = a.norm.normed != nullptr;
+  if (normalise) fetch_norm_inputs(a.norm, norm_inputs, token, head, warp, lane);
   // The gate, beta and v pair issued with the state's loads (their latency overlaps).
   const int64_t gate = token * a.value_heads + head;
   const float g = a.g[gate], beta = a.beta[gate];
   const __nv_bfloat162 v_pair =
       *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(a.v) + token * a.v_stride + head * D + j);
   normalise_qk(static_cast<const bf16*>(a.q) + token * a.q_stride + key_head * D,
-               static_cast<const bf16*>(a.k) + token * a.k_stride + key_head * D, a.scale, q, k, qk, sums);
+               static_cast<const bf16*>(a.k) + token * a.k_stride + key_head * D, a.scale, q, k, qk, sums, false);
   const float decay = __expf(g);
   const float2 v = __bfloat1622float2(v_pair);
 
@@ -223,7 +268,8 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
   // delta = beta (v - e^g k.S);  o = q.S' = e^g q.S + delta q.k  (S' = e^g S + k delta^T).
   const float delta0 = beta * (v.x - decay * ks.x), delta1 = beta * (v.y - decay * ks.y);
   if (block == 0) {
-    *reinterpret_cast<float2*>(a.out + gate * D + j) = {decay * qs.x + delta0 * qk[0], decay * qs.y + delta1 * qk[0]};
+    const float2 o = {decay * qs.x + delta0 * qk[0], decay * qs.y + delta1 * qk[0]};
+    *reinterpret_cast<float2*>(normalise ? &o_row[j] : a.out + gate * D + j) = o;
   }
   // Second pass: the new state, each pair stored as it is formed; k re-read from shared memory
   // (the memory clobber) rather than held from the first pass.
@@ -237,6 +283,7 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
     s1 += k[i0 + i] * delta1;
     state_out[i * (D / 2)] = __floats2bfloat162_rn(s0, s1);
   }
+  if (normalise) normed_output(a.norm, norm_inputs, o_row, token, head, a.value_heads, warp, lane);
 }
 
 }  // namespace dflash::target::kernels::gdn

@@ -1,0 +1,31 @@
+// gated_rms.cuh: a GatedDeltaNet layer's gated RMSNorm of one (token, head) row (elementwise.h:
+// gated_rms_norm), in two pieces written once for the kernels that form it (gated_rms_norm's own
+// kernel in elementwise.cu, the one-token decode kernel's epilogue in gdn/decode_step.cuh), so
+// both round alike: the same bits whichever runs. Device code only.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "common/bf16x8.cuh"
+
+namespace dflash::target::kernels {
+
+// The row's factor rsqrt(mean(o^2) + eps), summed one way: lane l of the warp holds elements
+// [8l, 8l + 8) of o in v (zeros at and past d, d <= 256), summed in order, then over the lanes by
+// a butterfly. Every lane of the warp calls it and gets the same factor.
+__device__ __forceinline__ float gated_rms_factor(const float (&v)[8], int d, float eps) {
+  float squares = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) squares += v[j] * v[j];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, off);
+  return rsqrtf(squares / static_cast<float>(d) + eps);
+}
+
+// One element: bf16(float(bf16(w bf16(o r))) silu(z)), as the model's composite rounds it.
+__device__ __forceinline__ float gated_rms_value(float o, float r, float w, float z) {
+  using bf16x8::round_bf16;
+  return round_bf16(round_bf16(w * round_bf16(o * r)) * (z / (1.f + expf(-z))));
+}
+
+}  // namespace dflash::target::kernels
