@@ -127,9 +127,6 @@ at::Tensor conv1d_silu_l2norm_cuda(const at::Tensor& x_in, const at::Tensor& wei
 
 namespace {
 
-// The decode step's launch: the states read from `state` (a [sequences, value_heads, 128, 128]
-// batch) or, with `state_rows` defined, where its addresses point (`state` then only gives the
-// dtype and device of the new batch).
 // Binds the gated norm of a decode step's output (GdnOutputNorm) into the launch where the
 // kernels can read z and the weight as they lie; returns the normed rows' tensor, or an undefined
 // one where the norm is left to fused_ops' gated_rms_norm after the step.
@@ -151,6 +148,9 @@ at::Tensor bind_decode_norm(const GdnOutputNorm& norm, int64_t rows, int64_t val
   return normed;
 }
 
+// The decode step's launch: the states read from `state` (a [sequences, value_heads, 128, 128]
+// batch) or, with `state_rows` defined, where its addresses point (`state` then only gives the
+// dtype and device of the new batch). With `norm`, o is the layer's gated RMSNorm of it (GdnOutputNorm).
 GdnDecodeResult decode_step(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
                             const at::Tensor& beta_in, const at::Tensor& state_in, const at::Tensor& state_rows,
                             const GdnOutputNorm* norm) {
