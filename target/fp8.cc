@@ -107,14 +107,6 @@ Fp8Activations allocate_activations(int64_t rows, int64_t padded, int64_t in, co
   return {q, factors.t(), rows};
 }
 
-#ifdef DFLASHD_WITH_CUDA
-// Whether the quantisation kernel reads x's rows where they are: bf16 on a GPU, rows it reads
-// in 16-byte vectors (vector_rows).
-bool quantisation_kernel_reads(const at::Tensor& x) {
-  return x.is_cuda() && x.scalar_type() == at::kBFloat16 && vector_rows(x);
-}
-#endif
-
 // The values the block-scaled arithmetic multiplies (q times its group's factor, fp32), every row
 // of q: the emulation's activations.
 at::Tensor dequantized_activations(const Fp8Activations& a) {
@@ -135,7 +127,7 @@ Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows) {
   if (in % kFp8Block != 0) throw std::invalid_argument("quantize_groups: the inner size must be a multiple of 128");
   padded_rows = std::max(padded_rows, rows);
 #ifdef DFLASHD_WITH_CUDA
-  if (quantisation_kernel_reads(x)) {
+  if (rows_apply(x)) {
     Fp8Activations a = allocate_activations(rows, padded_rows, in, x.options());  // bf16 rows
     kernels::quantize_groups_e4m3(x.data_ptr(), x.stride(0), rows, in, a.q.data_ptr(), a.factors.data_ptr<float>(),
                                   padded_rows, at::cuda::getCurrentCUDAStream().stream());
@@ -156,7 +148,7 @@ Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows) {
 Fp8Activations quantize_gathered_groups(const at::Tensor& x, const at::Tensor& sources, int64_t divisor) {
 #ifdef DFLASHD_WITH_CUDA
   const int64_t rows = sources.numel(), in = x.size(1);
-  if (quantisation_kernel_reads(x) && in % kFp8Block == 0 && sources.scalar_type() == at::kLong &&
+  if (rows_apply(x) && in % kFp8Block == 0 && sources.scalar_type() == at::kLong &&
       sources.is_contiguous() && sources.device() == x.device() && divisor >= 1) {
     Fp8Activations a = allocate_activations(rows, rows, in, x.options());
     kernels::quantize_groups_e4m3(x.data_ptr(), x.stride(0), rows, in, a.q.data_ptr(), a.factors.data_ptr<float>(),

@@ -48,7 +48,8 @@ std::pair<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const at::Tenso
 #endif
 }
 
-// Strided rows the row kernels can read: bf16 on the GPU, vector_rows.
+}  // namespace
+
 bool rows_apply(const at::Tensor& x) {
 #ifdef DFLASHD_WITH_CUDA
   return x.is_cuda() && x.scalar_type() == at::kBFloat16 && vector_rows(x);
@@ -57,8 +58,6 @@ bool rows_apply(const at::Tensor& x) {
   return false;
 #endif
 }
-
-}  // namespace
 
 bool vector_rows(const at::Tensor& x) {
   if (x.dim() == 0 || x.stride(-1) != 1 || reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return false;

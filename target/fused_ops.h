@@ -35,6 +35,8 @@ Fp8Activations silu_mul_fp8(const at::Tensor& gate, const at::Tensor& up);
 // Whether kernels can read x's rows with 16-byte vector accesses: last dim contiguous, every
 // other stride a multiple of 8 elements, 16-byte aligned data (bf16 rows, any row stride).
 bool vector_rows(const at::Tensor& x);
+// Strided rows the row kernels can read: bf16 on a GPU (of a CUDA build), vector_rows.
+bool rows_apply(const at::Tensor& x);
 
 // x [tokens, heads, d] rotated over its first cos.size(-1) dims; cos/sin [tokens, rotary] in
 // x's dtype (the composite expression, HF's apply_rotary_pos_emb with partial rotary).

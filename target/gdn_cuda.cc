@@ -133,10 +133,9 @@ namespace {
 at::Tensor bind_decode_norm(const GdnOutputNorm& norm, int64_t rows, int64_t value_heads, kernels::GdnDecodeStep& a) {
   constexpr int64_t D = kernels::kGdnHeadDim;
   const at::Tensor& z = norm.z;
-  const bool readable = z.is_cuda() && z.scalar_type() == at::kBFloat16 && z.dim() == 3 && z.size(0) == rows &&
-                        z.size(1) == value_heads && z.size(2) == D && vector_rows(z) &&
-                        norm.weight.scalar_type() == at::kBFloat16 && norm.weight.is_contiguous() &&
-                        norm.weight.numel() == D && norm.weight.device() == z.device();
+  const bool readable = rows_apply(z) && z.dim() == 3 && z.size(0) == rows && z.size(1) == value_heads &&
+                        z.size(2) == D && norm.weight.scalar_type() == at::kBFloat16 &&
+                        norm.weight.is_contiguous() && norm.weight.numel() == D && norm.weight.device() == z.device();
   if (!readable) return {};
   at::Tensor normed = at::empty({rows, value_heads * D}, z.options().memory_format(at::MemoryFormat::Contiguous));
   a.norm.z = z.data_ptr();

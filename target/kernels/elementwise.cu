@@ -14,7 +14,7 @@
 #include "common/cuda_check.h"
 #include "common/launch.h"
 #include "target/kernels/fp8_group.cuh"
-#include "target/kernels/gated_rms.cuh"
+#include "target/kernels/warp_norm.cuh"
 #include "target/kernels/gdn_gates.cuh"
 
 namespace dflash::target::kernels {
@@ -168,12 +168,7 @@ __global__ void __launch_bounds__(kRowThreads) qk_norm_rope_kernel(QkRows q, QkR
   const bool active = c < d;
   float v[8] = {};
   if (active) load8(v, static_cast<const bf16*>(job.x) + token * job.token_stride + head * job.head_stride + c);
-  float squares = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) squares += v[j] * v[j];
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, off);
-  const float r = rsqrtf(squares / static_cast<float>(d) + eps);
+  const float r = warp_rms_factor(v, d, eps);
   float w[8] = {};
   if (active) load8(w, static_cast<const bf16*>(job.weight) + c);
 #pragma unroll
@@ -231,7 +226,7 @@ __global__ void __launch_bounds__(kRowThreads) gated_rms_norm_kernel(const float
     const float4 x = src[0], y = src[1];
     v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
   }
-  const float r = gated_rms_factor(v, d, eps);
+  const float r = warp_rms_factor(v, d, eps);
   if (!active) return;
   float w[8], g[8];
   load8(w, weight + c);

@@ -9,7 +9,7 @@
 #pragma once
 
 #include "common/barriers.cuh"
-#include "target/kernels/gated_rms.cuh"
+#include "target/kernels/warp_norm.cuh"
 #include "target/kernels/gdn/common.cuh"
 
 namespace dflash::target::kernels::gdn {
@@ -175,7 +175,7 @@ __device__ __forceinline__ float2 widen_pair(__nv_bfloat162 x) {
 // and kept the L1 busy: 3.5 TB/s against a copy's 4.1); a column's sums over its four warps meet
 // in shared memory.
 // With GdnDecodeNorm::normed set, the head's output goes through shared memory to warps 0-3, which
-// form its gated RMSNorm as elementwise.h's kernel does (gated_rms.cuh: the same bits) after the
+// form its gated RMSNorm as elementwise.h's kernel does (warp_norm.cuh: the same bits) after the
 // new state is stored: the layer then needs no separate norm kernel and never writes o.
 constexpr int kPairColumns = D / 2;                          // column pairs per head
 constexpr int kLineColumns = 64;                             // bf16 columns per 128-byte line
@@ -211,7 +211,7 @@ __device__ __forceinline__ void normed_output(const GdnDecodeNorm& n, const Norm
     const float4 x = o[2 * lane], y = o[2 * lane + 1];
     v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
   }
-  const float r = gated_rms_factor(v, D, n.eps);
+  const float r = warp_rms_factor(v, D, n.eps);
   const int e = warp * 32 + lane;
   const float value = gated_rms_value(o_row[e], r, __bfloat162float(in.weight[e]), __bfloat162float(in.z[e]));
   static_cast<bf16*>(n.normed)[(token * value_heads + head) * D + e] = __float2bfloat16(value);

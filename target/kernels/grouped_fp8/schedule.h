@@ -15,7 +15,6 @@
 
 #include "common/host_device.h"
 
-
 namespace dflash::grouped_fp8 {
 
 inline constexpr int kTileRows = 128;  // rows of x per tile: two consumer warpgroups of 64

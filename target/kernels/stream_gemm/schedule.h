@@ -22,7 +22,6 @@
 
 #include "common/host_device.h"
 
-
 namespace dflash::stream_gemm {
 
 inline constexpr int kRowsPerTile = 128;  // rows of W per tile: two consumer warpgroups of 64

@@ -1,7 +1,8 @@
-// gated_rms.cuh: a GatedDeltaNet layer's gated RMSNorm of one (token, head) row (elementwise.h:
-// gated_rms_norm), in two pieces written once for the kernels that form it (gated_rms_norm's own
-// kernel in elementwise.cu, the one-token decode kernel's epilogue in gdn/decode_step.cuh), so
-// both round alike: the same bits whichever runs. Device code only.
+// warp_norm.cuh: the RMSNorm of a row held by one warp, written once for the kernels that form it
+// so that they sum and round alike: the factor (q/k norm + RoPE and the GatedDeltaNet gated
+// RMSNorm in elementwise.cu, the one-token decode kernel's epilogue in gdn/decode_step.cuh) and
+// the gated norm's element (elementwise.h: gated_rms_norm; the decode kernel's epilogue gives the
+// same bits). Device code only.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,7 +14,7 @@ namespace dflash::target::kernels {
 // The row's factor rsqrt(mean(o^2) + eps), summed one way: lane l of the warp holds elements
 // [8l, 8l + 8) of o in v (zeros at and past d, d <= 256), summed in order, then over the lanes by
 // a butterfly. Every lane of the warp calls it and gets the same factor.
-__device__ __forceinline__ float gated_rms_factor(const float (&v)[8], int d, float eps) {
+__device__ __forceinline__ float warp_rms_factor(const float (&v)[8], int d, float eps) {
   float squares = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) squares += v[j] * v[j];
