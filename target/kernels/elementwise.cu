@@ -221,11 +221,7 @@ __global__ void __launch_bounds__(kRowThreads) gated_rms_norm_kernel(const float
   const int token = row / heads, head = row % heads, c = lane * 8;
   const bool active = c < d;
   float v[8] = {};
-  if (active) {
-    const float4* src = reinterpret_cast<const float4*>(o + static_cast<int64_t>(row) * d + c);
-    const float4 x = src[0], y = src[1];
-    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
-  }
+  if (active) load_floats8(v, o + static_cast<int64_t>(row) * d + c);
   const float r = warp_rms_factor(v, d, eps);
   if (!active) return;
   float w[8], g[8];

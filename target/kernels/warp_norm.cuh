@@ -11,6 +11,13 @@
 
 namespace dflash::target::kernels {
 
+// 8 fp32 values at p (16-byte aligned, a lane's elements of a row) as two 16-byte loads.
+__device__ __forceinline__ void load_floats8(float (&v)[8], const float* p) {
+  const float4* src = reinterpret_cast<const float4*>(p);
+  const float4 x = src[0], y = src[1];
+  v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+}
+
 // The row's factor rsqrt(mean(o^2) + eps), summed one way: lane l of the warp holds elements
 // [8l, 8l + 8) of o in v (zeros at and past d, d <= 256), summed in order, then over the lanes by
 // a butterfly. Every lane of the warp calls it and gets the same factor.

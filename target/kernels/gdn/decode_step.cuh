@@ -206,11 +206,7 @@ __device__ __forceinline__ void normed_output(const GdnDecodeNorm& n, const Norm
   if (warp == 0) __pipeline_wait_prior(0);  // the norm's inputs, copied by warp 0
   barriers::NamedBarrier{1, D}.sync();
   float v[8] = {};
-  if (lane < D / 8) {
-    const float4* o = reinterpret_cast<const float4*>(o_row);
-    const float4 x = o[2 * lane], y = o[2 * lane + 1];
-    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
-  }
+  if (lane < D / 8) load_floats8(v, o_row + 8 * lane);
   const float r = warp_rms_factor(v, D, n.eps);
   const int e = warp * 32 + lane;
   const float value = gated_rms_value(o_row[e], r, __bfloat162float(in.weight[e]), __bfloat162float(in.z[e]));
