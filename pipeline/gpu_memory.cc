@@ -3,6 +3,8 @@
 #ifdef DFLASHD_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime_api.h>
+
+#include "target/kernels/grouped_fp8.h"
 #endif
 
 namespace dflash::pipeline {
@@ -35,6 +37,25 @@ std::vector<int64_t> gpu_capacities() {
     cudaDeviceProp properties{};
     out.push_back(cudaGetDeviceProperties(&properties, i) == cudaSuccess ? static_cast<int64_t>(properties.totalGlobalMem) : 0);
   }
+#endif
+  return out;
+}
+
+std::vector<bool> grouped_fp8_gpus(const target::ModelConfig& target) {
+  std::vector<bool> out;
+#ifdef DFLASHD_WITH_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return out;
+  }
+  const int64_t experts = target.num_experts, h = target.hidden_size, inner = target.moe_intermediate_size;
+  for (int d = 0; d < count; ++d) {
+    out.push_back(experts > 0 && grouped_fp8::weights_apply(experts, 2 * inner, h, nullptr, d) &&
+                  grouped_fp8::weights_apply(experts, h, inner, nullptr, d));
+  }
+#else
+  (void)target;
 #endif
   return out;
 }

@@ -1,10 +1,12 @@
 // gpu_memory.h: bytes held by torch's CUDA caching allocator per GPU (allocated = in tensors,
-// reserved = held from the driver), for dflashd_gpu_memory_bytes, and its retry and OOM counts.
-// Empty without CUDA.
+// reserved = held from the driver), for dflashd_gpu_memory_bytes, and its retry and OOM counts;
+// what the memory plan asks of the GPUs. Empty without CUDA.
 #pragma once
 
 #include <cstdint>
 #include <vector>
+
+#include "target/model_config.h"
 
 namespace dflash::pipeline {
 
@@ -22,5 +24,9 @@ struct GpuMemory {
 std::vector<GpuMemory> gpu_memory(const std::vector<int>& devices);
 // Each CUDA device's memory in bytes, by device index (empty without CUDA).
 std::vector<int64_t> gpu_capacities();
+// By device index, whether `target`'s MoE experts, kept FP8, run there on the FP8 grouped GEMM
+// (target/kernels/grouped_fp8.h: weights_apply for gate_up and down) rather than dequantized to
+// bf16 a layer at a time (empty without CUDA; false for a dense target).
+std::vector<bool> grouped_fp8_gpus(const target::ModelConfig& target);
 
 }  // namespace dflash::pipeline

@@ -89,7 +89,8 @@ std::string gb(int64_t bytes) { return log::fixed(static_cast<double>(bytes) / 1
 }  // namespace
 
 std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const target::ModelConfig& target,
-                                       const drafter::DrafterShape& shape, const std::vector<int64_t>& capacities) {
+                                       const drafter::DrafterShape& shape, const std::vector<int64_t>& capacities,
+                                       const std::vector<bool>& grouped_fp8) {
   const int64_t bytes = config::bytes_of(config.target.dtype);
   const int64_t h = target.hidden_size, v = target.vocab_size, tokens = config.data.max_length;
   const int64_t head_and_embedding = (target.tie_word_embeddings ? 1 : 2) * v * h * bytes;
@@ -117,14 +118,15 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
     }
   }
   // FP8 experts are dequantized to bf16 one layer at a time where the FP8 grouped GEMM does not
-  // run (a GPU other than sm_90a): counted whatever the GPU, which the plan is not told (at
-  // Qwen3.5-35B-A3B's shapes 1.6 GB more than a Hopper GPU uses).
+  // run (a GPU other than sm_90a; at Qwen3.5-35B-A3B's shapes 1.6 GB, at 397B-A17B's 12.9).
   const int64_t dequantized_experts = config.target.dtype == config::ModelDtype::float8
                                           ? 3 * h * target.moe_intermediate_size * target.num_experts * bytes
                                           : 0;
+  const auto runs_grouped_fp8 = [&](int id) {
+    return id >= 0 && id < static_cast<int>(grouped_fp8.size()) && grouped_fp8[static_cast<size_t>(id)];
+  };
   const int64_t target_activations =
-      tokens * (3 * std::max(target_widest_per_token(target), 4 * h) + shape.num_features() * h) * bytes +
-      dequantized_experts;
+      tokens * (3 * std::max(target_widest_per_token(target), 4 * h) + shape.num_features() * h) * bytes;
 
   const int64_t p = shape.parameter_count();
   const int64_t drafter_state = p * (2 * bytes + (bytes == 4 ? 0 : 4) + 8);
@@ -145,7 +147,7 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
     g.drafter = std::count(config.gpus.drafter.begin(), config.gpus.drafter.end(), id) > 0;
     if (g.target) {
       g.target_weights = weights_on[id];
-      g.target_activations = target_activations;
+      g.target_activations = target_activations + (runs_grouped_fp8(id) ? 0 : dequantized_experts);
       g.target_layers = layers_on[id];
       if (id == eval_gpu) g.eval_decoding = eval_decoding;
     }

@@ -6,7 +6,9 @@
 //   target weights     every layer up to the deepest tapped one, the embedding and the LM head,
 //                      in target.dtype (one replica per target GPU)
 //   target activations one forward of data.max_length tokens: the widest layer's intermediate
-//                      tensors (x3 for inputs, outputs and the transient), the tapped states
+//                      tensors (x3 for inputs, outputs and the transient), the tapped states;
+//                      with FP8 experts, a layer's experts in bf16 on a GPU where the FP8
+//                      grouped GEMM does not run (or is not known to)
 //   drafter state      parameters and gradients in target.dtype, fp32 master weights (shared
 //                      with the parameters in fp32) and the two AdamW moments; the target's
 //                      embedding and LM head when the GPU holds no target
@@ -51,9 +53,13 @@ struct GpuMemoryPlan {
 inline constexpr double kHeadroom = 0.92;
 
 // One row per distinct GPU id of the groups (CPU runs: per replica id). `capacities`: bytes per
-// CUDA device index (empty: unknown).
+// CUDA device index (empty: unknown). `grouped_fp8`: per device index, whether an FP8 target's
+// experts run there on the FP8 grouped GEMM (gpu_memory.h: grouped_fp8_gpus); a GPU it does not
+// say so of (unknown: offline) is counted with the bf16 copy of a layer's experts that the
+// forward dequantizes without that kernel.
 std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const target::ModelConfig& target,
-                                       const drafter::DrafterShape& shape, const std::vector<int64_t>& capacities);
+                                       const drafter::DrafterShape& shape, const std::vector<int64_t>& capacities,
+                                       const std::vector<bool>& grouped_fp8 = {});
 
 // The table for the log and `dflashd validate`, one line per GPU, in GB.
 std::string format_memory_plan(const std::vector<GpuMemoryPlan>& plan);

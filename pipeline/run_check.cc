@@ -6,6 +6,7 @@
 
 #include "drafter/drafter_config.h"
 #include "pipeline/dataset.h"
+#include "pipeline/gpu_memory.h"
 #include "target/model_config.h"
 
 namespace dflash::pipeline {
@@ -62,7 +63,9 @@ RunCheck check_run(const config::Config& config, const std::vector<int64_t>& cap
     }
   }
   if (shaped) {
-    check.memory = plan_memory(config, target, shape, capacities);
+    // Online, the GPUs say whether an FP8 target's experts run on the grouped GEMM there.
+    const std::vector<bool> grouped = offline || capacities.empty() ? std::vector<bool>{} : grouped_fp8_gpus(target);
+    check.memory = plan_memory(config, target, shape, capacities, grouped);
     for (std::string& p : memory_plan_problems(check.memory)) problem(std::move(p));
   }
   return check;

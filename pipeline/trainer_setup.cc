@@ -27,9 +27,10 @@ void Trainer::Impl::load_models() {
   {
     // The memory plan per GPU (what `dflashd validate` prints), refused before
     // anything is loaded when it does not fit.
+    const bool cuda = config.gpus.device == config::Device::cuda;
     const std::vector<GpuMemoryPlan> memory =
-        plan_memory(config, s.target_config, s.shape,
-                    config.gpus.device == config::Device::cuda ? gpu_capacities() : std::vector<int64_t>{});
+        plan_memory(config, s.target_config, s.shape, cuda ? gpu_capacities() : std::vector<int64_t>{},
+                    cuda ? grouped_fp8_gpus(s.target_config) : std::vector<bool>{});
     log::info("{}", format_memory_plan(memory));
     const std::vector<std::string> problems = memory_plan_problems(memory);
     if (!problems.empty()) {

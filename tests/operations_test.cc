@@ -503,6 +503,32 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
   EXPECT_TRUE(memory_plan_problems(checkpointed).empty()) << format_memory_plan(checkpointed);
 }
 
+// An FP8 MoE target (Qwen3.5-35B-A3B's config, bench/configs): a GPU whose experts run on the FP8
+// grouped GEMM holds no bf16 copy of a layer's experts; one that does not say so (offline, or
+// another GPU) is counted with it: 3 x 2048 x 512 x 256 experts x 2 bytes.
+TEST(MemoryPlan, AnFp8MoeTargetsDequantizedExpertsOnlyWhereTheGroupedGemmDoesNotRun) {
+  const target::ModelConfig target =
+      target::load_model_config(std::string(DFLASHD_SOURCE_DIR) + "/bench/configs/qwen3_5-35b-a3b");
+  ASSERT_GT(target.num_experts, 0);
+  config::Config c = config::load_default();
+  c.gpus.device = config::Device::cuda;
+  c.gpus.target = {0, 1};
+  c.gpus.drafter = {1};
+  c.target.dtype = config::ModelDtype::float8;
+  c.drafter.mask_token_id.reset();
+  const drafter::DrafterShape shape = drafter::shape_for_target(target, c.drafter);
+  const int64_t experts_bf16 = 3 * target.hidden_size * target.moe_intermediate_size * target.num_experts * 2;
+  EXPECT_EQ(experts_bf16, 3LL * 2048 * 512 * 256 * 2);
+  const auto unknown = plan_memory(c, target, shape, {143'771LL << 20, 143'771LL << 20});
+  const auto hopper = plan_memory(c, target, shape, {143'771LL << 20, 143'771LL << 20}, {true, false});
+  ASSERT_EQ(hopper.size(), 2u);
+  EXPECT_EQ(unknown[0].target_activations - hopper[0].target_activations, experts_bf16) << format_memory_plan(hopper);
+  EXPECT_EQ(hopper[1].target_activations, unknown[1].target_activations) << format_memory_plan(hopper);
+  c.target.dtype = config::ModelDtype::bfloat16;  // no FP8 experts: nothing dequantized anywhere
+  EXPECT_EQ(plan_memory(c, target, shape, {143'771LL << 20, 143'771LL << 20}, {false, false})[0].target_activations,
+            plan_memory(c, target, shape, {143'771LL << 20, 143'771LL << 20}, {true, true})[0].target_activations);
+}
+
 // What a decoding sequence holds at 27B shapes (dflashd generate / eval refuse a batch that does
 // not fit): 48 GatedDeltaNet layers x (two fp32 states of 48 x 128 x 128 + 3 conv rows of 10,240
 // bf16) + 16 attention layers x keys and values at 1,024 positions of 4 x 256 bf16 + one step's
