@@ -16,12 +16,17 @@
 #include "drafter/drafter_config.h"
 #include "pipeline/dataset.h"
 #include "pipeline/failed_samples.h"
+#include "pipeline/gpu_memory.h"
 #include "pipeline/memory_plan.h"
 #include "pipeline/role_balance.h"
 #include "target/decode_plan.h"
 #include "target/model_config.h"
 #include "tests/run_dir.h"
 #include "tests/test_util.h"
+
+#ifdef DFLASHD_WITH_CUDA
+#include "target/kernels/grouped_fp8.h"
+#endif
 
 namespace dflash::pipeline {
 namespace {
@@ -528,6 +533,25 @@ TEST(MemoryPlan, AnFp8MoeTargetsDequantizedExpertsOnlyWhereTheGroupedGemmDoesNot
   EXPECT_EQ(plan_memory(c, target, shape, {143'771LL << 20, 143'771LL << 20}, {false, false})[0].target_activations,
             plan_memory(c, target, shape, {143'771LL << 20, 143'771LL << 20}, {true, true})[0].target_activations);
 }
+
+#ifdef DFLASHD_WITH_CUDA
+// Each GPU says whether Qwen3.5-35B-A3B's FP8 experts run on the grouped GEMM there: where the
+// kernel was built for the GPU (Hopper, sm_90a), its gate/up and down shapes take it; a dense
+// target has no experts to run.
+TEST(MemoryPlan, GpuEachGpuSaysWhetherItRunsTheFp8ExpertsGrouped) {
+  const std::vector<int64_t> gpus = gpu_capacities();
+  if (gpus.empty()) GTEST_SKIP() << "no CUDA device";
+  const std::string configs = std::string(DFLASHD_SOURCE_DIR) + "/bench/configs/";
+  const std::vector<bool> moe = grouped_fp8_gpus(target::load_model_config(configs + "qwen3_5-35b-a3b"));
+  const std::vector<bool> dense = grouped_fp8_gpus(target::load_model_config(configs + "qwen3_5-27b"));
+  ASSERT_EQ(moe.size(), gpus.size());
+  ASSERT_EQ(dense.size(), gpus.size());
+  for (size_t d = 0; d < gpus.size(); ++d) {
+    EXPECT_EQ(moe[d], dflash::grouped_fp8::built_for(static_cast<int>(d))) << "GPU " << d;
+    EXPECT_FALSE(dense[d]) << "GPU " << d;
+  }
+}
+#endif
 
 // What a decoding sequence holds at 27B shapes (dflashd generate / eval refuse a batch that does
 // not fit): 48 GatedDeltaNet layers x (two fp32 states of 48 x 128 x 128 + 3 conv rows of 10,240
