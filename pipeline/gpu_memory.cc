@@ -25,15 +25,26 @@ std::vector<GpuMemory> gpu_memory(const std::vector<int>& devices) {
   return out;
 }
 
-std::vector<int64_t> gpu_capacities() {
-  std::vector<int64_t> out;
+namespace {
+
 #ifdef DFLASHD_WITH_CUDA
+// The CUDA devices this process sees: 0 where CUDA cannot count them (no driver), its error cleared.
+int device_count() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
     cudaGetLastError();
-    return out;
+    return 0;
   }
-  for (int i = 0; i < count; ++i) {
+  return count;
+}
+#endif
+
+}  // namespace
+
+std::vector<int64_t> gpu_capacities() {
+  std::vector<int64_t> out;
+#ifdef DFLASHD_WITH_CUDA
+  for (int i = 0, count = device_count(); i < count; ++i) {
     cudaDeviceProp properties{};
     out.push_back(cudaGetDeviceProperties(&properties, i) == cudaSuccess ? static_cast<int64_t>(properties.totalGlobalMem) : 0);
   }
@@ -44,13 +55,8 @@ std::vector<int64_t> gpu_capacities() {
 std::vector<bool> grouped_fp8_gpus(const target::ModelConfig& target) {
   std::vector<bool> out;
 #ifdef DFLASHD_WITH_CUDA
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();
-    return out;
-  }
   const int64_t experts = target.num_experts, h = target.hidden_size, inner = target.moe_intermediate_size;
-  for (int d = 0; d < count; ++d) {
+  for (int d = 0, count = device_count(); d < count; ++d) {
     out.push_back(experts > 0 && grouped_fp8::weights_apply(experts, 2 * inner, h, nullptr, d) &&
                   grouped_fp8::weights_apply(experts, h, inner, nullptr, d));
   }
