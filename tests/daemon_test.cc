@@ -9,8 +9,7 @@
 namespace dflash {
 namespace {
 
-// The build's binary, or another one (a bundle's launcher on the GPU host) from the environment.
-const std::string kBinary = std::getenv("DFLASHD_BINARY") ? std::getenv("DFLASHD_BINARY") : DFLASHD_BINARY;
+const std::string kBinary = test::dflashd_binary(DFLASHD_BINARY);
 
 std::string write_config(const std::string& dir, int port, const std::string& extra = "") {
   const std::string path = dir + "/run.yaml";

@@ -25,7 +25,7 @@
 namespace dflash {
 namespace {
 
-const std::string kBinary = DFLASHD_BINARY;
+const std::string kBinary = test::dflashd_binary(DFLASHD_BINARY);
 
 // `count` samples: a random prompt of 4-12 tokens, then the target's greedy continuation of
 // `response` tokens, supervised on the response: the recipe's "the target's own responses".

@@ -23,7 +23,7 @@
 namespace dflash {
 namespace {
 
-const std::string kBinary = DFLASHD_BINARY;
+const std::string kBinary = test::dflashd_binary(DFLASHD_BINARY);
 
 // `count` prompts of 1-9 ids below `vocab` (a fixed LCG: the same prompts every run).
 void write_prompts(const std::string& path, int count, int64_t vocab) {

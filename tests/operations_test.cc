@@ -36,7 +36,7 @@ using test::exists;
 using test::make_run;
 using test::RunDir;
 
-const std::string kBinary = DFLASHD_BINARY;
+const std::string kBinary = test::dflashd_binary(DFLASHD_BINARY);
 const std::string kFaulty = DFLASHD_FAULTY_BINARY;
 
 using Clock = std::chrono::steady_clock;
