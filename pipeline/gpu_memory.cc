@@ -4,7 +4,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime_api.h>
 
-#include "target/kernels/grouped_fp8.h"
+#include "target/moe.h"
 #endif
 
 namespace dflash::pipeline {
@@ -55,10 +55,9 @@ std::vector<int64_t> gpu_capacities() {
 std::vector<bool> grouped_fp8_gpus(const target::ModelConfig& target) {
   std::vector<bool> out;
 #ifdef DFLASHD_WITH_CUDA
-  const int64_t experts = target.num_experts, h = target.hidden_size, inner = target.moe_intermediate_size;
   for (int d = 0, count = device_count(); d < count; ++d) {
-    out.push_back(experts > 0 && grouped_fp8::weights_apply(experts, 2 * inner, h, nullptr, d) &&
-                  grouped_fp8::weights_apply(experts, h, inner, nullptr, d));
+    out.push_back(
+        target::fp8_experts_grouped_on(target.num_experts, target.hidden_size, target.moe_intermediate_size, d));
   }
 #else
   (void)target;

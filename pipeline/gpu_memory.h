@@ -25,8 +25,8 @@ std::vector<GpuMemory> gpu_memory(const std::vector<int>& devices);
 // Each CUDA device's memory in bytes, by device index (empty without CUDA).
 std::vector<int64_t> gpu_capacities();
 // By device index, whether `target`'s MoE experts, kept FP8, run there on the FP8 grouped GEMM
-// (target/kernels/grouped_fp8.h: weights_apply for gate_up and down) rather than dequantized to
-// bf16 a layer at a time (empty without CUDA; false for a dense target).
+// (target/moe.h: fp8_experts_grouped_on) rather than dequantized to bf16 a layer at a time (empty
+// without CUDA; false for a dense target).
 std::vector<bool> grouped_fp8_gpus(const target::ModelConfig& target);
 
 }  // namespace dflash::pipeline

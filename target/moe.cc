@@ -7,6 +7,7 @@
 #ifdef DFLASHD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 
+#include "target/kernels/grouped_fp8.h"
 #include "target/kernels/moe.h"
 #endif
 
@@ -84,6 +85,19 @@ std::pair<at::Tensor, at::Tensor> MoeWeights::experts(at::ScalarType dtype) cons
 bool fp8_experts_grouped(const MoeWeights& w, at::Device device, at::ScalarType dtype) {
   return w.fp8_gate_up.defined() && dtype == at::kBFloat16 && fp8_grouped_gemm_applies(w.fp8_gate_up, device) &&
          fp8_grouped_gemm_applies(w.fp8_down, device);
+}
+
+bool fp8_experts_grouped_on(int64_t experts, int64_t hidden, int64_t inner, int device) {
+#ifdef DFLASHD_WITH_CUDA
+  return experts > 0 && grouped_fp8::weights_apply(experts, 2 * inner, hidden, nullptr, device) &&
+         grouped_fp8::weights_apply(experts, hidden, inner, nullptr, device);
+#else
+  (void)experts;
+  (void)hidden;
+  (void)inner;
+  (void)device;
+  return false;
+#endif
 }
 
 MoeRouting moe_route(const MoeShape& s, const at::Tensor& logits) {

@@ -67,6 +67,10 @@ MoeRouting moe_route(const MoeShape& shape, const at::Tensor& logits);
 // Whether the experts of `w` run on the FP8 grouped GEMM for rows in `dtype` on `device` (FP8
 // experts, bf16 rows, fp8_grouped_gemm_applies there).
 bool fp8_experts_grouped(const MoeWeights& w, at::Device device, at::ScalarType dtype);
+// The same asked before any weight is loaded (the memory plan): whether FP8 experts of these
+// shapes, `experts` x gate_up [2 inner, hidden] and down [hidden, inner], would run on the FP8
+// grouped GEMM on CUDA device `device` (false without experts or CUDA).
+bool fp8_experts_grouped_on(int64_t experts, int64_t hidden, int64_t inner, int device);
 
 // x [tokens, H] in the weights' dtype; returns [tokens, H].
 at::Tensor moe_grouped(const MoeShape& shape, const MoeWeights& w, const at::Tensor& x);
