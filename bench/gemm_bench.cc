@@ -11,8 +11,8 @@
 // the heuristic's first; `explore-split-k` the bf16 product through the heuristic's first 8
 // algorithms at every split-k and reduction scheme, the weights read from memory (4 copies);
 // `stream` the stream-K GEMM against cuBLASLt's heuristic (and which the projections take);
-// `grouped-fp8` the FP8 grouped GEMM (kernels/grouped_fp8.h) as one group against cuBLASLt's
-// block-scaled product on the same operands.
+// `grouped-fp8` the FP8 grouped GEMM (kernels/grouped_fp8.h) as one group (above 128 rows: its
+// dense kernel, clusters of two) against cuBLASLt's block-scaled product on the same operands.
 // Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k | stream | grouped-fp8] [ROWS...]
 //        (default: 3072 128)
 #include <ATen/ATen.h>
@@ -490,8 +490,8 @@ int main(int argc, char** argv) {
     }
     if (mode == "grouped-fp8") {
       const auto [lt, ours] = per_forward([&](const Shape& s) { return grouped_vs_lt(s, m); });
-      std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | FP8 grouped GEMM, one "
-                  "group %.1f |\n", static_cast<long long>(m), lt, ours);
+      std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | ours (dense kernel "
+                  "above 128 rows) %.1f |\n", static_cast<long long>(m), lt, ours);
       continue;
     }
     if (mode == "explore-split-k") {

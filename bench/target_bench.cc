@@ -9,7 +9,8 @@
 //      grouped GEMM and dequantized per call, and the floor: its FLOPs (router, top-k experts'
 //      SwiGLU, shared expert) at the measured bf16 matmul rate.
 //   An MoE target's FP8 forward runs twice: its experts dequantized per layer, then on the FP8
-//   grouped GEMM (kernels/grouped_fp8.h's hook, in one process).
+//   grouped GEMM (kernels/grouped_fp8.h's hook, in one process). On sm_90a the FP8 forward runs
+//   once more with its dense projections on the dense FP8 kernel (the hook dense_projections).
 // Usage: target_bench CONFIG_DIR [LAST_LAYER]   (LAST_LAYER -1: no whole forward, the MoE block only)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -82,6 +83,17 @@ void bench_forward(const target::ModelConfig& config, const char* config_dir, in
         grouped_fp8::off = false;
       }
       const std::vector<at::Tensor> fp8 = run(fp8_options, "fp8");
+      // The dense projections on our dense FP8 kernel instead of cuBLASLt (grouped_fp8.h's hook):
+      // the same block-scaled arithmetic, summed in another order.
+      if (grouped_fp8::built_for(options.device.index())) {
+        grouped_fp8::dense_projections = true;
+        const std::vector<at::Tensor> ours = run(fp8_options, "fp8, projections on the dense FP8 kernel");
+        grouped_fp8::dense_projections = false;
+        for (size_t i = 0; i < tapped.size(); ++i) {
+          std::printf("  dense FP8 kernel vs cuBLASLt, tapped layer %lld: relative error %.2e (Frobenius)\n",
+                      static_cast<long long>(tapped[i]), ((ours[i] - fp8[i]).norm() / fp8[i].norm()).item<double>());
+        }
+      }
       for (size_t i = 0; i < tapped.size(); ++i) {
         const at::Tensor d = fp8[i] - bf16[i];
         std::printf("  FP8 vs bf16 tapped layer %lld: relative error %.4f (Frobenius), max %.4f of max |bf16|, cosine %.5f\n",

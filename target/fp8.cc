@@ -8,6 +8,7 @@
 
 #ifdef DFLASHD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include "target/fused_ops.h"
 #include "target/kernels/fp8.h"
@@ -160,12 +161,44 @@ Fp8Activations quantize_gathered_groups(const at::Tensor& x, const at::Tensor& s
   return quantize_groups(x.index_select(0, at::div(sources, divisor, "floor")));
 }
 
+namespace {
+
+// How far apart the factors of consecutive 128-wide groups of a row are (the column-major
+// layout's padded rows). With one group the stride ATen reports for it is arbitrary, and unused.
+int64_t factor_stride(const Fp8Activations& a) {
+  return a.factors.size(1) == 1 ? a.factors.size(0) : a.factors.stride(1);
+}
+
+#ifdef DFLASHD_WITH_CUDA
+// y = the product on the dense FP8 kernel (grouped_fp8.h's bench hook dense_projections), or an
+// undefined tensor where the hook is down or the kernel does not take the operands.
+at::Tensor dense_kernel_product(const Fp8Activations& a, const Fp8Weight& w) {
+  if (!grouped_fp8::dense_projections.load() || a.dtype != at::kBFloat16 || a.q.size(0) <= 128 ||
+      w.data.dim() != 2 || !w.data.is_contiguous() || !w.scale.is_contiguous() ||
+      w.scale.scalar_type() != at::kFloat) {
+    return {};
+  }
+  const c10::cuda::CUDAGuard guard(a.q.device());  // the kernel runs on the current device
+  at::Tensor y = at::empty({a.q.size(0), w.data.size(0)}, a.q.options().dtype(at::kBFloat16));
+  grouped_fp8::Problem p;
+  p.x = a.q.data_ptr(), p.x_stride = a.q.stride(0), p.x_factors = a.factors.data_ptr<float>();
+  p.factor_stride = factor_stride(a), p.w = w.data.data_ptr(), p.w_factors = w.scale.data_ptr<float>();
+  p.y = y.data_ptr(), p.m = a.q.size(0), p.n = w.data.size(0), p.k = w.data.size(1);
+  if (!grouped_fp8::applies(p, a.q.device().index())) return {};
+  grouped_fp8::run(p, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream());
+  return y;
+}
+#endif
+
+}  // namespace
+
 at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Tensor& bias) {
   const at::ScalarType dtype = a.dtype;
   at::Tensor y;
   if (a.q.is_cuda() && !fp8_gemm_unavailable(a.q.device())) {
 #ifdef DFLASHD_WITH_CUDA
-    y = lt_gemm_fp8(a, w);
+    y = dense_kernel_product(a, w);
+    if (!y.defined()) y = lt_gemm_fp8(a, w);
     if (bias.defined()) y.add_(bias);  // rounded once more than the emulation's fp32 add (within its tolerance)
 #endif
   } else {
@@ -175,16 +208,6 @@ at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Ten
   }
   return a.q.size(0) != a.rows ? y.narrow(0, 0, a.rows) : y;
 }
-
-namespace {
-
-// How far apart the factors of consecutive 128-wide groups of a row are (the column-major
-// layout's padded rows). With one group the stride ATen reports for it is arbitrary, and unused.
-int64_t factor_stride(const Fp8Activations& a) {
-  return a.factors.size(1) == 1 ? a.factors.size(0) : a.factors.stride(1);
-}
-
-}  // namespace
 
 bool fp8_grouped_gemm_applies(const Fp8Weight& w, at::Device device) {
 #ifdef DFLASHD_WITH_CUDA

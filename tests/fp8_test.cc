@@ -363,6 +363,55 @@ TEST(GroupedFp8Schedule, EveryRowOfEveryGroupIsInOneTile) {
   }
 }
 
+
+// The dense kernel's pairs of tiles: every (row, column) of the output in exactly one CTA's tile;
+// the two CTAs of a pair on the same n-tile, rank 0's rows first; only the second tile of the
+// last pair empty, and only when the m-tiles are odd. W's factor blocks as a tile of 128 or 192
+// columns meets them.
+TEST(GroupedFp8Schedule, DensePairsCoverTheProductOnce) {
+  namespace gf = dflash::grouped_fp8;
+  for (const auto& [m, n] : std::vector<std::pair<int64_t, int64_t>>{
+           {129, 192}, {256, 16480}, {300, 520}, {1000, 384}, {3072, 5120}, {3071, 34816}}) {
+    const gf::DensePairs pairs(m, n);
+    const int64_t chunks = (n + 7) / 8;  // columns in chunks of 8 (n is a multiple of 8 where it runs)
+    std::vector<int> covered(static_cast<size_t>(m * chunks), 0);
+    for (int64_t pair = 0; pair < pairs.count(); ++pair) {
+      const gf::Tile first = pairs.at(pair, 0), second = pairs.at(pair, 1);
+      ASSERT_EQ(first.n_tile, second.n_tile);
+      EXPECT_EQ(second.row_begin, first.row_begin + gf::kTileRows);
+      EXPECT_LT(first.row_begin, first.row_end) << "pair " << pair;
+      if (second.row_begin >= m) {
+        EXPECT_EQ(second.row_end, second.row_begin);
+        EXPECT_EQ(pair % pairs.m_pairs, pairs.m_pairs - 1) << "only the last pair's second tile is empty";
+      }
+      for (const gf::Tile& tile : {first, second}) {
+        if (tile.row_begin < m) {
+          EXPECT_LE(tile.row_end, m);
+        }
+        EXPECT_LE(tile.row_end - tile.row_begin, gf::kTileRows);
+        const int64_t first_chunk = tile.n_tile * gf::kDenseCols / 8;
+        const int64_t end_chunk = std::min<int64_t>(chunks, first_chunk + gf::kDenseCols / 8);
+        for (int r = tile.row_begin; r < tile.row_end; ++r) {
+          for (int64_t c = first_chunk; c < end_chunk; ++c) ++covered[static_cast<size_t>(r * chunks + c)];
+        }
+      }
+    }
+    for (size_t i = 0; i < covered.size(); ++i) ASSERT_EQ(covered[i], 1) << m << " x " << n << ": row " << i / chunks;
+  }
+  for (const int cols : {128, 192}) {
+    for (int64_t first = 0; first < 2048; first += cols) {
+      const gf::TileBlocks blocks = gf::tile_blocks(first, cols);
+      for (int chunk = 0; chunk < cols / 8; ++chunk) {
+        const int64_t block = (first + 8 * chunk) / 128;  // the chunk's 8 columns share one block
+        EXPECT_EQ(block, (first + 8 * chunk + 7) / 128);
+        EXPECT_EQ(block, blocks.first + (chunk < blocks.chunks_in_first ? 0 : 1)) << first << " + chunk " << chunk;
+      }
+      // promote's reading: chunks 0..7 in the first block, 16.. in the second, 8..15 in the first
+      // exactly when chunks_in_first is 16.
+      EXPECT_TRUE(blocks.chunks_in_first == 16 || (cols == 192 && blocks.chunks_in_first == 8)) << first;
+    }
+  }
+}
 // The CPU emulation of the grouped product is, group by group, fp8_linear's emulation of that
 // group's rows and expert (rows past the last group's end are not part of it).
 TEST(Fp8, GroupedLinearIsEachGroupsLinear) {
@@ -441,6 +490,15 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
   EXPECT_TRUE(at::equal(got, again)) << "a second run differs";
   EXPECT_TRUE(at::equal(got.narrow(0, ends.back(), c.spare_rows), sentinel.narrow(0, ends.back(), c.spare_rows)))
       << "rows past the groups were written";
+  // A dense product through fp8_linear with the bench hook up: the same kernel.
+  if (groups == 1 && ends.back() > gf::kTileRows) {
+    const Fp8Activations on_gpu{a.q.to(gpu), a.factors.to(gpu).t().contiguous().t(), a.rows, a.dtype};
+    const Fp8Weight one{gpu_w.data[0], gpu_w.scale[0]};
+    gf::dense_projections = true;
+    const at::Tensor linear = fp8_linear(on_gpu, one, {});
+    gf::dense_projections = false;
+    EXPECT_TRUE(at::equal(linear.narrow(0, 0, ends.back()), got.narrow(0, 0, ends.back())));
+  }
   // Through fp8_grouped_linear on the GPU: the same kernel.
   if (groups > 1 && c.stride == c.k) {
     const Fp8Activations on_gpu{a.q.to(gpu), a.factors.to(gpu).t().contiguous().t(), a.rows, a.dtype};
@@ -453,9 +511,10 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
 // (within bf16's rounding and the tensor cores' FP8 sums): empty groups, groups of 1, 64, 65,
 // 128, 129 and 300 rows (tiles cut at each group's own first row), k of 1, 2, 3, 4 and 16
 // k-blocks, n not a multiple of 128 (the last n-tile partial, reading the next group's rows),
-// rows of x strided, a dense product (no ends), 35B-A3B's expert shapes; rows past the last
-// group's end left as they were; a second run bit for bit the same; shapes it cannot take
-// refused by name.
+// rows of x strided, 35B-A3B's expert shapes; dense products (no ends: the dense kernel in
+// clusters of two above 128 rows) with odd m-tiles, 192-column tiles that begin inside a factor
+// block, a partial last one, more pairs than clusters; rows past the last group's end left as
+// they were; a second run bit for bit the same; shapes it cannot take refused by name.
 TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
   if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
   namespace gf = dflash::grouped_fp8;
@@ -470,6 +529,7 @@ TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
   for (const GroupedCase& c : {GroupedCase{{0, 1, 64, 65, 0, 128, 129, 300, 7, 0}, 256, 384, 9, 512},
                                GroupedCase{{1000}, 384, 2048, 0, 2048}, GroupedCase{{0, 0, 5}, 128, 128, 3, 128},
                                GroupedCase{{3, 0, 130}, 200, 256, 2, 256}, GroupedCase{{300}, 16480, 512, 0, 512},
+                               GroupedCase{{2304}, 2112, 512, 5, 640},
                                GroupedCase{std::vector<int32_t>(64, 90), 1024, 2048, 16, 2048},
                                GroupedCase{std::vector<int32_t>(64, 90), 2048, 512, 16, 512}}) {
     check_grouped_case(c, gpu, stream);

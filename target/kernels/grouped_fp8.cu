@@ -19,7 +19,9 @@ namespace {
 
 constexpr int kThreads = 128 + kConsumerThreads;  // a producer warpgroup and two consumers
 constexpr size_t kSharedBytes = sizeof(Shared) + 1024;  // + the alignment of the ring
+constexpr size_t kDenseSharedBytes = sizeof(DenseShared) + 1024;
 static_assert(kSharedBytes <= 227 * 1024, "the FP8 grouped GEMM's shared memory exceeds an H200 CTA's");
+static_assert(kDenseSharedBytes <= 227 * 1024, "the dense FP8 GEMM's shared memory exceeds an H200 CTA's");
 
 // Warpgroup 0 produces (thread 0), warpgroups 1 and 2 consume; every CTA walks the same tile
 // numbering (schedule.h), each from its own index.
@@ -45,15 +47,88 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int ct = static_cast<int>(threadIdx.x) - 128;
   smem_ring::Position at;
-  Accumulators acc;
+  Accumulators<kTileCols> acc;
   for (int64_t t = blockIdx.x; t < walk.tiles; t += gridDim.x) {
     const Tile tile = walk.at(t);
-    consume_tile(s.ring, acc, at, tile, p, k_blocks, ct);
-    store_tile(acc, s, tile, static_cast<__nv_bfloat16*>(p.y), p.n, ct);
+    consume_tile<kTileCols, 1>(s.ring, acc, at, tile, p, k_blocks, ct);
+    store_tile(acc, s.out, tile, static_cast<__nv_bfloat16*>(p.y), p.n, ct);
   }
 #else
   __trap();
 #endif
+}
+
+// One dense group (no ends), m above one tile: clusters of two CTAs, each a pair of m-tiles by a
+// tile of kDenseCols columns of W, loaded half by each CTA into both (schedule.h's DensePairs).
+// The consumers of both CTAs end at a cluster barrier: neither CTA leaves while the other may
+// still release a stage to it (its multicasts into the other have landed before the other's
+// consumers finish).
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
+    dense_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                     const Problem p) {
+#ifdef DFLASHD_WGMMA
+  extern __shared__ unsigned char raw[];
+  auto& s = mma_tile::aligned_shared<DenseShared>(raw);
+  const int rank = static_cast<int>(barriers::cluster_rank());
+  if (threadIdx.x == 0) {
+    s.ring.init();
+    barriers::TransactionBarrier::fence_init();
+    tma::prefetch_map(&x_map);
+    tma::prefetch_map(&w_map);
+  }
+  barriers::cluster_sync();  // both CTAs' barriers are set up before either multicasts or releases
+  const DensePairs pairs(p.m, p.n);
+  const int k_blocks = static_cast<int>(p.k / kBlockK);
+  const int64_t cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) produce_pairs(s.ring, &x_map, &w_map, pairs, cluster, clusters, k_blocks, rank);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int ct = static_cast<int>(threadIdx.x) - 128;
+  smem_ring::Position at;
+  Accumulators<kDenseCols> acc;
+  for (int64_t pair = cluster; pair < pairs.count(); pair += clusters) {
+    const Tile tile = pairs.at(pair, rank);
+    consume_tile<kDenseCols, 2>(s.ring, acc, at, tile, p, k_blocks, ct, static_cast<uint32_t>(rank ^ 1));
+    store_tile(acc, s.out, tile, static_cast<__nv_bfloat16*>(p.y), p.n, ct);
+  }
+  barriers::cluster_sync();
+#else
+  __trap();
+#endif
+}
+
+// Clusters of the dense kernel resident at once on `device` (asked once per device), or every
+// SM's pair when the runtime cannot say.
+int dense_clusters(int device) {
+  static std::array<std::once_flag, 64> once;
+  static std::array<int, 64> clusters{};
+  std::call_once(once[device], [device] {
+    allow_shared_memory(dense_fp8_kernel, kDenseSharedBytes, "dense FP8 GEMM kernel");
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(2 * 1024);
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = kDenseSharedBytes;
+    int resident = 0;
+    if (cudaOccupancyMaxActiveClusters(&resident, dense_fp8_kernel, &config) != cudaSuccess || resident < 1) {
+      (void)cudaGetLastError();
+      resident = tensor_map::device_facts(device).sms / 2;
+    }
+    clusters[device] = resident;
+  });
+  return clusters[device];
+}
+
+void run_dense(const Problem& p, int device, cudaStream_t stream) {
+  const CUtensorMap x_map = tensor_map::swizzled_rows(p.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.m, p.k, p.x_stride,
+                                                      kTileRows, "dense FP8 GEMM: x");
+  const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.n, p.k, p.k,
+                                                      kDenseCols / 2, "dense FP8 GEMM: W");
+  const int64_t clusters = std::min<int64_t>(dense_clusters(device), DensePairs(p.m, p.n).count());
+  dense_fp8_kernel<<<static_cast<unsigned>(2 * clusters), kThreads, kDenseSharedBytes, stream>>>(x_map, w_map, p);
+  check_cuda(cudaGetLastError(), "dense FP8 GEMM kernel");
 }
 
 using tensor_map::aligned;
@@ -90,6 +165,10 @@ void run(const Problem& p, int device, cudaStream_t stream) {
                                 " (sm_90a, n a multiple of 8, k of 128, 16-byte aligned operands)");
   }
   if (p.m == 0) return;
+  if (p.ends == nullptr && p.m > kTileRows) {
+    run_dense(p, device, stream);
+    return;
+  }
   static std::array<std::once_flag, 64> once;  // the attribute is set per device
   std::call_once(once[device],
                  [] { allow_shared_memory(grouped_fp8_kernel, kSharedBytes, "FP8 grouped GEMM kernel"); });

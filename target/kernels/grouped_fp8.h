@@ -28,6 +28,12 @@ inline constexpr int kMaxGroups = 1024;  // the MoE block's largest expert count
 // bf16 grouped GEMM instead (the path before this kernel), to compare the two in one process.
 inline std::atomic<bool> off{false};
 
+// A benchmark hook (the daemon never sets it): target/fp8.h's fp8_linear runs the dense FP8
+// projections above 128 rows on this file's dense kernel instead of cuBLASLt, so that a bench
+// times both in one process (bench/target_bench.cc). Which the target takes is decided once the
+// two are measured side by side.
+inline std::atomic<bool> dense_projections{false};
+
 struct Problem {
   const void* x = nullptr;             // e4m3 [m, k], rows x_stride bytes apart, sorted by group
   int64_t x_stride = 0;                // a multiple of 16, >= k
@@ -58,7 +64,10 @@ bool weights_apply(int64_t groups, int64_t n, int64_t k, const void* w, int devi
 bool applies(const Problem& p, int device);
 
 // Runs the product on `stream` (one persistent CTA per SM; no host synchronisation: the group
-// sizes are read on the device). Throws naming the shape where applies() is false.
+// sizes are read on the device). One group without ends above 128 rows (a dense projection) runs
+// on the dense kernel instead: clusters of two CTAs, each a pair of 128-row tiles by 192 columns of
+// W, W's tile loaded once into both (schedule.h's DensePairs). Throws naming the shape where
+// applies() is false.
 void run(const Problem& p, int device, cudaStream_t stream);
 
 }  // namespace dflash::grouped_fp8

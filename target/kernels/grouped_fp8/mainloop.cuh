@@ -1,6 +1,6 @@
 // mainloop.cuh: the FP8 grouped GEMM's pipeline (grouped_fp8.cu). One producer thread streams,
 // for each tile the CTA takes (schedule.h) and each of its k-blocks, the tile's 128 rows of x and
-// 128 rows of W_g (128 e4m3 columns each) by TMA into one stage of a ring (common/smem_ring.cuh).
+// its rows of W_g (128 e4m3 columns each) by TMA into one stage of a ring (common/smem_ring.cuh).
 // Two consumer warpgroups, 64 rows of x each, multiply the stage on wgmma into a k-block's fp32
 // sums, hand the stage back, and add those sums times the row's factor and the block's factor
 // into their accumulators: the tensor cores' own sums never run longer than one 128-wide k-block
@@ -8,9 +8,11 @@
 // arithmetic says. The factors are read from memory (L2) before the stage's wait, so that the
 // wait hides their latency.
 //
-// A stage is [x's 128 rows | W's 128 rows], each 128 bytes a row in the 128-byte swizzle that
+// A stage is [x's 128 rows | W's tile rows], each 128 bytes a row in the 128-byte swizzle that
 // TMA writes and wgmma reads (wgmma.cuh's K-major layout: a k-step of 32 e4m3 columns is 32 bytes
-// of the row, as a bf16 k-step is).
+// of the row, as a bf16 k-step is). The grouped kernel's tiles are 128 rows of W (one factor
+// block); the dense kernel's are kDenseCols (schedule.h), loaded half by each CTA of a cluster
+// of two into both (produce_pairs), so that a stage is released to both CTAs' producers.
 #pragma once
 
 #include <cuda.h>
@@ -32,17 +34,30 @@ inline constexpr int kConsumerWarps = 8;  // two warpgroups
 inline constexpr int kConsumerThreads = kConsumerWarps * 32;
 inline constexpr int kOperandBytes = kTileRows * kBlockK;  // one operand's half of a stage, 16 KB
 inline constexpr int kStages = 5;
-inline constexpr int kOutStride = kTileCols + 8;  // the staged output's row (bf16), padded
+
+// The output tile staged for coalesced stores ([row][column], rows padded by 8 columns so that
+// the consumers' writes spread over the banks).
+template <int kCols>
+using Staging = __nv_bfloat16[kTileRows][kCols + 8];
 
 using Ring = smem_ring::Ring<2 * kOperandBytes, kStages, kConsumerWarps>;
 
-// The ring, the output tile staged for coalesced stores ([row][column], rows padded by 8 so that
-// the consumers' writes spread over the banks), and the groups' ends and m-tile counts.
+// The ring, the staged output, and the groups' ends and m-tile counts.
 struct Shared {
   Ring ring;
-  alignas(16) __nv_bfloat16 out[kTileRows][kOutStride];
+  alignas(16) Staging<kTileCols> out;
   int32_t ends[kMaxGroups];
   int m_tiles_before[kMaxGroups + 1];
+};
+
+// The dense kernel's: stages of x's 128 rows and W's kDenseCols (4 of 40 KB), each released by
+// the consumer warps of both CTAs of the cluster.
+inline constexpr int kDenseStages = 4;
+inline constexpr int kDenseWBytes = kDenseCols * kBlockK;
+using DenseRing = smem_ring::Ring<kOperandBytes + kDenseWBytes, kDenseStages, 2 * kConsumerWarps>;
+struct DenseShared {
+  DenseRing ring;
+  alignas(16) Staging<kDenseCols> out;
 };
 
 // The tiles as every role of the CTA walks them: blockIdx.x, + gridDim.x, ... below `tiles`.
@@ -121,60 +136,119 @@ __device__ __forceinline__ void produce(Ring& ring, const XMaps& x_maps, const v
   }
 }
 
-// A consumer warpgroup's 64 rows of the tile by its 128 columns, in mma_tile's m16n8 layout per
+// One thread of the dense kernel (CTA `rank` of its cluster of two): for each pair of m-tiles
+// the cluster takes (cluster, + clusters, ...) and each k-block, its own m-tile's 128 rows of x
+// into its stage, and its half of the pair's W tile into the same stage of both CTAs (multicast).
+// The stage's barrier in each CTA counts x's bytes and both halves of W; a stage is refilled once
+// both CTAs' consumers have released it (the ring's 16 readers).
+__device__ __forceinline__ void produce_pairs(DenseRing& ring, const void* x_map, const void* w_map,
+                                              const DensePairs& pairs, int64_t cluster, int64_t clusters,
+                                              int k_blocks, int rank) {
+  constexpr int kHalfRows = kDenseCols / 2;
+  const uint64_t streamed = tma::evict_first(), shared = tma::evict_last();
+  smem_ring::Position at;
+  for (int64_t pair = cluster; pair < pairs.count(); pair += clusters) {
+    const Tile tile = pairs.at(pair, rank);
+    const int w_row = tile.n_tile * kDenseCols + rank * kHalfRows;
+    const uint32_t w_half = kOperandBytes + rank * kHalfRows * kBlockK;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      ring.empty_at(at.stage).wait(at.phase ^ 1);
+      const barriers::TransactionBarrier full = ring.full_at(at.stage);
+      full.expect_bytes(kOperandBytes + kDenseWBytes);
+      tma::load_2d(ring.address(at.stage), x_map, kb * kBlockK, tile.row_begin, full.address, shared);
+      tma::load_2d_multicast(ring.address(at.stage) + w_half, w_map, kb * kBlockK, w_row, full.address, 0b11,
+                             streamed);
+      at.advance<kDenseStages>();
+    }
+  }
+}
+
+// A consumer warpgroup's 64 rows of the tile by its kCols columns, in mma_tile's m16n8 layout per
 // warp (wgmma.cuh): c[j][r] is row 16 w + lane / 4 + 8 (r / 2), column 8 j + 2 (lane % 4) + r % 2.
+template <int kCols>
 struct Accumulators {
-  float c[kTileCols / 8][4];
+  float c[kCols / 8][4];
 };
 
 // The k-block in the stage at `x_stage` / `w_stage`: part = this warpgroup's 64 rows of x . W^T.
-__device__ __forceinline__ void multiply_stage(Accumulators& part, uint32_t x_stage, uint32_t w_stage) {
+template <int kCols>
+__device__ __forceinline__ void multiply_stage(Accumulators<kCols>& part, uint32_t x_stage, uint32_t w_stage) {
   wgmma::arrive();
 #pragma unroll
   for (int step = 0; step < kBlockK / 32; ++step) {
     const uint64_t a = wgmma::descriptor(x_stage + step * 32, 16, 1024);
     const uint64_t b = wgmma::descriptor(w_stage + step * 32, 16, 1024);
-    wgmma::mma_64x128_e4m3(part.c, a, b, step > 0);
+    wgmma::mma_e4m3(part.c, a, b, step > 0);
   }
   wgmma::commit();
   wgmma::wait<0>(part.c);
 }
 
+// acc += part times each row's factor (a: the thread's rows 16 w + lane / 4, b: 8 below) and each
+// column's block's. A tile of 128 columns lies in one block of W's factors (a0 / b0); one of 192
+// begins at a multiple of 64 (schedule.h's tile_blocks), so its chunks 0..7 lie in the first
+// block, 16..23 in the second, and 8..15 in the first exactly when the tile begins on a block
+// (a_mid / b_mid, chosen once a k-block).
+template <int kCols>
+__device__ __forceinline__ void promote(Accumulators<kCols>& acc, const Accumulators<kCols>& part, float a0, float b0,
+                                        float a_mid, float b_mid, float a1, float b1) {
+#pragma unroll
+  for (int j = 0; j < kCols / 8; ++j) {
+    const float a = j < 8 ? a0 : (j < 16 ? a_mid : a1), b = j < 8 ? b0 : (j < 16 ? b_mid : b1);
+    acc.c[j][0] += part.c[j][0] * a;
+    acc.c[j][1] += part.c[j][1] * a;
+    acc.c[j][2] += part.c[j][2] * b;
+    acc.c[j][3] += part.c[j][3] * b;
+  }
+}
+
 // A consumer warpgroup's whole tile into `acc` (overwritten). Thread `ct` of the consumers
 // (0..255); the warpgroup's rows start 64 warpgroup rows into the tile. A warpgroup whose rows are
-// all past the tile's still waits for and hands back every stage.
-__device__ __forceinline__ void consume_tile(Ring& ring, Accumulators& acc, smem_ring::Position& at, const Tile& tile,
-                                             const Problem& p, int k_blocks, int ct) {
+// all past the tile's still waits for and hands back every stage: to its own CTA's producer, and
+// with kCluster 2 to the peer's (CTA `peer` of the cluster), whose multicast also fills it.
+template <int kCols, int kCluster, typename RingT>
+__device__ __forceinline__ void consume_tile(RingT& ring, Accumulators<kCols>& acc, smem_ring::Position& at,
+                                             const Tile& tile, const Problem& p, int k_blocks, int ct,
+                                             uint32_t peer = 0) {
+  static_assert(kCols == 128 || kCols == 192, "tiles of 128 or 192 columns (promote's factor blocks)");
   const int warpgroup = ct / 128, warp = (ct / 32) % 4, lane = ct % 32;
   const int first_row = tile.row_begin + 64 * warpgroup;
   const bool multiplies = first_row < tile.row_end;
   const int row_a = first_row + 16 * warp + lane / 4, row_b = row_a + 8;
-  const float* w_factors =
-      p.w_factors + (static_cast<int64_t>(tile.group) * n_tiles_of(p.n) + tile.n_tile) * k_blocks;
+  const int n_blocks = n_tiles_of(p.n);  // W's factor blocks of 128 rows per group
+  const TileBlocks blocks = tile_blocks(static_cast<int64_t>(tile.n_tile) * kCols, kCols);
+  const float* w_factors = p.w_factors + (static_cast<int64_t>(tile.group) * n_blocks + blocks.first) * k_blocks;
+  // The next block's (the same block for a partial last tile that reaches no further block: its
+  // columns past n are never stored).
+  const float* next_factors = blocks.first + 1 < n_blocks ? w_factors + k_blocks : w_factors;
+  const bool mid_in_first = blocks.chunks_in_first == 16;
 #pragma unroll
-  for (int j = 0; j < kTileCols / 8; ++j) acc.c[j][0] = acc.c[j][1] = acc.c[j][2] = acc.c[j][3] = 0.f;
-  Accumulators part;
+  for (int j = 0; j < kCols / 8; ++j) acc.c[j][0] = acc.c[j][1] = acc.c[j][2] = acc.c[j][3] = 0.f;
+  Accumulators<kCols> part;
   for (int kb = 0; kb < k_blocks; ++kb) {
     const float w_factor = __ldg(w_factors + kb);
     const float* x_factors = p.x_factors + static_cast<int64_t>(kb) * p.factor_stride;
     const float a_factor = row_a < p.m ? __ldg(x_factors + row_a) * w_factor : 0.f;
     const float b_factor = row_b < p.m ? __ldg(x_factors + row_b) * w_factor : 0.f;
+    float a1 = a_factor, b1 = b_factor;
+    if constexpr (kCols > 128) {
+      const float next_factor = __ldg(next_factors + kb);
+      a1 = row_a < p.m ? __ldg(x_factors + row_a) * next_factor : 0.f;
+      b1 = row_b < p.m ? __ldg(x_factors + row_b) * next_factor : 0.f;
+    }
     ring.full_at(at.stage).wait(at.phase);
     if (multiplies) {
       const uint32_t stage = ring.address(at.stage);
       multiply_stage(part, stage + warpgroup * 64 * 128, stage + kOperandBytes);
     }
-    if (lane == 0) ring.empty_at(at.stage).arrive();
-    if (multiplies) {
-#pragma unroll
-      for (int j = 0; j < kTileCols / 8; ++j) {
-        acc.c[j][0] += part.c[j][0] * a_factor;
-        acc.c[j][1] += part.c[j][1] * a_factor;
-        acc.c[j][2] += part.c[j][2] * b_factor;
-        acc.c[j][3] += part.c[j][3] * b_factor;
-      }
+    if (lane == 0) {
+      ring.empty_at(at.stage).arrive();
+      if constexpr (kCluster > 1) ring.empty_at(at.stage).arrive_at(peer);
     }
-    at.advance<kStages>();
+    if (multiplies) {
+      promote(acc, part, a_factor, b_factor, mid_in_first ? a_factor : a1, mid_in_first ? b_factor : b1, a1, b1);
+    }
+    at.advance<RingT::kDepth>();
   }
 }
 
