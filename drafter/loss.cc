@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 #ifdef DFLASHD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -31,6 +32,48 @@ bool lm_head_kernels_apply(const at::Tensor& hidden, const at::Tensor& lm_head) 
 #endif
 }
 
+// One chunk of rows through the head: adds its weighted cross-entropy to loss_sum, writes the
+// rows' hidden-state gradient (scaled by 1 / global_weight_sum) into `grad`, and returns 1 where
+// a row's argmax is its label. On the fused kernels: bf16 logits, their statistics in one pass,
+// then overwritten by their own gradient (lm_head_kernels_apply decides; never without CUDA).
+at::Tensor chunk_on_kernels(const at::Tensor& h, const at::Tensor& y, const at::Tensor& w, const at::Tensor& lm_head,
+                            double global_weight_sum, at::Tensor& loss_sum, at::Tensor grad) {
+#ifdef DFLASHD_WITH_CUDA
+  const int64_t n = h.size(0);
+  at::Tensor logits = at::matmul(h, lm_head.t());  // [n, vocab]: one chunk only
+  const auto fp32 = h.options().dtype(at::kFloat);
+  at::Tensor lse = at::empty({n}, fp32), picked = at::empty({n}, fp32), best = at::empty({n}, y.options());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  const int vocab = static_cast<int>(logits.size(1));
+  kernels::logit_row_stats(logits.data_ptr(), static_cast<int>(n), vocab, logits.stride(0), y.data_ptr<int64_t>(),
+                           lse.data_ptr<float>(), picked.data_ptr<float>(), best.data_ptr<int64_t>(), stream);
+  loss_sum += ((lse - picked) * w).sum();
+  const at::Tensor scale = (w / global_weight_sum).contiguous();
+  kernels::logit_gradient(logits.data_ptr(), static_cast<int>(n), vocab, logits.stride(0), y.data_ptr<int64_t>(),
+                          lse.data_ptr<float>(), scale.data_ptr<float>(), stream);
+  grad.copy_(at::matmul(logits, lm_head));
+  return (best == y).to(at::kLong);
+#else
+  (void)h, (void)y, (void)w, (void)lm_head, (void)global_weight_sum, (void)loss_sum, (void)grad;
+  throw std::logic_error("the fused cross-entropy kernels are not in a build without CUDA");
+#endif
+}
+
+// The same in composite ATen ops, fp32 logits.
+at::Tensor chunk_composite(const at::Tensor& h, const at::Tensor& y, const at::Tensor& w, const at::Tensor& lm_head,
+                           double global_weight_sum, at::Tensor& loss_sum, at::Tensor grad) {
+  const at::Tensor logits = at::matmul(h, lm_head.t()).to(at::kFloat);  // [n, vocab]: one chunk only
+  const at::Tensor lse = at::logsumexp(logits, 1);
+  const at::Tensor picked = logits.gather(1, y.unsqueeze(1)).squeeze(1);
+  loss_sum += ((lse - picked) * w).sum();
+  // d(sum w CE)/d logits = w (softmax - onehot); scaled by 1 / global denominator.
+  at::Tensor d_logits = at::exp(logits - lse.unsqueeze(1));
+  d_logits.scatter_add_(1, y.unsqueeze(1), -at::ones({h.size(0), 1}, d_logits.options()));
+  d_logits.mul_((w / global_weight_sum).unsqueeze(1));
+  grad.copy_(at::matmul(d_logits.to(lm_head.scalar_type()), lm_head));
+  return (logits.argmax(1) == y).to(at::kLong);
+}
+
 struct ChunkedHeadLoss : public torch::autograd::Function<ChunkedHeadLoss> {
   // Returns the loss; the hidden-state gradient is computed here, chunk by chunk.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& lm_head,
@@ -51,34 +94,9 @@ struct ChunkedHeadLoss : public torch::autograd::Function<ChunkedHeadLoss> {
       const int64_t n = std::min(chunk_rows, rows - begin);
       const at::Tensor h = h_valid.narrow(0, begin, n);
       const at::Tensor y = y_valid.narrow(0, begin, n), w = w_valid.narrow(0, begin, n);
-      at::Tensor hit;
-      if (use_kernels) {
-        // bf16 logits, their statistics in one pass, then overwritten by their own gradient.
-        at::Tensor logits = at::matmul(h, lm_head.t());  // [n, vocab]: one chunk only
-        const auto fp32 = h.options().dtype(at::kFloat);
-        at::Tensor lse = at::empty({n}, fp32), picked = at::empty({n}, fp32), best = at::empty({n}, y.options());
-        const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-        const int vocab = static_cast<int>(logits.size(1));
-        kernels::logit_row_stats(logits.data_ptr(), static_cast<int>(n), vocab, logits.stride(0), y.data_ptr<int64_t>(),
-                                 lse.data_ptr<float>(), picked.data_ptr<float>(), best.data_ptr<int64_t>(), stream);
-        loss_sum += ((lse - picked) * w).sum();
-        const at::Tensor scale = (w / global_weight_sum).contiguous();
-        kernels::logit_gradient(logits.data_ptr(), static_cast<int>(n), vocab, logits.stride(0), y.data_ptr<int64_t>(),
-                                lse.data_ptr<float>(), scale.data_ptr<float>(), stream);
-        grad_valid.narrow(0, begin, n).copy_(at::matmul(logits, lm_head));
-        hit = (best == y).to(at::kLong);
-      } else {
-        const at::Tensor logits = at::matmul(h, lm_head.t()).to(at::kFloat);  // [n, vocab]: one chunk only
-        const at::Tensor lse = at::logsumexp(logits, 1);
-        const at::Tensor picked = logits.gather(1, y.unsqueeze(1)).squeeze(1);
-        loss_sum += ((lse - picked) * w).sum();
-        // d(sum w CE)/d logits = w (softmax - onehot); scaled by 1 / global denominator.
-        at::Tensor d_logits = at::exp(logits - lse.unsqueeze(1));
-        d_logits.scatter_add_(1, y.unsqueeze(1), -at::ones({n, 1}, d_logits.options()));
-        d_logits.mul_((w / global_weight_sum).unsqueeze(1));
-        grad_valid.narrow(0, begin, n).copy_(at::matmul(d_logits.to(lm_head.scalar_type()), lm_head));
-        hit = (logits.argmax(1) == y).to(at::kLong);
-      }
+      const at::Tensor grad = grad_valid.narrow(0, begin, n);
+      const at::Tensor hit = use_kernels ? chunk_on_kernels(h, y, w, lm_head, global_weight_sum, loss_sum, grad)
+                                         : chunk_composite(h, y, w, lm_head, global_weight_sum, loss_sum, grad);
       const at::Tensor k = k_valid.narrow(0, begin, n);
       correct.index_add_(0, k, hit);
       count.index_add_(0, k, at::ones_like(hit));
