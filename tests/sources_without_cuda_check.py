@@ -5,18 +5,22 @@ The `cpu` preset (README: building by hand), and the default preset on a machine
 build every .cc file without DFLASHD_WITH_CUDA and without the CUDA toolkit's headers; CI builds
 the default preset only. This check takes each .cc file of the CUDA build's
 compile_commands.json whose text names DFLASHD_WITH_CUDA, drops the define, the toolkit's include
-directory and the precompiled header (built with the define), and compiles it with -fsyntax-only.
+directory and the build's precompiled header (made with the define), and compiles it with
+-fsyntax-only against a precompiled ATen header of its own (made once, without the define).
 
 Usage: sources_without_cuda_check.py BUILD_DIR/compile_commands.json
 """
 import json
+import os
 import shlex
 import subprocess
 import sys
+import tempfile
 
 
-def without_cuda(arguments):
-    """The compile command for a build without CUDA, checking syntax only."""
+def without_cuda(arguments, source):
+    """The compile flags of a build without CUDA: the command without its compiler output, the
+    source, the define, the toolkit's headers and the build's precompiled header."""
     out, skip = [], 0
     for i, a in enumerate(arguments):
         if skip:
@@ -25,10 +29,21 @@ def without_cuda(arguments):
         if a in ("-o", "-include") or (a == "-isystem" and i + 1 < len(arguments) and "cuda" in arguments[i + 1]):
             skip = 1
             continue
-        if a in ("-c", "-Winvalid-pch", "-fpch-preprocess") or a.startswith("-DDFLASHD_WITH_CUDA"):
+        if a in ("-c", source, "-Winvalid-pch", "-fpch-preprocess") or a.startswith("-DDFLASHD_WITH_CUDA"):
             continue
         out.append(a)
-    return out + ["-fsyntax-only"]
+    return out
+
+
+def precompiled_aten(flags, directory, scratch):
+    """-include arguments for ATen/ATen.h precompiled with these flags, or none where the
+    compiler refuses (each source then parses the header itself)."""
+    header = os.path.join(scratch, "aten.hxx")
+    with open(header, "w") as f:
+        f.write("#include <ATen/ATen.h>\n")
+    made = subprocess.run(flags + ["-x", "c++-header", header, "-o", header + ".gch"], cwd=directory,
+                          capture_output=True, text=True)
+    return ["-include", header] if made.returncode == 0 else []
 
 
 def main():
@@ -36,16 +51,21 @@ def main():
         sys.exit(__doc__)
     with open(sys.argv[1]) as f:
         commands = json.load(f)
-    checked, failed = 0, []
+    sources = []
     for entry in commands:
+        if entry["file"].endswith(".cc"):
+            with open(entry["file"], encoding="utf-8") as f:
+                if "DFLASHD_WITH_CUDA" in f.read():
+                    sources.append(entry)
+    checked, failed, aten = 0, [], None
+    scratch = tempfile.TemporaryDirectory(prefix="dflashd-no-cuda-")
+    for entry in sources:
         source = entry["file"]
-        if not source.endswith(".cc"):
-            continue
-        with open(source, encoding="utf-8") as f:
-            if "DFLASHD_WITH_CUDA" not in f.read():
-                continue
-        arguments = entry.get("arguments") or shlex.split(entry["command"])
-        result = subprocess.run(without_cuda(arguments), cwd=entry["directory"], capture_output=True, text=True)
+        flags = without_cuda(entry.get("arguments") or shlex.split(entry["command"]), source)
+        if aten is None:
+            aten = precompiled_aten(flags, entry["directory"], scratch.name)
+        command = flags + aten + ["-fsyntax-only", source]
+        result = subprocess.run(command, cwd=entry["directory"], capture_output=True, text=True)
         checked += 1
         if result.returncode != 0:
             failed.append(source)
