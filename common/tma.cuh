@@ -17,6 +17,15 @@ __device__ __forceinline__ uint64_t evict_first() {
 #endif
   return policy;
 }
+// Data several CTAs read within a short time (one tile of W for every m-pair of a wave) but no
+// more than what passes through: the default priority.
+__device__ __forceinline__ uint64_t evict_normal() {
+  uint64_t policy = 0;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+  return policy;
+}
 __device__ __forceinline__ uint64_t evict_last() {
   uint64_t policy = 0;
 #if __CUDA_ARCH__ >= 900

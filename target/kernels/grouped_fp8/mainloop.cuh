@@ -145,7 +145,10 @@ __device__ __forceinline__ void produce_pairs(DenseRing& ring, const void* x_map
                                               const DensePairs& pairs, int64_t cluster, int64_t clusters,
                                               int k_blocks, int rank) {
   constexpr int kHalfRows = kDenseCols / 2;
-  const uint64_t streamed = tma::evict_first(), shared = tma::evict_last();
+  // A tile of W is read by the cluster of every m-pair of the wave, close together (pairs are
+  // numbered m-pairs fastest), so it is not streamed out first as the grouped kernel's W is; x's
+  // rows are read by every n-tile of every wave, kept.
+  const uint64_t w_policy = tma::evict_normal(), shared = tma::evict_last();
   smem_ring::Position at;
   for (int64_t pair = cluster; pair < pairs.count(); pair += clusters) {
     const Tile tile = pairs.at(pair, rank);
@@ -157,7 +160,7 @@ __device__ __forceinline__ void produce_pairs(DenseRing& ring, const void* x_map
       full.expect_bytes(kOperandBytes + kDenseWBytes);
       tma::load_2d(ring.address(at.stage), x_map, kb * kBlockK, tile.row_begin, full.address, shared);
       tma::load_2d_multicast(ring.address(at.stage) + w_half, w_map, kb * kBlockK, w_row, full.address, 0b11,
-                             streamed);
+                             w_policy);
       at.advance<kDenseStages>();
     }
   }
