@@ -170,6 +170,16 @@ int64_t factor_stride(const Fp8Activations& a) {
 }
 
 #ifdef DFLASHD_WITH_CUDA
+// The FP8 grouped GEMM's problem for a's rows (m of them) against w ([n, k] or [groups, n, k])
+// into y (bf16 [m, n]); one group without ends unless the caller sets them.
+grouped_fp8::Problem grouped_problem(const Fp8Activations& a, const Fp8Weight& w, int64_t m, const at::Tensor& y) {
+  grouped_fp8::Problem p;
+  p.x = a.q.data_ptr(), p.x_stride = a.q.stride(0), p.x_factors = a.factors.data_ptr<float>();
+  p.factor_stride = factor_stride(a), p.w = w.data.data_ptr(), p.w_factors = w.scale.data_ptr<float>();
+  p.y = y.data_ptr(), p.m = m, p.n = w.data.size(-2), p.k = w.data.size(-1);
+  return p;
+}
+
 // y = the product on the dense FP8 kernel (grouped_fp8.h's bench hook dense_projections), or an
 // undefined tensor where the hook is down or the kernel does not take the operands.
 at::Tensor dense_kernel_product(const Fp8Activations& a, const Fp8Weight& w) {
@@ -180,10 +190,7 @@ at::Tensor dense_kernel_product(const Fp8Activations& a, const Fp8Weight& w) {
   }
   const c10::cuda::CUDAGuard guard(a.q.device());  // the kernel runs on the current device
   at::Tensor y = at::empty({a.q.size(0), w.data.size(0)}, a.q.options().dtype(at::kBFloat16));
-  grouped_fp8::Problem p;
-  p.x = a.q.data_ptr(), p.x_stride = a.q.stride(0), p.x_factors = a.factors.data_ptr<float>();
-  p.factor_stride = factor_stride(a), p.w = w.data.data_ptr(), p.w_factors = w.scale.data_ptr<float>();
-  p.y = y.data_ptr(), p.m = a.q.size(0), p.n = w.data.size(0), p.k = w.data.size(1);
+  const grouped_fp8::Problem p = grouped_problem(a, w, a.q.size(0), y);
   if (!grouped_fp8::applies(p, a.q.device().index())) return {};
   grouped_fp8::run(p, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream());
   return y;
@@ -233,16 +240,8 @@ at::Tensor fp8_grouped_linear(const Fp8Activations& a, const Fp8Weight& w, const
   at::Tensor y = at::empty({a.rows, out}, a.q.options().dtype(a.dtype));
 #ifdef DFLASHD_WITH_CUDA
   if (a.q.is_cuda() && a.dtype == at::kBFloat16 && fp8_grouped_gemm_applies(w, a.q.device())) {
-    grouped_fp8::Problem p;
-    p.x = a.q.data_ptr();
-    p.x_stride = a.q.stride(0);
-    p.x_factors = a.factors.data_ptr<float>();
-    p.factor_stride = factor_stride(a);
-    p.w = w.data.data_ptr();
-    p.w_factors = w.scale.data_ptr<float>();
+    grouped_fp8::Problem p = grouped_problem(a, w, a.rows, y);
     p.ends = ends.data_ptr<int32_t>();
-    p.y = y.data_ptr();
-    p.m = a.rows, p.n = out, p.k = in;
     p.groups = static_cast<int>(groups);
     grouped_fp8::run(p, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream());
     return y;
