@@ -17,15 +17,6 @@ __device__ __forceinline__ uint64_t evict_first() {
 #endif
   return policy;
 }
-// Data several CTAs read within a short time (one tile of W for every m-pair of a wave) but no
-// more than what passes through: the default priority.
-__device__ __forceinline__ uint64_t evict_normal() {
-  uint64_t policy = 0;
-#if __CUDA_ARCH__ >= 900
-  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
-#endif
-  return policy;
-}
 __device__ __forceinline__ uint64_t evict_last() {
   uint64_t policy = 0;
 #if __CUDA_ARCH__ >= 900
@@ -50,14 +41,15 @@ __device__ __forceinline__ void load_2d(uint32_t destination, const void* map, i
 
 // load_2d into the same shared-memory offset of every CTA of the cluster in `ctas` (a bit per
 // rank), the bytes counted on each one's barrier at `barrier`'s offset: one L2 read for CTAs
-// that multiply the same tile.
+// that multiply the same tile. No eviction hint: the tile keeps L2's normal priority (other
+// clusters read it close together).
 __device__ __forceinline__ void load_2d_multicast(uint32_t destination, const void* map, int column, int row,
-                                                  uint32_t barrier, uint16_t ctas, uint64_t policy) {
+                                                  uint32_t barrier, uint16_t ctas) {
 #if __CUDA_ARCH__ >= 900
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5, %6;\n" ::"r"(destination),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(barrier), "h"(ctas), "l"(policy)
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(destination),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(barrier), "h"(ctas)
       : "memory");
 #endif
 }

@@ -146,9 +146,9 @@ __device__ __forceinline__ void produce_pairs(DenseRing& ring, const void* x_map
                                               int k_blocks, int rank) {
   constexpr int kHalfRows = kDenseCols / 2;
   // A tile of W is read by the cluster of every m-pair of the wave, close together (pairs are
-  // numbered m-pairs fastest), so it is not streamed out first as the grouped kernel's W is; x's
-  // rows are read by every n-tile of every wave, kept.
-  const uint64_t w_policy = tma::evict_normal(), shared = tma::evict_last();
+  // numbered m-pairs fastest), so it is not streamed out first as the grouped kernel's W is (the
+  // multicast keeps L2's normal priority); x's rows are read by every n-tile of every wave, kept.
+  const uint64_t shared = tma::evict_last();
   smem_ring::Position at;
   for (int64_t pair = cluster; pair < pairs.count(); pair += clusters) {
     const Tile tile = pairs.at(pair, rank);
@@ -159,8 +159,7 @@ __device__ __forceinline__ void produce_pairs(DenseRing& ring, const void* x_map
       const barriers::TransactionBarrier full = ring.full_at(at.stage);
       full.expect_bytes(kOperandBytes + kDenseWBytes);
       tma::load_2d(ring.address(at.stage), x_map, kb * kBlockK, tile.row_begin, full.address, shared);
-      tma::load_2d_multicast(ring.address(at.stage) + w_half, w_map, kb * kBlockK, w_row, full.address, 0b11,
-                             w_policy);
+      tma::load_2d_multicast(ring.address(at.stage) + w_half, w_map, kb * kBlockK, w_row, full.address, 0b11);
       at.advance<kDenseStages>();
     }
   }
@@ -231,13 +230,13 @@ __device__ __forceinline__ void consume_tile(RingT& ring, Accumulators<kCols>& a
   for (int kb = 0; kb < k_blocks; ++kb) {
     const float w_factor = __ldg(w_factors + kb);
     const float* x_factors = p.x_factors + static_cast<int64_t>(kb) * p.factor_stride;
-    const float a_factor = row_a < p.m ? __ldg(x_factors + row_a) * w_factor : 0.f;
-    const float b_factor = row_b < p.m ? __ldg(x_factors + row_b) * w_factor : 0.f;
+    const float x_a = row_a < p.m ? __ldg(x_factors + row_a) : 0.f;
+    const float x_b = row_b < p.m ? __ldg(x_factors + row_b) : 0.f;
+    const float a_factor = x_a * w_factor, b_factor = x_b * w_factor;
     float a1 = a_factor, b1 = b_factor;
     if constexpr (kCols > 128) {
       const float next_factor = __ldg(next_factors + kb);
-      a1 = row_a < p.m ? __ldg(x_factors + row_a) * next_factor : 0.f;
-      b1 = row_b < p.m ? __ldg(x_factors + row_b) * next_factor : 0.f;
+      a1 = x_a * next_factor, b1 = x_b * next_factor;
     }
     ring.full_at(at.stage).wait(at.phase);
     if (multiplies) {
