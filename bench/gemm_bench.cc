@@ -12,7 +12,8 @@
 // algorithms at every split-k and reduction scheme, the weights read from memory (4 copies);
 // `stream` the stream-K GEMM against cuBLASLt's heuristic (and which the projections take);
 // `grouped-fp8` the FP8 grouped GEMM (kernels/grouped_fp8.h) as one group (above 128 rows: its
-// dense kernel, clusters of two) against cuBLASLt's block-scaled product on the same operands.
+// dense kernel, clusters of two) against cuBLASLt's block-scaled product on the same operands,
+// then the MLP's gate_up with SiLU-mul (down_proj's e4m3 input) against the SwiGLU kernel.
 // Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k | stream | grouped-fp8] [ROWS...]
 //        (default: 3072 128)
 #include <ATen/ATen.h>
@@ -31,6 +32,7 @@
 
 #include "bench/timing.h"
 #include "target/fp8.h"
+#include "target/fused_ops.h"
 #include "target/kernels/grouped_fp8.h"
 #include "target/kernels/stream_gemm.h"
 #include "target/lt_gemm.h"
@@ -459,6 +461,47 @@ std::pair<double, double> grouped_vs_lt(const Shape& s, int64_t m) {
   return {lt, ours};
 }
 
+// A dense SwiGLU at `m` rows (shape s: the MLP's stacked gate_up): cuBLASLt's gate_up product
+// then the SiLU-mul kernel writing down_proj's e4m3 input (the target's path), against the SwiGLU
+// kernel forming that input in its epilogue (fp8_swiglu, the hook fused_swiglu), 20 back to back
+// each; how many of h's e4m3 bytes agree (the products' fp32 sums differ in order, so a value
+// near a rounding boundary of bf16 or e4m3 may land on its neighbour). Returns {composite ms,
+// fused ms} per product.
+std::pair<double, double> swiglu_vs_lt(const Shape& s, int64_t m) {
+  const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
+  const int64_t inner = s.n / 2;
+  const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
+  const target::Fp8Weight w = target::quantize_blocks(at::randn({s.n, s.k}, gpu) / std::sqrt(static_cast<double>(s.k)));
+  const target::Fp8Activations a = target::quantize_groups(x, target::fp8_gemm_rows(m, x.device()));
+  const auto composite = [&] {
+    const at::Tensor y = target::fp8_linear(a, w, {});
+    return target::silu_mul_fp8(y.narrow(1, 0, inner), y.narrow(1, inner, inner));
+  };
+  grouped_fp8::fused_swiglu = true;
+  const target::Fp8Activations fused = target::fp8_swiglu(a, w);
+  if (!fused.defined()) {
+    grouped_fp8::fused_swiglu = false;
+    std::printf("%-12s m %5lld: the SwiGLU kernel does not take these operands\n", s.name, static_cast<long long>(m));
+    return {0, 0};
+  }
+  const target::Fp8Activations reference = composite();
+  const double agree = fused.q.narrow(0, 0, m).view(at::kByte).eq(reference.q.narrow(0, 0, m).view(at::kByte))
+                           .to(at::kDouble).mean().item<double>();
+  const double lt = bench::median_ms(7, [&] {
+                      for (int i = 0; i < 20; ++i) composite();
+                    }) / 20;
+  const double ours = bench::median_ms(7, [&] {
+                        for (int i = 0; i < 20; ++i) target::fp8_swiglu(a, w);
+                      }) / 20;
+  grouped_fp8::fused_swiglu = false;
+  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(s.n) * static_cast<double>(s.k);
+  std::printf("%-12s m %5lld n %5lld k %5lld | cuBLASLt + SiLU-mul %.4f ms (%.0f TFLOP/s) | SwiGLU kernel %.4f ms "
+              "(%.0f TFLOP/s, %.4f of h's bytes equal) | %.2fx\n",
+              s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), lt,
+              flops / lt / 1e9, ours, flops / ours / 1e9, agree, lt / ours);
+  return {lt, ours};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -492,6 +535,12 @@ int main(int argc, char** argv) {
       const auto [lt, ours] = per_forward([&](const Shape& s) { return grouped_vs_lt(s, m); });
       std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | ours (dense kernel "
                   "above 128 rows) %.1f |\n", static_cast<long long>(m), lt, ours);
+      const Shape& gate_up = *std::find_if(std::begin(kShapes), std::end(kShapes),
+                                           [](const Shape& s) { return std::string(s.name) == "mlp gate_up"; });
+      const auto [composite, fused] = swiglu_vs_lt(gate_up, m);
+      std::printf("| %lld rows, gate_up + SiLU-mul of a forward (x %lld) | cuBLASLt + SiLU-mul %.1f ms | SwiGLU "
+                  "kernel %.1f |\n", static_cast<long long>(m), static_cast<long long>(gate_up.per_forward),
+                  composite * gate_up.per_forward, fused * gate_up.per_forward);
       continue;
     }
     if (mode == "explore-split-k") {

@@ -10,7 +10,8 @@
 //      SwiGLU, shared expert) at the measured bf16 matmul rate.
 //   An MoE target's FP8 forward runs twice: its experts dequantized per layer, then on the FP8
 //   grouped GEMM (kernels/grouped_fp8.h's hook, in one process). On sm_90a the FP8 forward runs
-//   once more with its dense projections on the dense FP8 kernel (the hook dense_projections).
+//   again with its dense projections on the dense FP8 kernel (the hook dense_projections), with
+//   gate_up + SiLU-mul on the SwiGLU kernel (fused_swiglu), and with both.
 // Usage: target_bench CONFIG_DIR [LAST_LAYER]   (LAST_LAYER -1: no whole forward, the MoE block only)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -89,9 +90,20 @@ void bench_forward(const target::ModelConfig& config, const char* config_dir, in
         grouped_fp8::dense_projections = true;
         const std::vector<at::Tensor> ours = run(fp8_options, "fp8, projections on the dense FP8 kernel");
         grouped_fp8::dense_projections = false;
+        // gate_up with SiLU-mul in one kernel (the hook fused_swiglu), the other projections on
+        // cuBLASLt, then on the dense kernel too.
+        grouped_fp8::fused_swiglu = true;
+        const std::vector<at::Tensor> fused = run(fp8_options, "fp8, gate_up + SiLU-mul on the SwiGLU kernel");
+        grouped_fp8::dense_projections = true;
+        const std::vector<at::Tensor> both = run(fp8_options, "fp8, SwiGLU kernel and dense FP8 kernel");
+        grouped_fp8::dense_projections = grouped_fp8::fused_swiglu = false;
         for (size_t i = 0; i < tapped.size(); ++i) {
-          std::printf("  dense FP8 kernel vs cuBLASLt, tapped layer %lld: relative error %.2e (Frobenius)\n",
-                      static_cast<long long>(tapped[i]), ((ours[i] - fp8[i]).norm() / fp8[i].norm()).item<double>());
+          const auto from_lt = [&](const at::Tensor& t) {
+            return ((t - fp8[i]).norm() / fp8[i].norm()).item<double>();
+          };
+          std::printf("  vs cuBLASLt, tapped layer %lld, relative error (Frobenius): dense FP8 kernel %.2e, SwiGLU "
+                      "kernel %.2e, both %.2e\n",
+                      static_cast<long long>(tapped[i]), from_lt(ours[i]), from_lt(fused[i]), from_lt(both[i]));
         }
       }
       for (size_t i = 0; i < tapped.size(); ++i) {

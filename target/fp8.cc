@@ -171,12 +171,13 @@ int64_t factor_stride(const Fp8Activations& a) {
 
 #ifdef DFLASHD_WITH_CUDA
 // The FP8 grouped GEMM's problem for a's rows (m of them) against w ([n, k] or [groups, n, k])
-// into y (bf16 [m, n]); one group without ends unless the caller sets them.
+// into y (bf16 [m, n]; undefined for the SwiGLU kernel, which writes elsewhere); one group without
+// ends unless the caller sets them.
 grouped_fp8::Problem grouped_problem(const Fp8Activations& a, const Fp8Weight& w, int64_t m, const at::Tensor& y) {
   grouped_fp8::Problem p;
   p.x = a.q.data_ptr(), p.x_stride = a.q.stride(0), p.x_factors = a.factors.data_ptr<float>();
   p.factor_stride = factor_stride(a), p.w = w.data.data_ptr(), p.w_factors = w.scale.data_ptr<float>();
-  p.y = y.data_ptr(), p.m = m, p.n = w.data.size(-2), p.k = w.data.size(-1);
+  p.y = y.defined() ? y.data_ptr() : nullptr, p.m = m, p.n = w.data.size(-2), p.k = w.data.size(-1);
   return p;
 }
 
@@ -214,6 +215,28 @@ at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Ten
     y = y.to(dtype);
   }
   return a.q.size(0) != a.rows ? y.narrow(0, 0, a.rows) : y;
+}
+
+Fp8Activations fp8_swiglu(const Fp8Activations& a, const Fp8Weight& gate_up) {
+#ifdef DFLASHD_WITH_CUDA
+  if (!grouped_fp8::fused_swiglu.load() || !a.q.is_cuda() || a.dtype != at::kBFloat16 || gate_up.data.dim() != 2 ||
+      !gate_up.data.is_contiguous() || !gate_up.scale.is_contiguous() || gate_up.scale.scalar_type() != at::kFloat ||
+      gate_up.data.size(0) % (2 * kFp8Block) != 0) {
+    return {};
+  }
+  const c10::cuda::CUDAGuard guard(a.q.device());  // the kernel runs on the current device
+  const int64_t inner = gate_up.data.size(0) / 2;
+  Fp8Activations h = empty_activations(a.rows, inner, a.q.device());
+  const grouped_fp8::Problem p = grouped_problem(a, gate_up, a.rows, at::Tensor());
+  const grouped_fp8::SwigluOutput out{h.q.data_ptr(), h.factors.data_ptr<float>(), factor_stride(h)};
+  if (!grouped_fp8::swiglu_applies(p, out, a.q.device().index())) return {};
+  grouped_fp8::run_swiglu(p, out, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream());
+  return h;
+#else
+  (void)a;
+  (void)gate_up;
+  return {};
+#endif
 }
 
 bool fp8_grouped_gemm_applies(const Fp8Weight& w, at::Device device) {

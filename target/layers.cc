@@ -225,6 +225,16 @@ at::Tensor Linear::silu_mul_of(const GemmInput& in) const {
   return silu_mul(both.narrow(-1, 0, inner), both.narrow(-1, inner, inner));
 }
 
+Fp8Activations Linear::silu_mul_fp8_of(const GemmInput& in) const {
+  if (fp8.defined() && in.fp8.defined() && !bias.defined()) {
+    Fp8Activations fused = fp8_swiglu(in.fp8, fp8);
+    if (fused.defined()) return fused;
+  }
+  const at::Tensor both = (*this)(in);
+  const int64_t inner = both.size(-1) / 2;
+  return silu_mul_fp8(both.narrow(-1, 0, inner), both.narrow(-1, inner, inner));
+}
+
 int64_t Linear::bytes() const {
   int64_t n = fp8.defined() ? fp8.bytes() : weight.defined() ? weight.numel() * weight.element_size() : 0;
   return n + (bias.defined() ? bias.numel() * bias.element_size() : 0);

@@ -177,10 +177,7 @@ at::Tensor gdn_output(const ModelConfig& c, const GatedDeltaNet& p, const at::Te
 
 at::Tensor mlp_forward(const ModelConfig& c, const Mlp& p, const GemmInput& x, bool grouped_moe) {
   if (!p.moe) {
-    if (!p.down.reads_fp8()) return p.down(p.gate_up.silu_mul_of(x));
-    const at::Tensor gate_up = p.gate_up(x);
-    const int64_t inner = gate_up.size(-1) / 2;
-    return p.down(silu_mul_fp8(gate_up.narrow(-1, 0, inner), gate_up.narrow(-1, inner, inner)));
+    return p.down.reads_fp8() ? p.down(p.gate_up.silu_mul_fp8_of(x)) : p.down(p.gate_up.silu_mul_of(x));
   }
   const MoeShape shape{c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
                        c.shared_expert_intermediate_size};

@@ -15,6 +15,7 @@
 #include "target/fp8.h"
 #include "target/fused_ops.h"
 #include "target/kernels/grouped_fp8/schedule.h"
+#include "target/layers.h"
 #include "target/model.h"
 #include "target/moe.h"
 #include "target/weights.h"
@@ -412,6 +413,39 @@ TEST(GroupedFp8Schedule, DensePairsCoverTheProductOnce) {
     }
   }
 }
+// The SwiGLU kernel's tiles: every (row, column) of h in exactly one CTA's 64 columns; both CTAs
+// of a cluster on the same rows, each reading gate's rows of its own columns and up's rows inner
+// further; a tile's rows within m; m-tiles numbered fastest.
+TEST(GroupedFp8Schedule, SwigluTilesCoverHOnce) {
+  namespace gf = dflash::grouped_fp8;
+  for (const auto& [m, inner] : std::vector<std::pair<int64_t, int64_t>>{
+           {1, 128}, {70, 256}, {128, 384}, {300, 640}, {3072, 17408}, {3071, 1024}}) {
+    const gf::SwigluTiles tiles(m, inner);
+    const int64_t chunks = inner / 8;
+    std::vector<int> covered(static_cast<size_t>(m * chunks), 0);
+    for (int64_t index = 0; index < tiles.count(); ++index) {
+      const gf::Tile tile = tiles.at(index);
+      EXPECT_EQ(tile.row_begin, (index % tiles.m_tiles) * gf::kTileRows) << "m-tiles are numbered fastest";
+      EXPECT_LT(tile.row_begin, tile.row_end) << "tile " << index << " is empty";
+      EXPECT_LE(tile.row_end, m);
+      EXPECT_LE(tile.row_end - tile.row_begin, gf::kTileRows);
+      for (int rank = 0; rank < 2; ++rank) {
+        const int64_t column = gf::swiglu_column(tile, rank);
+        EXPECT_EQ(column / 128, tile.n_tile) << "a CTA's columns (and gate's rows) lie in the tile's factor block";
+        EXPECT_EQ((inner + column) / 128, inner / 128 + tile.n_tile) << "up's rows lie in up's block of the tile";
+        for (int r = tile.row_begin; r < tile.row_end; ++r) {
+          for (int64_t c = column / 8; c < (column + gf::kSwigluHalf) / 8; ++c) {
+            ++covered[static_cast<size_t>(r * chunks + c)];
+          }
+        }
+      }
+    }
+    for (size_t i = 0; i < covered.size(); ++i) {
+      ASSERT_EQ(covered[i], 1) << m << " x " << inner << ": row " << i / chunks << ", column " << 8 * (i % chunks);
+    }
+  }
+}
+
 // The CPU emulation of the grouped product is, group by group, fp8_linear's emulation of that
 // group's rows and expert (rows past the last group's end are not part of it).
 TEST(Fp8, GroupedLinearIsEachGroupsLinear) {
@@ -544,6 +578,79 @@ TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
     ADD_FAILURE() << "a shape the kernel cannot take ran";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("-> 100"), std::string::npos) << e.what();
+  }
+}
+
+// The SwiGLU kernel against the path it replaces, run on our own GEMM so that the products' fp32
+// sums are the same: the grouped kernel's bf16 gate_up product (tiles of 128 columns), then the
+// SiLU-mul kernel's quantisation. The same e4m3 bytes and factors, bit for bit; the padding rows
+// left zero with factor 1; a second run the same. Cases: one row; a partial m-tile over several
+// blocks of h; whole tiles; 3 m-tiles (the last one's second warpgroup without rows) by 5 blocks;
+// more tiles than resident clusters, with one k-block each (a CTA can run a tile ahead of its
+// peer: the row maxima's exchange alternates buffers) and with the 27B MLP's k of 5120. Through Linear's
+// silu_mul_fp8_of with the hook up: the same bytes; with it down, the composite path. A gate_up
+// that is not whole 128-row blocks of gate and up is refused by name.
+TEST(Fp8, GpuSwigluKernelIsGateUpThenSiluMul) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
+  namespace gf = dflash::grouped_fp8;
+  const at::Device gpu(at::kCUDA, 0);
+  if (!gf::built_for(0) || fp8_gemm_unavailable(gpu)) {
+    GTEST_SKIP() << "the FP8 SwiGLU GEMM runs on compute capability 9.0 (sm_90a builds) only";
+  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(0).stream();
+  struct Case {
+    int64_t m, inner, k;
+  };
+  for (const Case& c : {Case{1, 128, 128}, Case{70, 384, 512}, Case{256, 256, 256}, Case{300, 640, 1024},
+                        Case{2048, 2048, 128}, Case{1000, 2048, 5120}}) {
+    SCOPED_TRACE(std::to_string(c.m) + " x " + std::to_string(c.k) + " -> 2 x " + std::to_string(c.inner));
+    const Fp8Weight cpu_w = quantize_blocks(uneven_weight(2 * c.inner, c.k, 80 + c.m) / std::sqrt(double(c.k)));
+    const Fp8Weight w{cpu_w.data.to(gpu), cpu_w.scale.to(gpu)};
+    at::manual_seed(90 + c.m);
+    const Fp8Activations a = quantize_groups((at::randn({c.m, c.k}) * 2).to(at::kBFloat16).to(gpu),
+                                             fp8_gemm_rows(c.m, gpu));
+    // The path it replaces, on the grouped kernel (ends given: one group, 128-column tiles).
+    const at::Tensor gate_up = at::empty({c.m, 2 * c.inner}, at::TensorOptions().dtype(at::kBFloat16).device(gpu));
+    const at::Tensor ends = at::full({1}, static_cast<int>(c.m), at::TensorOptions().dtype(at::kInt).device(gpu));
+    gf::Problem p;
+    p.x = a.q.data_ptr(), p.x_stride = c.k, p.x_factors = a.factors.data_ptr<float>();
+    p.factor_stride = a.factors.size(1) == 1 ? a.q.size(0) : a.factors.stride(1);
+    p.w = w.data.data_ptr(), p.w_factors = w.scale.data_ptr<float>();
+    p.ends = ends.data_ptr<int32_t>(), p.y = gate_up.data_ptr(), p.m = c.m, p.n = 2 * c.inner, p.k = c.k;
+    gf::run(p, 0, stream);
+    const Fp8Activations want = silu_mul_fp8(gate_up.narrow(1, 0, c.inner), gate_up.narrow(1, c.inner, c.inner));
+    // The SwiGLU kernel, twice.
+    gf::fused_swiglu = true;
+    const Fp8Activations got = fp8_swiglu(a, w), again = fp8_swiglu(a, w);
+    const Fp8Activations through_linear = Linear{at::Tensor(), w, at::Tensor()}.silu_mul_fp8_of(GemmInput(a));
+    gf::fused_swiglu = false;
+    ASSERT_TRUE(got.defined()) << "the kernel did not take the operands";
+    EXPECT_EQ(got.rows, c.m);
+    ASSERT_EQ(got.q.sizes(), want.q.sizes());
+    const at::Tensor got_bytes = got.q.view(at::kByte).cpu(), want_bytes = want.q.view(at::kByte).cpu();
+    const int64_t differ = got_bytes.ne(want_bytes).sum().item<int64_t>();
+    EXPECT_EQ(differ, 0) << "of " << got_bytes.numel() << " bytes";
+    EXPECT_TRUE(at::equal(got.factors.cpu(), want.factors.cpu()));
+    EXPECT_EQ(got.factors.strides(), want.factors.strides());
+    EXPECT_TRUE(bytes_equal(again.q.cpu(), got.q.cpu()) && at::equal(again.factors.cpu(), got.factors.cpu()))
+        << "a second run differs";
+    EXPECT_TRUE(bytes_equal(through_linear.q.cpu(), got.q.cpu())) << "Linear::silu_mul_fp8_of with the hook up";
+    EXPECT_FALSE(fp8_swiglu(a, w).defined()) << "the hook is down: the kernel must not run";
+    const Fp8Activations composite = Linear{at::Tensor(), w, at::Tensor()}.silu_mul_fp8_of(GemmInput(a));
+    EXPECT_EQ(composite.q.sizes(), want.q.sizes()) << "the composite path with the hook down";
+  }
+  const at::Tensor probe = at::zeros({384, 128}, at::TensorOptions().dtype(at::kByte).device(gpu));
+  gf::Problem bad;
+  bad.x = bad.w = probe.data_ptr();
+  bad.m = 16, bad.n = 384, bad.k = 128, bad.x_stride = 128, bad.factor_stride = 16;
+  const at::Tensor bad_factors = at::ones({16}, at::TensorOptions().device(gpu));
+  const gf::SwigluOutput out{probe.data_ptr(), bad_factors.data_ptr<float>(), 16};
+  EXPECT_FALSE(gf::swiglu_applies(bad, out, 0)) << "gate and up of 192 rows are not whole blocks";
+  try {
+    gf::run_swiglu(bad, out, 0, stream);
+    ADD_FAILURE() << "a shape the kernel cannot take ran";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("gate_up of 384 rows"), std::string::npos) << e.what();
   }
 }
 

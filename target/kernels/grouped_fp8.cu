@@ -12,6 +12,7 @@
 #include "target/kernels/grouped_fp8/epilogue.cuh"
 #include "target/kernels/grouped_fp8/mainloop.cuh"
 #include "target/kernels/grouped_fp8/schedule.h"
+#include "target/kernels/grouped_fp8/swiglu_epilogue.cuh"
 #include "target/kernels/tensor_map.h"
 
 namespace dflash::grouped_fp8 {
@@ -20,8 +21,10 @@ namespace {
 constexpr int kThreads = 128 + kConsumerThreads;  // a producer warpgroup and two consumers
 constexpr size_t kSharedBytes = sizeof(Shared) + 1024;  // + the alignment of the ring
 constexpr size_t kDenseSharedBytes = sizeof(DenseShared) + 1024;
+constexpr size_t kSwigluSharedBytes = sizeof(SwigluShared) + 1024;
 static_assert(kSharedBytes <= 227 * 1024, "the FP8 grouped GEMM's shared memory exceeds an H200 CTA's");
 static_assert(kDenseSharedBytes <= 227 * 1024, "the dense FP8 GEMM's shared memory exceeds an H200 CTA's");
+static_assert(kSwigluSharedBytes <= 227 * 1024, "the FP8 SwiGLU GEMM's shared memory exceeds an H200 CTA's");
 
 // Warpgroup 0 produces (thread 0), warpgroups 1 and 2 consume; every CTA walks the same tile
 // numbering (schedule.h), each from its own index.
@@ -50,7 +53,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   Accumulators<kTileCols> acc;
   for (int64_t t = blockIdx.x; t < walk.tiles; t += gridDim.x) {
     const Tile tile = walk.at(t);
-    consume_tile<kTileCols, 1>(s.ring, acc, at, tile, p, k_blocks, ct);
+    consume_tile<kTileCols, 1, false>(s.ring, acc, at, tile, one_block(p, tile, k_blocks), p, k_blocks, ct);
     store_tile(acc, s.out, tile, static_cast<__nv_bfloat16*>(p.y), p.n, ct);
   }
 #else
@@ -91,7 +94,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   Accumulators<kDenseCols> acc;
   for (int64_t pair = cluster; pair < pairs.count(); pair += clusters) {
     const Tile tile = pairs.at(pair, rank);
-    consume_tile<kDenseCols, 2>(s.ring, acc, at, tile, p, k_blocks, ct, static_cast<uint32_t>(rank ^ 1));
+    consume_tile<kDenseCols, 2, true>(s.ring, acc, at, tile, spanned_blocks<kDenseCols>(p, tile, k_blocks), p,
+                                      k_blocks, ct, static_cast<uint32_t>(rank ^ 1));
     store_tile(acc, s.out, tile, static_cast<__nv_bfloat16*>(p.y), p.n, ct);
   }
   barriers::cluster_sync();
@@ -100,19 +104,71 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// Clusters of the dense kernel resident at once on `device` (asked once per device), or every
-// SM's pair when the runtime cannot say.
-int dense_clusters(int device) {
+// A SwiGLU's gate_up product (W = [gate; up], p.n = 2 inner) with h formed and quantised in the
+// epilogue, in clusters of two CTAs along h (schedule.h's SwigluTiles): both CTAs multiply the
+// same 128 rows of x, each loading half into both, by their own 64 rows of gate and of up. As in
+// the dense kernel, the consumers of both CTAs end at a cluster barrier; the row maxima's
+// exchange is waited for within each tile.
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
+    swiglu_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                      const Problem p, const SwigluOutput out) {
+#ifdef DFLASHD_WGMMA
+  extern __shared__ unsigned char raw[];
+  auto& s = mma_tile::aligned_shared<SwigluShared>(raw);
+  const int rank = static_cast<int>(barriers::cluster_rank());
+  if (threadIdx.x == 0) {
+    s.ring.init();
+    for (uint64_t& arrived : s.peer_arrived) barriers::TransactionBarrier{mma_tile::shared_address(&arrived)}.init(1);
+    barriers::TransactionBarrier::fence_init();
+    tma::prefetch_map(&x_map);
+    tma::prefetch_map(&w_map);
+  }
+  barriers::cluster_sync();  // both CTAs' barriers are set up before either multicasts, releases or sends
+  const int inner = static_cast<int>(p.n / 2), k_blocks = static_cast<int>(p.k / kBlockK);
+  const SwigluTiles tiles(p.m, inner);
+  const int64_t cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) produce_swiglu(s.ring, &x_map, &w_map, tiles, cluster, clusters, k_blocks, rank, inner);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int ct = static_cast<int>(threadIdx.x) - 128;
+  const uint32_t peer_rank = static_cast<uint32_t>(rank ^ 1);
+  const SwigluPeer peer{barriers::peer_address(mma_tile::shared_address(&s.peer_amax[0][0]), peer_rank),
+                        barriers::peer_address(mma_tile::shared_address(&s.peer_arrived[0]), peer_rank)};
+  smem_ring::Position at;
+  Accumulators<kTileCols> acc;
+  int done = 0;
+  for (int64_t index = cluster; index < tiles.count(); index += clusters, ++done) {
+    const Tile tile = tiles.at(index);
+    // Chunks 0..7 of the tile are gate's (block n_tile of W's factors), 8..15 up's.
+    const float* gate_factors = p.w_factors + static_cast<int64_t>(tile.n_tile) * k_blocks;
+    const ColumnFactors w{gate_factors, gate_factors + static_cast<int64_t>(tiles.h_blocks) * k_blocks, false};
+    consume_tile<kTileCols, 2, true>(s.ring, acc, at, tile, w, p, k_blocks, ct, peer_rank);
+    store_swiglu_tile(acc, s, tile, out, inner, rank, done, peer, ct);
+  }
+  barriers::cluster_sync();
+#else
+  __trap();
+#endif
+}
+
+// Clusters of kKernel (a kernel of clusters of two, shared_bytes of dynamic shared memory)
+// resident at once on `device` (asked once per device), or every SM's pair when the runtime
+// cannot say.
+template <auto kKernel>
+int resident_clusters(size_t shared_bytes, const char* name, int device) {
   static std::array<std::once_flag, 64> once;
   static std::array<int, 64> clusters{};
-  std::call_once(once[device], [device] {
-    allow_shared_memory(dense_fp8_kernel, kDenseSharedBytes, "dense FP8 GEMM kernel");
+  std::call_once(once[device], [device, shared_bytes, name] {
+    allow_shared_memory(kKernel, shared_bytes, name);
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(2 * 1024);
     config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = kDenseSharedBytes;
+    config.dynamicSmemBytes = shared_bytes;
     int resident = 0;
-    if (cudaOccupancyMaxActiveClusters(&resident, dense_fp8_kernel, &config) != cudaSuccess || resident < 1) {
+    if (cudaOccupancyMaxActiveClusters(&resident, kKernel, &config) != cudaSuccess || resident < 1) {
       (void)cudaGetLastError();
       resident = tensor_map::device_facts(device).sms / 2;
     }
@@ -126,7 +182,8 @@ void run_dense(const Problem& p, int device, cudaStream_t stream) {
                                                       kTileRows, "dense FP8 GEMM: x");
   const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.n, p.k, p.k,
                                                       kDenseCols / 2, "dense FP8 GEMM: W");
-  const int64_t clusters = std::min<int64_t>(dense_clusters(device), DensePairs(p.m, p.n).count());
+  const int64_t resident = resident_clusters<dense_fp8_kernel>(kDenseSharedBytes, "dense FP8 GEMM kernel", device);
+  const int64_t clusters = std::min<int64_t>(resident, DensePairs(p.m, p.n).count());
   dense_fp8_kernel<<<static_cast<unsigned>(2 * clusters), kThreads, kDenseSharedBytes, stream>>>(x_map, w_map, p);
   check_cuda(cudaGetLastError(), "dense FP8 GEMM kernel");
 }
@@ -184,6 +241,32 @@ void run(const Problem& p, int device, cudaStream_t stream) {
   const int64_t ctas = std::min<int64_t>(tensor_map::device_facts(device).sms, most_tiles);
   grouped_fp8_kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(x_maps, w_map, p);
   check_cuda(cudaGetLastError(), "FP8 grouped GEMM kernel");
+}
+
+bool swiglu_applies(const Problem& p, const SwigluOutput& out, int device) {
+  return p.ends == nullptr && p.groups == 1 && p.n % 256 == 0 && out.q != nullptr && aligned(out.q) &&
+         out.factors != nullptr && out.factor_stride >= p.m && applies(p, device);
+}
+
+void run_swiglu(const Problem& p, const SwigluOutput& out, int device, cudaStream_t stream) {
+  if (!swiglu_applies(p, out, device)) {
+    throw std::invalid_argument("FP8 SwiGLU GEMM: [" + std::to_string(p.m) + " rows, " + std::to_string(p.k) +
+                                "] -> gate_up of " + std::to_string(p.n) + " rows does not run on device " +
+                                std::to_string(device) +
+                                " (sm_90a, one group, gate and up whole 128-row blocks, k a multiple of 128, "
+                                "16-byte aligned operands, factor_stride >= m)");
+  }
+  if (p.m == 0) return;
+  const CUtensorMap x_map = tensor_map::swizzled_rows(p.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.m, p.k, p.x_stride,
+                                                      kSwigluHalf, "FP8 SwiGLU GEMM: x");
+  const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.n, p.k, p.k,
+                                                      kSwigluHalf, "FP8 SwiGLU GEMM: W");
+  const int64_t resident =
+      resident_clusters<swiglu_fp8_kernel>(kSwigluSharedBytes, "FP8 SwiGLU GEMM kernel", device);
+  const int64_t clusters = std::min<int64_t>(resident, SwigluTiles(p.m, p.n / 2).count());
+  swiglu_fp8_kernel<<<static_cast<unsigned>(2 * clusters), kThreads, kSwigluSharedBytes, stream>>>(x_map, w_map, p,
+                                                                                                  out);
+  check_cuda(cudaGetLastError(), "FP8 SwiGLU GEMM kernel");
 }
 
 }  // namespace dflash::grouped_fp8

@@ -12,7 +12,9 @@
 // Why: ATen's FP8 grouped GEMM takes per-tensor or row-wise factors only on Hopper, not the
 // checkpoints' 128x128 blocks, and cuBLASLt has no grouped block-scaled product; without this
 // kernel each forward dequantized a layer's experts to bf16 first (bench/RESULTS.md, session 18:
-// the 35B-A3B FP8 forward slower than bf16).
+// the 35B-A3B FP8 forward slower than bf16). Its pieces also make two dense kernels: the dense
+// projections' product in clusters of two (run, above 128 rows) and a SwiGLU's gate_up product
+// with SiLU-mul and down_proj's quantisation in its epilogue (run_swiglu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,6 +36,12 @@ inline std::atomic<bool> off{false};
 // two are measured side by side.
 inline std::atomic<bool> dense_projections{false};
 
+// A benchmark hook (the daemon never sets it): a dense SwiGLU's gate_up product and the SiLU-mul
+// pass after it (fp8.h's fp8_swiglu) run as this file's SwiGLU kernel, which forms down_proj's FP8
+// input in its epilogue, instead of cuBLASLt's GEMM and the SiLU-mul kernel; decided as
+// dense_projections is.
+inline std::atomic<bool> fused_swiglu{false};
+
 struct Problem {
   const void* x = nullptr;             // e4m3 [m, k], rows x_stride bytes apart, sorted by group
   int64_t x_stride = 0;                // a multiple of 16, >= k
@@ -48,6 +56,15 @@ struct Problem {
                                        // not written
   int64_t m = 0, n = 0, k = 0;
   int groups = 1;
+};
+
+// Where the SwiGLU kernel writes h = silu(x . gate^T) * (x . up^T), quantised per 1x128 group of
+// each row as fp8.h's activations are: q e4m3 [m, inner] contiguous (16-byte aligned), row r's
+// factor of group j at factors[j * factor_stride + r] (rows past m untouched).
+struct SwigluOutput {
+  void* q = nullptr;
+  float* factors = nullptr;
+  int64_t factor_stride = 0;
 };
 
 // Whether this build carries the kernel for `device` (sm_90a: compute capability 9.0).
@@ -69,5 +86,13 @@ bool applies(const Problem& p, int device);
 // W, W's tile loaded once into both (schedule.h's DensePairs). Throws naming the shape where
 // applies() is false.
 void run(const Problem& p, int device, cudaStream_t stream);
+
+// The SwiGLU kernel for W = [gate; up] (n = 2 inner rows, inner a multiple of 128): applies() for
+// one group without ends and y unused, and out's q aligned with factor_stride >= m.
+bool swiglu_applies(const Problem& p, const SwigluOutput& out, int device);
+
+// h into `out` on `stream` (clusters of two CTAs, each 64 of a 128-column block of h: schedule.h's
+// SwigluTiles; no host synchronisation). Throws naming the shape where swiglu_applies is false.
+void run_swiglu(const Problem& p, const SwigluOutput& out, int device, cudaStream_t stream);
 
 }  // namespace dflash::grouped_fp8

@@ -60,6 +60,19 @@ struct DenseShared {
   alignas(16) Staging<kDenseCols> out;
 };
 
+// The SwiGLU kernel's: stages of x's 128 rows and W's 64 gate + 64 up rows (6 of 32 KB), each
+// released by the consumer warps of both CTAs of the cluster; its output tile's e4m3 bytes, and
+// each row's largest |h| from the peer CTA (two tiles' worth: schedule of store_swiglu_tile).
+inline constexpr int kSwigluStages = 6;
+using SwigluRing = smem_ring::Ring<2 * kOperandBytes, kSwigluStages, 2 * kConsumerWarps>;
+inline constexpr int kSwigluRowBytes = kSwigluHalf + 16;  // padded: a warp's stores hit distinct banks
+struct SwigluShared {
+  SwigluRing ring;
+  alignas(16) unsigned char out[kTileRows][kSwigluRowBytes];
+  float peer_amax[2][kTileRows];
+  alignas(8) uint64_t peer_arrived[2];
+};
+
 // The tiles as every role of the CTA walks them: blockIdx.x, + gridDim.x, ... below `tiles`.
 struct Walk {
   const int32_t* ends;
@@ -165,6 +178,36 @@ __device__ __forceinline__ void produce_pairs(DenseRing& ring, const void* x_map
   }
 }
 
+// One thread of the SwiGLU kernel (CTA `rank` of its cluster of two): for each tile the cluster
+// takes (cluster, + clusters, ...) and each k-block, its half of x's 128 rows into the same stage
+// of both CTAs (multicast), and its own 64 rows of gate and 64 of up (schedule.h's swiglu_column)
+// into its stage after x: the stage reads as the grouped kernel's [x's 128 rows | W's 128 rows].
+// x is read by the tiles of every block of h (L2's normal priority); each tile of W by the
+// clusters of one wave's m-tiles, then never again (evict first). A stage is refilled once both
+// CTAs' consumers have released it (the ring's 16 readers).
+__device__ __forceinline__ void produce_swiglu(SwigluRing& ring, const void* x_map, const void* w_map,
+                                               const SwigluTiles& tiles, int64_t cluster, int64_t clusters,
+                                               int k_blocks, int rank, int inner) {
+  constexpr int kHalfBytes = kSwigluHalf * kBlockK;  // 64 rows of a k-block, 8 KB
+  const uint64_t streamed = tma::evict_first();
+  smem_ring::Position at;
+  for (int64_t index = cluster; index < tiles.count(); index += clusters) {
+    const Tile tile = tiles.at(index);
+    const int gate_row = swiglu_column(tile, rank);
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      ring.empty_at(at.stage).wait(at.phase ^ 1);
+      const barriers::TransactionBarrier full = ring.full_at(at.stage);
+      const uint32_t stage = ring.address(at.stage);
+      full.expect_bytes(2 * kOperandBytes);
+      tma::load_2d_multicast(stage + rank * kHalfBytes, x_map, kb * kBlockK, tile.row_begin + rank * kSwigluHalf,
+                             full.address, 0b11);
+      tma::load_2d(stage + kOperandBytes, w_map, kb * kBlockK, gate_row, full.address, streamed);
+      tma::load_2d(stage + kOperandBytes + kHalfBytes, w_map, kb * kBlockK, inner + gate_row, full.address, streamed);
+      at.advance<kSwigluStages>();
+    }
+  }
+}
+
 // A consumer warpgroup's 64 rows of the tile by its kCols columns, in mma_tile's m16n8 layout per
 // warp (wgmma.cuh): c[j][r] is row 16 w + lane / 4 + 8 (r / 2), column 8 j + 2 (lane % 4) + r % 2.
 template <int kCols>
@@ -204,39 +247,58 @@ __device__ __forceinline__ void promote(Accumulators<kCols>& acc, const Accumula
   }
 }
 
+// W's factors for a tile's columns: a row of k_blocks factors per 128-row block of W. The tile's
+// 8-column chunks 0..7 read `first`'s block, 16.. `second`'s, and 8..15 `first`'s when
+// mid_in_first, else `second`'s (promote).
+struct ColumnFactors {
+  const float* first = nullptr;
+  const float* second = nullptr;
+  bool mid_in_first = true;
+};
+
+// The grouped kernel's tile of 128 columns: one block of its group's W.
+__device__ __forceinline__ ColumnFactors one_block(const Problem& p, const Tile& tile, int k_blocks) {
+  const float* f = p.w_factors + (static_cast<int64_t>(tile.group) * n_tiles_of(p.n) + tile.n_tile) * k_blocks;
+  return {f, f, true};
+}
+
+// The dense kernel's tile of kCols columns (schedule.h's tile_blocks): the first block it reaches
+// and the next (the same block for a partial last tile that reaches no further one: its columns
+// past n are never stored).
+template <int kCols>
+__device__ __forceinline__ ColumnFactors spanned_blocks(const Problem& p, const Tile& tile, int k_blocks) {
+  const TileBlocks blocks = tile_blocks(static_cast<int64_t>(tile.n_tile) * kCols, kCols);
+  const float* first = p.w_factors + static_cast<int64_t>(blocks.first) * k_blocks;
+  return {first, blocks.first + 1 < n_tiles_of(p.n) ? first + k_blocks : first, blocks.chunks_in_first == 16};
+}
+
 // A consumer warpgroup's whole tile into `acc` (overwritten). Thread `ct` of the consumers
 // (0..255); the warpgroup's rows start 64 warpgroup rows into the tile. A warpgroup whose rows are
 // all past the tile's still waits for and hands back every stage: to its own CTA's producer, and
 // with kCluster 2 to the peer's (CTA `peer` of the cluster), whose multicast also fills it.
-template <int kCols, int kCluster, typename RingT>
+// kTwoBlocks: the tile's columns read two blocks of W's factors (w.second); else only w.first.
+template <int kCols, int kCluster, bool kTwoBlocks, typename RingT>
 __device__ __forceinline__ void consume_tile(RingT& ring, Accumulators<kCols>& acc, smem_ring::Position& at,
-                                             const Tile& tile, const Problem& p, int k_blocks, int ct,
-                                             uint32_t peer = 0) {
+                                             const Tile& tile, const ColumnFactors& w, const Problem& p,
+                                             int k_blocks, int ct, uint32_t peer = 0) {
   static_assert(kCols == 128 || kCols == 192, "tiles of 128 or 192 columns (promote's factor blocks)");
   const int warpgroup = ct / 128, warp = (ct / 32) % 4, lane = ct % 32;
   const int first_row = tile.row_begin + 64 * warpgroup;
   const bool multiplies = first_row < tile.row_end;
   const int row_a = first_row + 16 * warp + lane / 4, row_b = row_a + 8;
-  const int n_blocks = n_tiles_of(p.n);  // W's factor blocks of 128 rows per group
-  const TileBlocks blocks = tile_blocks(static_cast<int64_t>(tile.n_tile) * kCols, kCols);
-  const float* w_factors = p.w_factors + (static_cast<int64_t>(tile.group) * n_blocks + blocks.first) * k_blocks;
-  // The next block's (the same block for a partial last tile that reaches no further block: its
-  // columns past n are never stored).
-  const float* next_factors = blocks.first + 1 < n_blocks ? w_factors + k_blocks : w_factors;
-  const bool mid_in_first = blocks.chunks_in_first == 16;
 #pragma unroll
   for (int j = 0; j < kCols / 8; ++j) acc.c[j][0] = acc.c[j][1] = acc.c[j][2] = acc.c[j][3] = 0.f;
   Accumulators<kCols> part;
   for (int kb = 0; kb < k_blocks; ++kb) {
-    const float w_factor = __ldg(w_factors + kb);
+    const float w_factor = __ldg(w.first + kb);
     const float* x_factors = p.x_factors + static_cast<int64_t>(kb) * p.factor_stride;
     const float x_a = row_a < p.m ? __ldg(x_factors + row_a) : 0.f;
     const float x_b = row_b < p.m ? __ldg(x_factors + row_b) : 0.f;
     const float a_factor = x_a * w_factor, b_factor = x_b * w_factor;
     float a1 = a_factor, b1 = b_factor;
-    if constexpr (kCols > 128) {
-      const float next_factor = __ldg(next_factors + kb);
-      a1 = x_a * next_factor, b1 = x_b * next_factor;
+    if constexpr (kTwoBlocks) {
+      const float second_factor = __ldg(w.second + kb);
+      a1 = x_a * second_factor, b1 = x_b * second_factor;
     }
     ring.full_at(at.stage).wait(at.phase);
     if (multiplies) {
@@ -248,7 +310,8 @@ __device__ __forceinline__ void consume_tile(RingT& ring, Accumulators<kCols>& a
       if constexpr (kCluster > 1) ring.empty_at(at.stage).arrive_at(peer);
     }
     if (multiplies) {
-      promote(acc, part, a_factor, b_factor, mid_in_first ? a_factor : a1, mid_in_first ? b_factor : b1, a1, b1);
+      const bool mid_first = w.mid_in_first;
+      promote(acc, part, a_factor, b_factor, mid_first ? a_factor : a1, mid_first ? b_factor : b1, a1, b1);
     }
     at.advance<RingT::kDepth>();
   }

@@ -95,6 +95,42 @@ struct DensePairs {
   }
 };
 
+// ---- gate_up with SwiGLU and down_proj's quantisation (grouped_fp8.cu's SwiGLU kernel) ----------
+// W is a SwiGLU's stacked gate_up [gate; up], `inner` rows each (a multiple of 128), and the
+// product h = silu(x . gate^T) * (x . up^T) [m, inner] leaves quantised per 1x128 group of each
+// row. A cluster of two CTAs takes an m-tile by one 128-wide block of h: one quantisation group
+// of each row, and one factor block each of gate and up. CTA r computes h's columns [128 b + 64 r,
+// + 64) from those 64 rows of gate and the same 64 of up (its tile's columns 0..63 and 64..127),
+// both loaded into its own stage; x's 128 rows are loaded half by each CTA into both (TMA
+// multicast). Numbered m-tiles fastest (index = h_block * m_tiles + m_tile), as DensePairs: the
+// clusters of one wave read a few blocks of W (from memory, once) against all of x (from L2).
+inline constexpr int kSwigluHalf = 64;  // h columns per CTA: gate and up rows of W each
+
+struct SwigluTiles {
+  int m = 0, m_tiles = 0, h_blocks = 0;
+  SwigluTiles() = default;
+  DFLASHD_HOST_DEVICE SwigluTiles(int64_t rows, int64_t inner)
+      : m(static_cast<int>(rows)),
+        m_tiles(static_cast<int>((rows + kTileRows - 1) / kTileRows)),
+        h_blocks(static_cast<int>(inner / 128)) {}
+  DFLASHD_HOST_DEVICE int64_t count() const { return static_cast<int64_t>(m_tiles) * h_blocks; }
+  // Rows [row_begin, row_end) of x by h's block n_tile (both CTAs of the cluster take the same).
+  DFLASHD_HOST_DEVICE Tile at(int64_t index) const {
+    Tile tile;
+    tile.n_tile = static_cast<int>(index / m_tiles);
+    tile.row_begin = static_cast<int>(index % m_tiles) * kTileRows;
+    const int end = tile.row_begin + kTileRows;
+    tile.row_end = end < m ? end : m;
+    return tile;
+  }
+};
+
+// The first of h's columns (and of gate's rows of W) that CTA `rank` computes for `tile`; up's
+// rows begin `inner` rows further.
+DFLASHD_HOST_DEVICE inline int swiglu_column(const Tile& tile, int rank) {
+  return tile.n_tile * 128 + rank * kSwigluHalf;
+}
+
 // W's factors for an n-tile of `cols` columns starting at column `first` of the output: the first
 // 128-row block it reaches (first / 128), and how many of its 8-column chunks lie in that block
 // (the rest lie in the next one; tiles of 128 or 192 columns start at a multiple of 64, so a tile
