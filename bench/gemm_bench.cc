@@ -429,6 +429,25 @@ std::pair<double, double> stream_vs_lt(const Shape& s, int64_t m) {
   return {lt, ours};
 }
 
+// f's time per call (ms): 20 calls back to back, the median of 7 such runs.
+template <typename F>
+double per_call_ms(F&& f) {
+  return bench::median_ms(7, [&] {
+           for (int i = 0; i < 20; ++i) f();
+         }) / 20;
+}
+
+// One line of two FP8 products of shape s at m rows: each one's time and TFLOP/s, `note` after
+// the second's, and the first's time over the second's.
+void print_fp8_pair(const Shape& s, int64_t m, const char* first, double first_ms, const char* second,
+                    double second_ms, const char* note) {
+  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(s.n) * static_cast<double>(s.k);
+  std::printf("%-12s m %5lld n %5lld k %5lld | %s %.4f ms (%.0f TFLOP/s) | %s %.4f ms (%.0f TFLOP/s, %s) | %.2fx\n",
+              s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), first,
+              first_ms, flops / first_ms / 1e9, second, second_ms, flops / second_ms / 1e9, note,
+              first_ms / second_ms);
+}
+
 // Block-scaled FP8 at `m` rows: the FP8 grouped GEMM with one group (every row, no ends) against
 // cuBLASLt's (fp8_linear), the same quantised operands, 20 products back to back. Returns
 // {cuBLASLt ms, grouped ms} per product.
@@ -447,17 +466,11 @@ std::pair<double, double> grouped_vs_lt(const Shape& s, int64_t m) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(0).stream();
   grouped_fp8::run(p, 0, stream);
   const double error = relative_error(y, reference);
-  const double lt = bench::median_ms(7, [&] {
-                      for (int i = 0; i < 20; ++i) target::fp8_linear(a, w, {});
-                    }) / 20;
-  const double ours = bench::median_ms(7, [&] {
-                        for (int i = 0; i < 20; ++i) grouped_fp8::run(p, 0, stream);
-                      }) / 20;
-  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(s.n) * static_cast<double>(s.k);
-  std::printf("%-12s m %5lld n %5lld k %5lld | FP8 cuBLASLt %.4f ms (%.0f TFLOP/s) | grouped, one group %.4f ms "
-              "(%.0f TFLOP/s, vs cuBLASLt %.0e) | %.2fx\n",
-              s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), lt,
-              flops / lt / 1e9, ours, flops / ours / 1e9, error, lt / ours);
+  const double lt = per_call_ms([&] { target::fp8_linear(a, w, {}); });
+  const double ours = per_call_ms([&] { grouped_fp8::run(p, 0, stream); });
+  char note[64];
+  std::snprintf(note, sizeof(note), "vs cuBLASLt %.0e", error);
+  print_fp8_pair(s, m, "FP8 cuBLASLt", lt, "grouped, one group", ours, note);
   return {lt, ours};
 }
 
@@ -487,18 +500,12 @@ std::pair<double, double> swiglu_vs_lt(const Shape& s, int64_t m) {
   const target::Fp8Activations reference = composite();
   const double agree = fused.q.narrow(0, 0, m).view(at::kByte).eq(reference.q.narrow(0, 0, m).view(at::kByte))
                            .to(at::kDouble).mean().item<double>();
-  const double lt = bench::median_ms(7, [&] {
-                      for (int i = 0; i < 20; ++i) composite();
-                    }) / 20;
-  const double ours = bench::median_ms(7, [&] {
-                        for (int i = 0; i < 20; ++i) target::fp8_swiglu(a, w);
-                      }) / 20;
+  const double lt = per_call_ms(composite);
+  const double ours = per_call_ms([&] { target::fp8_swiglu(a, w); });
   grouped_fp8::fused_swiglu = false;
-  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(s.n) * static_cast<double>(s.k);
-  std::printf("%-12s m %5lld n %5lld k %5lld | cuBLASLt + SiLU-mul %.4f ms (%.0f TFLOP/s) | SwiGLU kernel %.4f ms "
-              "(%.0f TFLOP/s, %.4f of h's bytes equal) | %.2fx\n",
-              s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), lt,
-              flops / lt / 1e9, ours, flops / ours / 1e9, agree, lt / ours);
+  char note[64];
+  std::snprintf(note, sizeof(note), "%.4f of h's bytes equal", agree);
+  print_fp8_pair(s, m, "cuBLASLt + SiLU-mul", lt, "SwiGLU kernel", ours, note);
   return {lt, ours};
 }
 
