@@ -13,7 +13,8 @@
 // `stream` the stream-K GEMM against cuBLASLt's heuristic (and which the projections take);
 // `grouped-fp8` the FP8 grouped GEMM (kernels/grouped_fp8.h) as one group (above 128 rows: its
 // dense kernel, clusters of two) against cuBLASLt's block-scaled product on the same operands,
-// then the MLP's gate_up with SiLU-mul (down_proj's e4m3 input) against the SwiGLU kernel.
+// then the MLP's gate_up with SiLU-mul (down_proj's e4m3 input) against the SwiGLU kernel with
+// each of its epilogues.
 // Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k | stream | grouped-fp8] [ROWS...]
 //        (default: 3072 128)
 #include <ATen/ATen.h>
@@ -22,6 +23,7 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -476,11 +478,12 @@ std::pair<double, double> grouped_vs_lt(const Shape& s, int64_t m) {
 
 // A dense SwiGLU at `m` rows (shape s: the MLP's stacked gate_up): cuBLASLt's gate_up product
 // then the SiLU-mul kernel writing down_proj's e4m3 input (the target's path), against the SwiGLU
-// kernel forming that input in its epilogue (fp8_swiglu, the hook fused_swiglu), 20 back to back
-// each; how many of h's e4m3 bytes agree (the products' fp32 sums differ in order, so a value
-// near a rounding boundary of bf16 or e4m3 may land on its neighbour). Returns {composite ms,
-// fused ms} per product.
-std::pair<double, double> swiglu_vs_lt(const Shape& s, int64_t m) {
+// kernel forming that input with each of its epilogues (fp8_swiglu, the hook fused_swiglu), 20
+// back to back each; how many of h's e4m3 bytes agree (the products' fp32 sums differ in order, so
+// a value near a rounding boundary of bf16 or e4m3 may land on its neighbour). Returns the ms per
+// product of the composite, then of the kernel with its epilogue in the consumers and in the
+// epilogue warps (0 where the kernel does not take the operands).
+std::array<double, 3> swiglu_vs_lt(const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const int64_t inner = s.n / 2;
   const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
@@ -490,23 +493,28 @@ std::pair<double, double> swiglu_vs_lt(const Shape& s, int64_t m) {
     const at::Tensor y = target::fp8_linear(a, w, {});
     return target::silu_mul_fp8(y.narrow(1, 0, inner), y.narrow(1, inner, inner));
   };
-  grouped_fp8::fused_swiglu = true;
-  const target::Fp8Activations fused = target::fp8_swiglu(a, w);
-  if (!fused.defined()) {
-    grouped_fp8::fused_swiglu = false;
-    std::printf("%-12s m %5lld: the SwiGLU kernel does not take these operands\n", s.name, static_cast<long long>(m));
-    return {0, 0};
-  }
   const target::Fp8Activations reference = composite();
-  const double agree = fused.q.narrow(0, 0, m).view(at::kByte).eq(reference.q.narrow(0, 0, m).view(at::kByte))
-                           .to(at::kDouble).mean().item<double>();
-  const double lt = per_call_ms(composite);
-  const double ours = per_call_ms([&] { target::fp8_swiglu(a, w); });
-  grouped_fp8::fused_swiglu = false;
-  char note[64];
-  std::snprintf(note, sizeof(note), "%.4f of h's bytes equal", agree);
-  print_fp8_pair(s, m, "cuBLASLt + SiLU-mul", lt, "SwiGLU kernel", ours, note);
-  return {lt, ours};
+  std::array<double, 3> ms{per_call_ms(composite), 0, 0};
+  using grouped_fp8::SwigluEpilogue;
+  for (const SwigluEpilogue epilogue : {SwigluEpilogue::consumers, SwigluEpilogue::epilogue_warps}) {
+    const char* name = epilogue == SwigluEpilogue::consumers ? "SwiGLU kernel, consumers' epilogue"
+                                                             : "SwiGLU kernel, epilogue warps";
+    grouped_fp8::fused_swiglu = epilogue;
+    const target::Fp8Activations fused = target::fp8_swiglu(a, w);
+    if (!fused.defined()) {
+      std::printf("%-12s m %5lld: %s does not take these operands\n", s.name, static_cast<long long>(m), name);
+      continue;
+    }
+    const double agree = fused.q.narrow(0, 0, m).view(at::kByte).eq(reference.q.narrow(0, 0, m).view(at::kByte))
+                             .to(at::kDouble).mean().item<double>();
+    const double ours = per_call_ms([&] { target::fp8_swiglu(a, w); });
+    ms[static_cast<size_t>(epilogue)] = ours;
+    char note[64];
+    std::snprintf(note, sizeof(note), "%.4f of h's bytes equal", agree);
+    print_fp8_pair(s, m, "cuBLASLt + SiLU-mul", ms[0], name, ours, note);
+  }
+  grouped_fp8::fused_swiglu = SwigluEpilogue::off;
+  return ms;
 }
 
 }  // namespace
@@ -544,10 +552,11 @@ int main(int argc, char** argv) {
                   "above 128 rows) %.1f |\n", static_cast<long long>(m), lt, ours);
       const Shape& gate_up = *std::find_if(std::begin(kShapes), std::end(kShapes),
                                            [](const Shape& s) { return std::string(s.name) == "mlp gate_up"; });
-      const auto [composite, fused] = swiglu_vs_lt(gate_up, m);
+      const std::array<double, 3> swiglu = swiglu_vs_lt(gate_up, m);
       std::printf("| %lld rows, gate_up + SiLU-mul of a forward (x %lld) | cuBLASLt + SiLU-mul %.1f ms | SwiGLU "
-                  "kernel %.1f |\n", static_cast<long long>(m), static_cast<long long>(gate_up.per_forward),
-                  composite * gate_up.per_forward, fused * gate_up.per_forward);
+                  "kernel, consumers' epilogue %.1f | epilogue warps %.1f |\n", static_cast<long long>(m),
+                  static_cast<long long>(gate_up.per_forward), swiglu[0] * gate_up.per_forward,
+                  swiglu[1] * gate_up.per_forward, swiglu[2] * gate_up.per_forward);
       continue;
     }
     if (mode == "explore-split-k") {

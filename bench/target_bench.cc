@@ -11,7 +11,7 @@
 //   An MoE target's FP8 forward runs twice: its experts dequantized per layer, then on the FP8
 //   grouped GEMM (kernels/grouped_fp8.h's hook, in one process). On sm_90a the FP8 forward runs
 //   again with its dense projections on the dense FP8 kernel (the hook dense_projections), with
-//   gate_up + SiLU-mul on the SwiGLU kernel (fused_swiglu), and with both.
+//   gate_up + SiLU-mul on the SwiGLU kernel (fused_swiglu, each epilogue), and with both kernels.
 // Usage: target_bench CONFIG_DIR [LAST_LAYER]   (LAST_LAYER -1: no whole forward, the MoE block only)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -90,20 +90,28 @@ void bench_forward(const target::ModelConfig& config, const char* config_dir, in
         grouped_fp8::dense_projections = true;
         const std::vector<at::Tensor> ours = run(fp8_options, "fp8, projections on the dense FP8 kernel");
         grouped_fp8::dense_projections = false;
-        // gate_up with SiLU-mul in one kernel (the hook fused_swiglu), the other projections on
-        // cuBLASLt, then on the dense kernel too.
-        grouped_fp8::fused_swiglu = true;
-        const std::vector<at::Tensor> fused = run(fp8_options, "fp8, gate_up + SiLU-mul on the SwiGLU kernel");
+        // gate_up with SiLU-mul in one kernel (the hook fused_swiglu), with each of its epilogues
+        // and the other projections on cuBLASLt, then the epilogue warps' with the dense kernel.
+        using grouped_fp8::SwigluEpilogue;
+        grouped_fp8::fused_swiglu = SwigluEpilogue::consumers;
+        const std::vector<at::Tensor> in_consumers = run(fp8_options, "fp8, gate_up + SiLU-mul on the SwiGLU kernel "
+                                                                      "(consumers' epilogue)");
+        grouped_fp8::fused_swiglu = SwigluEpilogue::epilogue_warps;
+        const std::vector<at::Tensor> in_warps = run(fp8_options, "fp8, gate_up + SiLU-mul on the SwiGLU kernel "
+                                                                  "(epilogue warps)");
         grouped_fp8::dense_projections = true;
-        const std::vector<at::Tensor> both = run(fp8_options, "fp8, SwiGLU kernel and dense FP8 kernel");
-        grouped_fp8::dense_projections = grouped_fp8::fused_swiglu = false;
+        const std::vector<at::Tensor> both = run(fp8_options, "fp8, SwiGLU kernel (epilogue warps) and dense FP8 "
+                                                              "kernel");
+        grouped_fp8::dense_projections = false;
+        grouped_fp8::fused_swiglu = SwigluEpilogue::off;
         for (size_t i = 0; i < tapped.size(); ++i) {
           const auto from_lt = [&](const at::Tensor& t) {
             return ((t - fp8[i]).norm() / fp8[i].norm()).item<double>();
           };
           std::printf("  vs cuBLASLt, tapped layer %lld, relative error (Frobenius): dense FP8 kernel %.2e, SwiGLU "
-                      "kernel %.2e, both %.2e\n",
-                      static_cast<long long>(tapped[i]), from_lt(ours[i]), from_lt(fused[i]), from_lt(both[i]));
+                      "kernel %.2e / %.2e, both %.2e\n",
+                      static_cast<long long>(tapped[i]), from_lt(ours[i]), from_lt(in_consumers[i]),
+                      from_lt(in_warps[i]), from_lt(both[i]));
         }
       }
       for (size_t i = 0; i < tapped.size(); ++i) {

@@ -219,9 +219,10 @@ at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Ten
 
 Fp8Activations fp8_swiglu(const Fp8Activations& a, const Fp8Weight& gate_up) {
 #ifdef DFLASHD_WITH_CUDA
-  if (!grouped_fp8::fused_swiglu.load() || !a.q.is_cuda() || a.dtype != at::kBFloat16 || gate_up.data.dim() != 2 ||
-      !gate_up.data.is_contiguous() || !gate_up.scale.is_contiguous() || gate_up.scale.scalar_type() != at::kFloat ||
-      gate_up.data.size(0) % (2 * kFp8Block) != 0) {
+  const grouped_fp8::SwigluEpilogue epilogue = grouped_fp8::fused_swiglu.load();
+  if (epilogue == grouped_fp8::SwigluEpilogue::off || !a.q.is_cuda() || a.dtype != at::kBFloat16 ||
+      gate_up.data.dim() != 2 || !gate_up.data.is_contiguous() || !gate_up.scale.is_contiguous() ||
+      gate_up.scale.scalar_type() != at::kFloat || gate_up.data.size(0) % (2 * kFp8Block) != 0) {
     return {};
   }
   const c10::cuda::CUDAGuard guard(a.q.device());  // the kernel runs on the current device
@@ -230,7 +231,7 @@ Fp8Activations fp8_swiglu(const Fp8Activations& a, const Fp8Weight& gate_up) {
   const grouped_fp8::Problem p = grouped_problem(a, gate_up, a.rows, at::Tensor());
   const grouped_fp8::SwigluOutput out{h.q.data_ptr(), h.factors.data_ptr<float>(), factor_stride(h)};
   if (!grouped_fp8::swiglu_applies(p, out, a.q.device().index())) return {};
-  grouped_fp8::run_swiglu(p, out, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream());
+  grouped_fp8::run_swiglu(p, out, epilogue, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream());
   return h;
 #else
   (void)a;

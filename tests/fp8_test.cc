@@ -584,12 +584,15 @@ TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
 // The SwiGLU kernel against the path it replaces, run on our own GEMM so that the products' fp32
 // sums are the same: the grouped kernel's bf16 gate_up product (tiles of 128 columns), then the
 // SiLU-mul kernel's quantisation. The same e4m3 bytes and factors, bit for bit; the padding rows
-// left zero with factor 1; a second run the same. Cases: one row; a partial m-tile over several
-// blocks of h; whole tiles; 3 m-tiles (the last one's second warpgroup without rows) by 5 blocks;
-// more tiles than resident clusters, with one k-block each (a CTA can run a tile ahead of its
-// peer: the row maxima's exchange alternates buffers) and with the 27B MLP's k of 5120. Through Linear's
-// silu_mul_fp8_of with the hook up: the same bytes; with it down, the composite path. A gate_up
-// that is not whole 128-row blocks of gate and up is refused by name.
+// left zero with factor 1; a second run the same; both epilogues (in the consumers, in the
+// epilogue warps). Cases: one row; a partial m-tile over several blocks of h; whole tiles; 3
+// m-tiles (the last one's second warpgroup without rows) by 5 blocks; more tiles than resident
+// clusters, with one k-block each (a CTA can run a tile ahead of its peer: the row maxima's
+// exchange alternates buffers) and with the 27B MLP's k of 5120. Through Linear's silu_mul_fp8_of
+// with the hook up: the same bytes; with it down, the composite path (cuBLASLt's product: its
+// bytes may differ where the fp32 sums' order moves a value across a rounding boundary, so only
+// its shape is compared). A gate_up that is not whole 128-row blocks of gate and up is refused by
+// name.
 TEST(Fp8, GpuSwigluKernelIsGateUpThenSiluMul) {
   if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
   namespace gf = dflash::grouped_fp8;
@@ -619,22 +622,25 @@ TEST(Fp8, GpuSwigluKernelIsGateUpThenSiluMul) {
     p.ends = ends.data_ptr<int32_t>(), p.y = gate_up.data_ptr(), p.m = c.m, p.n = 2 * c.inner, p.k = c.k;
     gf::run(p, 0, stream);
     const Fp8Activations want = silu_mul_fp8(gate_up.narrow(1, 0, c.inner), gate_up.narrow(1, c.inner, c.inner));
-    // The SwiGLU kernel, twice.
-    gf::fused_swiglu = true;
-    const Fp8Activations got = fp8_swiglu(a, w), again = fp8_swiglu(a, w);
-    const Fp8Activations through_linear = Linear{at::Tensor(), w, at::Tensor()}.silu_mul_fp8_of(GemmInput(a));
-    gf::fused_swiglu = false;
-    ASSERT_TRUE(got.defined()) << "the kernel did not take the operands";
-    EXPECT_EQ(got.rows, c.m);
-    ASSERT_EQ(got.q.sizes(), want.q.sizes());
-    const at::Tensor got_bytes = got.q.view(at::kByte).cpu(), want_bytes = want.q.view(at::kByte).cpu();
-    const int64_t differ = got_bytes.ne(want_bytes).sum().item<int64_t>();
-    EXPECT_EQ(differ, 0) << "of " << got_bytes.numel() << " bytes";
-    EXPECT_TRUE(at::equal(got.factors.cpu(), want.factors.cpu()));
-    EXPECT_EQ(got.factors.strides(), want.factors.strides());
-    EXPECT_TRUE(bytes_equal(again.q.cpu(), got.q.cpu()) && at::equal(again.factors.cpu(), got.factors.cpu()))
-        << "a second run differs";
-    EXPECT_TRUE(bytes_equal(through_linear.q.cpu(), got.q.cpu())) << "Linear::silu_mul_fp8_of with the hook up";
+    // The SwiGLU kernel with each epilogue, twice.
+    for (const gf::SwigluEpilogue epilogue : {gf::SwigluEpilogue::consumers, gf::SwigluEpilogue::epilogue_warps}) {
+      SCOPED_TRACE(epilogue == gf::SwigluEpilogue::consumers ? "consumers' epilogue" : "epilogue warps");
+      gf::fused_swiglu = epilogue;
+      const Fp8Activations got = fp8_swiglu(a, w), again = fp8_swiglu(a, w);
+      const Fp8Activations through_linear = Linear{at::Tensor(), w, at::Tensor()}.silu_mul_fp8_of(GemmInput(a));
+      gf::fused_swiglu = gf::SwigluEpilogue::off;
+      ASSERT_TRUE(got.defined()) << "the kernel did not take the operands";
+      EXPECT_EQ(got.rows, c.m);
+      ASSERT_EQ(got.q.sizes(), want.q.sizes());
+      const at::Tensor got_bytes = got.q.view(at::kByte).cpu(), want_bytes = want.q.view(at::kByte).cpu();
+      const int64_t differ = got_bytes.ne(want_bytes).sum().item<int64_t>();
+      EXPECT_EQ(differ, 0) << "of " << got_bytes.numel() << " bytes";
+      EXPECT_TRUE(at::equal(got.factors.cpu(), want.factors.cpu()));
+      EXPECT_EQ(got.factors.strides(), want.factors.strides());
+      EXPECT_TRUE(bytes_equal(again.q.cpu(), got.q.cpu()) && at::equal(again.factors.cpu(), got.factors.cpu()))
+          << "a second run differs";
+      EXPECT_TRUE(bytes_equal(through_linear.q.cpu(), got.q.cpu())) << "Linear::silu_mul_fp8_of with the hook up";
+    }
     EXPECT_FALSE(fp8_swiglu(a, w).defined()) << "the hook is down: the kernel must not run";
     const Fp8Activations composite = Linear{at::Tensor(), w, at::Tensor()}.silu_mul_fp8_of(GemmInput(a));
     EXPECT_EQ(composite.q.sizes(), want.q.sizes()) << "the composite path with the hook down";
@@ -647,7 +653,7 @@ TEST(Fp8, GpuSwigluKernelIsGateUpThenSiluMul) {
   const gf::SwigluOutput out{probe.data_ptr(), bad_factors.data_ptr<float>(), 16};
   EXPECT_FALSE(gf::swiglu_applies(bad, out, 0)) << "gate and up of 192 rows are not whole blocks";
   try {
-    gf::run_swiglu(bad, out, 0, stream);
+    gf::run_swiglu(bad, out, gf::SwigluEpilogue::consumers, 0, stream);
     ADD_FAILURE() << "a shape the kernel cannot take ran";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("gate_up of 384 rows"), std::string::npos) << e.what();

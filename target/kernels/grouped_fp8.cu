@@ -7,6 +7,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "target/kernels/grouped_fp8/epilogue.cuh"
@@ -21,10 +22,12 @@ namespace {
 constexpr int kThreads = 128 + kConsumerThreads;  // a producer warpgroup and two consumers
 constexpr size_t kSharedBytes = sizeof(Shared) + 1024;  // + the alignment of the ring
 constexpr size_t kDenseSharedBytes = sizeof(DenseShared) + 1024;
-constexpr size_t kSwigluSharedBytes = sizeof(SwigluShared) + 1024;
+template <bool kEpilogueWarps>
+constexpr size_t kSwigluSharedBytes = sizeof(std::conditional_t<kEpilogueWarps, SwigluWarpShared, SwigluShared>) + 1024;
 static_assert(kSharedBytes <= 227 * 1024, "the FP8 grouped GEMM's shared memory exceeds an H200 CTA's");
 static_assert(kDenseSharedBytes <= 227 * 1024, "the dense FP8 GEMM's shared memory exceeds an H200 CTA's");
-static_assert(kSwigluSharedBytes <= 227 * 1024, "the FP8 SwiGLU GEMM's shared memory exceeds an H200 CTA's");
+static_assert(kSwigluSharedBytes<false> <= 227 * 1024 && kSwigluSharedBytes<true> <= 227 * 1024,
+              "the FP8 SwiGLU GEMM's shared memory exceeds an H200 CTA's");
 
 // Warpgroup 0 produces (thread 0), warpgroups 1 and 2 consume; every CTA walks the same tile
 // numbering (schedule.h), each from its own index.
@@ -106,15 +109,18 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
 
 // A SwiGLU's gate_up product (W = [gate; up], p.n = 2 inner) with h formed and quantised in the
 // epilogue, in clusters of two CTAs along h (schedule.h's SwigluTiles): both CTAs multiply the
-// same 128 rows of x, each loading half into both, by their own 64 rows of gate and of up. As in
-// the dense kernel, the consumers of both CTAs end at a cluster barrier; the row maxima's
-// exchange is waited for within each tile.
+// same 128 rows of x, each loading half into both, by their own 64 rows of gate and of up. The
+// epilogue runs in the consumers, or with kEpilogueWarps in warps 1-3 of the producer warpgroup
+// while the consumers go on (swiglu_epilogue.cuh). As in the dense kernel, every remaining thread
+// of both CTAs ends at a cluster barrier; the row maxima's exchange is waited for within each tile.
+template <bool kEpilogueWarps>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
     swiglu_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                       const Problem p, const SwigluOutput out) {
 #ifdef DFLASHD_WGMMA
+  using SharedT = std::conditional_t<kEpilogueWarps, SwigluWarpShared, SwigluShared>;
   extern __shared__ unsigned char raw[];
-  auto& s = mma_tile::aligned_shared<SwigluShared>(raw);
+  auto& s = mma_tile::aligned_shared<SharedT>(raw);
   const int rank = static_cast<int>(barriers::cluster_rank());
   if (threadIdx.x == 0) {
     s.ring.init();
@@ -127,16 +133,22 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   const int inner = static_cast<int>(p.n / 2), k_blocks = static_cast<int>(p.k / kBlockK);
   const SwigluTiles tiles(p.m, inner);
   const int64_t cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
+  const uint32_t peer_rank = static_cast<uint32_t>(rank ^ 1);
+  const SwigluPeer peer{barriers::peer_address(mma_tile::shared_address(&s.peer_amax[0][0]), peer_rank),
+                        barriers::peer_address(mma_tile::shared_address(&s.peer_arrived[0]), peer_rank)};
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x == 0) produce_swiglu(s.ring, &x_map, &w_map, tiles, cluster, clusters, k_blocks, rank, inner);
+    if constexpr (kEpilogueWarps) {
+      if (threadIdx.x >= 32) {
+        drain_swiglu_tiles(s, tiles, cluster, clusters, out, inner, rank, peer, static_cast<int>(threadIdx.x / 32) - 1);
+        barriers::cluster_sync();
+      }
+    }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int ct = static_cast<int>(threadIdx.x) - 128;
-  const uint32_t peer_rank = static_cast<uint32_t>(rank ^ 1);
-  const SwigluPeer peer{barriers::peer_address(mma_tile::shared_address(&s.peer_amax[0][0]), peer_rank),
-                        barriers::peer_address(mma_tile::shared_address(&s.peer_arrived[0]), peer_rank)};
   smem_ring::Position at;
   Accumulators<kTileCols> acc;
   int done = 0;
@@ -146,7 +158,11 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
     const float* gate_factors = p.w_factors + static_cast<int64_t>(tile.n_tile) * k_blocks;
     const ColumnFactors w{gate_factors, gate_factors + static_cast<int64_t>(tiles.h_blocks) * k_blocks, false};
     consume_tile<kTileCols, 2, true>(s.ring, acc, at, tile, w, p, k_blocks, ct, peer_rank);
-    store_swiglu_tile(acc, s, tile, out, inner, rank, done, peer, ct);
+    if constexpr (kEpilogueWarps) {
+      stage_swiglu_tile(acc, s, done, ct);
+    } else {
+      store_swiglu_tile(acc, s, tile, out, inner, rank, done, peer, ct);
+    }
   }
   barriers::cluster_sync();
 #else
@@ -248,25 +264,41 @@ bool swiglu_applies(const Problem& p, const SwigluOutput& out, int device) {
          out.factors != nullptr && out.factor_stride >= p.m && applies(p, device);
 }
 
-void run_swiglu(const Problem& p, const SwigluOutput& out, int device, cudaStream_t stream) {
-  if (!swiglu_applies(p, out, device)) {
+namespace {
+
+template <bool kEpilogueWarps>
+void launch_swiglu(const CUtensorMap& x_map, const CUtensorMap& w_map, const Problem& p, const SwigluOutput& out,
+                   int device, cudaStream_t stream) {
+  constexpr size_t bytes = kSwigluSharedBytes<kEpilogueWarps>;
+  const int64_t resident =
+      resident_clusters<swiglu_fp8_kernel<kEpilogueWarps>>(bytes, "FP8 SwiGLU GEMM kernel", device);
+  const int64_t clusters = std::min<int64_t>(resident, SwigluTiles(p.m, p.n / 2).count());
+  swiglu_fp8_kernel<kEpilogueWarps><<<static_cast<unsigned>(2 * clusters), kThreads, bytes, stream>>>(x_map, w_map, p,
+                                                                                                     out);
+  check_cuda(cudaGetLastError(), "FP8 SwiGLU GEMM kernel");
+}
+
+}  // namespace
+
+void run_swiglu(const Problem& p, const SwigluOutput& out, SwigluEpilogue epilogue, int device,
+                cudaStream_t stream) {
+  if (!swiglu_applies(p, out, device) || epilogue == SwigluEpilogue::off) {
     throw std::invalid_argument("FP8 SwiGLU GEMM: [" + std::to_string(p.m) + " rows, " + std::to_string(p.k) +
                                 "] -> gate_up of " + std::to_string(p.n) + " rows does not run on device " +
                                 std::to_string(device) +
                                 " (sm_90a, one group, gate and up whole 128-row blocks, k a multiple of 128, "
-                                "16-byte aligned operands, factor_stride >= m)");
+                                "16-byte aligned operands, factor_stride >= m, an epilogue chosen)");
   }
   if (p.m == 0) return;
   const CUtensorMap x_map = tensor_map::swizzled_rows(p.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.m, p.k, p.x_stride,
                                                       kSwigluHalf, "FP8 SwiGLU GEMM: x");
   const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.n, p.k, p.k,
                                                       kSwigluHalf, "FP8 SwiGLU GEMM: W");
-  const int64_t resident =
-      resident_clusters<swiglu_fp8_kernel>(kSwigluSharedBytes, "FP8 SwiGLU GEMM kernel", device);
-  const int64_t clusters = std::min<int64_t>(resident, SwigluTiles(p.m, p.n / 2).count());
-  swiglu_fp8_kernel<<<static_cast<unsigned>(2 * clusters), kThreads, kSwigluSharedBytes, stream>>>(x_map, w_map, p,
-                                                                                                  out);
-  check_cuda(cudaGetLastError(), "FP8 SwiGLU GEMM kernel");
+  if (epilogue == SwigluEpilogue::epilogue_warps) {
+    launch_swiglu<true>(x_map, w_map, p, out, device, stream);
+  } else {
+    launch_swiglu<false>(x_map, w_map, p, out, device, stream);
+  }
 }
 
 }  // namespace dflash::grouped_fp8

@@ -36,11 +36,17 @@ inline std::atomic<bool> off{false};
 // two are measured side by side.
 inline std::atomic<bool> dense_projections{false};
 
-// A benchmark hook (the daemon never sets it): a dense SwiGLU's gate_up product and the SiLU-mul
-// pass after it (fp8.h's fp8_swiglu) run as this file's SwiGLU kernel, which forms down_proj's FP8
-// input in its epilogue, instead of cuBLASLt's GEMM and the SiLU-mul kernel; decided as
-// dense_projections is.
-inline std::atomic<bool> fused_swiglu{false};
+// Where the SwiGLU kernel (run_swiglu) forms and stores its tile: in the consumer warpgroups
+// between one tile's mainloop and the next, or in the producer warpgroup's idle warps while the
+// consumers go on (kernels/grouped_fp8/swiglu_epilogue.cuh); the two are measured against each
+// other.
+enum class SwigluEpilogue : int { off = 0, consumers = 1, epilogue_warps = 2 };
+
+// A benchmark hook (the daemon never sets it): other than off, a dense SwiGLU's gate_up product and
+// the SiLU-mul pass after it (fp8.h's fp8_swiglu) run as this file's SwiGLU kernel with that
+// epilogue, which forms down_proj's FP8 input, instead of cuBLASLt's GEMM and the SiLU-mul kernel;
+// decided as dense_projections is.
+inline std::atomic<SwigluEpilogue> fused_swiglu{SwigluEpilogue::off};
 
 struct Problem {
   const void* x = nullptr;             // e4m3 [m, k], rows x_stride bytes apart, sorted by group
@@ -92,7 +98,8 @@ void run(const Problem& p, int device, cudaStream_t stream);
 bool swiglu_applies(const Problem& p, const SwigluOutput& out, int device);
 
 // h into `out` on `stream` (clusters of two CTAs, each 64 of a 128-column block of h: schedule.h's
-// SwigluTiles; no host synchronisation). Throws naming the shape where swiglu_applies is false.
-void run_swiglu(const Problem& p, const SwigluOutput& out, int device, cudaStream_t stream);
+// SwigluTiles; no host synchronisation), the tile formed by `epilogue`. Throws naming the shape
+// where swiglu_applies is false (or epilogue is off).
+void run_swiglu(const Problem& p, const SwigluOutput& out, SwigluEpilogue epilogue, int device, cudaStream_t stream);
 
 }  // namespace dflash::grouped_fp8

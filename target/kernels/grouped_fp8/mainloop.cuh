@@ -60,15 +60,29 @@ struct DenseShared {
   alignas(16) Staging<kDenseCols> out;
 };
 
-// The SwiGLU kernel's: stages of x's 128 rows and W's 64 gate + 64 up rows (6 of 32 KB), each
-// released by the consumer warps of both CTAs of the cluster; its output tile's e4m3 bytes, and
-// each row's largest |h| from the peer CTA (two tiles' worth: schedule of store_swiglu_tile).
-inline constexpr int kSwigluStages = 6;
-using SwigluRing = smem_ring::Ring<2 * kOperandBytes, kSwigluStages, 2 * kConsumerWarps>;
+// The SwiGLU kernel's, by where its epilogue runs (grouped_fp8/swiglu_epilogue.cuh). Both: stages
+// of x's 128 rows and W's 64 gate + 64 up rows (32 KB each), each released by the consumer warps
+// of both CTAs of the cluster; each row's largest |h| from the peer CTA, two tiles' worth (the
+// exchange alternates buffers by the tile's parity).
+// - In the consumers (SwigluShared): 6 stages, and the output tile's e4m3 bytes.
+// - In the epilogue warps (SwigluWarpShared): 5 stages, the tile's gate and up sums in bf16 as the
+//   consumers hand them over (h replaces gate there), and each row's own largest |h|.
 inline constexpr int kSwigluRowBytes = kSwigluHalf + 16;  // padded: a warp's stores hit distinct banks
 struct SwigluShared {
-  SwigluRing ring;
+  using RingT = smem_ring::Ring<2 * kOperandBytes, 6, 2 * kConsumerWarps>;
+  RingT ring;
   alignas(16) unsigned char out[kTileRows][kSwigluRowBytes];
+  float peer_amax[2][kTileRows];
+  alignas(8) uint64_t peer_arrived[2];
+};
+// bf16 [gate's 64 | up's 64] a row, padded to 272 bytes: the 8 rows of a warp's 4-byte stores start
+// 4 banks apart.
+inline constexpr int kStagedColumns = 2 * kSwigluHalf + 8;
+struct SwigluWarpShared {
+  using RingT = smem_ring::Ring<2 * kOperandBytes, 5, 2 * kConsumerWarps>;
+  RingT ring;
+  alignas(16) __nv_bfloat16 staged[kTileRows][kStagedColumns];
+  float own_amax[kTileRows];
   float peer_amax[2][kTileRows];
   alignas(8) uint64_t peer_arrived[2];
 };
@@ -185,7 +199,8 @@ __device__ __forceinline__ void produce_pairs(DenseRing& ring, const void* x_map
 // x is read by the tiles of every block of h (L2's normal priority); each tile of W by the
 // clusters of one wave's m-tiles, then never again (evict first). A stage is refilled once both
 // CTAs' consumers have released it (the ring's 16 readers).
-__device__ __forceinline__ void produce_swiglu(SwigluRing& ring, const void* x_map, const void* w_map,
+template <typename RingT>
+__device__ __forceinline__ void produce_swiglu(RingT& ring, const void* x_map, const void* w_map,
                                                const SwigluTiles& tiles, int64_t cluster, int64_t clusters,
                                                int k_blocks, int rank, int inner) {
   constexpr int kHalfBytes = kSwigluHalf * kBlockK;  // 64 rows of a k-block, 8 KB
@@ -203,7 +218,7 @@ __device__ __forceinline__ void produce_swiglu(SwigluRing& ring, const void* x_m
                              full.address, 0b11);
       tma::load_2d(stage + kOperandBytes, w_map, kb * kBlockK, gate_row, full.address, streamed);
       tma::load_2d(stage + kOperandBytes + kHalfBytes, w_map, kb * kBlockK, inner + gate_row, full.address, streamed);
-      at.advance<kSwigluStages>();
+      at.advance<RingT::kDepth>();
     }
   }
 }

@@ -1,17 +1,22 @@
-// swiglu_epilogue.cuh: the SwiGLU kernel's tile leaves the consumers' registers (grouped_fp8.cu)
-// as down_proj's FP8 input: h = silu(gate) * up for the CTA's 64 columns of h, quantised per
-// 1x128 group of each row with the peer CTA's 64 (schedule.h's SwigluTiles).
+// swiglu_epilogue.cuh: the SwiGLU kernel's tile leaves as down_proj's FP8 input (grouped_fp8.cu):
+// h = silu(gate) * up for the CTA's 64 columns of h, quantised per 1x128 group of each row with
+// the peer CTA's 64 (schedule.h's SwigluTiles). Two placements, measured against each other:
+// - store_swiglu_tile: the consumer warpgroups themselves, between one tile's mainloop and the
+//   next (the tensor cores wait meanwhile);
+// - stage_swiglu_tile + drain_swiglu_tiles: the consumers only round their sums to bf16 into
+//   shared memory and go on with the next tile; the producer warpgroup's three idle warps form h,
+//   exchange and store while the next tile's mainloop runs.
 //
 // The values are those of the path it replaces, bit for bit where the products' fp32 sums are the
 // same: gate and up rounded to bf16 (the GEMM's output), silu(gate) * up as the SiLU-mul kernel
 // forms it (bf16x8::silu_times) rounded to bf16, then fp8_group's factor and division. A row's
-// largest |h| over its 128 columns is this CTA's 64 (two lane shuffles: a row's 64 columns lie in
-// the 4 lanes of a quad) and the peer's, sent into each other's shared memory (store_to_peer) and
-// counted on a transaction barrier, one per parity of the tile: the peer writes a buffer again two
-// tiles later, after it has received this CTA's largest values of the tile in between, which this
-// CTA sends only after it has read the buffer.
+// largest |h| over its 128 columns is this CTA's 64 and the peer's, sent into each other's shared
+// memory (store_to_peer) and counted on a transaction barrier, one per parity of the tile: the
+// peer writes a buffer again two tiles later, after it has received this CTA's largest values of
+// the tile in between, which this CTA sends only after it has read the buffer.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -25,19 +30,51 @@
 
 namespace dflash::grouped_fp8 {
 
+namespace group = target::kernels::fp8_group;
+
 // The peer CTA's peer_amax and peer_arrived, as this CTA addresses them.
 struct SwigluPeer {
   uint32_t amax = 0;
   uint32_t arrived = 0;
 };
 
-// A tile's h into out (rows below the tile's end; rank 0 writes the rows' factors). `done`: the
-// tiles this CTA has stored before (the exchange buffer's parity and its barrier's phase).
+// h from gate's and up's fp32 sums: the bf16 value the SiLU-mul kernel computes from the bf16
+// product.
+__device__ __forceinline__ float swiglu_of(float gate, float up) {
+  using bf16x8::round_bf16;
+  return round_bf16(bf16x8::silu_times(round_bf16(gate), round_bf16(up)));
+}
+
+// The row maxima's exchange of tile number `done` (the tiles this CTA stored before it) in a CTA
+// whose shared memory is `s` (SwigluShared or SwigluWarpShared). One thread announces the 512
+// bytes the peer sends (announce); each row's value is sent once (send); every reader waits
+// (wait), then reads the peer's value (peer_of).
+template <typename SharedT>
+struct AmaxExchange {
+  SharedT& s;
+  SwigluPeer peer;
+  int buffer;
+  uint32_t phase;
+  __device__ __forceinline__ AmaxExchange(SharedT& shared, const SwigluPeer& p, int done)
+      : s(shared), peer(p), buffer(done & 1), phase((done >> 1) & 1) {}  // the (done / 2)-th use of the buffer
+  __device__ __forceinline__ barriers::TransactionBarrier arrived() const {
+    return {mma_tile::shared_address(&s.peer_arrived[buffer])};
+  }
+  __device__ __forceinline__ void announce() const { arrived().expect_bytes(kTileRows * 4); }
+  __device__ __forceinline__ void send(int row, float amax) const {
+    barriers::store_to_peer(peer.amax + (buffer * kTileRows + row) * 4, amax, peer.arrived + buffer * 8);
+  }
+  __device__ __forceinline__ void wait() const { arrived().wait(phase); }
+  __device__ __forceinline__ float peer_of(int row) const { return s.peer_amax[buffer][row]; }
+};
+
+// ---- in the consumers -----------------------------------------------------------------------
+// A tile's h into out (rows below the tile's end; rank 0 writes the rows' factors). Thread `ct` of
+// the consumers: its rows' 64 columns lie in the 4 lanes of its quad (two shuffles for the CTA's
+// largest |h|); the bytes leave through shared memory as 16-byte stores.
 __device__ __forceinline__ void store_swiglu_tile(const Accumulators<128>& acc, SwigluShared& s, const Tile& tile,
                                                   const SwigluOutput& out, int64_t inner, int rank, int done,
                                                   const SwigluPeer& peer, int ct) {
-  namespace group = target::kernels::fp8_group;
-  using bf16x8::round_bf16;
   const barriers::NamedBarrier consumers{1, kConsumerThreads};
   const int lane = ct % 32, quad = lane % 4;
   const int row_a = 16 * (ct / 32) + lane / 4, row_b = row_a + 8;  // warp w of 8: rows 16 w..
@@ -48,9 +85,7 @@ __device__ __forceinline__ void store_swiglu_tile(const Accumulators<128>& acc, 
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      h[j][e] = round_bf16(bf16x8::silu_times(round_bf16(acc.c[j][e]), round_bf16(acc.c[j + 8][e])));
-    }
+    for (int e = 0; e < 4; ++e) h[j][e] = swiglu_of(acc.c[j][e], acc.c[j + 8][e]);
     amax_a = fmaxf(amax_a, fmaxf(fabsf(h[j][0]), fabsf(h[j][1])));
     amax_b = fmaxf(amax_b, fmaxf(fabsf(h[j][2]), fabsf(h[j][3])));
   }
@@ -59,17 +94,12 @@ __device__ __forceinline__ void store_swiglu_tile(const Accumulators<128>& acc, 
     amax_a = fmaxf(amax_a, __shfl_xor_sync(0xffffffffu, amax_a, off));
     amax_b = fmaxf(amax_b, __shfl_xor_sync(0xffffffffu, amax_b, off));
   }
-  const int buffer = done & 1;
-  const barriers::TransactionBarrier arrived{mma_tile::shared_address(&s.peer_arrived[buffer])};
-  if (ct == 0) arrived.expect_bytes(kTileRows * 4);
-  if (quad == 0) {
-    const uint32_t values = peer.amax + buffer * kTileRows * 4, barrier = peer.arrived + buffer * 8;
-    barriers::store_to_peer(values + row_a * 4, amax_a, barrier);
-    barriers::store_to_peer(values + row_b * 4, amax_b, barrier);
-  }
-  arrived.wait((done >> 1) & 1);  // the peer's values of this tile: the (done / 2)-th phase of this parity
-  const group::Divider divide_a = group::divider_of(group::factor_of(fmaxf(amax_a, s.peer_amax[buffer][row_a])));
-  const group::Divider divide_b = group::divider_of(group::factor_of(fmaxf(amax_b, s.peer_amax[buffer][row_b])));
+  const AmaxExchange<SwigluShared> exchange(s, peer, done);
+  if (ct == 0) exchange.announce();
+  if (quad == 0) exchange.send(row_a, amax_a), exchange.send(row_b, amax_b);
+  exchange.wait();
+  const group::Divider divide_a = group::divider_of(group::factor_of(fmaxf(amax_a, exchange.peer_of(row_a))));
+  const group::Divider divide_b = group::divider_of(group::factor_of(fmaxf(amax_b, exchange.peer_of(row_b))));
   consumers.sync();  // the previous tile's stores have read the staging
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -89,7 +119,82 @@ __device__ __forceinline__ void store_swiglu_tile(const Accumulators<128>& acc, 
   unsigned char* first = static_cast<unsigned char*>(out.q) + tile.row_begin * inner + swiglu_column(tile, rank);
   for (int i = ct; i < rows * kChunks; i += kConsumerThreads) {
     const int row = i / kChunks, chunk = i % kChunks;
-    *reinterpret_cast<uint4*>(first + row * inner + chunk * 16) = *reinterpret_cast<const uint4*>(&s.out[row][chunk * 16]);
+    *reinterpret_cast<uint4*>(first + row * inner + chunk * 16) =
+        *reinterpret_cast<const uint4*>(&s.out[row][chunk * 16]);
+  }
+}
+
+// ---- in the epilogue warps --------------------------------------------------------------------
+inline constexpr int kEpilogueWarps = 3;  // warps 1-3: the producer warpgroup's, beside its producer thread
+// Staged: the consumers (arrive) to the epilogue warps (sync) that a tile's sums are in `staged`;
+// drained: the epilogue warps (arrive) to the consumers (sync, before staging the next tile) that
+// they have read them. Barrier 1 is the consumers' own.
+__device__ __forceinline__ barriers::NamedBarrier staged_barrier() {
+  return {2, kConsumerThreads + 32 * kEpilogueWarps};
+}
+__device__ __forceinline__ barriers::NamedBarrier drained_barrier() {
+  return {3, kConsumerThreads + 32 * kEpilogueWarps};
+}
+
+// A consumer thread's tile sums rounded to bf16 into s.staged (row r: gate's 64 then up's 64), once
+// the epilogue warps have read the previous tile's (done > 0).
+__device__ __forceinline__ void stage_swiglu_tile(const Accumulators<128>& acc, SwigluWarpShared& s, int done,
+                                                  int ct) {
+  const int lane = ct % 32;
+  const int row_a = 16 * (ct / 32) + lane / 4, column0 = 2 * (lane % 4);
+  if (done > 0) drained_barrier().sync();
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      *reinterpret_cast<__nv_bfloat162*>(&s.staged[row_a + 8 * half][8 * j + column0]) =
+          __floats2bfloat162_rn(acc.c[j][2 * half], acc.c[j][2 * half + 1]);
+    }
+  }
+  staged_barrier().arrive();
+}
+
+// The epilogue warps (warp 1..3 of the CTA: `warp` 0..2), every tile the cluster takes: rows warp,
+// warp + 3, ... of the staged tile, lane l holding h's columns 2 l and 2 l + 1 of the CTA's 64. A
+// first pass forms h (written over gate's sums) and each row's largest |h| (own_amax, and sent to
+// the peer); once the peer's have come, a second pass quantises and stores each row within the
+// tile as 64 contiguous bytes (rank 0 also its factor).
+__device__ __forceinline__ void drain_swiglu_tiles(SwigluWarpShared& s, const SwigluTiles& tiles, int64_t cluster,
+                                                   int64_t clusters, const SwigluOutput& out, int64_t inner,
+                                                   int rank, const SwigluPeer& peer, int warp) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  int done = 0;
+  for (int64_t index = cluster; index < tiles.count(); index += clusters, ++done) {
+    const Tile tile = tiles.at(index);
+    const AmaxExchange<SwigluWarpShared> exchange(s, peer, done);
+    staged_barrier().sync();
+    if (warp == 0 && lane == 0) exchange.announce();
+    for (int row = warp; row < kTileRows; row += kEpilogueWarps) {
+      const float2 gate = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.staged[row][2 * lane]));
+      const float2 up =
+          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.staged[row][kSwigluHalf + 2 * lane]));
+      const float h0 = swiglu_of(gate.x, up.x), h1 = swiglu_of(gate.y, up.y);
+      *reinterpret_cast<__nv_bfloat162*>(&s.staged[row][2 * lane]) = __floats2bfloat162_rn(h0, h1);  // exact
+      float amax = fmaxf(fabsf(h0), fabsf(h1));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      if (lane == 0) s.own_amax[row] = amax, exchange.send(row, amax);
+    }
+    __syncwarp();
+    exchange.wait();
+    const int rows = tile.row_end - tile.row_begin;
+    unsigned char* first = static_cast<unsigned char*>(out.q) + tile.row_begin * inner + swiglu_column(tile, rank);
+    for (int row = warp; row < rows; row += kEpilogueWarps) {
+      const group::Divider divide = group::divider_of(group::factor_of(fmaxf(s.own_amax[row], exchange.peer_of(row))));
+      const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.staged[row][2 * lane]));
+      *reinterpret_cast<uint16_t*>(first + row * inner + 2 * lane) =
+          static_cast<uint16_t>(group::e4m3x2(divide, h.x, h.y));
+      if (rank == 0 && lane == 0) out.factors[tile.n_tile * out.factor_stride + tile.row_begin + row] = divide.factor;
+    }
+    if (index + clusters < tiles.count()) {
+      __syncwarp();
+      drained_barrier().arrive();  // the consumers stage the next tile over this one
+    }
   }
 }
 
