@@ -12,7 +12,9 @@
 // TMA writes and wgmma reads (wgmma.cuh's K-major layout: a k-step of 32 e4m3 columns is 32 bytes
 // of the row, as a bf16 k-step is). The grouped kernel's tiles are 128 rows of W (one factor
 // block); the dense kernel's are kDenseCols (schedule.h), loaded half by each CTA of a cluster
-// of two into both (produce_pairs), so that a stage is released to both CTAs' producers.
+// of two into both (produce_pairs), so that a stage is released to both CTAs' producers; the
+// SwiGLU kernel's are 64 rows of gate and 64 of up, and there x is loaded half by each CTA into
+// both (produce_swiglu).
 #pragma once
 
 #include <cuda.h>
