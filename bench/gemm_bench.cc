@@ -271,7 +271,7 @@ Row bench_shape(cublasLtHandle_t handle, const Shape& s, int64_t m) {
 // One shape's product, bf16 or block-scaled FP8, through every configuration cuBLASLt lists (FP8
 // with and without fast accumulation): the heuristic's first against the fastest that stays within
 // 1e-2 of ATen's product. Returns {heuristic ms, fastest ms}.
-std::pair<double, double> explore(cublasLtHandle_t handle, const Shape& s, int64_t m, bool fp8) {
+std::array<double, 2> explore(cublasLtHandle_t handle, const Shape& s, int64_t m, bool fp8) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
   const at::Tensor w = (at::randn({s.n, s.k}, gpu) * 0.02).to(at::kBFloat16);
@@ -334,21 +334,21 @@ std::vector<at::Tensor> rotated_weights(const Shape& s) {
   return weights;
 }
 
-// Two times per product (ms) summed over a forward over layers 0..61 (each shape per_forward times).
-template <typename F>
-std::pair<double, double> per_forward(F&& times) {
-  double first = 0, second = 0;
+// N times per product (ms) summed over a forward over layers 0..61 (each shape per_forward times).
+template <size_t N, typename F>
+std::array<double, N> per_forward(F&& times) {
+  std::array<double, N> total{};
   for (const Shape& s : kShapes) {
-    const auto [a, b] = times(s);
-    first += a * s.per_forward, second += b * s.per_forward;
+    const std::array<double, N> one = times(s);
+    for (size_t i = 0; i < N; ++i) total[i] += one[i] * s.per_forward;
   }
-  return {first, second};
+  return total;
 }
 
 // bf16 at `m` rows with split-k (which `explore` leaves at 1): the heuristic's first 8 algorithms,
 // each at split-k 1 .. 16 with every reduction scheme cuBLASLt's check accepts, the weights rotated
 // over 4 copies (as a step reads them: from memory, not L2). Returns {heuristic ms, fastest ms}.
-std::pair<double, double> explore_split_k(cublasLtHandle_t handle, const Shape& s, int64_t m) {
+std::array<double, 2> explore_split_k(cublasLtHandle_t handle, const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
   const std::vector<at::Tensor> weights = rotated_weights(s);
@@ -400,7 +400,7 @@ std::pair<double, double> explore_split_k(cublasLtHandle_t handle, const Shape& 
 // heuristic (lt_gemm_bf16), 20 products back to back over 4 rotated copies of the weights (as a
 // step reads them: from memory, launch gaps included), and which of the two the target's
 // projections take (projection_bf16). Returns {cuBLASLt ms, stream-K ms} per product.
-std::pair<double, double> stream_vs_lt(const Shape& s, int64_t m) {
+std::array<double, 2> stream_vs_lt(const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
   const std::vector<at::Tensor> weights = rotated_weights(s);
@@ -451,9 +451,10 @@ void print_fp8_pair(const Shape& s, int64_t m, const char* first, double first_m
 }
 
 // Block-scaled FP8 at `m` rows: the FP8 grouped GEMM with one group (every row, no ends) against
-// cuBLASLt's (fp8_linear), the same quantised operands, 20 products back to back. Returns
-// {cuBLASLt ms, grouped ms} per product.
-std::pair<double, double> grouped_vs_lt(const Shape& s, int64_t m) {
+// cuBLASLt's (fp8_linear), the same quantised operands, 20 products back to back; above 128 rows
+// that is the dense kernel, timed with each epilogue. Returns {cuBLASLt ms, ours with the
+// consumers' epilogue, ours with the epilogue warps'} per product.
+std::array<double, 3> grouped_vs_lt(const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
   const target::Fp8Weight w = target::quantize_blocks(at::randn({s.n, s.k}, gpu) / std::sqrt(static_cast<double>(s.k)));
@@ -466,14 +467,18 @@ std::pair<double, double> grouped_vs_lt(const Shape& s, int64_t m) {
   p.factor_stride = a.factors.stride(1), p.w = batch.data.data_ptr(), p.w_factors = batch.scale.data_ptr<float>();
   p.y = y.data_ptr(), p.m = m, p.n = s.n, p.k = s.k;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(0).stream();
-  grouped_fp8::run(p, 0, stream);
-  const double error = relative_error(y, reference);
-  const double lt = per_call_ms([&] { target::fp8_linear(a, w, {}); });
-  const double ours = per_call_ms([&] { grouped_fp8::run(p, 0, stream); });
-  char note[64];
-  std::snprintf(note, sizeof(note), "vs cuBLASLt %.0e", error);
-  print_fp8_pair(s, m, "FP8 cuBLASLt", lt, "grouped, one group", ours, note);
-  return {lt, ours};
+  std::array<double, 3> ms{per_call_ms([&] { target::fp8_linear(a, w, {}); }), 0, 0};
+  using grouped_fp8::Epilogue;
+  for (const Epilogue epilogue : {Epilogue::consumers, Epilogue::epilogue_warps}) {
+    grouped_fp8::run(p, 0, stream, epilogue);
+    char note[64];
+    std::snprintf(note, sizeof(note), "vs cuBLASLt %.0e", relative_error(y, reference));
+    ms[static_cast<size_t>(epilogue)] = per_call_ms([&] { grouped_fp8::run(p, 0, stream, epilogue); });
+    print_fp8_pair(s, m, "FP8 cuBLASLt", ms[0],
+                   epilogue == Epilogue::consumers ? "ours, consumers' epilogue" : "ours, epilogue warps",
+                   ms[static_cast<size_t>(epilogue)], note);
+  }
+  return ms;
 }
 
 // A dense SwiGLU at `m` rows (shape s: the MLP's stacked gate_up): cuBLASLt's gate_up product
@@ -495,9 +500,9 @@ std::array<double, 3> swiglu_vs_lt(const Shape& s, int64_t m) {
   };
   const target::Fp8Activations reference = composite();
   std::array<double, 3> ms{per_call_ms(composite), 0, 0};
-  using grouped_fp8::SwigluEpilogue;
-  for (const SwigluEpilogue epilogue : {SwigluEpilogue::consumers, SwigluEpilogue::epilogue_warps}) {
-    const char* name = epilogue == SwigluEpilogue::consumers ? "SwiGLU kernel, consumers' epilogue"
+  using grouped_fp8::Epilogue;
+  for (const Epilogue epilogue : {Epilogue::consumers, Epilogue::epilogue_warps}) {
+    const char* name = epilogue == Epilogue::consumers ? "SwiGLU kernel, consumers' epilogue"
                                                              : "SwiGLU kernel, epilogue warps";
     grouped_fp8::fused_swiglu = epilogue;
     const target::Fp8Activations fused = target::fp8_swiglu(a, w);
@@ -513,7 +518,7 @@ std::array<double, 3> swiglu_vs_lt(const Shape& s, int64_t m) {
     std::snprintf(note, sizeof(note), "%.4f of h's bytes equal", agree);
     print_fp8_pair(s, m, "cuBLASLt + SiLU-mul", ms[0], name, ours, note);
   }
-  grouped_fp8::fused_swiglu = SwigluEpilogue::off;
+  grouped_fp8::fused_swiglu = Epilogue::off;
   return ms;
 }
 
@@ -541,15 +546,16 @@ int main(int argc, char** argv) {
   check(cublasLtCreate(&handle), "handle");
   for (const int64_t m : rows) {
     if (mode == "stream") {
-      const auto [lt, ours] = per_forward([&](const Shape& s) { return stream_vs_lt(s, m); });
+      const auto [lt, ours] = per_forward<2>([&](const Shape& s) { return stream_vs_lt(s, m); });
       std::printf("| %lld rows, bf16 GEMMs of a forward over layers 0..61, weights from memory | cuBLASLt %.2f ms | "
                   "stream-K %.2f |\n", static_cast<long long>(m), lt, ours);
       continue;
     }
     if (mode == "grouped-fp8") {
-      const auto [lt, ours] = per_forward([&](const Shape& s) { return grouped_vs_lt(s, m); });
+      const auto [lt, in_consumers, in_warps] = per_forward<3>([&](const Shape& s) { return grouped_vs_lt(s, m); });
       std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | ours (dense kernel "
-                  "above 128 rows) %.1f |\n", static_cast<long long>(m), lt, ours);
+                  "above 128 rows), consumers' epilogue %.1f | epilogue warps %.1f |\n", static_cast<long long>(m),
+                  lt, in_consumers, in_warps);
       const Shape& gate_up = *std::find_if(std::begin(kShapes), std::end(kShapes),
                                            [](const Shape& s) { return std::string(s.name) == "mlp gate_up"; });
       const std::array<double, 3> swiglu = swiglu_vs_lt(gate_up, m);
@@ -560,14 +566,14 @@ int main(int argc, char** argv) {
       continue;
     }
     if (mode == "explore-split-k") {
-      const auto [heuristic, fastest] = per_forward([&](const Shape& s) { return explore_split_k(handle, s, m); });
+      const auto [heuristic, fastest] = per_forward<2>([&](const Shape& s) { return explore_split_k(handle, s, m); });
       std::printf("| %lld rows, bf16 GEMMs of a forward over layers 0..61, weights from memory | heuristic %.1f ms | "
                   "fastest split-k variant %.1f |\n", static_cast<long long>(m), heuristic, fastest);
       continue;
     }
     if (!mode.empty()) {
       const auto [heuristic, fastest] =
-          per_forward([&](const Shape& s) { return explore(handle, s, m, mode == "explore-fp8"); });
+          per_forward<2>([&](const Shape& s) { return explore(handle, s, m, mode == "explore-fp8"); });
       std::printf("| %lld rows, %s GEMMs of a forward over layers 0..61 | heuristic %.1f ms | fastest configuration "
                   "%.1f |\n", static_cast<long long>(m), mode.c_str() + 8, heuristic, fastest);
       continue;

@@ -11,7 +11,8 @@
 //   An MoE target's FP8 forward runs twice: its experts dequantized per layer, then on the FP8
 //   grouped GEMM (kernels/grouped_fp8.h's hook, in one process). On sm_90a the FP8 forward runs
 //   again with its dense projections on the dense FP8 kernel (the hook dense_projections), with
-//   gate_up + SiLU-mul on the SwiGLU kernel (fused_swiglu, each epilogue), and with both kernels.
+//   gate_up + SiLU-mul on the SwiGLU kernel (fused_swiglu), each with either epilogue, and with
+//   both kernels.
 // Usage: target_bench CONFIG_DIR [LAST_LAYER]   (LAST_LAYER -1: no whole forward, the MoE block only)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -40,6 +41,37 @@ using bench::median_ms;
 namespace {
 
 constexpr int64_t kTokens = 3072;
+
+// The FP8 forward with our own dense kernels in place of cuBLASLt's (grouped_fp8.h's bench hooks),
+// each epilogue placement, and how far each one's tapped states are from cuBLASLt's forward
+// (`fp8`): the same block-scaled arithmetic, summed in another order. run(options, name) is
+// bench_forward's: it times a forward and returns the tapped states.
+template <typename Run>
+void fp8_kernel_variants(Run& run, const target::TargetOptions& fp8_options, const std::vector<at::Tensor>& fp8,
+                         const std::vector<int64_t>& tapped) {
+  using grouped_fp8::Epilogue;
+  constexpr Epilogue kOff = Epilogue::off, kConsumers = Epilogue::consumers, kWarps = Epilogue::epilogue_warps;
+  struct Variant {
+    const char* name;
+    Epilogue dense, swiglu;
+  };
+  for (const Variant& v : {Variant{"fp8, projections on the dense FP8 kernel (consumers' epilogue)", kConsumers, kOff},
+                           Variant{"fp8, projections on the dense FP8 kernel (epilogue warps)", kWarps, kOff},
+                           Variant{"fp8, gate_up + SiLU-mul on the SwiGLU kernel (consumers' epilogue)", kOff,
+                                   kConsumers},
+                           Variant{"fp8, gate_up + SiLU-mul on the SwiGLU kernel (epilogue warps)", kOff, kWarps},
+                           Variant{"fp8, both kernels (epilogue warps)", kWarps, kWarps}}) {
+    grouped_fp8::dense_projections = v.dense;
+    grouped_fp8::fused_swiglu = v.swiglu;
+    const std::vector<at::Tensor> states = run(fp8_options, v.name);
+    grouped_fp8::dense_projections = kOff;
+    grouped_fp8::fused_swiglu = kOff;
+    for (size_t i = 0; i < tapped.size(); ++i) {
+      std::printf("  %s: vs cuBLASLt, tapped layer %lld: relative error %.2e (Frobenius)\n", v.name,
+                  static_cast<long long>(tapped[i]), ((states[i] - fp8[i]).norm() / fp8[i].norm()).item<double>());
+    }
+  }
+}
 
 // The whole target forward (layers 0..last) in bf16, then with FP8 projections where the GPU runs
 // them, and how far FP8's tapped states are from bf16's.
@@ -84,36 +116,7 @@ void bench_forward(const target::ModelConfig& config, const char* config_dir, in
         grouped_fp8::off = false;
       }
       const std::vector<at::Tensor> fp8 = run(fp8_options, "fp8");
-      // The dense projections on our dense FP8 kernel instead of cuBLASLt (grouped_fp8.h's hook):
-      // the same block-scaled arithmetic, summed in another order.
-      if (grouped_fp8::built_for(options.device.index())) {
-        grouped_fp8::dense_projections = true;
-        const std::vector<at::Tensor> ours = run(fp8_options, "fp8, projections on the dense FP8 kernel");
-        grouped_fp8::dense_projections = false;
-        // gate_up with SiLU-mul in one kernel (the hook fused_swiglu), with each of its epilogues
-        // and the other projections on cuBLASLt, then the epilogue warps' with the dense kernel.
-        using grouped_fp8::SwigluEpilogue;
-        grouped_fp8::fused_swiglu = SwigluEpilogue::consumers;
-        const std::vector<at::Tensor> in_consumers = run(fp8_options, "fp8, gate_up + SiLU-mul on the SwiGLU kernel "
-                                                                      "(consumers' epilogue)");
-        grouped_fp8::fused_swiglu = SwigluEpilogue::epilogue_warps;
-        const std::vector<at::Tensor> in_warps = run(fp8_options, "fp8, gate_up + SiLU-mul on the SwiGLU kernel "
-                                                                  "(epilogue warps)");
-        grouped_fp8::dense_projections = true;
-        const std::vector<at::Tensor> both = run(fp8_options, "fp8, SwiGLU kernel (epilogue warps) and dense FP8 "
-                                                              "kernel");
-        grouped_fp8::dense_projections = false;
-        grouped_fp8::fused_swiglu = SwigluEpilogue::off;
-        for (size_t i = 0; i < tapped.size(); ++i) {
-          const auto from_lt = [&](const at::Tensor& t) {
-            return ((t - fp8[i]).norm() / fp8[i].norm()).item<double>();
-          };
-          std::printf("  vs cuBLASLt, tapped layer %lld, relative error (Frobenius): dense FP8 kernel %.2e, SwiGLU "
-                      "kernel %.2e / %.2e, both %.2e\n",
-                      static_cast<long long>(tapped[i]), from_lt(ours[i]), from_lt(in_consumers[i]),
-                      from_lt(in_warps[i]), from_lt(both[i]));
-        }
-      }
+      if (grouped_fp8::built_for(options.device.index())) fp8_kernel_variants(run, fp8_options, fp8, tapped);
       for (size_t i = 0; i < tapped.size(); ++i) {
         const at::Tensor d = fp8[i] - bf16[i];
         std::printf("  FP8 vs bf16 tapped layer %lld: relative error %.4f (Frobenius), max %.4f of max |bf16|, cosine %.5f\n",

@@ -184,7 +184,8 @@ grouped_fp8::Problem grouped_problem(const Fp8Activations& a, const Fp8Weight& w
 // y = the product on the dense FP8 kernel (grouped_fp8.h's bench hook dense_projections), or an
 // undefined tensor where the hook is down or the kernel does not take the operands.
 at::Tensor dense_kernel_product(const Fp8Activations& a, const Fp8Weight& w) {
-  if (!grouped_fp8::dense_projections.load() || a.dtype != at::kBFloat16 || a.q.size(0) <= 128 ||
+  const grouped_fp8::Epilogue epilogue = grouped_fp8::dense_projections.load();
+  if (epilogue == grouped_fp8::Epilogue::off || a.dtype != at::kBFloat16 || a.q.size(0) <= 128 ||
       w.data.dim() != 2 || !w.data.is_contiguous() || !w.scale.is_contiguous() ||
       w.scale.scalar_type() != at::kFloat) {
     return {};
@@ -193,7 +194,7 @@ at::Tensor dense_kernel_product(const Fp8Activations& a, const Fp8Weight& w) {
   at::Tensor y = at::empty({a.q.size(0), w.data.size(0)}, a.q.options().dtype(at::kBFloat16));
   const grouped_fp8::Problem p = grouped_problem(a, w, a.q.size(0), y);
   if (!grouped_fp8::applies(p, a.q.device().index())) return {};
-  grouped_fp8::run(p, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream());
+  grouped_fp8::run(p, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream(), epilogue);
   return y;
 }
 #endif
@@ -219,8 +220,8 @@ at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Ten
 
 Fp8Activations fp8_swiglu(const Fp8Activations& a, const Fp8Weight& gate_up) {
 #ifdef DFLASHD_WITH_CUDA
-  const grouped_fp8::SwigluEpilogue epilogue = grouped_fp8::fused_swiglu.load();
-  if (epilogue == grouped_fp8::SwigluEpilogue::off || !a.q.is_cuda() || a.dtype != at::kBFloat16 ||
+  const grouped_fp8::Epilogue epilogue = grouped_fp8::fused_swiglu.load();
+  if (epilogue == grouped_fp8::Epilogue::off || !a.q.is_cuda() || a.dtype != at::kBFloat16 ||
       gate_up.data.dim() != 2 || !gate_up.data.is_contiguous() || !gate_up.scale.is_contiguous() ||
       gate_up.scale.scalar_type() != at::kFloat || gate_up.data.size(0) % (2 * kFp8Block) != 0) {
     return {};

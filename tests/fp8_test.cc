@@ -514,7 +514,7 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
   ASSERT_TRUE(gf::applies(p, 0));
   gf::run(p, 0, stream);
   p.y = again.data_ptr();
-  gf::run(p, 0, stream);
+  gf::run(p, 0, stream, gf::Epilogue::epilogue_warps);  // the dense kernel's other epilogue: the same bits
   // bf16's rounding, and the tensor cores' FP8 sums within a k-block, which keep fewer bits
   // than fp32 (the reason the factors are applied per k-block): 1e-3 of the largest value.
   const at::Tensor result = got.narrow(0, 0, ends.back()).cpu().to(at::kFloat);
@@ -524,14 +524,16 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
   EXPECT_TRUE(at::equal(got, again)) << "a second run differs";
   EXPECT_TRUE(at::equal(got.narrow(0, ends.back(), c.spare_rows), sentinel.narrow(0, ends.back(), c.spare_rows)))
       << "rows past the groups were written";
-  // A dense product through fp8_linear with the bench hook up: the same kernel.
+  // A dense product through fp8_linear with the bench hook up (each epilogue): the same kernel.
   if (groups == 1 && ends.back() > gf::kTileRows) {
     const Fp8Activations on_gpu{a.q.to(gpu), a.factors.to(gpu).t().contiguous().t(), a.rows, a.dtype};
     const Fp8Weight one{gpu_w.data[0], gpu_w.scale[0]};
-    gf::dense_projections = true;
-    const at::Tensor linear = fp8_linear(on_gpu, one, {});
-    gf::dense_projections = false;
-    EXPECT_TRUE(at::equal(linear.narrow(0, 0, ends.back()), got.narrow(0, 0, ends.back())));
+    for (const gf::Epilogue epilogue : {gf::Epilogue::consumers, gf::Epilogue::epilogue_warps}) {
+      gf::dense_projections = epilogue;
+      const at::Tensor linear = fp8_linear(on_gpu, one, {});
+      gf::dense_projections = gf::Epilogue::off;
+      EXPECT_TRUE(at::equal(linear.narrow(0, 0, ends.back()), got.narrow(0, 0, ends.back())));
+    }
   }
   // Through fp8_grouped_linear on the GPU: the same kernel.
   if (groups > 1 && c.stride == c.k) {
@@ -548,7 +550,8 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
 // rows of x strided, 35B-A3B's expert shapes; dense products (no ends: the dense kernel in
 // clusters of two above 128 rows) with odd m-tiles, 192-column tiles that begin inside a factor
 // block, a partial last one, more pairs than clusters; rows past the last group's end left as
-// they were; a second run bit for bit the same; shapes it cannot take refused by name.
+// they were; a second run bit for bit the same (the dense kernel's with its other epilogue, in
+// the epilogue warps); shapes it cannot take refused by name.
 TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
   if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
   namespace gf = dflash::grouped_fp8;
@@ -623,12 +626,12 @@ TEST(Fp8, GpuSwigluKernelIsGateUpThenSiluMul) {
     gf::run(p, 0, stream);
     const Fp8Activations want = silu_mul_fp8(gate_up.narrow(1, 0, c.inner), gate_up.narrow(1, c.inner, c.inner));
     // The SwiGLU kernel with each epilogue, twice.
-    for (const gf::SwigluEpilogue epilogue : {gf::SwigluEpilogue::consumers, gf::SwigluEpilogue::epilogue_warps}) {
-      SCOPED_TRACE(epilogue == gf::SwigluEpilogue::consumers ? "consumers' epilogue" : "epilogue warps");
+    for (const gf::Epilogue epilogue : {gf::Epilogue::consumers, gf::Epilogue::epilogue_warps}) {
+      SCOPED_TRACE(epilogue == gf::Epilogue::consumers ? "consumers' epilogue" : "epilogue warps");
       gf::fused_swiglu = epilogue;
       const Fp8Activations got = fp8_swiglu(a, w), again = fp8_swiglu(a, w);
       const Fp8Activations through_linear = Linear{at::Tensor(), w, at::Tensor()}.silu_mul_fp8_of(GemmInput(a));
-      gf::fused_swiglu = gf::SwigluEpilogue::off;
+      gf::fused_swiglu = gf::Epilogue::off;
       ASSERT_TRUE(got.defined()) << "the kernel did not take the operands";
       EXPECT_EQ(got.rows, c.m);
       ASSERT_EQ(got.q.sizes(), want.q.sizes());
@@ -653,7 +656,7 @@ TEST(Fp8, GpuSwigluKernelIsGateUpThenSiluMul) {
   const gf::SwigluOutput out{probe.data_ptr(), bad_factors.data_ptr<float>(), 16};
   EXPECT_FALSE(gf::swiglu_applies(bad, out, 0)) << "gate and up of 192 rows are not whole blocks";
   try {
-    gf::run_swiglu(bad, out, gf::SwigluEpilogue::consumers, 0, stream);
+    gf::run_swiglu(bad, out, gf::Epilogue::consumers, 0, stream);
     ADD_FAILURE() << "a shape the kernel cannot take ran";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("gate_up of 384 rows"), std::string::npos) << e.what();

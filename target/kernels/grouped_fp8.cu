@@ -22,8 +22,8 @@ namespace {
 constexpr int kThreads = 128 + kConsumerThreads;  // a producer warpgroup and two consumers
 constexpr size_t kSharedBytes = sizeof(Shared) + 1024;  // + the alignment of the ring
 constexpr size_t kDenseSharedBytes = sizeof(DenseShared) + 1024;
-template <bool kEpilogueWarps>
-constexpr size_t kSwigluSharedBytes = sizeof(std::conditional_t<kEpilogueWarps, SwigluWarpShared, SwigluShared>) + 1024;
+template <bool kWarpEpilogue>
+constexpr size_t kSwigluSharedBytes = sizeof(std::conditional_t<kWarpEpilogue, SwigluWarpShared, SwigluShared>) + 1024;
 static_assert(kSharedBytes <= 227 * 1024, "the FP8 grouped GEMM's shared memory exceeds an H200 CTA's");
 static_assert(kDenseSharedBytes <= 227 * 1024, "the dense FP8 GEMM's shared memory exceeds an H200 CTA's");
 static_assert(kSwigluSharedBytes<false> <= 227 * 1024 && kSwigluSharedBytes<true> <= 227 * 1024,
@@ -66,9 +66,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // One dense group (no ends), m above one tile: clusters of two CTAs, each a pair of m-tiles by a
 // tile of kDenseCols columns of W, loaded half by each CTA into both (schedule.h's DensePairs).
-// The consumers of both CTAs end at a cluster barrier: neither CTA leaves while the other may
-// still release a stage to it (its multicasts into the other have landed before the other's
-// consumers finish).
+// Its tiles are written out by the consumers, or with kWarpEpilogue by warps 1-3 of the producer
+// warpgroup while the consumers go on (epilogue.cuh). Every remaining thread of both CTAs ends at
+// a cluster barrier: neither CTA leaves while the other may still release a stage to it (its
+// multicasts into the other have landed before the other's consumers finish).
+template <bool kWarpEpilogue>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
     dense_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                      const Problem p) {
@@ -89,17 +91,33 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x == 0) produce_pairs(s.ring, &x_map, &w_map, pairs, cluster, clusters, k_blocks, rank);
+    if constexpr (kWarpEpilogue) {
+      if (threadIdx.x >= 32) {
+        for (int64_t pair = cluster; pair < pairs.count(); pair += clusters) {
+          take_tile();
+          copy_tile<kDenseCols>(s.out, pairs.at(pair, rank), static_cast<__nv_bfloat16*>(p.y), p.n,
+                    static_cast<int>(threadIdx.x) - 32, kEpilogueThreads);
+          release_tile(pair + clusters >= pairs.count());
+        }
+        barriers::cluster_sync();
+      }
+    }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int ct = static_cast<int>(threadIdx.x) - 128;
   smem_ring::Position at;
   Accumulators<kDenseCols> acc;
-  for (int64_t pair = cluster; pair < pairs.count(); pair += clusters) {
+  int done = 0;
+  for (int64_t pair = cluster; pair < pairs.count(); pair += clusters, ++done) {
     const Tile tile = pairs.at(pair, rank);
     consume_tile<kDenseCols, 2, true>(s.ring, acc, at, tile, spanned_blocks<kDenseCols>(p, tile, k_blocks), p,
                                       k_blocks, ct, static_cast<uint32_t>(rank ^ 1));
-    store_tile(acc, s.out, tile, static_cast<__nv_bfloat16*>(p.y), p.n, ct);
+    if constexpr (kWarpEpilogue) {
+      hand_over_tile(acc, s.out, done, ct);
+    } else {
+      store_tile(acc, s.out, tile, static_cast<__nv_bfloat16*>(p.y), p.n, ct);
+    }
   }
   barriers::cluster_sync();
 #else
@@ -110,15 +128,15 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
 // A SwiGLU's gate_up product (W = [gate; up], p.n = 2 inner) with h formed and quantised in the
 // epilogue, in clusters of two CTAs along h (schedule.h's SwigluTiles): both CTAs multiply the
 // same 128 rows of x, each loading half into both, by their own 64 rows of gate and of up. The
-// epilogue runs in the consumers, or with kEpilogueWarps in warps 1-3 of the producer warpgroup
+// epilogue runs in the consumers, or with kWarpEpilogue in warps 1-3 of the producer warpgroup
 // while the consumers go on (swiglu_epilogue.cuh). As in the dense kernel, every remaining thread
 // of both CTAs ends at a cluster barrier; the row maxima's exchange is waited for within each tile.
-template <bool kEpilogueWarps>
+template <bool kWarpEpilogue>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
     swiglu_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                       const Problem p, const SwigluOutput out) {
 #ifdef DFLASHD_WGMMA
-  using SharedT = std::conditional_t<kEpilogueWarps, SwigluWarpShared, SwigluShared>;
+  using SharedT = std::conditional_t<kWarpEpilogue, SwigluWarpShared, SwigluShared>;
   extern __shared__ unsigned char raw[];
   auto& s = mma_tile::aligned_shared<SharedT>(raw);
   const int rank = static_cast<int>(barriers::cluster_rank());
@@ -139,7 +157,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x == 0) produce_swiglu(s.ring, &x_map, &w_map, tiles, cluster, clusters, k_blocks, rank, inner);
-    if constexpr (kEpilogueWarps) {
+    if constexpr (kWarpEpilogue) {
       if (threadIdx.x >= 32) {
         drain_swiglu_tiles(s, tiles, cluster, clusters, out, inner, rank, peer, static_cast<int>(threadIdx.x / 32) - 1);
         barriers::cluster_sync();
@@ -158,8 +176,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
     const float* gate_factors = p.w_factors + static_cast<int64_t>(tile.n_tile) * k_blocks;
     const ColumnFactors w{gate_factors, gate_factors + static_cast<int64_t>(tiles.h_blocks) * k_blocks, false};
     consume_tile<kTileCols, 2, true>(s.ring, acc, at, tile, w, p, k_blocks, ct, peer_rank);
-    if constexpr (kEpilogueWarps) {
-      stage_swiglu_tile(acc, s, done, ct);
+    if constexpr (kWarpEpilogue) {
+      hand_over_tile(acc, s.staged, done, ct);
     } else {
       store_swiglu_tile(acc, s, tile, out, inner, rank, done, peer, ct);
     }
@@ -193,14 +211,17 @@ int resident_clusters(size_t shared_bytes, const char* name, int device) {
   return clusters[device];
 }
 
+template <bool kWarpEpilogue>
 void run_dense(const Problem& p, int device, cudaStream_t stream) {
   const CUtensorMap x_map = tensor_map::swizzled_rows(p.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.m, p.k, p.x_stride,
                                                       kTileRows, "dense FP8 GEMM: x");
   const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.n, p.k, p.k,
                                                       kDenseCols / 2, "dense FP8 GEMM: W");
-  const int64_t resident = resident_clusters<dense_fp8_kernel>(kDenseSharedBytes, "dense FP8 GEMM kernel", device);
+  const int64_t resident =
+      resident_clusters<dense_fp8_kernel<kWarpEpilogue>>(kDenseSharedBytes, "dense FP8 GEMM kernel", device);
   const int64_t clusters = std::min<int64_t>(resident, DensePairs(p.m, p.n).count());
-  dense_fp8_kernel<<<static_cast<unsigned>(2 * clusters), kThreads, kDenseSharedBytes, stream>>>(x_map, w_map, p);
+  dense_fp8_kernel<kWarpEpilogue>
+      <<<static_cast<unsigned>(2 * clusters), kThreads, kDenseSharedBytes, stream>>>(x_map, w_map, p);
   check_cuda(cudaGetLastError(), "dense FP8 GEMM kernel");
 }
 
@@ -230,7 +251,7 @@ bool applies(const Problem& p, int device) {
   return rest && weights_apply(p.groups, p.n, p.k, p.w, device);
 }
 
-void run(const Problem& p, int device, cudaStream_t stream) {
+void run(const Problem& p, int device, cudaStream_t stream, Epilogue dense_epilogue) {
   if (!applies(p, device)) {
     throw std::invalid_argument("FP8 grouped GEMM: " + std::to_string(p.groups) + " groups of [" + std::to_string(p.m) +
                                 " rows, " + std::to_string(p.k) + "] -> " + std::to_string(p.n) +
@@ -239,7 +260,11 @@ void run(const Problem& p, int device, cudaStream_t stream) {
   }
   if (p.m == 0) return;
   if (p.ends == nullptr && p.m > kTileRows) {
-    run_dense(p, device, stream);
+    if (dense_epilogue == Epilogue::epilogue_warps) {
+      run_dense<true>(p, device, stream);
+    } else {
+      run_dense<false>(p, device, stream);
+    }
     return;
   }
   static std::array<std::once_flag, 64> once;  // the attribute is set per device
@@ -266,23 +291,23 @@ bool swiglu_applies(const Problem& p, const SwigluOutput& out, int device) {
 
 namespace {
 
-template <bool kEpilogueWarps>
+template <bool kWarpEpilogue>
 void launch_swiglu(const CUtensorMap& x_map, const CUtensorMap& w_map, const Problem& p, const SwigluOutput& out,
                    int device, cudaStream_t stream) {
-  constexpr size_t bytes = kSwigluSharedBytes<kEpilogueWarps>;
+  constexpr size_t bytes = kSwigluSharedBytes<kWarpEpilogue>;
   const int64_t resident =
-      resident_clusters<swiglu_fp8_kernel<kEpilogueWarps>>(bytes, "FP8 SwiGLU GEMM kernel", device);
+      resident_clusters<swiglu_fp8_kernel<kWarpEpilogue>>(bytes, "FP8 SwiGLU GEMM kernel", device);
   const int64_t clusters = std::min<int64_t>(resident, SwigluTiles(p.m, p.n / 2).count());
-  swiglu_fp8_kernel<kEpilogueWarps><<<static_cast<unsigned>(2 * clusters), kThreads, bytes, stream>>>(x_map, w_map, p,
+  swiglu_fp8_kernel<kWarpEpilogue><<<static_cast<unsigned>(2 * clusters), kThreads, bytes, stream>>>(x_map, w_map, p,
                                                                                                      out);
   check_cuda(cudaGetLastError(), "FP8 SwiGLU GEMM kernel");
 }
 
 }  // namespace
 
-void run_swiglu(const Problem& p, const SwigluOutput& out, SwigluEpilogue epilogue, int device,
+void run_swiglu(const Problem& p, const SwigluOutput& out, Epilogue epilogue, int device,
                 cudaStream_t stream) {
-  if (!swiglu_applies(p, out, device) || epilogue == SwigluEpilogue::off) {
+  if (!swiglu_applies(p, out, device) || epilogue == Epilogue::off) {
     throw std::invalid_argument("FP8 SwiGLU GEMM: [" + std::to_string(p.m) + " rows, " + std::to_string(p.k) +
                                 "] -> gate_up of " + std::to_string(p.n) + " rows does not run on device " +
                                 std::to_string(device) +
@@ -294,7 +319,7 @@ void run_swiglu(const Problem& p, const SwigluOutput& out, SwigluEpilogue epilog
                                                       kSwigluHalf, "FP8 SwiGLU GEMM: x");
   const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.n, p.k, p.k,
                                                       kSwigluHalf, "FP8 SwiGLU GEMM: W");
-  if (epilogue == SwigluEpilogue::epilogue_warps) {
+  if (epilogue == Epilogue::epilogue_warps) {
     launch_swiglu<true>(x_map, w_map, p, out, device, stream);
   } else {
     launch_swiglu<false>(x_map, w_map, p, out, device, stream);

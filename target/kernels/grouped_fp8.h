@@ -30,23 +30,24 @@ inline constexpr int kMaxGroups = 1024;  // the MoE block's largest expert count
 // bf16 grouped GEMM instead (the path before this kernel), to compare the two in one process.
 inline std::atomic<bool> off{false};
 
-// A benchmark hook (the daemon never sets it): target/fp8.h's fp8_linear runs the dense FP8
-// projections above 128 rows on this file's dense kernel instead of cuBLASLt, so that a bench
-// times both in one process (bench/target_bench.cc). Which the target takes is decided once the
-// two are measured side by side.
-inline std::atomic<bool> dense_projections{false};
+// Where the dense kernel and the SwiGLU kernel write their tiles out: in the consumer warpgroups
+// between one tile's mainloop and the next (the tensor cores wait meanwhile), or in the producer
+// warpgroup's idle warps while the consumers go on with the next tile
+// (kernels/grouped_fp8/epilogue.cuh); the two are measured against each other. off: the kernel is
+// not taken (the hooks below).
+enum class Epilogue : int { off = 0, consumers = 1, epilogue_warps = 2 };
 
-// Where the SwiGLU kernel (run_swiglu) forms and stores its tile: in the consumer warpgroups
-// between one tile's mainloop and the next, or in the producer warpgroup's idle warps while the
-// consumers go on (kernels/grouped_fp8/swiglu_epilogue.cuh); the two are measured against each
-// other.
-enum class SwigluEpilogue : int { off = 0, consumers = 1, epilogue_warps = 2 };
+// A benchmark hook (the daemon never sets it): other than off, target/fp8.h's fp8_linear runs the
+// dense FP8 projections above 128 rows on this file's dense kernel with that epilogue instead of
+// cuBLASLt, so that a bench times both in one process (bench/target_bench.cc). Which the target
+// takes is decided once they are measured side by side.
+inline std::atomic<Epilogue> dense_projections{Epilogue::off};
 
 // A benchmark hook (the daemon never sets it): other than off, a dense SwiGLU's gate_up product and
 // the SiLU-mul pass after it (fp8.h's fp8_swiglu) run as this file's SwiGLU kernel with that
 // epilogue, which forms down_proj's FP8 input, instead of cuBLASLt's GEMM and the SiLU-mul kernel;
 // decided as dense_projections is.
-inline std::atomic<SwigluEpilogue> fused_swiglu{SwigluEpilogue::off};
+inline std::atomic<Epilogue> fused_swiglu{Epilogue::off};
 
 struct Problem {
   const void* x = nullptr;             // e4m3 [m, k], rows x_stride bytes apart, sorted by group
@@ -89,9 +90,9 @@ bool applies(const Problem& p, int device);
 // Runs the product on `stream` (one persistent CTA per SM; no host synchronisation: the group
 // sizes are read on the device). One group without ends above 128 rows (a dense projection) runs
 // on the dense kernel instead: clusters of two CTAs, each a pair of 128-row tiles by 192 columns of
-// W, W's tile loaded once into both (schedule.h's DensePairs). Throws naming the shape where
-// applies() is false.
-void run(const Problem& p, int device, cudaStream_t stream);
+// W, W's tile loaded once into both (schedule.h's DensePairs), its tiles written out by
+// `dense_epilogue` (off counts as consumers). Throws naming the shape where applies() is false.
+void run(const Problem& p, int device, cudaStream_t stream, Epilogue dense_epilogue = Epilogue::consumers);
 
 // The SwiGLU kernel for W = [gate; up] (n = 2 inner rows, inner a multiple of 128): applies() for
 // one group without ends and y unused, and out's q aligned with factor_stride >= m.
@@ -100,6 +101,6 @@ bool swiglu_applies(const Problem& p, const SwigluOutput& out, int device);
 // h into `out` on `stream` (clusters of two CTAs, each 64 of a 128-column block of h: schedule.h's
 // SwigluTiles; no host synchronisation), the tile formed by `epilogue`. Throws naming the shape
 // where swiglu_applies is false (or epilogue is off).
-void run_swiglu(const Problem& p, const SwigluOutput& out, SwigluEpilogue epilogue, int device, cudaStream_t stream);
+void run_swiglu(const Problem& p, const SwigluOutput& out, Epilogue epilogue, int device, cudaStream_t stream);
 
 }  // namespace dflash::grouped_fp8

@@ -1,6 +1,10 @@
-// epilogue.cuh: the FP8 grouped GEMM's tile leaves the consumers' registers (grouped_fp8.cu):
-// rounded to bf16 into shared memory, then each of the tile's rows (only those of its group, and
-// only its columns below n) to y as 16-byte stores.
+// epilogue.cuh: the FP8 GEMMs' tiles leave the consumers' registers (grouped_fp8.cu): rounded to
+// bf16 into shared memory (stage_tile), then each of the tile's rows (only those of its group,
+// and only its columns below n) to y as 16-byte stores (copy_tile). Either the consumers do both
+// between one tile's mainloop and the next (store_tile: the grouped kernel, and the dense kernel's
+// Epilogue::consumers), or they only stage the tile and go on, and the producer warpgroup's three
+// idle warps copy it out while the next tile's mainloop runs (hand_over_tile / take_tile /
+// release_tile: Epilogue::epilogue_warps, which the SwiGLU kernel's epilogue uses too).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,13 +16,12 @@
 
 namespace dflash::grouped_fp8 {
 
+// The tile's sums rounded to bf16 into `out` by consumer thread `ct`: rows 16 w + lane / 4 (+ 8),
+// columns 8 j + 2 (lane % 4) (+ 1), as the accumulators hold them.
 template <int kCols>
-__device__ __forceinline__ void store_tile(const Accumulators<kCols>& acc, Staging<kCols>& out, const Tile& tile,
-                                           __nv_bfloat16* y, int64_t n, int ct) {
-  const barriers::NamedBarrier consumers{1, kConsumerThreads};
+__device__ __forceinline__ void stage_tile(const Accumulators<kCols>& acc, Staging<kCols>& out, int ct) {
   const int lane = ct % 32;
   const int row0 = 16 * (ct / 32) + lane / 4, column0 = 2 * (lane % 4);  // warp w of 8: rows 16 w..
-  consumers.sync();  // the previous tile's stores have read the staging
 #pragma unroll
   for (int j = 0; j < kCols / 8; ++j) {
 #pragma unroll
@@ -27,17 +30,67 @@ __device__ __forceinline__ void store_tile(const Accumulators<kCols>& acc, Stagi
           __floats2bfloat162_rn(acc.c[j][2 * half], acc.c[j][2 * half + 1]);
     }
   }
-  consumers.sync();
+}
+
+// The staged tile's rows to y (bf16 [.., n]), 16 bytes a thread at a time, by `threads` threads of
+// which this is `thread` (kCols given: Staging's width does not deduce it).
+template <int kCols>
+__device__ __forceinline__ void copy_tile(const Staging<kCols>& out, const Tile& tile, __nv_bfloat16* y, int64_t n,
+                                          int thread, int threads) {
   constexpr int kChunks = kCols / 8;  // 16-byte chunks of a row
   const int rows = tile.row_end - tile.row_begin;
   const int64_t first_column = static_cast<int64_t>(tile.n_tile) * kCols;
   const int chunks = n - first_column < kCols ? static_cast<int>(n - first_column) / 8 : kChunks;
   __nv_bfloat16* first = y + static_cast<int64_t>(tile.row_begin) * n + first_column;
-  for (int i = ct; i < rows * kChunks; i += kConsumerThreads) {
+  for (int i = thread; i < rows * kChunks; i += threads) {
     const int row = i / kChunks, chunk = i % kChunks;
     if (chunk >= chunks) continue;
     *reinterpret_cast<uint4*>(first + row * n + chunk * 8) = *reinterpret_cast<const uint4*>(&out[row][chunk * 8]);
   }
+}
+
+// Both, by the consumers (barrier 1: the consumers' own).
+template <int kCols>
+__device__ __forceinline__ void store_tile(const Accumulators<kCols>& acc, Staging<kCols>& out, const Tile& tile,
+                                           __nv_bfloat16* y, int64_t n, int ct) {
+  const barriers::NamedBarrier consumers{1, kConsumerThreads};
+  consumers.sync();  // the previous tile's stores have read the staging
+  stage_tile(acc, out, ct);
+  consumers.sync();
+  copy_tile<kCols>(out, tile, y, n, ct, kConsumerThreads);
+}
+
+// ---- the hand-over to the epilogue warps ----------------------------------------------------------
+inline constexpr int kEpilogueWarps = 3;  // warps 1-3: the producer warpgroup's, beside its producer thread
+inline constexpr int kEpilogueThreads = 32 * kEpilogueWarps;
+
+// Staged (barrier 2): the consumers (arrive) to the epilogue warps (sync) that a tile is in the
+// staging; drained (barrier 3): the epilogue warps (arrive) to the consumers (sync, before they
+// stage the next tile) that they have read it.
+__device__ __forceinline__ barriers::NamedBarrier staged_barrier() {
+  return {2, kConsumerThreads + kEpilogueThreads};
+}
+__device__ __forceinline__ barriers::NamedBarrier drained_barrier() {
+  return {3, kConsumerThreads + kEpilogueThreads};
+}
+
+// A consumer thread's part: once the epilogue warps have read the previous tile (done > 0: the
+// tiles handed over before), its sums into the staging, and on.
+template <int kCols>
+__device__ __forceinline__ void hand_over_tile(const Accumulators<kCols>& acc, Staging<kCols>& out, int done,
+                                               int ct) {
+  if (done > 0) drained_barrier().sync();
+  stage_tile(acc, out, ct);
+  staged_barrier().arrive();
+}
+
+// An epilogue warp's: wait for the next staged tile (take_tile); after reading it, hand the
+// staging back unless it was the CTA's last tile (release_tile: the consumers wait for no more).
+__device__ __forceinline__ void take_tile() { staged_barrier().sync(); }
+__device__ __forceinline__ void release_tile(bool last) {
+  if (last) return;
+  __syncwarp();
+  drained_barrier().arrive();
 }
 
 }  // namespace dflash::grouped_fp8

@@ -77,13 +77,10 @@ struct SwigluShared {
   float peer_amax[2][kTileRows];
   alignas(8) uint64_t peer_arrived[2];
 };
-// bf16 [gate's 64 | up's 64] a row, padded to 272 bytes: the 8 rows of a warp's 4-byte stores start
-// 4 banks apart.
-inline constexpr int kStagedColumns = 2 * kSwigluHalf + 8;
 struct SwigluWarpShared {
   using RingT = smem_ring::Ring<2 * kOperandBytes, 5, 2 * kConsumerWarps>;
   RingT ring;
-  alignas(16) __nv_bfloat16 staged[kTileRows][kStagedColumns];
+  alignas(16) Staging<kTileCols> staged;  // a row: gate's 64 sums, then up's
   float own_amax[kTileRows];
   float peer_amax[2][kTileRows];
   alignas(8) uint64_t peer_arrived[2];

@@ -3,9 +3,9 @@
 // the peer CTA's 64 (schedule.h's SwigluTiles). Two placements, measured against each other:
 // - store_swiglu_tile: the consumer warpgroups themselves, between one tile's mainloop and the
 //   next (the tensor cores wait meanwhile);
-// - stage_swiglu_tile + drain_swiglu_tiles: the consumers only round their sums to bf16 into
-//   shared memory and go on with the next tile; the producer warpgroup's three idle warps form h,
-//   exchange and store while the next tile's mainloop runs.
+// - drain_swiglu_tiles: the consumers only hand their sums over in bf16 (epilogue.cuh's
+//   hand_over_tile) and go on with the next tile; the producer warpgroup's three idle warps form
+//   h, exchange and store while the next tile's mainloop runs.
 //
 // The values are those of the path it replaces, bit for bit where the products' fp32 sums are the
 // same: gate and up rounded to bf16 (the GEMM's output), silu(gate) * up as the SiLU-mul kernel
@@ -26,6 +26,7 @@
 #include "common/mma_tile.cuh"
 #include "target/kernels/fp8_group.cuh"
 #include "target/kernels/grouped_fp8.h"
+#include "target/kernels/grouped_fp8/epilogue.cuh"
 #include "target/kernels/grouped_fp8/mainloop.cuh"
 
 namespace dflash::grouped_fp8 {
@@ -124,36 +125,7 @@ __device__ __forceinline__ void store_swiglu_tile(const Accumulators<128>& acc, 
   }
 }
 
-// ---- in the epilogue warps --------------------------------------------------------------------
-inline constexpr int kEpilogueWarps = 3;  // warps 1-3: the producer warpgroup's, beside its producer thread
-// Staged: the consumers (arrive) to the epilogue warps (sync) that a tile's sums are in `staged`;
-// drained: the epilogue warps (arrive) to the consumers (sync, before staging the next tile) that
-// they have read them. Barrier 1 is the consumers' own.
-__device__ __forceinline__ barriers::NamedBarrier staged_barrier() {
-  return {2, kConsumerThreads + 32 * kEpilogueWarps};
-}
-__device__ __forceinline__ barriers::NamedBarrier drained_barrier() {
-  return {3, kConsumerThreads + 32 * kEpilogueWarps};
-}
-
-// A consumer thread's tile sums rounded to bf16 into s.staged (row r: gate's 64 then up's 64), once
-// the epilogue warps have read the previous tile's (done > 0).
-__device__ __forceinline__ void stage_swiglu_tile(const Accumulators<128>& acc, SwigluWarpShared& s, int done,
-                                                  int ct) {
-  const int lane = ct % 32;
-  const int row_a = 16 * (ct / 32) + lane / 4, column0 = 2 * (lane % 4);
-  if (done > 0) drained_barrier().sync();
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      *reinterpret_cast<__nv_bfloat162*>(&s.staged[row_a + 8 * half][8 * j + column0]) =
-          __floats2bfloat162_rn(acc.c[j][2 * half], acc.c[j][2 * half + 1]);
-    }
-  }
-  staged_barrier().arrive();
-}
-
+// ---- in the epilogue warps (the consumers hand their sums over: epilogue.cuh's hand_over_tile) ----
 // The epilogue warps (warp 1..3 of the CTA: `warp` 0..2), every tile the cluster takes: rows warp,
 // warp + 3, ... of the staged tile, lane l holding h's columns 2 l and 2 l + 1 of the CTA's 64. A
 // first pass forms h (written over gate's sums) and each row's largest |h| (own_amax, and sent to
@@ -167,7 +139,7 @@ __device__ __forceinline__ void drain_swiglu_tiles(SwigluWarpShared& s, const Sw
   for (int64_t index = cluster; index < tiles.count(); index += clusters, ++done) {
     const Tile tile = tiles.at(index);
     const AmaxExchange<SwigluWarpShared> exchange(s, peer, done);
-    staged_barrier().sync();
+    take_tile();
     if (warp == 0 && lane == 0) exchange.announce();
     for (int row = warp; row < kTileRows; row += kEpilogueWarps) {
       const float2 gate = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.staged[row][2 * lane]));
@@ -191,10 +163,7 @@ __device__ __forceinline__ void drain_swiglu_tiles(SwigluWarpShared& s, const Sw
           static_cast<uint16_t>(group::e4m3x2(divide, h.x, h.y));
       if (rank == 0 && lane == 0) out.factors[tile.n_tile * out.factor_stride + tile.row_begin + row] = divide.factor;
     }
-    if (index + clusters < tiles.count()) {
-      __syncwarp();
-      drained_barrier().arrive();  // the consumers stage the next tile over this one
-    }
+    release_tile(index + clusters >= tiles.count());  // the consumers stage the next tile over this one
   }
 }
 
