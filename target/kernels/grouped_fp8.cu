@@ -29,6 +29,29 @@ static_assert(kDenseSharedBytes <= 227 * 1024, "the dense FP8 GEMM's shared memo
 static_assert(kSwigluSharedBytes<false> <= 227 * 1024 && kSwigluSharedBytes<true> <= 227 * 1024,
               "the FP8 SwiGLU GEMM's shared memory exceeds an H200 CTA's");
 
+// The roles of the kernels in clusters of two (dense, SwiGLU): thread 0 produces; with
+// kWarpEpilogue warps 1-3 write the tiles out (`drain`); the consumer warpgroups multiply
+// (`consume`, given the consumer thread's index 0..255). The producer warpgroup gives registers up
+// to the consumers. Every remaining thread of both CTAs ends at a cluster barrier: neither CTA
+// leaves while the other may still multicast into it, release a stage to it or send to it.
+template <bool kWarpEpilogue, typename Produce, typename Drain, typename Consume>
+__device__ __forceinline__ void cluster_roles(Produce&& produce, Drain&& drain, Consume&& consume) {
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) produce();
+    if constexpr (kWarpEpilogue) {
+      if (threadIdx.x >= 32) {
+        drain();
+        barriers::cluster_sync();
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  consume(static_cast<int>(threadIdx.x) - 128);
+  barriers::cluster_sync();
+}
+
 // Warpgroup 0 produces (thread 0), warpgroups 1 and 2 consume; every CTA walks the same tile
 // numbering (schedule.h), each from its own index.
 __global__ void __launch_bounds__(kThreads, 1)
@@ -67,9 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // One dense group (no ends), m above one tile: clusters of two CTAs, each a pair of m-tiles by a
 // tile of kDenseCols columns of W, loaded half by each CTA into both (schedule.h's DensePairs).
 // Its tiles are written out by the consumers, or with kWarpEpilogue by warps 1-3 of the producer
-// warpgroup while the consumers go on (epilogue.cuh). Every remaining thread of both CTAs ends at
-// a cluster barrier: neither CTA leaves while the other may still release a stage to it (its
-// multicasts into the other have landed before the other's consumers finish).
+// warpgroup while the consumers go on (epilogue.cuh); cluster_roles says who ends where.
 template <bool kWarpEpilogue>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
     dense_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
@@ -88,38 +109,31 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   const DensePairs pairs(p.m, p.n);
   const int k_blocks = static_cast<int>(p.k / kBlockK);
   const int64_t cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
-  if (threadIdx.x < 128) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (threadIdx.x == 0) produce_pairs(s.ring, &x_map, &w_map, pairs, cluster, clusters, k_blocks, rank);
-    if constexpr (kWarpEpilogue) {
-      if (threadIdx.x >= 32) {
+  cluster_roles<kWarpEpilogue>(
+      [&] { produce_pairs(s.ring, &x_map, &w_map, pairs, cluster, clusters, k_blocks, rank); },
+      [&] {
         for (int64_t pair = cluster; pair < pairs.count(); pair += clusters) {
           take_tile();
           copy_tile<kDenseCols>(s.out, pairs.at(pair, rank), static_cast<__nv_bfloat16*>(p.y), p.n,
-                    static_cast<int>(threadIdx.x) - 32, kEpilogueThreads);
+                                static_cast<int>(threadIdx.x) - 32, kEpilogueThreads);
           release_tile(pair + clusters >= pairs.count());
         }
-        barriers::cluster_sync();
-      }
-    }
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int ct = static_cast<int>(threadIdx.x) - 128;
-  smem_ring::Position at;
-  Accumulators<kDenseCols> acc;
-  int done = 0;
-  for (int64_t pair = cluster; pair < pairs.count(); pair += clusters, ++done) {
-    const Tile tile = pairs.at(pair, rank);
-    consume_tile<kDenseCols, 2, true>(s.ring, acc, at, tile, spanned_blocks<kDenseCols>(p, tile, k_blocks), p,
-                                      k_blocks, ct, static_cast<uint32_t>(rank ^ 1));
-    if constexpr (kWarpEpilogue) {
-      hand_over_tile(acc, s.out, done, ct);
-    } else {
-      store_tile(acc, s.out, tile, static_cast<__nv_bfloat16*>(p.y), p.n, ct);
-    }
-  }
-  barriers::cluster_sync();
+      },
+      [&](int ct) {
+        smem_ring::Position at;
+        Accumulators<kDenseCols> acc;
+        int done = 0;
+        for (int64_t pair = cluster; pair < pairs.count(); pair += clusters, ++done) {
+          const Tile tile = pairs.at(pair, rank);
+          consume_tile<kDenseCols, 2, true>(s.ring, acc, at, tile, spanned_blocks<kDenseCols>(p, tile, k_blocks), p,
+                                            k_blocks, ct, static_cast<uint32_t>(rank ^ 1));
+          if constexpr (kWarpEpilogue) {
+            hand_over_tile(acc, s.out, done, ct);
+          } else {
+            store_tile(acc, s.out, tile, static_cast<__nv_bfloat16*>(p.y), p.n, ct);
+          }
+        }
+      });
 #else
   __trap();
 #endif
@@ -129,8 +143,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
 // epilogue, in clusters of two CTAs along h (schedule.h's SwigluTiles): both CTAs multiply the
 // same 128 rows of x, each loading half into both, by their own 64 rows of gate and of up. The
 // epilogue runs in the consumers, or with kWarpEpilogue in warps 1-3 of the producer warpgroup
-// while the consumers go on (swiglu_epilogue.cuh). As in the dense kernel, every remaining thread
-// of both CTAs ends at a cluster barrier; the row maxima's exchange is waited for within each tile.
+// while the consumers go on (swiglu_epilogue.cuh); the row maxima's exchange is waited for within
+// each tile.
 template <bool kWarpEpilogue>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
     swiglu_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
@@ -154,35 +168,31 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   const uint32_t peer_rank = static_cast<uint32_t>(rank ^ 1);
   const SwigluPeer peer{barriers::peer_address(mma_tile::shared_address(&s.peer_amax[0][0]), peer_rank),
                         barriers::peer_address(mma_tile::shared_address(&s.peer_arrived[0]), peer_rank)};
-  if (threadIdx.x < 128) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (threadIdx.x == 0) produce_swiglu(s.ring, &x_map, &w_map, tiles, cluster, clusters, k_blocks, rank, inner);
-    if constexpr (kWarpEpilogue) {
-      if (threadIdx.x >= 32) {
-        drain_swiglu_tiles(s, tiles, cluster, clusters, out, inner, rank, peer, static_cast<int>(threadIdx.x / 32) - 1);
-        barriers::cluster_sync();
-      }
-    }
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int ct = static_cast<int>(threadIdx.x) - 128;
-  smem_ring::Position at;
-  Accumulators<kTileCols> acc;
-  int done = 0;
-  for (int64_t index = cluster; index < tiles.count(); index += clusters, ++done) {
-    const Tile tile = tiles.at(index);
-    // Chunks 0..7 of the tile are gate's (block n_tile of W's factors), 8..15 up's.
-    const float* gate_factors = p.w_factors + static_cast<int64_t>(tile.n_tile) * k_blocks;
-    const ColumnFactors w{gate_factors, gate_factors + static_cast<int64_t>(tiles.h_blocks) * k_blocks, false};
-    consume_tile<kTileCols, 2, true>(s.ring, acc, at, tile, w, p, k_blocks, ct, peer_rank);
-    if constexpr (kWarpEpilogue) {
-      hand_over_tile(acc, s.staged, done, ct);
-    } else {
-      store_swiglu_tile(acc, s, tile, out, inner, rank, done, peer, ct);
-    }
-  }
-  barriers::cluster_sync();
+  cluster_roles<kWarpEpilogue>(
+      [&] { produce_swiglu(s.ring, &x_map, &w_map, tiles, cluster, clusters, k_blocks, rank, inner); },
+      [&] {
+        if constexpr (kWarpEpilogue) {
+          const int warp = static_cast<int>(threadIdx.x / 32) - 1;
+          drain_swiglu_tiles(s, tiles, cluster, clusters, out, inner, rank, peer, warp);
+        }
+      },
+      [&](int ct) {
+        smem_ring::Position at;
+        Accumulators<kTileCols> acc;
+        int done = 0;
+        for (int64_t index = cluster; index < tiles.count(); index += clusters, ++done) {
+          const Tile tile = tiles.at(index);
+          // Chunks 0..7 of the tile are gate's (block n_tile of W's factors), 8..15 up's.
+          const float* gate_factors = p.w_factors + static_cast<int64_t>(tile.n_tile) * k_blocks;
+          const ColumnFactors w{gate_factors, gate_factors + static_cast<int64_t>(tiles.h_blocks) * k_blocks, false};
+          consume_tile<kTileCols, 2, true>(s.ring, acc, at, tile, w, p, k_blocks, ct, peer_rank);
+          if constexpr (kWarpEpilogue) {
+            hand_over_tile(acc, s.staged, done, ct);
+          } else {
+            store_swiglu_tile(acc, s, tile, out, inner, rank, done, peer, ct);
+          }
+        }
+      });
 #else
   __trap();
 #endif
