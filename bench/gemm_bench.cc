@@ -15,11 +15,14 @@
 // dense kernel, clusters of two) against cuBLASLt's block-scaled product on the same operands,
 // then the MLP's gate_up with SiLU-mul (down_proj's e4m3 input) against the SwiGLU kernel with
 // each of its epilogues.
-// Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k | stream | grouped-fp8] [ROWS...]
+// `fp8-once` runs each FP8 product at the MLP's gate_up shape once, for a profiler (Nsight Compute:
+// `-k 'regex:nvjet|dense_fp8|swiglu_fp8|silu_mul'` catches exactly those).
+// Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k | stream | grouped-fp8 | fp8-once] [ROWS...]
 //        (default: 3072 128)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -522,6 +525,39 @@ std::array<double, 3> swiglu_vs_lt(const Shape& s, int64_t m) {
   return ms;
 }
 
+// The MLP's stacked gate_up among kShapes.
+const Shape& gate_up_shape() {
+  return *std::find_if(std::begin(kShapes), std::end(kShapes),
+                       [](const Shape& s) { return std::string(s.name) == "mlp gate_up"; });
+}
+
+// Each FP8 product of shape s at m rows once, synchronised: cuBLASLt's, then the SiLU-mul pass on
+// it; the dense kernel with each epilogue; the SwiGLU kernel with each (the operands quantised
+// first, outside what a profiler filtering those kernels sees).
+void fp8_once(const Shape& s, int64_t m) {
+  const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
+  const int64_t inner = s.n / 2;
+  const target::Fp8Weight w = target::quantize_blocks(at::randn({s.n, s.k}, gpu) / std::sqrt(static_cast<double>(s.k)));
+  const target::Fp8Activations a =
+      target::quantize_groups(at::randn({m, s.k}, gpu.dtype(at::kBFloat16)), target::fp8_gemm_rows(m, gpu.device()));
+  const at::Tensor y = target::fp8_linear(a, w, {});
+  target::silu_mul_fp8(y.narrow(1, 0, inner), y.narrow(1, inner, inner));
+  using grouped_fp8::Epilogue;
+  for (const Epilogue epilogue : {Epilogue::consumers, Epilogue::epilogue_warps}) {
+    grouped_fp8::dense_projections = epilogue;
+    target::fp8_linear(a, w, {});
+    grouped_fp8::dense_projections = Epilogue::off;
+  }
+  for (const Epilogue epilogue : {Epilogue::consumers, Epilogue::epilogue_warps}) {
+    grouped_fp8::fused_swiglu = epilogue;
+    target::fp8_swiglu(a, w);
+    grouped_fp8::fused_swiglu = Epilogue::off;
+  }
+  c10::cuda::device_synchronize();
+  std::printf("%s m %lld: cuBLASLt + SiLU-mul, the dense kernel (2 epilogues), the SwiGLU kernel (2 epilogues), once "
+              "each\n", s.name, static_cast<long long>(m));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -533,9 +569,10 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines out as they come, should a shape abort
   const std::string mode = argc > 1 && !std::isdigit(argv[1][0]) ? argv[1] : "";
   if (!mode.empty() && mode != "explore-fp8" && mode != "explore-bf16" && mode != "explore-split-k" &&
-      mode != "stream" && mode != "grouped-fp8") {
+      mode != "stream" && mode != "grouped-fp8" && mode != "fp8-once") {
     std::fprintf(stderr,
-                 "gemm_bench: unknown mode %s (explore-fp8, explore-bf16, explore-split-k, stream or grouped-fp8)\n",
+                 "gemm_bench: unknown mode %s (explore-fp8, explore-bf16, explore-split-k, stream, grouped-fp8 or "
+                 "fp8-once)\n",
                  mode.c_str());
     return 1;
   }
@@ -551,13 +588,16 @@ int main(int argc, char** argv) {
                   "stream-K %.2f |\n", static_cast<long long>(m), lt, ours);
       continue;
     }
+    if (mode == "fp8-once") {
+      fp8_once(gate_up_shape(), m);
+      continue;
+    }
     if (mode == "grouped-fp8") {
       const auto [lt, in_consumers, in_warps] = per_forward<3>([&](const Shape& s) { return grouped_vs_lt(s, m); });
       std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | ours (dense kernel "
                   "above 128 rows), consumers' epilogue %.1f | epilogue warps %.1f |\n", static_cast<long long>(m),
                   lt, in_consumers, in_warps);
-      const Shape& gate_up = *std::find_if(std::begin(kShapes), std::end(kShapes),
-                                           [](const Shape& s) { return std::string(s.name) == "mlp gate_up"; });
+      const Shape& gate_up = gate_up_shape();
       const std::array<double, 3> swiglu = swiglu_vs_lt(gate_up, m);
       std::printf("| %lld rows, gate_up + SiLU-mul of a forward (x %lld) | cuBLASLt + SiLU-mul %.1f ms | SwiGLU "
                   "kernel, consumers' epilogue %.1f | epilogue warps %.1f |\n", static_cast<long long>(m),
