@@ -453,15 +453,34 @@ void print_fp8_pair(const Shape& s, int64_t m, const char* first, double first_m
               first_ms / second_ms);
 }
 
+// Random block-scaled FP8 operands of shape s at m rows: W [n, k] of unit-variance products, x
+// quantised per 1x128 group (rows padded as the GEMM reads them).
+struct Fp8Operands {
+  target::Fp8Weight w;
+  target::Fp8Activations a;
+};
+Fp8Operands fp8_operands(const Shape& s, int64_t m) {
+  const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
+  const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
+  return {target::quantize_blocks(at::randn({s.n, s.k}, gpu) / std::sqrt(static_cast<double>(s.k))),
+          target::quantize_groups(x, target::fp8_gemm_rows(m, x.device()))};
+}
+
+// The target's path for a SwiGLU's stacked gate_up: cuBLASLt's product, then the SiLU-mul kernel
+// writing down_proj's e4m3 input.
+target::Fp8Activations lt_swiglu(const Fp8Operands& o) {
+  const at::Tensor y = target::fp8_linear(o.a, o.w, {});
+  const int64_t inner = y.size(1) / 2;
+  return target::silu_mul_fp8(y.narrow(1, 0, inner), y.narrow(1, inner, inner));
+}
+
 // Block-scaled FP8 at `m` rows: the FP8 grouped GEMM with one group (every row, no ends) against
 // cuBLASLt's (fp8_linear), the same quantised operands, 20 products back to back; above 128 rows
 // that is the dense kernel, timed with each epilogue. Returns {cuBLASLt ms, ours with the
 // consumers' epilogue, ours with the epilogue warps'} per product.
 std::array<double, 3> grouped_vs_lt(const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
-  const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
-  const target::Fp8Weight w = target::quantize_blocks(at::randn({s.n, s.k}, gpu) / std::sqrt(static_cast<double>(s.k)));
-  const target::Fp8Activations a = target::quantize_groups(x, target::fp8_gemm_rows(m, x.device()));
+  const auto [w, a] = fp8_operands(s, m);
   const target::Fp8Weight batch{w.data.unsqueeze(0), w.scale.unsqueeze(0)};
   const at::Tensor reference = target::fp8_linear(a, w, {});
   at::Tensor y = at::empty({m, s.n}, gpu.dtype(at::kBFloat16));
@@ -492,17 +511,10 @@ std::array<double, 3> grouped_vs_lt(const Shape& s, int64_t m) {
 // product of the composite, then of the kernel with its epilogue in the consumers and in the
 // epilogue warps (0 where the kernel does not take the operands).
 std::array<double, 3> swiglu_vs_lt(const Shape& s, int64_t m) {
-  const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
-  const int64_t inner = s.n / 2;
-  const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
-  const target::Fp8Weight w = target::quantize_blocks(at::randn({s.n, s.k}, gpu) / std::sqrt(static_cast<double>(s.k)));
-  const target::Fp8Activations a = target::quantize_groups(x, target::fp8_gemm_rows(m, x.device()));
-  const auto composite = [&] {
-    const at::Tensor y = target::fp8_linear(a, w, {});
-    return target::silu_mul_fp8(y.narrow(1, 0, inner), y.narrow(1, inner, inner));
-  };
-  const target::Fp8Activations reference = composite();
-  std::array<double, 3> ms{per_call_ms(composite), 0, 0};
+  const Fp8Operands o = fp8_operands(s, m);
+  const auto& [w, a] = o;
+  const target::Fp8Activations reference = lt_swiglu(o);
+  std::array<double, 3> ms{per_call_ms([&] { lt_swiglu(o); }), 0, 0};
   using grouped_fp8::Epilogue;
   for (const Epilogue epilogue : {Epilogue::consumers, Epilogue::epilogue_warps}) {
     const char* name = epilogue == Epilogue::consumers ? "SwiGLU kernel, consumers' epilogue"
@@ -535,13 +547,9 @@ const Shape& gate_up_shape() {
 // it; the dense kernel with each epilogue; the SwiGLU kernel with each (the operands quantised
 // first, outside what a profiler filtering those kernels sees).
 void fp8_once(const Shape& s, int64_t m) {
-  const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
-  const int64_t inner = s.n / 2;
-  const target::Fp8Weight w = target::quantize_blocks(at::randn({s.n, s.k}, gpu) / std::sqrt(static_cast<double>(s.k)));
-  const target::Fp8Activations a =
-      target::quantize_groups(at::randn({m, s.k}, gpu.dtype(at::kBFloat16)), target::fp8_gemm_rows(m, gpu.device()));
-  const at::Tensor y = target::fp8_linear(a, w, {});
-  target::silu_mul_fp8(y.narrow(1, 0, inner), y.narrow(1, inner, inner));
+  const Fp8Operands o = fp8_operands(s, m);
+  const auto& [w, a] = o;
+  lt_swiglu(o);
   using grouped_fp8::Epilogue;
   for (const Epilogue epilogue : {Epilogue::consumers, Epilogue::epilogue_warps}) {
     grouped_fp8::dense_projections = epilogue;

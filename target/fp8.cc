@@ -170,6 +170,13 @@ int64_t factor_stride(const Fp8Activations& a) {
 }
 
 #ifdef DFLASHD_WITH_CUDA
+// Whether w is laid out as kernels/grouped_fp8.h's kernels read it: `dims` dimensions ([n, k], or
+// [groups, n, k]), data and fp32 factors contiguous.
+bool kernel_layout(const Fp8Weight& w, int64_t dims) {
+  return w.defined() && w.data.dim() == dims && w.data.is_contiguous() && w.scale.is_contiguous() &&
+         w.scale.scalar_type() == at::kFloat;
+}
+
 // The FP8 grouped GEMM's problem for a's rows (m of them) against w ([n, k] or [groups, n, k])
 // into y (bf16 [m, n]; undefined for the SwiGLU kernel, which writes elsewhere); one group without
 // ends unless the caller sets them.
@@ -186,8 +193,7 @@ grouped_fp8::Problem grouped_problem(const Fp8Activations& a, const Fp8Weight& w
 at::Tensor dense_kernel_product(const Fp8Activations& a, const Fp8Weight& w) {
   const grouped_fp8::Epilogue epilogue = grouped_fp8::dense_projections.load();
   if (epilogue == grouped_fp8::Epilogue::off || a.dtype != at::kBFloat16 || a.q.size(0) <= 128 ||
-      w.data.dim() != 2 || !w.data.is_contiguous() || !w.scale.is_contiguous() ||
-      w.scale.scalar_type() != at::kFloat) {
+      !kernel_layout(w, 2)) {
     return {};
   }
   const c10::cuda::CUDAGuard guard(a.q.device());  // the kernel runs on the current device
@@ -222,8 +228,7 @@ Fp8Activations fp8_swiglu(const Fp8Activations& a, const Fp8Weight& gate_up) {
 #ifdef DFLASHD_WITH_CUDA
   const grouped_fp8::Epilogue epilogue = grouped_fp8::fused_swiglu.load();
   if (epilogue == grouped_fp8::Epilogue::off || !a.q.is_cuda() || a.dtype != at::kBFloat16 ||
-      gate_up.data.dim() != 2 || !gate_up.data.is_contiguous() || !gate_up.scale.is_contiguous() ||
-      gate_up.scale.scalar_type() != at::kFloat || gate_up.data.size(0) % (2 * kFp8Block) != 0) {
+      !kernel_layout(gate_up, 2) || gate_up.data.size(0) % (2 * kFp8Block) != 0) {
     return {};
   }
   const c10::cuda::CUDAGuard guard(a.q.device());  // the kernel runs on the current device
@@ -243,10 +248,7 @@ Fp8Activations fp8_swiglu(const Fp8Activations& a, const Fp8Weight& gate_up) {
 
 bool fp8_grouped_gemm_applies(const Fp8Weight& w, at::Device device) {
 #ifdef DFLASHD_WITH_CUDA
-  if (!device.is_cuda() || !w.defined() || w.data.dim() != 3 || !w.data.is_contiguous() || !w.scale.is_contiguous()) {
-    return false;
-  }
-  return w.scale.scalar_type() == at::kFloat &&
+  return device.is_cuda() && kernel_layout(w, 3) &&
          grouped_fp8::weights_apply(w.data.size(0), w.data.size(1), w.data.size(2), w.data.data_ptr(), device.index());
 #else
   (void)w;

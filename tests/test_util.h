@@ -69,7 +69,6 @@ class NotifySocket {
   std::string path_;
 };
 
-// A port that was free a moment ago (the kernel picks it).
 // The dflashd a test runs: the build's (`built`, the test target's DFLASHD_BINARY), or the one
 // DFLASHD_BINARY names in the environment (a bundle's launcher, where the tests run from a bundle
 // on a host without the build tree).
@@ -78,6 +77,7 @@ inline std::string dflashd_binary(const char* built) {
   return chosen != nullptr ? chosen : built;
 }
 
+// A port that was free a moment ago (the kernel picks it).
 inline int free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};

@@ -29,6 +29,23 @@ static_assert(kDenseSharedBytes <= 227 * 1024, "the dense FP8 GEMM's shared memo
 static_assert(kSwigluSharedBytes<false> <= 227 * 1024 && kSwigluSharedBytes<true> <= 227 * 1024,
               "the FP8 SwiGLU GEMM's shared memory exceeds an H200 CTA's");
 
+// The start of the kernels in clusters of two (dense, SwiGLU): thread 0 sets up the ring's
+// barriers (and, by `more`, any others), makes them visible to the cluster and fetches the tensor
+// maps' descriptors; then every thread of both CTAs meets, so that neither CTA multicasts into,
+// releases a stage to or sends to barriers the other has not set up.
+template <typename SharedT, typename More>
+__device__ __forceinline__ void set_up_cluster(SharedT& s, const CUtensorMap& x_map, const CUtensorMap& w_map,
+                                               More&& more) {
+  if (threadIdx.x == 0) {
+    s.ring.init();
+    more();
+    barriers::TransactionBarrier::fence_init();
+    tma::prefetch_map(&x_map);
+    tma::prefetch_map(&w_map);
+  }
+  barriers::cluster_sync();
+}
+
 // The roles of the kernels in clusters of two (dense, SwiGLU): thread 0 produces; with
 // kWarpEpilogue warps 1-3 write the tiles out (`drain`); the consumer warpgroups multiply
 // (`consume`, given the consumer thread's index 0..255). The producer warpgroup gives registers up
@@ -99,13 +116,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char raw[];
   auto& s = mma_tile::aligned_shared<DenseShared>(raw);
   const int rank = static_cast<int>(barriers::cluster_rank());
-  if (threadIdx.x == 0) {
-    s.ring.init();
-    barriers::TransactionBarrier::fence_init();
-    tma::prefetch_map(&x_map);
-    tma::prefetch_map(&w_map);
-  }
-  barriers::cluster_sync();  // both CTAs' barriers are set up before either multicasts or releases
+  set_up_cluster(s, x_map, w_map, [] {});
   const DensePairs pairs(p.m, p.n);
   const int k_blocks = static_cast<int>(p.k / kBlockK);
   const int64_t cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
@@ -154,14 +165,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char raw[];
   auto& s = mma_tile::aligned_shared<SharedT>(raw);
   const int rank = static_cast<int>(barriers::cluster_rank());
-  if (threadIdx.x == 0) {
-    s.ring.init();
+  set_up_cluster(s, x_map, w_map, [&] {
     for (uint64_t& arrived : s.peer_arrived) barriers::TransactionBarrier{mma_tile::shared_address(&arrived)}.init(1);
-    barriers::TransactionBarrier::fence_init();
-    tma::prefetch_map(&x_map);
-    tma::prefetch_map(&w_map);
-  }
-  barriers::cluster_sync();  // both CTAs' barriers are set up before either multicasts, releases or sends
+  });
   const int inner = static_cast<int>(p.n / 2), k_blocks = static_cast<int>(p.k / kBlockK);
   const SwigluTiles tiles(p.m, inner);
   const int64_t cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
@@ -182,10 +188,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
         int done = 0;
         for (int64_t index = cluster; index < tiles.count(); index += clusters, ++done) {
           const Tile tile = tiles.at(index);
-          // Chunks 0..7 of the tile are gate's (block n_tile of W's factors), 8..15 up's.
-          const float* gate_factors = p.w_factors + static_cast<int64_t>(tile.n_tile) * k_blocks;
-          const ColumnFactors w{gate_factors, gate_factors + static_cast<int64_t>(tiles.h_blocks) * k_blocks, false};
-          consume_tile<kTileCols, 2, true>(s.ring, acc, at, tile, w, p, k_blocks, ct, peer_rank);
+          consume_tile<kTileCols, 2, true>(s.ring, acc, at, tile, gate_and_up_blocks(p, tile, tiles.h_blocks, k_blocks),
+                                           p, k_blocks, ct, peer_rank);
           if constexpr (kWarpEpilogue) {
             hand_over_tile(acc, s.staged, done, ct);
           } else {
@@ -221,18 +225,25 @@ int resident_clusters(size_t shared_bytes, const char* name, int device) {
   return clusters[device];
 }
 
+// kKernel (clusters of two, shared_bytes of dynamic shared memory) on `stream` over `work` items
+// (pairs or tiles): a cluster per item up to those resident at once, each walking the items from its
+// own index.
+template <auto kKernel, typename... Args>
+void launch_clusters(size_t shared_bytes, const char* name, int64_t work, int device, cudaStream_t stream,
+                     const Args&... args) {
+  const int64_t clusters = std::min<int64_t>(resident_clusters<kKernel>(shared_bytes, name, device), work);
+  kKernel<<<static_cast<unsigned>(2 * clusters), kThreads, shared_bytes, stream>>>(args...);
+  check_cuda(cudaGetLastError(), name);
+}
+
 template <bool kWarpEpilogue>
 void run_dense(const Problem& p, int device, cudaStream_t stream) {
   const CUtensorMap x_map = tensor_map::swizzled_rows(p.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.m, p.k, p.x_stride,
                                                       kTileRows, "dense FP8 GEMM: x");
   const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.n, p.k, p.k,
                                                       kDenseCols / 2, "dense FP8 GEMM: W");
-  const int64_t resident =
-      resident_clusters<dense_fp8_kernel<kWarpEpilogue>>(kDenseSharedBytes, "dense FP8 GEMM kernel", device);
-  const int64_t clusters = std::min<int64_t>(resident, DensePairs(p.m, p.n).count());
-  dense_fp8_kernel<kWarpEpilogue>
-      <<<static_cast<unsigned>(2 * clusters), kThreads, kDenseSharedBytes, stream>>>(x_map, w_map, p);
-  check_cuda(cudaGetLastError(), "dense FP8 GEMM kernel");
+  launch_clusters<dense_fp8_kernel<kWarpEpilogue>>(kDenseSharedBytes, "dense FP8 GEMM kernel",
+                                                   DensePairs(p.m, p.n).count(), device, stream, x_map, w_map, p);
 }
 
 using tensor_map::aligned;
@@ -299,22 +310,6 @@ bool swiglu_applies(const Problem& p, const SwigluOutput& out, int device) {
          out.factors != nullptr && out.factor_stride >= p.m && applies(p, device);
 }
 
-namespace {
-
-template <bool kWarpEpilogue>
-void launch_swiglu(const CUtensorMap& x_map, const CUtensorMap& w_map, const Problem& p, const SwigluOutput& out,
-                   int device, cudaStream_t stream) {
-  constexpr size_t bytes = kSwigluSharedBytes<kWarpEpilogue>;
-  const int64_t resident =
-      resident_clusters<swiglu_fp8_kernel<kWarpEpilogue>>(bytes, "FP8 SwiGLU GEMM kernel", device);
-  const int64_t clusters = std::min<int64_t>(resident, SwigluTiles(p.m, p.n / 2).count());
-  swiglu_fp8_kernel<kWarpEpilogue><<<static_cast<unsigned>(2 * clusters), kThreads, bytes, stream>>>(x_map, w_map, p,
-                                                                                                     out);
-  check_cuda(cudaGetLastError(), "FP8 SwiGLU GEMM kernel");
-}
-
-}  // namespace
-
 void run_swiglu(const Problem& p, const SwigluOutput& out, Epilogue epilogue, int device,
                 cudaStream_t stream) {
   if (!swiglu_applies(p, out, device) || epilogue == Epilogue::off) {
@@ -329,10 +324,13 @@ void run_swiglu(const Problem& p, const SwigluOutput& out, Epilogue epilogue, in
                                                       kSwigluHalf, "FP8 SwiGLU GEMM: x");
   const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.n, p.k, p.k,
                                                       kSwigluHalf, "FP8 SwiGLU GEMM: W");
+  const int64_t tiles = SwigluTiles(p.m, p.n / 2).count();
   if (epilogue == Epilogue::epilogue_warps) {
-    launch_swiglu<true>(x_map, w_map, p, out, device, stream);
+    launch_clusters<swiglu_fp8_kernel<true>>(kSwigluSharedBytes<true>, "FP8 SwiGLU GEMM kernel", tiles, device,
+                                             stream, x_map, w_map, p, out);
   } else {
-    launch_swiglu<false>(x_map, w_map, p, out, device, stream);
+    launch_clusters<swiglu_fp8_kernel<false>>(kSwigluSharedBytes<false>, "FP8 SwiGLU GEMM kernel", tiles, device,
+                                              stream, x_map, w_map, p, out);
   }
 }
 

@@ -286,6 +286,14 @@ __device__ __forceinline__ ColumnFactors spanned_blocks(const Problem& p, const 
   return {first, blocks.first + 1 < n_tiles_of(p.n) ? first + k_blocks : first, blocks.chunks_in_first == 16};
 }
 
+// The SwiGLU kernel's tile: chunks 0..7 are gate's rows (block n_tile of W's factors), 8..15 up's
+// (`h_blocks` blocks further: up's rows begin `inner` rows after gate's).
+__device__ __forceinline__ ColumnFactors gate_and_up_blocks(const Problem& p, const Tile& tile, int h_blocks,
+                                                            int k_blocks) {
+  const float* gate = p.w_factors + static_cast<int64_t>(tile.n_tile) * k_blocks;
+  return {gate, gate + static_cast<int64_t>(h_blocks) * k_blocks, false};
+}
+
 // A consumer warpgroup's whole tile into `acc` (overwritten). Thread `ct` of the consumers
 // (0..255); the warpgroup's rows start 64 warpgroup rows into the tile. A warpgroup whose rows are
 // all past the tile's still waits for and hands back every stage: to its own CTA's producer, and
