@@ -217,6 +217,26 @@ at::Tensor sigmoid_gate(const at::Tensor& out, const at::Tensor& gate) {
 #endif
 }
 
+Fp8Activations sigmoid_gate_fp8(const at::Tensor& out, const at::Tensor& gate) {
+  const bool fused = gate.dim() == 3 && rows_apply(gate) && kernels_apply({&out}) && out.dim() == 2 &&
+                     out.size(0) == gate.size(0) && out.size(1) == gate.size(1) * gate.size(2) &&
+                     out.size(1) % kFp8Block == 0;
+  if (!fused) {
+    const at::Tensor gated = sigmoid_gate(out, gate);
+    return quantize_groups(gated, fp8_gemm_rows(gated.size(0), gated.device()));
+  }
+#ifdef DFLASHD_WITH_CUDA
+  Fp8Activations a = empty_activations(out.size(0), out.size(1), out.device());
+  kernels::sigmoid_gate_e4m3(out.data_ptr(), gate.data_ptr(), gate.stride(0), gate.stride(1),
+                             static_cast<int>(gate.size(0)), static_cast<int>(gate.size(1)),
+                             static_cast<int>(gate.size(2)), a.q.data_ptr(), a.factors.data_ptr<float>(), a.q.size(0),
+                             at::cuda::getCurrentCUDAStream().stream());
+  return a;
+#else
+  return {};
+#endif
+}
+
 at::Tensor gated_rms_norm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight, double eps,
                           at::ScalarType dtype) {
   const int64_t tokens = o.size(0), heads = o.size(1), d = o.size(2);

@@ -59,6 +59,9 @@ at::Tensor widen_to_float(const at::Tensor& x);
 // out * sigmoid(gate) (gated attention): out [tokens, heads * d] contiguous, gate [tokens, heads,
 // d] a view with contiguous last dim. May write into out.
 at::Tensor sigmoid_gate(const at::Tensor& out, const at::Tensor& gate);
+// sigmoid_gate for o_proj's FP8 GEMM: quantised as add_rms_norm_fp8's rows (one kernel on a GPU;
+// out is not written).
+Fp8Activations sigmoid_gate_fp8(const at::Tensor& out, const at::Tensor& gate);
 
 // A GatedDeltaNet layer's gated RMSNorm before out_proj: bf16(bf16(w bf16(rmsnorm(o))) silu(z)) as
 // [tokens, heads * d] in `dtype`; o fp32 [tokens, heads, d], z [tokens, heads, d] (a view of the

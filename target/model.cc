@@ -36,6 +36,7 @@ at::Tensor attention_forward(const ModelConfig& c, const Attention& p, const Gem
     outputs.push_back(o.squeeze(0).transpose(0, 1).reshape({length, hq * d}));
   }
   at::Tensor out = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
+  if (c.gated_attention && p.o.reads_fp8()) return p.o(sigmoid_gate_fp8(out, gate));
   if (c.gated_attention) out = sigmoid_gate(out, gate);
   return p.o(out);
 }

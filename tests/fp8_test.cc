@@ -731,9 +731,10 @@ class CpuDrawnWeights : public WeightSource {
   RandomWeights random_;
 };
 
-// The RMSNorm and SiLU-mul kernels that quantise a GEMM's input as they write it give the bytes
-// and factors of the bf16 kernel's rows quantised afterwards (the path they replace), padded
-// rows included; widths of whole 256-column warps and of a half warp (640, 384) past the last.
+// The RMSNorm, SiLU-mul and attention-gate kernels that quantise a GEMM's input as they write it
+// give the bytes and factors of the bf16 kernel's rows quantised afterwards (the path they
+// replace), padded rows included; widths of whole 256-column warps and of a half warp (640, 384)
+// past the last.
 TEST(Fp8, GpuFusedNormAndSiluQuantiseTheirBf16Rows) {
   if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
   const at::Device gpu(at::kCUDA, 0);
@@ -767,6 +768,23 @@ TEST(Fp8, GpuFusedNormAndSiluQuantiseTheirBf16Rows) {
       const Fp8Activations fused = silu_mul_fp8(gate, up);
       EXPECT_TRUE(bytes_equal(fused.q.cpu(), expected.q.cpu())) << what << " silu_mul";
       EXPECT_TRUE(at::equal(fused.factors.cpu(), expected.factors.cpu())) << what << " silu_mul";
+    }
+    // Gated attention's output gate before o_proj: gate a strided view ([query | gate] per head),
+    // heads of 256 (Qwen3.5) and of 128 over a row that ends past a 256-thread block.
+    for (const auto& [heads, d] : {std::pair<int64_t, int64_t>{24, 256}, {5, 128}}) {
+      const std::string what = std::to_string(rows) + " x " + std::to_string(heads) + " heads of " + std::to_string(d);
+      const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(gpu);
+      const at::Tensor out = at::randn({rows, heads * d}, bf16) * 2;
+      const at::Tensor both = at::randn({rows, heads, 2 * d}, bf16) * 3;
+      out.narrow(0, 0, 1).narrow(1, 0, 128).zero_();  // a zero group: factor 1
+      const at::Tensor before = out.clone();
+      const Fp8Activations expected =
+          quantize_groups(sigmoid_gate(out.clone(), both.narrow(-1, d, d)), fp8_gemm_rows(rows, gpu));
+      const Fp8Activations fused = sigmoid_gate_fp8(out, both.narrow(-1, d, d));
+      EXPECT_TRUE(at::equal(out, before)) << what << ": sigmoid_gate_fp8 wrote its input";
+      EXPECT_EQ(fused.rows, rows) << what;
+      EXPECT_TRUE(bytes_equal(fused.q.cpu(), expected.q.cpu())) << what << " sigmoid_gate";
+      EXPECT_TRUE(at::equal(fused.factors.cpu(), expected.factors.cpu())) << what << " sigmoid_gate";
     }
   }
 }

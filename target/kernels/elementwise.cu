@@ -192,8 +192,12 @@ __global__ void __launch_bounds__(kRowThreads) qk_norm_rope_kernel(QkRows q, QkR
   if (active) store8(static_cast<bf16*>(job.out) + static_cast<int64_t>(row) * d + c, v);
 }
 
+// Eight values a thread, grid-stride. kFp8: the gated rows go to o_proj's FP8 GEMM, quantised as
+// they are written (heads * d a multiple of 128: a group's 16 chunks are 16 consecutive threads,
+// and every half-warp leaves the loop together).
+template <bool kFp8>
 __global__ void sigmoid_gate_kernel(bf16* __restrict__ out, const bf16* __restrict__ gate, int64_t token_stride,
-                                    int64_t head_stride, int heads, int d, int64_t chunks) {
+                                    int64_t head_stride, int heads, int d, int64_t chunks, fp8_group::Destination fp8) {
   barriers::start_as_dependent();
   const int per_token = heads * d / 8;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunks;
@@ -205,7 +209,13 @@ __global__ void sigmoid_gate_kernel(bf16* __restrict__ out, const bf16* __restri
     load8(g, gate + token * token_stride + static_cast<int64_t>(head) * head_stride + col);
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j] = bf16x8::sigmoid_gated(o[j], g[j]);
-    store8(out + i * 8, o);
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o[j] = round_bf16(o[j]);
+      fp8.store(o, token, within, static_cast<int64_t>(per_token) * 8);
+    } else {
+      store8(out + i * 8, o);
+    }
   }
 }
 
@@ -318,10 +328,26 @@ void sigmoid_gate(void* out, const void* gate, int64_t token_stride, int64_t hea
   const int64_t chunks = static_cast<int64_t>(tokens) * heads * d / 8;
   if (chunks == 0) return;
   const int threads = 256;
-  check_cuda(launch_dependent(sigmoid_gate_kernel, dim3(grid_stride_blocks(chunks, threads)), threads, 0, stream,
+  check_cuda(launch_dependent(sigmoid_gate_kernel<false>, dim3(grid_stride_blocks(chunks, threads)), threads, 0, stream,
                               static_cast<bf16*>(out), static_cast<const bf16*>(gate), token_stride, head_stride, heads,
-                              d, chunks),
+                              d, chunks, fp8_group::Destination{}),
              "target kernel sigmoid_gate");
+}
+
+void sigmoid_gate_e4m3(const void* out, const void* gate, int64_t token_stride, int64_t head_stride, int tokens,
+                       int heads, int d, void* q, float* factors, int64_t factor_stride, cudaStream_t stream) {
+  if (d % 8 != 0 || static_cast<int64_t>(heads) * d % fp8_group::kGroup != 0 || factor_stride < tokens) {
+    throw std::invalid_argument("sigmoid_gate_e4m3: rows must be whole 128-wide groups, got " + std::to_string(heads) +
+                                " heads of " + std::to_string(d));
+  }
+  const int64_t chunks = static_cast<int64_t>(tokens) * heads * d / 8;
+  if (chunks == 0) return;
+  const int threads = 256;
+  check_cuda(launch_dependent(sigmoid_gate_kernel<true>, dim3(grid_stride_blocks(chunks, threads)), threads, 0, stream,
+                              static_cast<bf16*>(const_cast<void*>(out)), static_cast<const bf16*>(gate), token_stride,
+                              head_stride, heads, d, chunks,
+                              fp8_group::Destination{static_cast<__nv_fp8_storage_t*>(q), factors, factor_stride}),
+             "target kernel sigmoid_gate_e4m3");
 }
 
 void gated_rms_norm(const float* o, const void* z, int64_t token_stride, int64_t head_stride, const void* weight,

@@ -54,6 +54,10 @@ void widen_bf16(const void* x, float* out, int64_t n, cudaStream_t stream);
 // gate (t, h, i) at gate + t * token_stride + h * head_stride + i; d a multiple of 8.
 void sigmoid_gate(void* out, const void* gate, int64_t token_stride, int64_t head_stride, int tokens, int heads, int d,
                   cudaStream_t stream);
+// sigmoid_gate whose rows go to o_proj's FP8 GEMM (heads * d a multiple of 128): out is only read,
+// the gated rows quantised as add_rms_norm_e4m3's.
+void sigmoid_gate_e4m3(const void* out, const void* gate, int64_t token_stride, int64_t head_stride, int tokens,
+                       int heads, int d, void* q, float* factors, int64_t factor_stride, cudaStream_t stream);
 
 // A GatedDeltaNet layer's gated RMSNorm (its output before out_proj), as the composite in
 // target/model.cc rounds it: normed = bf16(o rsqrt(mean(o^2) + eps)), out = bf16(float(bf16(w
