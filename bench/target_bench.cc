@@ -8,8 +8,9 @@
 //      reference host loop (what ran before), the grouped path with FP8 experts on the FP8
 //      grouped GEMM and dequantized per call, and the floor: its FLOPs (router, top-k experts'
 //      SwiGLU, shared expert) at the measured bf16 matmul rate.
-//   An MoE target's FP8 forward runs twice: its experts dequantized per layer, then on the FP8
-//   grouped GEMM (kernels/grouped_fp8.h's hook, in one process). On sm_90a the FP8 forward runs
+//   An MoE target's FP8 forward runs three times: its experts dequantized per layer, on the FP8
+//   grouped GEMM with its tiles written by the epilogue warps, then by the consumers (the default;
+//   kernels/grouped_fp8.h's hooks, in one process). On sm_90a the FP8 forward runs
 //   again with its dense projections on the dense FP8 kernel (the hook dense_projections), with
 //   gate_up + SiLU-mul on the SwiGLU kernel (fused_swiglu), each with either epilogue, with the
 //   GatedDeltaNet layers' gated norm quantised by their fused kernel (quantised_gdn_output), and
@@ -117,11 +118,14 @@ void bench_forward(const target::ModelConfig& config, const char* config_dir, in
     fp8_options.fp8_weights = true;
     try {
       // An MoE target: first with its FP8 experts dequantized per layer (the path before the FP8
-      // grouped GEMM), in the same process.
+      // grouped GEMM), then on that GEMM with the epilogue warps, in the same process.
       if (config.num_experts > 0) {
         grouped_fp8::off = true;
         run(fp8_options, "fp8, experts dequantized per layer");
         grouped_fp8::off = false;
+        grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::epilogue_warps;
+        run(fp8_options, "fp8, experts' products with the epilogue warps");
+        grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::consumers;
       }
       const std::vector<at::Tensor> fp8 = run(fp8_options, "fp8");
       if (grouped_fp8::built_for(options.device.index())) fp8_kernel_variants(run, fp8_options, fp8, tapped);
@@ -181,11 +185,15 @@ void bench_moe_block(const target::ModelConfig& config, double rate) {
     fp8.experts_gate_up = fp8.experts_down = at::Tensor();
     const bool kernel = target::fp8_experts_grouped(fp8, x.device(), x.scalar_type());
     const double on_kernel = median_ms(20, [&] { target::moe_grouped(shape, fp8, x); });
+    grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::epilogue_warps;
+    const double warps = median_ms(20, [&] { target::moe_grouped(shape, fp8, x); });
+    grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::consumers;
     grouped_fp8::off = true;
     const double dequantized = median_ms(20, [&] { target::moe_grouped(shape, fp8, x); });
     grouped_fp8::off = false;
     std::printf("  %-40s %9.3f %10.2f%s\n", "grouped, FP8 experts (grouped FP8 GEMM)", on_kernel, on_kernel / floor_ms,
                 kernel ? "" : "  (the kernel does not apply here)");
+    std::printf("  %-40s %9.3f %10.2f\n", "  the same, epilogue warps", warps, warps / floor_ms);
     std::printf("  %-40s %9.3f %10.2f\n", "grouped, FP8 experts dequantized", dequantized, dequantized / floor_ms);
   }
   // DFLASHD_PROFILE=1: the grouped block's kernels by GPU time (10 calls).

@@ -270,7 +270,8 @@ at::Tensor fp8_grouped_linear(const Fp8Activations& a, const Fp8Weight& w, const
     grouped_fp8::Problem p = grouped_problem(a, w, a.rows, y);
     p.ends = ends.data_ptr<int32_t>();
     p.groups = static_cast<int>(groups);
-    grouped_fp8::run(p, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream());
+    grouped_fp8::run(p, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream(),
+                     grouped_fp8::experts_epilogue.load());
     return y;
   }
 #endif

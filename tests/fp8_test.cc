@@ -514,7 +514,7 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
   ASSERT_TRUE(gf::applies(p, 0));
   gf::run(p, 0, stream);
   p.y = again.data_ptr();
-  gf::run(p, 0, stream, gf::Epilogue::epilogue_warps);  // the dense kernel's other epilogue: the same bits
+  gf::run(p, 0, stream, gf::Epilogue::epilogue_warps);  // the other epilogue (either kernel): the same bits
   // bf16's rounding, and the tensor cores' FP8 sums within a k-block, which keep fewer bits
   // than fp32 (the reason the factors are applied per k-block): 1e-3 of the largest value.
   const at::Tensor result = got.narrow(0, 0, ends.back()).cpu().to(at::kFloat);
@@ -538,8 +538,12 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
   // Through fp8_grouped_linear on the GPU: the same kernel.
   if (groups > 1 && c.stride == c.k) {
     const Fp8Activations on_gpu{a.q.to(gpu), a.factors.to(gpu).t().contiguous().t(), a.rows, a.dtype};
-    EXPECT_TRUE(at::equal(fp8_grouped_linear(on_gpu, gpu_w, gpu_ends).narrow(0, 0, ends.back()),
-                          got.narrow(0, 0, ends.back())));
+    for (const gf::Epilogue epilogue : {gf::Epilogue::consumers, gf::Epilogue::epilogue_warps}) {
+      gf::experts_epilogue = epilogue;
+      const at::Tensor grouped = fp8_grouped_linear(on_gpu, gpu_w, gpu_ends);
+      gf::experts_epilogue = gf::Epilogue::consumers;
+      EXPECT_TRUE(at::equal(grouped.narrow(0, 0, ends.back()), got.narrow(0, 0, ends.back())));
+    }
   }
 }
 
@@ -550,8 +554,8 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
 // rows of x strided, 35B-A3B's expert shapes; dense products (no ends: the dense kernel in
 // clusters of two above 128 rows) with odd m-tiles, 192-column tiles that begin inside a factor
 // block, a partial last one, more pairs than clusters; rows past the last group's end left as
-// they were; a second run bit for bit the same (the dense kernel's with its other epilogue, in
-// the epilogue warps); shapes it cannot take refused by name.
+// they were; a second run bit for bit the same (with the other epilogue, in the epilogue warps;
+// through fp8_grouped_linear with each); shapes it cannot take refused by name.
 TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
   if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
   namespace gf = dflash::grouped_fp8;

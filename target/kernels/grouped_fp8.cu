@@ -46,31 +46,35 @@ __device__ __forceinline__ void set_up_cluster(SharedT& s, const CUtensorMap& x_
   barriers::cluster_sync();
 }
 
-// The roles of the kernels in clusters of two (dense, SwiGLU): thread 0 produces; with
-// kWarpEpilogue warps 1-3 write the tiles out (`drain`); the consumer warpgroups multiply
-// (`consume`, given the consumer thread's index 0..255). The producer warpgroup gives registers up
-// to the consumers. Every remaining thread of both CTAs ends at a cluster barrier: neither CTA
-// leaves while the other may still multicast into it, release a stage to it or send to it.
-template <bool kWarpEpilogue, typename Produce, typename Drain, typename Consume>
-__device__ __forceinline__ void cluster_roles(Produce&& produce, Drain&& drain, Consume&& consume) {
+// The kernels' roles: thread 0 produces; with kWarpEpilogue warps 1-3 write the tiles out
+// (`drain`); the consumer warpgroups multiply (`consume`, given the consumer thread's index
+// 0..255). The producer warpgroup gives registers up to the consumers. With kCluster (the kernels
+// in clusters of two: dense, SwiGLU) every remaining thread of both CTAs ends at a cluster
+// barrier: neither CTA leaves while the other may still multicast into it, release a stage to it
+// or send to it.
+template <bool kWarpEpilogue, bool kCluster, typename Produce, typename Drain, typename Consume>
+__device__ __forceinline__ void warp_roles(Produce&& produce, Drain&& drain, Consume&& consume) {
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x == 0) produce();
     if constexpr (kWarpEpilogue) {
       if (threadIdx.x >= 32) {
         drain();
-        barriers::cluster_sync();
+        if constexpr (kCluster) barriers::cluster_sync();
       }
     }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   consume(static_cast<int>(threadIdx.x) - 128);
-  barriers::cluster_sync();
+  if constexpr (kCluster) barriers::cluster_sync();
 }
 
 // Warpgroup 0 produces (thread 0), warpgroups 1 and 2 consume; every CTA walks the same tile
-// numbering (schedule.h), each from its own index.
+// numbering (schedule.h), each from its own index. Its tiles are written out by the consumers, or
+// with kWarpEpilogue by warps 1-3 of the producer warpgroup while the consumers go on
+// (epilogue.cuh), as the dense kernel's.
+template <bool kWarpEpilogue>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_fp8_kernel(const __grid_constant__ XMaps x_maps, const __grid_constant__ CUtensorMap w_map,
                        const Problem p) {
@@ -85,20 +89,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const Walk walk = count_tiles(s, p);  // synchronises the CTA (the barriers' set-up too)
   const int k_blocks = static_cast<int>(p.k / kBlockK);
-  if (threadIdx.x < 128) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (threadIdx.x == 0) produce(s.ring, x_maps, &w_map, walk, static_cast<int>(p.n), k_blocks);
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int ct = static_cast<int>(threadIdx.x) - 128;
-  smem_ring::Position at;
-  Accumulators<kTileCols> acc;
-  for (int64_t t = blockIdx.x; t < walk.tiles; t += gridDim.x) {
-    const Tile tile = walk.at(t);
-    consume_tile<kTileCols, 1, false>(s.ring, acc, at, tile, one_block(p, tile, k_blocks), p, k_blocks, ct);
-    store_tile(acc, s.out, tile, static_cast<__nv_bfloat16*>(p.y), p.n, ct);
-  }
+  auto* y = static_cast<__nv_bfloat16*>(p.y);
+  warp_roles<kWarpEpilogue, false>(
+      [&] { produce(s.ring, x_maps, &w_map, walk, static_cast<int>(p.n), k_blocks); },
+      [&] {
+        for (int64_t t = blockIdx.x; t < walk.tiles; t += gridDim.x) {
+          take_tile();
+          copy_tile<kTileCols>(s.out, walk.at(t), y, p.n, static_cast<int>(threadIdx.x) - 32, kEpilogueThreads);
+          release_tile(t + gridDim.x >= walk.tiles);
+        }
+      },
+      [&](int ct) {
+        smem_ring::Position at;
+        Accumulators<kTileCols> acc;
+        int done = 0;
+        for (int64_t t = blockIdx.x; t < walk.tiles; t += gridDim.x, ++done) {
+          const Tile tile = walk.at(t);
+          consume_tile<kTileCols, 1, false>(s.ring, acc, at, tile, one_block(p, tile, k_blocks), p, k_blocks, ct);
+          if constexpr (kWarpEpilogue) {
+            hand_over_tile(acc, s.out, done, ct);
+          } else {
+            store_tile(acc, s.out, tile, y, p.n, ct);
+          }
+        }
+      });
 #else
   __trap();
 #endif
@@ -107,7 +121,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // One dense group (no ends), m above one tile: clusters of two CTAs, each a pair of m-tiles by a
 // tile of kDenseCols columns of W, loaded half by each CTA into both (schedule.h's DensePairs).
 // Its tiles are written out by the consumers, or with kWarpEpilogue by warps 1-3 of the producer
-// warpgroup while the consumers go on (epilogue.cuh); cluster_roles says who ends where.
+// warpgroup while the consumers go on (epilogue.cuh); warp_roles says who ends where.
 template <bool kWarpEpilogue>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
     dense_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
@@ -120,7 +134,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   const DensePairs pairs(p.m, p.n);
   const int k_blocks = static_cast<int>(p.k / kBlockK);
   const int64_t cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
-  cluster_roles<kWarpEpilogue>(
+  warp_roles<kWarpEpilogue, true>(
       [&] { produce_pairs(s.ring, &x_map, &w_map, pairs, cluster, clusters, k_blocks, rank); },
       [&] {
         for (int64_t pair = cluster; pair < pairs.count(); pair += clusters) {
@@ -174,7 +188,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   const uint32_t peer_rank = static_cast<uint32_t>(rank ^ 1);
   const SwigluPeer peer{barriers::peer_address(mma_tile::shared_address(&s.peer_amax[0][0]), peer_rank),
                         barriers::peer_address(mma_tile::shared_address(&s.peer_arrived[0]), peer_rank)};
-  cluster_roles<kWarpEpilogue>(
+  warp_roles<kWarpEpilogue, true>(
       [&] { produce_swiglu(s.ring, &x_map, &w_map, tiles, cluster, clusters, k_blocks, rank, inner); },
       [&] {
         if constexpr (kWarpEpilogue) {
@@ -237,6 +251,26 @@ void launch_clusters(size_t shared_bytes, const char* name, int64_t work, int de
 }
 
 template <bool kWarpEpilogue>
+void run_grouped(const Problem& p, int device, cudaStream_t stream) {
+  static std::array<std::once_flag, 64> once;  // the attribute is set per device
+  std::call_once(once[device], [] {
+    allow_shared_memory(grouped_fp8_kernel<kWarpEpilogue>, kSharedBytes, "FP8 grouped GEMM kernel");
+  });
+  XMaps x_maps;
+  for (int box = 0; box < kXBoxes; ++box) {
+    x_maps.box[box] = tensor_map::swizzled_rows(p.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.m, p.k, p.x_stride,
+                                                x_box_rows(box), "FP8 grouped GEMM: x");
+  }
+  const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.groups * p.n, p.k,
+                                                      p.k, kTileCols, "FP8 grouped GEMM: W");
+  // Every group adds at most one partial m-tile: more CTAs than this would find no tile.
+  const int64_t most_tiles = ((p.m + kTileRows - 1) / kTileRows + p.groups) * n_tiles_of(p.n);
+  const int64_t ctas = std::min<int64_t>(tensor_map::device_facts(device).sms, most_tiles);
+  grouped_fp8_kernel<kWarpEpilogue><<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(x_maps, w_map, p);
+  check_cuda(cudaGetLastError(), "FP8 grouped GEMM kernel");
+}
+
+template <bool kWarpEpilogue>
 void run_dense(const Problem& p, int device, cudaStream_t stream) {
   const CUtensorMap x_map = tensor_map::swizzled_rows(p.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.m, p.k, p.x_stride,
                                                       kTileRows, "dense FP8 GEMM: x");
@@ -272,7 +306,7 @@ bool applies(const Problem& p, int device) {
   return rest && weights_apply(p.groups, p.n, p.k, p.w, device);
 }
 
-void run(const Problem& p, int device, cudaStream_t stream, Epilogue dense_epilogue) {
+void run(const Problem& p, int device, cudaStream_t stream, Epilogue epilogue) {
   if (!applies(p, device)) {
     throw std::invalid_argument("FP8 grouped GEMM: " + std::to_string(p.groups) + " groups of [" + std::to_string(p.m) +
                                 " rows, " + std::to_string(p.k) + "] -> " + std::to_string(p.n) +
@@ -280,29 +314,12 @@ void run(const Problem& p, int device, cudaStream_t stream, Epilogue dense_epilo
                                 " (sm_90a, n a multiple of 8, k of 128, 16-byte aligned operands)");
   }
   if (p.m == 0) return;
+  const bool warps = epilogue == Epilogue::epilogue_warps;
   if (p.ends == nullptr && p.m > kTileRows) {
-    if (dense_epilogue == Epilogue::epilogue_warps) {
-      run_dense<true>(p, device, stream);
-    } else {
-      run_dense<false>(p, device, stream);
-    }
-    return;
+    warps ? run_dense<true>(p, device, stream) : run_dense<false>(p, device, stream);
+  } else {
+    warps ? run_grouped<true>(p, device, stream) : run_grouped<false>(p, device, stream);
   }
-  static std::array<std::once_flag, 64> once;  // the attribute is set per device
-  std::call_once(once[device],
-                 [] { allow_shared_memory(grouped_fp8_kernel, kSharedBytes, "FP8 grouped GEMM kernel"); });
-  XMaps x_maps;
-  for (int box = 0; box < kXBoxes; ++box) {
-    x_maps.box[box] = tensor_map::swizzled_rows(p.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.m, p.k, p.x_stride,
-                                                x_box_rows(box), "FP8 grouped GEMM: x");
-  }
-  const CUtensorMap w_map = tensor_map::swizzled_rows(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.groups * p.n, p.k,
-                                                      p.k, kTileCols, "FP8 grouped GEMM: W");
-  // Every group adds at most one partial m-tile: more CTAs than this would find no tile.
-  const int64_t most_tiles = ((p.m + kTileRows - 1) / kTileRows + p.groups) * n_tiles_of(p.n);
-  const int64_t ctas = std::min<int64_t>(tensor_map::device_facts(device).sms, most_tiles);
-  grouped_fp8_kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(x_maps, w_map, p);
-  check_cuda(cudaGetLastError(), "FP8 grouped GEMM kernel");
 }
 
 bool swiglu_applies(const Problem& p, const SwigluOutput& out, int device) {

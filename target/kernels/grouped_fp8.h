@@ -30,11 +30,10 @@ inline constexpr int kMaxGroups = 1024;  // the MoE block's largest expert count
 // bf16 grouped GEMM instead (the path before this kernel), to compare the two in one process.
 inline std::atomic<bool> off{false};
 
-// Where the dense kernel and the SwiGLU kernel write their tiles out: in the consumer warpgroups
-// between one tile's mainloop and the next (the tensor cores wait meanwhile), or in the producer
-// warpgroup's idle warps while the consumers go on with the next tile
-// (kernels/grouped_fp8/epilogue.cuh); the two are measured against each other. off: the kernel is
-// not taken (the hooks below).
+// Where the kernels write their tiles out: in the consumer warpgroups between one tile's mainloop
+// and the next (the tensor cores wait meanwhile), or in the producer warpgroup's idle warps while
+// the consumers go on with the next tile (kernels/grouped_fp8/epilogue.cuh); the two are measured
+// against each other. off: the kernel is not taken (the dense and SwiGLU hooks below).
 enum class Epilogue : int { off = 0, consumers = 1, epilogue_warps = 2 };
 
 // A benchmark hook (the daemon never sets it): other than off, target/fp8.h's fp8_linear runs the
@@ -48,6 +47,12 @@ inline std::atomic<Epilogue> dense_projections{Epilogue::off};
 // epilogue, which forms down_proj's FP8 input, instead of cuBLASLt's GEMM and the SiLU-mul kernel;
 // decided as dense_projections is.
 inline std::atomic<Epilogue> fused_swiglu{Epilogue::off};
+
+// A benchmark hook (the daemon never sets it): the epilogue of the MoE experts' products
+// (target/fp8.h's fp8_grouped_linear on this file's grouped kernel): the consumers' until the two
+// are measured side by side (an expert's down_proj at 35B-A3B shapes is 4 k-blocks a tile, so its
+// epilogue weighs); off counts as consumers.
+inline std::atomic<Epilogue> experts_epilogue{Epilogue::consumers};
 
 struct Problem {
   const void* x = nullptr;             // e4m3 [m, k], rows x_stride bytes apart, sorted by group
@@ -90,9 +95,9 @@ bool applies(const Problem& p, int device);
 // Runs the product on `stream` (one persistent CTA per SM; no host synchronisation: the group
 // sizes are read on the device). One group without ends above 128 rows (a dense projection) runs
 // on the dense kernel instead: clusters of two CTAs, each a pair of 128-row tiles by 192 columns of
-// W, W's tile loaded once into both (schedule.h's DensePairs), its tiles written out by
-// `dense_epilogue` (off counts as consumers). Throws naming the shape where applies() is false.
-void run(const Problem& p, int device, cudaStream_t stream, Epilogue dense_epilogue = Epilogue::consumers);
+// W, W's tile loaded once into both (schedule.h's DensePairs). Either kernel's tiles are written
+// out by `epilogue` (off counts as consumers). Throws naming the shape where applies() is false.
+void run(const Problem& p, int device, cudaStream_t stream, Epilogue epilogue = Epilogue::consumers);
 
 // The SwiGLU kernel for W = [gate; up] (n = 2 inner rows, inner a multiple of 128): applies() for
 // one group without ends and y unused, and out's q aligned with factor_stride >= m.
