@@ -4,7 +4,7 @@
 # pipeline at Qwen3.5-27B shapes. Expects the offline bundle (deploy/bundle.sh build
 # --with-tests) in dist/ and the specforge wheel in .whl/. Prints a table at the end; full logs
 # go to $OUT when set. Phases: step (default), gdn, decode, generate, ops, moe, fp8,
-# e2e 27b|27b-fp8|27b-long|27b-long-fp8|27b-98k|27b-128k-fp8|8b|35b-a3b|35b-a3b-fp8
+# e2e 27b|27b-fp8|27b-fp8-recipe|27b-long|27b-long-fp8|27b-98k|27b-128k-fp8|8b|35b-a3b|35b-a3b-fp8
 # (bench/pipeline_MODEL.yaml).
 set -uo pipefail
 out="${OUT:-/tmp/dflashd-bench}"; mkdir -p "$out"
