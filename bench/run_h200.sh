@@ -4,7 +4,7 @@
 # pipeline at Qwen3.5-27B shapes. Expects the offline bundle (deploy/bundle.sh build
 # --with-tests) in dist/ and the specforge wheel in .whl/. Prints a table at the end; full logs
 # go to $OUT when set. Phases: step (default), gdn, decode, generate, ops, moe, fp8,
-# e2e 27b|27b-fp8|27b-fp8-recipe|27b-long|27b-long-fp8|27b-98k|27b-128k-fp8|8b|35b-a3b|35b-a3b-fp8
+# e2e 27b|27b-fp8|27b-fp8-recipe|27b-long|27b-long-fp8|27b-98k|27b-128k-fp8|8b|35b-a3b|35b-a3b-fp8|80b-a3b-fp8
 # (bench/pipeline_MODEL.yaml).
 set -uo pipefail
 out="${OUT:-/tmp/dflashd-bench}"; mkdir -p "$out"
@@ -126,7 +126,8 @@ elif [ "$phase" = e2e ]; then
   config_dir="$(grep -o 'path: [^,}]*' "$cfg" | head -1 | cut -d' ' -f2)"
   log="$out/pipeline_$model.log"
   "$B/bin/dflashd" run -c "$cfg" > "$log" 2>&1 &
-  for i in $(seq 90); do sleep 2; grep -qE "step [1-9][0-9]*/" "$log" 2>/dev/null && break; done
+  # START_SECONDS: how long the first step may take (loading, random weights drawn): 180 s.
+  for i in $(seq $(( ${START_SECONDS:-180} / 2 ))); do sleep 2; grep -qE "step [1-9][0-9]*/" "$log" 2>/dev/null && break; done
   sleep "${MEASURE_SECONDS:-100}"
   curl -s localhost:9400/metrics | grep -E '^dflashd_(tokens_per_second|mfu_ratio|optimizer_steps_total|gpu_memory_bytes|gpu_allocator_retries_total|queue_depth|bottleneck|stage_seconds_total)' > "$out/metrics_$model.txt"
   grep -E "ms per sequence" "$log" | tail -1 > "$out/stages_$model.txt"
