@@ -82,9 +82,48 @@ struct FusedSiluMul : public torch::autograd::Function<FusedSiluMul> {
     return {d_gate, d_up};
   }
 };
+
+// The rotary embedding of x [rows, heads, d] by tables [rows, 1, d] (kernels::rope_*); the
+// tables take no gradient (they come from positions).
+struct FusedRope : public torch::autograd::Function<FusedRope> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    const at::Tensor rows = rows_of(x), c = rows_of(cos), s = rows_of(sin);
+    at::Tensor y = at::empty_like(rows);
+    kernels::rope_forward(rows.data_ptr(), c.data_ptr(), s.data_ptr(), y.data_ptr(), x.size(0),
+                          static_cast<int>(x.size(1)), static_cast<int>(x.size(2)),
+                          at::cuda::getCurrentCUDAStream().stream());
+    ctx->save_for_backward({c, s});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor dy = rows_of(grads[0]);
+    at::Tensor dx = at::empty_like(dy);
+    kernels::rope_backward(dy.data_ptr(), saved[0].data_ptr(), saved[1].data_ptr(), dx.data_ptr(), dy.size(0),
+                           static_cast<int>(dy.size(1)), static_cast<int>(dy.size(2)),
+                           at::cuda::getCurrentCUDAStream().stream());
+    return {dx, at::Tensor(), at::Tensor()};
+  }
+};
+
+bool rope_kernels_apply(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  auto bf16_cuda = [](const at::Tensor& t) { return t.is_cuda() && t.scalar_type() == at::kBFloat16; };
+  const bool tables = cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(1) == 1 && x.dim() == 3 &&
+                      cos.size(0) == x.size(0) && cos.size(2) == x.size(2);
+  return tables && bf16_cuda(x) && bf16_cuda(cos) && bf16_cuda(sin) && !cos.requires_grad() && !sin.requires_grad() &&
+         kernels::rope_supports(x.size(2));
+}
 #endif
 
 }  // namespace
+
+at::Tensor trained_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+#ifdef DFLASHD_WITH_CUDA
+  if (rope_kernels_apply(x, cos, sin)) return FusedRope::apply(x, cos, sin);
+#endif
+  return x * cos + rotate_half(x) * sin;
+}
 
 at::Tensor trained_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 #ifdef DFLASHD_WITH_CUDA

@@ -15,4 +15,8 @@ at::Tensor trained_rms_norm(const at::Tensor& x, const at::Tensor& weight, doubl
 // silu(gate) * up (the SwiGLU MLP's product); gate and up of one shape.
 at::Tensor trained_silu_mul(const at::Tensor& gate, const at::Tensor& up);
 
+// The rotary embedding x cos + rotate_half(x) sin (common/tensor_math.h) of x [rows, heads, d] by
+// tables cos, sin [rows, 1, d] (no gradient taken for them).
+at::Tensor trained_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
 }  // namespace dflash::drafter

@@ -37,7 +37,7 @@ RopeTables rope_tables(const at::Tensor& positions, int64_t d, double theta, at:
 }
 
 // x [tokens, heads, d].
-at::Tensor apply_rope(const at::Tensor& x, const RopeTables& t) { return x * t.cos + rotate_half(x) * t.sin; }
+at::Tensor apply_rope(const at::Tensor& x, const RopeTables& t) { return trained_rope(x, t.cos, t.sin); }
 
 std::string layer_key(int64_t i, const char* rest) { return "layers." + std::to_string(i) + "." + rest; }
 

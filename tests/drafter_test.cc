@@ -14,6 +14,7 @@
 #include <fstream>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "common/kernel_variants.h"
 #include "common/safetensors.h"
@@ -541,6 +542,31 @@ TEST(TrainedSiluMul, GpuKernelsMatchTheCompositeForwardAndBackward) {
   EXPECT_LE(relative_error(g1.grad(), g2.grad()), 2e-2);
   EXPECT_LE(relative_error(u1.grad(), u2.grad()), 2e-2);
   EXPECT_GE((u1.grad() == u2.grad()).to(at::kFloat).mean().item<double>(), 0.99);
+}
+
+// The rotary embedding's kernels against x cos + rotate_half(x) sin under autograd, on the same
+// bf16 inputs: the output and x's gradient bit for bit (the same roundings: each product once,
+// then one sum), for the drafter's heads of 128 and heads of 64 and 256, a table row per token
+// shared by its heads.
+TEST(TrainedRope, GpuKernelsMatchTheCompositeForwardAndBackward) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(31);
+  const auto bf16 = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  for (const auto& [tokens, heads, d] : {std::tuple<int64_t, int64_t, int64_t>{300, 32, 128}, {77, 8, 128},
+                                         {5, 3, 64}, {40, 2, 256}}) {
+    const std::string what = std::to_string(tokens) + " tokens x " + std::to_string(heads) + " heads of " +
+                             std::to_string(d);
+    const at::Tensor angles = at::rand({tokens, d / 2}, bf16.dtype(at::kFloat)) * 100;
+    const at::Tensor emb = at::cat({angles, angles}, -1);
+    const at::Tensor cos = emb.cos().to(at::kBFloat16).unsqueeze(1), sin = emb.sin().to(at::kBFloat16).unsqueeze(1);
+    const at::Tensor x0 = at::randn({tokens, heads, d}, bf16) * 3, dy = at::randn({tokens, heads, d}, bf16);
+    const at::Tensor x1 = x0.clone().requires_grad_(), x2 = x0.clone().requires_grad_();
+    const at::Tensor ours = trained_rope(x1, cos, sin), reference = x2 * cos + dflash::rotate_half(x2) * sin;
+    ours.backward(dy);
+    reference.backward(dy);
+    EXPECT_TRUE(at::equal(ours, reference)) << what;
+    EXPECT_TRUE(at::equal(x1.grad(), x2.grad())) << what;
+  }
 }
 
 TEST(LmHeadLoss, GpuKernelsMatchTheCompositeComputation) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <string>
 
 #include "common/bf16x8.cuh"
 #include "common/cuda_check.h"
@@ -192,6 +193,45 @@ __global__ void __launch_bounds__(kThreads) silu_mul_backward_kernel(const bf16*
   }
 }
 
+// The rotary embedding over rows of d (heads of a token, `heads` rows per table row): a thread
+// takes 8 columns c.. of the first half and their partners c + d/2.. of the second, the pair that
+// rotate_half exchanges. kBackward: dx from dy instead of y from x (layer_ops.h).
+template <bool kBackward>
+__global__ void __launch_bounds__(kThreads) rope_kernel(const bf16* __restrict__ in, const bf16* __restrict__ cos,
+                                                        const bf16* __restrict__ sin, bf16* __restrict__ out,
+                                                        int64_t pairs, int heads, int d) {
+  const int half_chunks = d / 16;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < pairs;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t row = i / half_chunks;                   // (token, head)
+    const int first = static_cast<int>(i % half_chunks) * 8, second = first + d / 2;
+    const int64_t table = row / heads * d;                 // the token's cos / sin row
+    float a[8], b[8], ca[8], cb[8], sa[8], sb[8];
+    load8(a, in + row * d + first);
+    load8(b, in + row * d + second);
+    load8(ca, cos + table + first);
+    load8(cb, cos + table + second);
+    load8(sa, sin + table + first);
+    load8(sb, sin + table + second);
+    float ya[8], yb[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if constexpr (kBackward) {
+        // x's first half got dy cos and, through rotate_half, +dy sin of the second half; its
+        // second half dy cos and -dy sin of the first (each product rounded, then one sum).
+        ya[j] = round_bf16(a[j] * ca[j]) + round_bf16(b[j] * sb[j]);
+        yb[j] = round_bf16(b[j] * cb[j]) - round_bf16(a[j] * sa[j]);
+      } else {
+        // x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1].
+        ya[j] = round_bf16(a[j] * ca[j]) + round_bf16(-b[j] * sa[j]);
+        yb[j] = round_bf16(b[j] * cb[j]) + round_bf16(a[j] * sb[j]);
+      }
+    }
+    store8(out + row * d + first, ya);
+    store8(out + row * d + second, yb);
+  }
+}
+
 unsigned row_blocks(int64_t rows, int lanes) {
   return static_cast<unsigned>((rows * lanes + kThreads - 1) / kThreads);
 }
@@ -255,6 +295,34 @@ void silu_mul_backward(const void* gate, const void* up, const void* dy, void* d
       static_cast<const bf16*>(gate), static_cast<const bf16*>(up), static_cast<const bf16*>(dy),
       static_cast<bf16*>(d_gate), static_cast<bf16*>(d_up), chunks);
   check_cuda_launch("drafter kernel silu_mul_backward");
+}
+
+bool rope_supports(int64_t d) { return d > 0 && d % 16 == 0; }
+
+namespace {
+
+template <bool kBackward>
+void launch_rope(const void* in, const void* cos, const void* sin, void* out, int64_t rows, int heads, int d,
+                 cudaStream_t stream, const char* name) {
+  if (!rope_supports(d) || heads < 1) throw std::invalid_argument(std::string(name) + ": needs d a multiple of 16");
+  const int64_t pairs = rows * heads * (d / 16);
+  if (pairs == 0) return;
+  rope_kernel<kBackward><<<grid_stride_blocks(pairs, kThreads), kThreads, 0, stream>>>(
+      static_cast<const bf16*>(in), static_cast<const bf16*>(cos), static_cast<const bf16*>(sin), static_cast<bf16*>(out),
+      pairs, heads, d);
+  check_cuda_launch(name);
+}
+
+}  // namespace
+
+void rope_forward(const void* x, const void* cos, const void* sin, void* y, int64_t rows, int heads, int d,
+                  cudaStream_t stream) {
+  launch_rope<false>(x, cos, sin, y, rows, heads, d, stream, "drafter kernel rope_forward");
+}
+
+void rope_backward(const void* dy, const void* cos, const void* sin, void* dx, int64_t rows, int heads, int d,
+                   cudaStream_t stream) {
+  launch_rope<true>(dy, cos, sin, dx, rows, heads, d, stream, "drafter kernel rope_backward");
 }
 
 }  // namespace dflash::drafter::kernels
