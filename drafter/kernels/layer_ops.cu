@@ -308,8 +308,8 @@ void launch_rope(const void* in, const void* cos, const void* sin, void* out, in
   const int64_t pairs = rows * heads * (d / 16);
   if (pairs == 0) return;
   rope_kernel<kBackward><<<grid_stride_blocks(pairs, kThreads), kThreads, 0, stream>>>(
-      static_cast<const bf16*>(in), static_cast<const bf16*>(cos), static_cast<const bf16*>(sin), static_cast<bf16*>(out),
-      pairs, heads, d);
+      static_cast<const bf16*>(in), static_cast<const bf16*>(cos), static_cast<const bf16*>(sin),
+      static_cast<bf16*>(out), pairs, heads, d);
   check_cuda_launch(name);
 }
 
