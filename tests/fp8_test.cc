@@ -146,7 +146,7 @@ TEST(Fp8, LinearIsTheFp64ProductOfTheQuantisedOperands) {
 // Tiny targets whose projections the FP8 GEMM takes (inputs of 512; a GatedDeltaNet in_proj of
 // 1,296 rows): tiny-qwen3_5 dense, or tiny-qwen3_next with every layer MoE (experts of 128, a
 // shared expert).
-ModelConfig fp8_friendly_config(const std::string& preset = "tiny-qwen3_5") {
+std::string fp8_friendly_json(const std::string& preset) {
   auto root = nlohmann::json::parse(preset_config_json(preset));
   auto& j = root.contains("text_config") ? root["text_config"] : root;
   j["hidden_size"] = 512, j["num_hidden_layers"] = 4, j["full_attention_interval"] = 2;
@@ -158,7 +158,10 @@ ModelConfig fp8_friendly_config(const std::string& preset = "tiny-qwen3_5") {
   } else {
     j["intermediate_size"] = 512;
   }
-  return parse_model_config(root.dump(), preset + " (FP8-friendly)");
+  return root.dump();
+}
+ModelConfig fp8_friendly_config(const std::string& preset = "tiny-qwen3_5") {
+  return parse_model_config(fp8_friendly_json(preset), preset + " (FP8-friendly)");
 }
 
 // Layers 0..3 of c with random weights (seed) on the CPU: FP8 projections, or all bf16.
@@ -229,6 +232,122 @@ TEST(Fp8, MoeExpertsAreKeptFp8AndRunDequantized) {
   kept.fp8_gate_up = gate_up, kept.fp8_down = down;
   const at::Tensor x = at::randn({9, 128}).to(at::kBFloat16);
   EXPECT_TRUE(at::equal(moe_reference(shape, kept, x), moe_reference(shape, dequantized, x)));
+}
+
+// What a target loads, drawn from RandomWeights and kept (name, values as asked), so that a test
+// can write it out as a checkpoint; the MoE experts one module per expert (the released layout).
+class RecordingWeights : public WeightSource {
+ public:
+  explicit RecordingWeights(uint64_t seed) : random_(seed) {}
+  at::Tensor get(const std::string& name, const std::vector<int64_t>& shape, const at::TensorOptions& options,
+                 Init init) override {
+    at::Tensor t = random_.get(name, shape, options.device(at::kCPU), init);
+    if (!recorded.count(name)) recorded.emplace(name, t), order.push_back(name);
+    return t.to(options.device());
+  }
+  bool contains(const std::string& name) const override {
+    auto ends = [&](const std::string& tail) {
+      return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+    };
+    return !ends("experts.gate_up_proj") && !ends("experts.down_proj");
+  }
+  std::string describe() const override { return "recorded random weights"; }
+  std::map<std::string, at::Tensor> recorded;
+  std::vector<std::string> order;
+
+ private:
+  RandomWeights random_;
+};
+
+// w [out, in] (in whole blocks of 128) as e4m3 with power-of-two factors per 128x128 block, each
+// block's largest |value| exactly 448: its dequantization is exact in fp32, and quantising that
+// again (quantize_blocks) gives these bytes and factors back.
+Fp8Weight power_of_two_blocks(const at::Tensor& w) {
+  const int64_t out = w.size(0), in = w.size(1), row_blocks = (out + 127) / 128;
+  at::Tensor q = at::empty({out, in});
+  at::Tensor scale = at::empty({row_blocks, in / 128});
+  for (int64_t r = 0; r < row_blocks; ++r) {
+    for (int64_t c = 0; c < in / 128; ++c) {
+      const at::Tensor block = w.narrow(0, r * 128, std::min<int64_t>(128, out - r * 128)).narrow(1, c * 128, 128);
+      const double amax = std::max(block.abs().max().item<double>(), 1e-30);
+      const double factor = std::exp2(std::ceil(std::log2(amax / 448.0)));
+      at::Tensor scaled = (block / factor).to(at::kFloat8_e4m3fn).to(at::kFloat);
+      const int64_t top = block.abs().argmax().item<int64_t>();
+      scaled.view(-1)[top] = block.reshape(-1)[top].item<float>() < 0 ? -448.0 : 448.0;
+      q.narrow(0, r * 128, block.size(0)).narrow(1, c * 128, 128).copy_(scaled);
+      scale[r][c] = factor;
+    }
+  }
+  return {q.to(at::kFloat8_e4m3fn), scale};
+}
+
+// Writes `rec`'s tensors as a checkpoint in `dir` with `config`: the projections (2-D `*proj.weight`
+// of whole 128-column blocks, the shared expert's too, as Qwen's FP8 releases store them) either
+// e4m3 with their factors (`fp8`) or their exact dequantized values in fp32; the rest as drawn.
+void write_checkpoint(const RecordingWeights& rec, const std::string& dir, const std::string& config, bool fp8) {
+  std::vector<at::Tensor> keep;
+  std::vector<TensorToWrite> tensors;
+  auto add = [&](const std::string& name, const at::Tensor& t, DType dtype) {
+    keep.push_back(t.contiguous());
+    tensors.push_back({"model." + name, dtype, t.sizes().vec(), keep.back().data_ptr(),
+                       static_cast<size_t>(keep.back().nbytes())});
+  };
+  for (const std::string& name : rec.order) {
+    const at::Tensor& t = rec.recorded.at(name);
+    const bool projection = t.dim() == 2 && t.size(1) % 128 == 0 && name.size() > 11 &&
+                            name.compare(name.size() - 11, 11, "proj.weight") == 0;
+    if (!projection) {
+      add(name, t, t.scalar_type() == at::kBFloat16 ? DType::BF16 : DType::F32);
+      continue;
+    }
+    const Fp8Weight w = power_of_two_blocks(t.to(at::kFloat));
+    if (fp8) {
+      add(name, w.data.view(at::kByte), DType::F8_E4M3);
+      add(name + "_scale_inv", w.scale, DType::F32);
+    } else {
+      add(name, dequantize_blocks(w, at::kFloat), DType::F32);
+    }
+  }
+  write_safetensors(dir + "/model.safetensors", tensors);
+  std::ofstream(dir + "/config.json") << config;
+}
+
+// An MoE target (qwen3_next: GatedDeltaNet and gated attention layers, 4 experts and a shared
+// expert per layer) from a checkpoint stored block-scaled FP8 as Qwen's releases are (each
+// expert its own modules, the router and norms in bf16) against the same values stored in fp32
+// and quantised at load: the experts keep the checkpoint's bytes, and the two targets' tapped
+// states are the same bits (target.dtype: float8, on the CPU's emulation).
+TEST(Fp8, AnMoeCheckpointStoredFp8RunsAsItsValuesQuantisedAtLoad) {
+  const std::string json = fp8_friendly_json("tiny-qwen3_next");
+  const ModelConfig c = parse_model_config(json, "tiny-qwen3_next (FP8-friendly)");
+  TargetOptions options{at::kCPU, at::kBFloat16};
+  options.fp8_weights = true;
+  RecordingWeights rec(47);
+  { const TargetModel drawn(c, rec, 3, options); }  // draws every tensor the target reads
+  ASSERT_TRUE(rec.recorded.count("layers.0.mlp.experts.3.down_proj.weight")) << "the experts were not read one by one";
+  const std::string fp8_dir = test::make_temp_dir("fp8-moe-checkpoint");
+  const std::string float_dir = test::make_temp_dir("fp8-moe-twin");
+  auto with_quantization = nlohmann::json::parse(json);
+  with_quantization["quantization_config"] = {
+      {"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {128, 128}}};
+  write_checkpoint(rec, fp8_dir, with_quantization.dump(), true);
+  write_checkpoint(rec, float_dir, json, false);
+  CheckpointWeights stored(fp8_dir), twin(float_dir);
+  const WeightRows expert = stored.get_rows("layers.1.mlp.experts.2.gate_proj.weight", {128, 512}, at::kCPU);
+  ASSERT_TRUE(expert.fp8.defined()) << "an expert stored FP8 was not kept FP8";
+  const Fp8Weight expected = power_of_two_blocks(rec.recorded.at("layers.1.mlp.experts.2.gate_proj.weight"));
+  EXPECT_TRUE(bytes_equal(expert.fp8.data, expected.data));
+  EXPECT_TRUE(at::equal(expert.fp8.scale, expected.scale));
+  TargetModel from_fp8(c, stored, 3, options), from_float(c, twin, 3, options);
+  at::manual_seed(48);
+  const at::Tensor ids = at::randint(0, 512, {70}, at::TensorOptions().dtype(at::kLong));
+  const std::vector<at::Tensor> a = from_fp8.forward(ids, {0, 30, 70}, {1, 3});
+  const std::vector<at::Tensor> b = from_float.forward(ids, {0, 30, 70}, {1, 3});
+  ASSERT_EQ(a.size(), 2u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(at::isfinite(a[i]).all().item<bool>());
+    EXPECT_TRUE(at::equal(a[i], b[i])) << "tapped layer " << (i == 0 ? 1 : 3);
+  }
 }
 
 TEST(Fp8, ProjectionsThatAreNotWholeGroupsAreRefusedByName) {
