@@ -281,8 +281,9 @@ Fp8Weight power_of_two_blocks(const at::Tensor& w) {
   return {q.to(at::kFloat8_e4m3fn), scale};
 }
 
-// Writes `rec`'s tensors as a checkpoint in `dir` with `config`: the projections (2-D `*proj.weight`
-// of whole 128-column blocks, the shared expert's too, as Qwen's FP8 releases store them) either
+// Writes `rec`'s tensors as a checkpoint in `dir` with `config`: the projections (2-D `*proj*.weight`
+// of whole 128-column blocks: the GatedDeltaNet in_proj parts and the shared expert's too, as Qwen's
+// FP8 releases store them) either
 // e4m3 with their factors (`fp8`) or their exact dequantized values in fp32; the rest as drawn.
 void write_checkpoint(const RecordingWeights& rec, const std::string& dir, const std::string& config, bool fp8) {
   std::vector<at::Tensor> keep;
@@ -294,8 +295,8 @@ void write_checkpoint(const RecordingWeights& rec, const std::string& dir, const
   };
   for (const std::string& name : rec.order) {
     const at::Tensor& t = rec.recorded.at(name);
-    const bool projection = t.dim() == 2 && t.size(1) % 128 == 0 && name.size() > 11 &&
-                            name.compare(name.size() - 11, 11, "proj.weight") == 0;
+    const bool projection = t.dim() == 2 && t.size(1) % 128 == 0 && name.find("proj") != std::string::npos &&
+                            name.compare(name.size() - 7, 7, ".weight") == 0;
     if (!projection) {
       add(name, t, t.scalar_type() == at::kBFloat16 ? DType::BF16 : DType::F32);
       continue;
@@ -312,32 +313,31 @@ void write_checkpoint(const RecordingWeights& rec, const std::string& dir, const
   std::ofstream(dir + "/config.json") << config;
 }
 
-// An MoE target (qwen3_next: GatedDeltaNet and gated attention layers, 4 experts and a shared
-// expert per layer) from a checkpoint stored block-scaled FP8 as Qwen's releases are (each
-// expert its own modules, the router and norms in bf16) against the same values stored in fp32
-// and quantised at load: the experts keep the checkpoint's bytes, and the two targets' tapped
+// A target of `preset` (FP8-friendly sizes) from a checkpoint stored block-scaled FP8 as Qwen's
+// releases are against the same values stored in fp32 and quantised at load: `kept` (a
+// projection stored FP8 as [out, in]) keeps the checkpoint's bytes, and the two targets' tapped
 // states are the same bits (target.dtype: float8, on the CPU's emulation).
-TEST(Fp8, AnMoeCheckpointStoredFp8RunsAsItsValuesQuantisedAtLoad) {
-  const std::string json = fp8_friendly_json("tiny-qwen3_next");
-  const ModelConfig c = parse_model_config(json, "tiny-qwen3_next (FP8-friendly)");
+void check_stored_fp8_checkpoint(const std::string& preset, const std::string& kept, int64_t out, int64_t in) {
+  SCOPED_TRACE(preset);
+  const std::string json = fp8_friendly_json(preset);
+  const ModelConfig c = parse_model_config(json, preset + " (FP8-friendly)");
   TargetOptions options{at::kCPU, at::kBFloat16};
   options.fp8_weights = true;
   RecordingWeights rec(47);
   { const TargetModel drawn(c, rec, 3, options); }  // draws every tensor the target reads
-  ASSERT_TRUE(rec.recorded.count("layers.0.mlp.experts.3.down_proj.weight")) << "the experts were not read one by one";
-  const std::string fp8_dir = test::make_temp_dir("fp8-moe-checkpoint");
-  const std::string float_dir = test::make_temp_dir("fp8-moe-twin");
+  ASSERT_TRUE(rec.recorded.count(kept)) << kept << " was not read";
+  const std::string fp8_dir = test::make_temp_dir("fp8-checkpoint"), float_dir = test::make_temp_dir("fp8-twin");
   auto with_quantization = nlohmann::json::parse(json);
   with_quantization["quantization_config"] = {
       {"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {128, 128}}};
   write_checkpoint(rec, fp8_dir, with_quantization.dump(), true);
   write_checkpoint(rec, float_dir, json, false);
   CheckpointWeights stored(fp8_dir), twin(float_dir);
-  const WeightRows expert = stored.get_rows("layers.1.mlp.experts.2.gate_proj.weight", {128, 512}, at::kCPU);
-  ASSERT_TRUE(expert.fp8.defined()) << "an expert stored FP8 was not kept FP8";
-  const Fp8Weight expected = power_of_two_blocks(rec.recorded.at("layers.1.mlp.experts.2.gate_proj.weight"));
-  EXPECT_TRUE(bytes_equal(expert.fp8.data, expected.data));
-  EXPECT_TRUE(at::equal(expert.fp8.scale, expected.scale));
+  const WeightRows rows = stored.get_rows(kept, {out, in}, at::kCPU);
+  ASSERT_TRUE(rows.fp8.defined()) << kept << " stored FP8 was not kept FP8";
+  const Fp8Weight expected = power_of_two_blocks(rec.recorded.at(kept));
+  EXPECT_TRUE(bytes_equal(rows.fp8.data, expected.data));
+  EXPECT_TRUE(at::equal(rows.fp8.scale, expected.scale));
   TargetModel from_fp8(c, stored, 3, options), from_float(c, twin, 3, options);
   at::manual_seed(48);
   const at::Tensor ids = at::randint(0, 512, {70}, at::TensorOptions().dtype(at::kLong));
@@ -348,6 +348,14 @@ TEST(Fp8, AnMoeCheckpointStoredFp8RunsAsItsValuesQuantisedAtLoad) {
     EXPECT_TRUE(at::isfinite(a[i]).all().item<bool>());
     EXPECT_TRUE(at::equal(a[i], b[i])) << "tapped layer " << (i == 0 ? 1 : 3);
   }
+}
+
+// Checkpoints stored FP8: qwen3_5 (the GatedDeltaNet in_proj from its stored qkv, z, b, a parts;
+// gated attention's q, k, v; the dense MLP) and an MoE qwen3_next (4 experts and a shared expert
+// per layer, each expert its own modules, the router and norms in bf16).
+TEST(Fp8, CheckpointsStoredFp8RunAsTheirValuesQuantisedAtLoad) {
+  check_stored_fp8_checkpoint("tiny-qwen3_5", "layers.1.mlp.down_proj.weight", 512, 512);
+  check_stored_fp8_checkpoint("tiny-qwen3_next", "layers.1.mlp.experts.2.gate_proj.weight", 128, 512);
 }
 
 TEST(Fp8, ProjectionsThatAreNotWholeGroupsAreRefusedByName) {
