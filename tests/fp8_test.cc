@@ -18,6 +18,7 @@
 #include "target/layers.h"
 #include "target/model.h"
 #include "target/moe.h"
+#include "target/stages.h"
 #include "target/weights.h"
 #include "tests/test_util.h"
 
@@ -356,6 +357,30 @@ void check_stored_fp8_checkpoint(const std::string& preset, const std::string& k
 TEST(Fp8, CheckpointsStoredFp8RunAsTheirValuesQuantisedAtLoad) {
   check_stored_fp8_checkpoint("tiny-qwen3_5", "layers.1.mlp.down_proj.weight", 512, 512);
   check_stored_fp8_checkpoint("tiny-qwen3_next", "layers.1.mlp.experts.2.gate_proj.weight", 128, 512);
+}
+
+// An FP8 target split into 2 and 3 stages taps the bits of the whole FP8 target (qwen3_5 dense,
+// qwen3_next MoE): each stage quantises its own layers' weights as the whole target does.
+TEST(Fp8, StagesOfAnFp8TargetTapBitIdenticalStates) {
+  for (const char* preset : {"tiny-qwen3_5", "tiny-qwen3_next"}) {
+    SCOPED_TRACE(preset);
+    const ModelConfig c = fp8_friendly_config(preset);
+    TargetOptions options{at::kCPU, at::kBFloat16};
+    options.fp8_weights = true;
+    auto whole = random_target(c, 3, options, 52);
+    at::manual_seed(53);
+    const at::Tensor ids = at::randint(0, 512, {70}, at::TensorOptions().dtype(at::kLong));
+    const std::vector<int64_t> tap{0, 1, 2, 3};
+    const std::vector<at::Tensor> expected = whole->forward(ids, {0, 30, 70}, tap);
+    for (const size_t stages : {2, 3}) {
+      auto staged = random_staged_target(c, 3, std::vector<TargetOptions>(stages, options), 52);
+      const std::vector<at::Tensor> got = staged->forward(ids, {0, 30, 70}, tap);
+      ASSERT_EQ(got.size(), tap.size());
+      for (size_t i = 0; i < tap.size(); ++i) {
+        EXPECT_TRUE(at::equal(got[i], expected[i])) << stages << " stages, layer " << tap[i];
+      }
+    }
+  }
 }
 
 TEST(Fp8, ProjectionsThatAreNotWholeGroupsAreRefusedByName) {
