@@ -192,11 +192,11 @@ __global__ void __launch_bounds__(kRowThreads) qk_norm_rope_kernel(QkRows q, QkR
   if (active) store8(static_cast<bf16*>(job.out) + static_cast<int64_t>(row) * d + c, v);
 }
 
-// Eight values a thread, grid-stride. kFp8: the gated rows go to o_proj's FP8 GEMM, quantised as
-// they are written (heads * d a multiple of 128: a group's 16 chunks are 16 consecutive threads,
-// and every half-warp leaves the loop together).
+// Eight values a thread, grid-stride: `rows` gated into `out` (the same rows: in place), or with
+// kFp8 into o_proj's FP8 input, quantised as they are written (heads * d a multiple of 128: a
+// group's 16 chunks are 16 consecutive threads, and every half-warp leaves the loop together).
 template <bool kFp8>
-__global__ void sigmoid_gate_kernel(bf16* __restrict__ out, const bf16* __restrict__ gate, int64_t token_stride,
+__global__ void sigmoid_gate_kernel(const bf16* rows, bf16* out, const bf16* __restrict__ gate, int64_t token_stride,
                                     int64_t head_stride, int heads, int d, int64_t chunks, fp8_group::Destination fp8) {
   barriers::start_as_dependent();
   const int per_token = heads * d / 8;
@@ -205,7 +205,7 @@ __global__ void sigmoid_gate_kernel(bf16* __restrict__ out, const bf16* __restri
     const int64_t token = i / per_token;
     const int within = static_cast<int>(i % per_token) * 8, head = within / d, col = within % d;
     float o[8], g[8];
-    load8(o, out + i * 8);
+    load8(o, rows + i * 8);
     load8(g, gate + token * token_stride + static_cast<int64_t>(head) * head_stride + col);
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j] = bf16x8::sigmoid_gated(o[j], g[j]);
@@ -329,8 +329,8 @@ void sigmoid_gate(void* out, const void* gate, int64_t token_stride, int64_t hea
   if (chunks == 0) return;
   const int threads = 256;
   check_cuda(launch_dependent(sigmoid_gate_kernel<false>, dim3(grid_stride_blocks(chunks, threads)), threads, 0, stream,
-                              static_cast<bf16*>(out), static_cast<const bf16*>(gate), token_stride, head_stride, heads,
-                              d, chunks, fp8_group::Destination{}),
+                              static_cast<const bf16*>(out), static_cast<bf16*>(out), static_cast<const bf16*>(gate),
+                              token_stride, head_stride, heads, d, chunks, fp8_group::Destination{}),
              "target kernel sigmoid_gate");
 }
 
@@ -344,7 +344,7 @@ void sigmoid_gate_e4m3(const void* out, const void* gate, int64_t token_stride, 
   if (chunks == 0) return;
   const int threads = 256;
   check_cuda(launch_dependent(sigmoid_gate_kernel<true>, dim3(grid_stride_blocks(chunks, threads)), threads, 0, stream,
-                              static_cast<bf16*>(const_cast<void*>(out)), static_cast<const bf16*>(gate), token_stride,
+                              static_cast<const bf16*>(out), nullptr, static_cast<const bf16*>(gate), token_stride,
                               head_stride, heads, d, chunks,
                               fp8_group::Destination{static_cast<__nv_fp8_storage_t*>(q), factors, factor_stride}),
              "target kernel sigmoid_gate_e4m3");
