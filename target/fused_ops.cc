@@ -203,10 +203,14 @@ at::Tensor widen_to_float(const at::Tensor& x) {
 #endif
 }
 
+// Whether the output gate's kernels take out [tokens, heads * d] and gate [tokens, heads, d].
+bool gate_kernels_apply(const at::Tensor& out, const at::Tensor& gate) {
+  return gate.dim() == 3 && rows_apply(gate) && kernels_apply({&out}) && out.dim() == 2 &&
+         out.size(0) == gate.size(0) && out.size(1) == gate.size(1) * gate.size(2);
+}
+
 at::Tensor sigmoid_gate(const at::Tensor& out, const at::Tensor& gate) {
-  const bool fused = gate.dim() == 3 && rows_apply(gate) && kernels_apply({&out}) && out.dim() == 2 &&
-                     out.size(0) == gate.size(0) && out.size(1) == gate.size(1) * gate.size(2);
-  if (!fused) return out * at::sigmoid(gate.reshape({gate.size(0), -1}));
+  if (!gate_kernels_apply(out, gate)) return out * at::sigmoid(gate.reshape({gate.size(0), -1}));
 #ifdef DFLASHD_WITH_CUDA
   kernels::sigmoid_gate(out.data_ptr(), gate.data_ptr(), gate.stride(0), gate.stride(1), static_cast<int>(gate.size(0)),
                         static_cast<int>(gate.size(1)), static_cast<int>(gate.size(2)),
@@ -218,10 +222,7 @@ at::Tensor sigmoid_gate(const at::Tensor& out, const at::Tensor& gate) {
 }
 
 Fp8Activations sigmoid_gate_fp8(const at::Tensor& out, const at::Tensor& gate) {
-  const bool fused = gate.dim() == 3 && rows_apply(gate) && kernels_apply({&out}) && out.dim() == 2 &&
-                     out.size(0) == gate.size(0) && out.size(1) == gate.size(1) * gate.size(2) &&
-                     out.size(1) % kFp8Block == 0;
-  if (!fused) {
+  if (!gate_kernels_apply(out, gate) || out.size(1) % kFp8Block != 0) {
     const at::Tensor gated = sigmoid_gate(out, gate);
     return quantize_groups(gated, fp8_gemm_rows(gated.size(0), gated.device()));
   }

@@ -444,9 +444,7 @@ at::Tensor attention_layer(const ModelConfig& c, const Attention& p, const GemmI
   bool gated = false;  // only a group that holds every row gates them itself
   for (size_t i = 0; i < groups.size(); ++i) gated = attention_group(c, a, groups[i], steps[i], caches, layer, out);
   out = out.view({x.rows(), c.num_attention_heads * c.head_dim});
-  if (c.gated_attention && !gated && p.o.reads_fp8()) return p.o(sigmoid_gate_fp8(out, a.gate));
-  if (c.gated_attention && !gated) out = sigmoid_gate(out, a.gate);
-  return p.o(out);
+  return attention_output(p, out, gated ? at::Tensor() : a.gate);
 }
 
 // The causal depthwise conv + SiLU over `window` ([G, K - 1 + n, C]: the K - 1 inputs before the

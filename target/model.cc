@@ -36,9 +36,7 @@ at::Tensor attention_forward(const ModelConfig& c, const Attention& p, const Gem
     outputs.push_back(o.squeeze(0).transpose(0, 1).reshape({length, hq * d}));
   }
   at::Tensor out = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
-  if (c.gated_attention && p.o.reads_fp8()) return p.o(sigmoid_gate_fp8(out, gate));
-  if (c.gated_attention) out = sigmoid_gate(out, gate);
-  return p.o(out);
+  return attention_output(p, out, gate);
 }
 
 // plan: the chunk table when the layer runs the CUDA kernels, null for the reference path.
@@ -172,6 +170,12 @@ GdnProjections project_gdn(const ModelConfig& c, const GatedDeltaNet& p, const G
     a = columns(conv_channels + value_channels + hv, hv);
   }
   return {mixed, z, b, a};
+}
+
+at::Tensor attention_output(const Attention& p, const at::Tensor& out, const at::Tensor& gate) {
+  if (!gate.defined()) return p.o(out);
+  if (p.o.reads_fp8()) return p.o(sigmoid_gate_fp8(out, gate));
+  return p.o(sigmoid_gate(out, gate));
 }
 
 at::Tensor gdn_output(const ModelConfig& c, const GatedDeltaNet& p, const at::Tensor& o, const at::Tensor& z,

@@ -29,6 +29,11 @@ struct AttentionQkv {
 AttentionQkv project_attention(const ModelConfig& c, const Attention& p, const GemmInput& x, const at::Tensor& cos,
                                const at::Tensor& sin);
 
+// o_proj of an attention layer's output `out` [tokens, Hq d], gated first by `gate` (the view
+// project_attention returns; undefined: no gate, or the output is gated already). For an FP8
+// o_proj the gate writes its quantised input itself (sigmoid_gate_fp8).
+at::Tensor attention_output(const Attention& p, const at::Tensor& out, const at::Tensor& gate);
+
 // A GatedDeltaNet layer's input projection split into the conv's input [tokens, 2 Hk dk + Hv dv]
 // ([all q | all k | all v] channels), z [tokens, Hv, dv] and the gate projections b, a [tokens, Hv].
 struct GdnProjections {
