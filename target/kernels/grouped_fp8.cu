@@ -93,11 +93,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   warp_roles<kWarpEpilogue, false>(
       [&] { produce(s.ring, x_maps, &w_map, walk, static_cast<int>(p.n), k_blocks); },
       [&] {
-        for (int64_t t = blockIdx.x; t < walk.tiles; t += gridDim.x) {
-          take_tile();
-          copy_tile<kTileCols>(s.out, walk.at(t), y, p.n, static_cast<int>(threadIdx.x) - 32, kEpilogueThreads);
-          release_tile(t + gridDim.x >= walk.tiles);
-        }
+        auto tile_at = [&](int64_t t) { return walk.at(t); };
+        drain_tiles<kTileCols>(s.out, blockIdx.x, walk.tiles, gridDim.x, tile_at, y, p.n);
       },
       [&](int ct) {
         smem_ring::Position at;
@@ -134,15 +131,12 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
   const DensePairs pairs(p.m, p.n);
   const int k_blocks = static_cast<int>(p.k / kBlockK);
   const int64_t cluster = blockIdx.x / 2, clusters = gridDim.x / 2;
+  auto* y = static_cast<__nv_bfloat16*>(p.y);
   warp_roles<kWarpEpilogue, true>(
       [&] { produce_pairs(s.ring, &x_map, &w_map, pairs, cluster, clusters, k_blocks, rank); },
       [&] {
-        for (int64_t pair = cluster; pair < pairs.count(); pair += clusters) {
-          take_tile();
-          copy_tile<kDenseCols>(s.out, pairs.at(pair, rank), static_cast<__nv_bfloat16*>(p.y), p.n,
-                                static_cast<int>(threadIdx.x) - 32, kEpilogueThreads);
-          release_tile(pair + clusters >= pairs.count());
-        }
+        auto tile_at = [&](int64_t pair) { return pairs.at(pair, rank); };
+        drain_tiles<kDenseCols>(s.out, cluster, pairs.count(), clusters, tile_at, y, p.n);
       },
       [&](int ct) {
         smem_ring::Position at;
@@ -155,7 +149,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
           if constexpr (kWarpEpilogue) {
             hand_over_tile(acc, s.out, done, ct);
           } else {
-            store_tile(acc, s.out, tile, static_cast<__nv_bfloat16*>(p.y), p.n, ct);
+            store_tile(acc, s.out, tile, y, p.n, ct);
           }
         }
       });

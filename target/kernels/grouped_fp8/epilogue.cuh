@@ -4,7 +4,8 @@
 // between one tile's mainloop and the next (store_tile: the grouped kernel, and the dense kernel's
 // Epilogue::consumers), or they only stage the tile and go on, and the producer warpgroup's three
 // idle warps copy it out while the next tile's mainloop runs (hand_over_tile / take_tile /
-// release_tile: Epilogue::epilogue_warps, which the SwiGLU kernel's epilogue uses too).
+// release_tile, and drain_tiles for the bf16 tiles: Epilogue::epilogue_warps, whose hand-over the
+// SwiGLU kernel's epilogue uses too).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -91,6 +92,19 @@ __device__ __forceinline__ void release_tile(bool last) {
   if (last) return;
   __syncwarp();
   drained_barrier().arrive();
+}
+
+// The epilogue warps' whole part for bf16 tiles: the CTA's work items first, first + step, ...
+// below count, item i's tile (tile_at(i)) copied out of the staging to y (bf16 [.., n]) as each is
+// handed over.
+template <int kCols, typename TileAt>
+__device__ __forceinline__ void drain_tiles(const Staging<kCols>& out, int64_t first, int64_t count, int64_t step,
+                                            TileAt&& tile_at, __nv_bfloat16* y, int64_t n) {
+  for (int64_t i = first; i < count; i += step) {
+    take_tile();
+    copy_tile<kCols>(out, tile_at(i), y, n, static_cast<int>(threadIdx.x) - 32, kEpilogueThreads);
+    release_tile(i + step >= count);
+  }
 }
 
 }  // namespace dflash::grouped_fp8
