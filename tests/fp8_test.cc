@@ -235,16 +235,32 @@ TEST(Fp8, MoeExpertsAreKeptFp8AndRunDequantized) {
   EXPECT_TRUE(at::equal(moe_reference(shape, kept, x), moe_reference(shape, dequantized, x)));
 }
 
-// What a target loads, drawn from RandomWeights and kept (name, values as asked), so that a test
-// can write it out as a checkpoint; the MoE experts one module per expert (the released layout).
-class RecordingWeights : public WeightSource {
+// Random weights drawn on the CPU whatever the device (RandomWeights draws on the device itself).
+class CpuDrawnWeights : public WeightSource {
  public:
-  explicit RecordingWeights(uint64_t seed) : random_(seed) {}
+  explicit CpuDrawnWeights(uint64_t seed) : random_(seed) {}
   at::Tensor get(const std::string& name, const std::vector<int64_t>& shape, const at::TensorOptions& options,
                  Init init) override {
-    at::Tensor t = random_.get(name, shape, options.device(at::kCPU), init);
-    if (!recorded.count(name)) recorded.emplace(name, t), order.push_back(name);
-    return t.to(options.device());
+    return random_.get(name, shape, options.device(at::kCPU), init).to(options.device());
+  }
+  bool contains(const std::string&) const override { return true; }
+  std::string describe() const override { return "random weights drawn on the CPU"; }
+
+ private:
+  RandomWeights random_;
+};
+
+// What a target loads, drawn as CpuDrawnWeights draws it and kept (name, values as asked, on the
+// CPU), so that a test can write it out as a checkpoint; the MoE experts one module per expert
+// (the released layout).
+class RecordingWeights : public CpuDrawnWeights {
+ public:
+  using CpuDrawnWeights::CpuDrawnWeights;
+  at::Tensor get(const std::string& name, const std::vector<int64_t>& shape, const at::TensorOptions& options,
+                 Init init) override {
+    at::Tensor t = CpuDrawnWeights::get(name, shape, options, init);
+    if (!recorded.count(name)) recorded.emplace(name, t.cpu()), order.push_back(name);
+    return t;
   }
   bool contains(const std::string& name) const override {
     auto ends = [&](const std::string& tail) {
@@ -255,9 +271,6 @@ class RecordingWeights : public WeightSource {
   std::string describe() const override { return "recorded random weights"; }
   std::map<std::string, at::Tensor> recorded;
   std::vector<std::string> order;
-
- private:
-  RandomWeights random_;
 };
 
 // w [out, in] (in whole blocks of 128) as e4m3 with power-of-two factors per 128x128 block, each
@@ -871,21 +884,6 @@ TEST(Fp8, GpuMoeExpertsRunOnTheGroupedGemm) {
   }
 }
 #endif
-
-// Random weights drawn on the CPU whatever the device (RandomWeights draws on the device itself).
-class CpuDrawnWeights : public WeightSource {
- public:
-  explicit CpuDrawnWeights(uint64_t seed) : random_(seed) {}
-  at::Tensor get(const std::string& name, const std::vector<int64_t>& shape, const at::TensorOptions& options,
-                 Init init) override {
-    return random_.get(name, shape, options.device(at::kCPU), init).to(options.device());
-  }
-  bool contains(const std::string&) const override { return true; }
-  std::string describe() const override { return "random weights drawn on the CPU"; }
-
- private:
-  RandomWeights random_;
-};
 
 // The RMSNorm, SiLU-mul and attention-gate kernels that quantise a GEMM's input as they write it
 // give the bytes and factors of the bf16 kernel's rows quantised afterwards (the path they
