@@ -284,15 +284,14 @@ __device__ __forceinline__ void exchange_squares(const GdnForward& a, FusedShare
   }
   bar.sync();
   if (tid < C) {
-    // The peer's buffer of this parity is free: it read it two of the group's chunks ago, before
-    // it sent the partial sums of the group's chunk in between, which this CTA has received.
-    const int parity = n & 1;
-    const barriers::TransactionBarrier arrived{mma_tile::shared_address(&s.peer_written[group][parity])};
-    if (tid == 0) arrived.expect_bytes(C * 4);
+    // The group's chunk n is its n-th swap (the group's barrier orders reads before sends).
+    const barriers::RowSwap swap =
+        barriers::RowSwap::of(mma_tile::shared_address(&s.peer_written[group][0]), peer.partial, peer.written, C, n);
+    if (tid == 0) swap.announce();
     const float own = s.squares[group][0][tid] + s.squares[group][1][tid] + s.squares[group][2][tid] + s.squares[group][3][tid];
-    barriers::store_to_peer(peer.partial + (parity * C + tid) * 4, own, peer.written + parity * 8);
-    arrived.wait((n >> 1) & 1);  // the peer's partial sums of this chunk: the (n / 2)-th phase of this parity
-    s.rstd[group][tid] = rsqrtf((own + s.peer_partial[group][parity][tid]) / D + a.eps);
+    swap.send(tid, own);
+    swap.wait();
+    s.rstd[group][tid] = rsqrtf((own + s.peer_partial[group][swap.buffer][tid]) / D + a.eps);
   }
   bar.sync();
 }
@@ -357,12 +356,12 @@ __device__ __forceinline__ void store_quantised_rows(const GdnForward& a, const 
     for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[c][i]));
   }
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  const int parity = n & 1;
-  const barriers::TransactionBarrier arrived{mma_tile::shared_address(&s.peer_amax_written[group][parity])};
-  if (tid == 0) arrived.expect_bytes(C * 4);
-  if (half == 0) barriers::store_to_peer(peer.amax + (parity * C + token) * 4, amax, peer.amax_written + parity * 8);
-  arrived.wait((n >> 1) & 1);  // the peer's values of this chunk: the (n / 2)-th phase of this parity
-  const float factor = fg::factor_of(fmaxf(amax, s.peer_amax[group][parity][token]));
+  const barriers::RowSwap swap = barriers::RowSwap::of(mma_tile::shared_address(&s.peer_amax_written[group][0]),
+                                                       peer.amax, peer.amax_written, C, n);
+  if (tid == 0) swap.announce();
+  if (half == 0) swap.send(token, amax);
+  swap.wait();
+  const float factor = fg::factor_of(fmaxf(amax, s.peer_amax[group][swap.buffer][token]));
   const fg::Divider divide = fg::divider_of(factor);
   uint32_t packed[8];
 #pragma unroll

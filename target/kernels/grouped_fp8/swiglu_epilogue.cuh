@@ -10,10 +10,8 @@
 // The values are those of the path it replaces, bit for bit where the products' fp32 sums are the
 // same: gate and up rounded to bf16 (the GEMM's output), silu(gate) * up as the SiLU-mul kernel
 // forms it (bf16x8::silu_times) rounded to bf16, then fp8_group's factor and division. A row's
-// largest |h| over its 128 columns is this CTA's 64 and the peer's, sent into each other's shared
-// memory (store_to_peer) and counted on a transaction barrier, one per parity of the tile: the
-// peer writes a buffer again two tiles later, after it has received this CTA's largest values of
-// the tile in between, which this CTA sends only after it has read the buffer.
+// largest |h| over its 128 columns is this CTA's 64 and the peer's, swapped through each other's
+// shared memory (barriers::RowSwap, one swap per tile).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -46,28 +44,13 @@ __device__ __forceinline__ float swiglu_of(float gate, float up) {
   return round_bf16(bf16x8::silu_times(round_bf16(gate), round_bf16(up)));
 }
 
-// The row maxima's exchange of tile number `done` (the tiles this CTA stored before it) in a CTA
-// whose shared memory is `s` (SwigluShared or SwigluWarpShared). One thread announces the 512
-// bytes the peer sends (announce); each row's value is sent once (send); every reader waits
-// (wait), then reads the peer's value (peer_of).
+// The row maxima's swap of tile number `done` (the tiles this CTA stored before it) in a CTA whose
+// shared memory is `s` (SwigluShared or SwigluWarpShared): the peer's maxima are then
+// s.peer_amax[swap.buffer][row].
 template <typename SharedT>
-struct AmaxExchange {
-  SharedT& s;
-  SwigluPeer peer;
-  int buffer;
-  uint32_t phase;
-  __device__ __forceinline__ AmaxExchange(SharedT& shared, const SwigluPeer& p, int done)
-      : s(shared), peer(p), buffer(done & 1), phase((done >> 1) & 1) {}  // the (done / 2)-th use of the buffer
-  __device__ __forceinline__ barriers::TransactionBarrier arrived() const {
-    return {mma_tile::shared_address(&s.peer_arrived[buffer])};
-  }
-  __device__ __forceinline__ void announce() const { arrived().expect_bytes(kTileRows * 4); }
-  __device__ __forceinline__ void send(int row, float amax) const {
-    barriers::store_to_peer(peer.amax + (buffer * kTileRows + row) * 4, amax, peer.arrived + buffer * 8);
-  }
-  __device__ __forceinline__ void wait() const { arrived().wait(phase); }
-  __device__ __forceinline__ float peer_of(int row) const { return s.peer_amax[buffer][row]; }
-};
+__device__ __forceinline__ barriers::RowSwap amax_swap(SharedT& s, const SwigluPeer& peer, int done) {
+  return barriers::RowSwap::of(mma_tile::shared_address(&s.peer_arrived[0]), peer.amax, peer.arrived, kTileRows, done);
+}
 
 // ---- in the consumers -----------------------------------------------------------------------
 // A tile's h into out (rows below the tile's end; rank 0 writes the rows' factors). Thread `ct` of
@@ -95,12 +78,13 @@ __device__ __forceinline__ void store_swiglu_tile(const Accumulators<128>& acc, 
     amax_a = fmaxf(amax_a, __shfl_xor_sync(0xffffffffu, amax_a, off));
     amax_b = fmaxf(amax_b, __shfl_xor_sync(0xffffffffu, amax_b, off));
   }
-  const AmaxExchange<SwigluShared> exchange(s, peer, done);
-  if (ct == 0) exchange.announce();
-  if (quad == 0) exchange.send(row_a, amax_a), exchange.send(row_b, amax_b);
-  exchange.wait();
-  const group::Divider divide_a = group::divider_of(group::factor_of(fmaxf(amax_a, exchange.peer_of(row_a))));
-  const group::Divider divide_b = group::divider_of(group::factor_of(fmaxf(amax_b, exchange.peer_of(row_b))));
+  const barriers::RowSwap swap = amax_swap(s, peer, done);
+  if (ct == 0) swap.announce();
+  if (quad == 0) swap.send(row_a, amax_a), swap.send(row_b, amax_b);
+  swap.wait();
+  const float* peer_amax = s.peer_amax[swap.buffer];
+  const group::Divider divide_a = group::divider_of(group::factor_of(fmaxf(amax_a, peer_amax[row_a])));
+  const group::Divider divide_b = group::divider_of(group::factor_of(fmaxf(amax_b, peer_amax[row_b])));
   consumers.sync();  // the previous tile's stores have read the staging
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -138,9 +122,9 @@ __device__ __forceinline__ void drain_swiglu_tiles(SwigluWarpShared& s, const Sw
   int done = 0;
   for (int64_t index = cluster; index < tiles.count(); index += clusters, ++done) {
     const Tile tile = tiles.at(index);
-    const AmaxExchange<SwigluWarpShared> exchange(s, peer, done);
+    const barriers::RowSwap swap = amax_swap(s, peer, done);
     take_tile();
-    if (warp == 0 && lane == 0) exchange.announce();
+    if (warp == 0 && lane == 0) swap.announce();
     for (int row = warp; row < kTileRows; row += kEpilogueWarps) {
       const float2 gate = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.staged[row][2 * lane]));
       const float2 up =
@@ -150,14 +134,15 @@ __device__ __forceinline__ void drain_swiglu_tiles(SwigluWarpShared& s, const Sw
       float amax = fmaxf(fabsf(h0), fabsf(h1));
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      if (lane == 0) s.own_amax[row] = amax, exchange.send(row, amax);
+      if (lane == 0) s.own_amax[row] = amax, swap.send(row, amax);
     }
     __syncwarp();
-    exchange.wait();
+    swap.wait();
     const int rows = tile.row_end - tile.row_begin;
     unsigned char* first = static_cast<unsigned char*>(out.q) + tile.row_begin * inner + swiglu_column(tile, rank);
     for (int row = warp; row < rows; row += kEpilogueWarps) {
-      const group::Divider divide = group::divider_of(group::factor_of(fmaxf(s.own_amax[row], exchange.peer_of(row))));
+      const float amax = fmaxf(s.own_amax[row], s.peer_amax[swap.buffer][row]);
+      const group::Divider divide = group::divider_of(group::factor_of(amax));
       const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.staged[row][2 * lane]));
       *reinterpret_cast<uint16_t*>(first + row * inner + 2 * lane) =
           static_cast<uint16_t>(group::e4m3x2(divide, h.x, h.y));
