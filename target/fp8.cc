@@ -161,13 +161,12 @@ Fp8Activations quantize_gathered_groups(const at::Tensor& x, const at::Tensor& s
   return quantize_groups(x.index_select(0, at::div(sources, divisor, "floor")));
 }
 
-namespace {
-
-// How far apart the factors of consecutive 128-wide groups of a row are (the column-major
-// layout's padded rows). With one group the stride ATen reports for it is arbitrary, and unused.
+// With one group the stride ATen reports for the factors' columns is arbitrary: the padded rows.
 int64_t factor_stride(const Fp8Activations& a) {
   return a.factors.size(1) == 1 ? a.factors.size(0) : a.factors.stride(1);
 }
+
+namespace {
 
 #ifdef DFLASHD_WITH_CUDA
 // Whether w is laid out as kernels/grouped_fp8.h's kernels read it: `dims` dimensions ([n, k], or

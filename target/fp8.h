@@ -72,6 +72,9 @@ struct Fp8Activations {
   bool defined() const { return q.defined(); }
 };
 Fp8Activations quantize_groups(const at::Tensor& x, int64_t padded_rows = 0);
+// How far apart a row's factors of consecutive 128-wide groups lie in a.factors (the column-major
+// layout's padded rows), as the kernels that write or read them take it.
+int64_t factor_stride(const Fp8Activations& a);
 // quantize_groups(x.index_select(0, floor(sources / divisor))), the gather read in place by the
 // quantisation kernel on a GPU (sources int64).
 Fp8Activations quantize_gathered_groups(const at::Tensor& x, const at::Tensor& sources, int64_t divisor);

@@ -109,7 +109,7 @@ std::pair<at::Tensor, Fp8Activations> add_rms_norm_fp8(const at::Tensor& x, cons
   Fp8Activations a = empty_activations(x.size(0), x.size(1), x.device());
   kernels::add_rms_norm_e4m3(x.data_ptr(), delta ? delta->data_ptr() : nullptr, weight.data_ptr(), sum.data_ptr(),
                              static_cast<int>(x.size(0)), static_cast<int>(x.size(1)), static_cast<float>(eps),
-                             zero_centred, a.q.data_ptr(), a.factors.data_ptr<float>(), a.q.size(0),
+                             zero_centred, a.q.data_ptr(), a.factors.data_ptr<float>(), factor_stride(a),
                              at::cuda::getCurrentCUDAStream().stream());
   return {sum, a};
 #else
@@ -127,7 +127,7 @@ Fp8Activations silu_mul_fp8(const at::Tensor& gate, const at::Tensor& up) {
 #ifdef DFLASHD_WITH_CUDA
   Fp8Activations a = empty_activations(gate.size(0), gate.size(1), gate.device());
   kernels::silu_mul_e4m3(gate.data_ptr(), up.data_ptr(), gate.stride(0), gate.size(0), gate.size(1), a.q.data_ptr(),
-                         a.factors.data_ptr<float>(), a.q.size(0), at::cuda::getCurrentCUDAStream().stream());
+                         a.factors.data_ptr<float>(), factor_stride(a), at::cuda::getCurrentCUDAStream().stream());
   return a;
 #else
   return {};
@@ -230,8 +230,8 @@ Fp8Activations sigmoid_gate_fp8(const at::Tensor& out, const at::Tensor& gate) {
   Fp8Activations a = empty_activations(out.size(0), out.size(1), out.device());
   kernels::sigmoid_gate_e4m3(out.data_ptr(), gate.data_ptr(), gate.stride(0), gate.stride(1),
                              static_cast<int>(gate.size(0)), static_cast<int>(gate.size(1)),
-                             static_cast<int>(gate.size(2)), a.q.data_ptr(), a.factors.data_ptr<float>(), a.q.size(0),
-                             at::cuda::getCurrentCUDAStream().stream());
+                             static_cast<int>(gate.size(2)), a.q.data_ptr(), a.factors.data_ptr<float>(),
+                             factor_stride(a), at::cuda::getCurrentCUDAStream().stream());
   return a;
 #else
   return {};

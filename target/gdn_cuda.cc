@@ -411,7 +411,7 @@ Fp8Activations gated_delta_rule_fp8_cuda(const at::Tensor& mixed, int64_t key_he
   Fp8Activations out = empty_activations(tokens, value_heads * kernels::kGdnHeadDim, mixed.device());
   l.args.out_q = out.q.data_ptr();
   l.args.out_factors = out.factors.data_ptr<float>();
-  l.args.factor_stride = out.q.size(0);
+  l.args.factor_stride = factor_stride(out);
   launch(l, nullptr);
   return out;
 }
