@@ -103,11 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int64_t t = blockIdx.x; t < walk.tiles; t += gridDim.x, ++done) {
           const Tile tile = walk.at(t);
           consume_tile<kTileCols, 1, false>(s.ring, acc, at, tile, one_block(p, tile, k_blocks), p, k_blocks, ct);
-          if constexpr (kWarpEpilogue) {
-            hand_over_tile(acc, s.out, done, ct);
-          } else {
-            store_tile(acc, s.out, tile, y, p.n, ct);
-          }
+          finish_tile<kWarpEpilogue>(acc, s.out, tile, y, p.n, done, ct);
         }
       });
 #else
@@ -146,11 +142,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
           const Tile tile = pairs.at(pair, rank);
           consume_tile<kDenseCols, 2, true>(s.ring, acc, at, tile, spanned_blocks<kDenseCols>(p, tile, k_blocks), p,
                                             k_blocks, ct, static_cast<uint32_t>(rank ^ 1));
-          if constexpr (kWarpEpilogue) {
-            hand_over_tile(acc, s.out, done, ct);
-          } else {
-            store_tile(acc, s.out, tile, y, p.n, ct);
-          }
+          finish_tile<kWarpEpilogue>(acc, s.out, tile, y, p.n, done, ct);
         }
       });
 #else

@@ -85,6 +85,18 @@ __device__ __forceinline__ void hand_over_tile(const Accumulators<kCols>& acc, S
   staged_barrier().arrive();
 }
 
+// A consumer thread's bf16 tile out of its accumulators, the `done`-th of the CTA: handed over to
+// the epilogue warps (kWarpEpilogue) or stored by the consumers themselves (store_tile).
+template <bool kWarpEpilogue, int kCols>
+__device__ __forceinline__ void finish_tile(const Accumulators<kCols>& acc, Staging<kCols>& out, const Tile& tile,
+                                            __nv_bfloat16* y, int64_t n, int done, int ct) {
+  if constexpr (kWarpEpilogue) {
+    hand_over_tile(acc, out, done, ct);
+  } else {
+    store_tile(acc, out, tile, y, n, ct);
+  }
+}
+
 // An epilogue warp's: wait for the next staged tile (take_tile); after reading it, hand the
 // staging back unless it was the CTA's last tile (release_tile: the consumers wait for no more).
 __device__ __forceinline__ void take_tile() { staged_barrier().sync(); }
