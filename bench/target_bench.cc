@@ -195,6 +195,17 @@ void bench_moe_block(const target::ModelConfig& config, double rate) {
                 kernel ? "" : "  (the kernel does not apply here)");
     std::printf("  %-40s %9.3f %10.2f\n", "  the same, epilogue warps", warps, warps / floor_ms);
     std::printf("  %-40s %9.3f %10.2f\n", "grouped, FP8 experts dequantized", dequantized, dequantized / floor_ms);
+    // Decode's sizes (a generate step of 64 or 128 sequences, a verify step's blocks): each
+    // expert a few rows, its tiles mostly partial.
+    for (const int64_t rows : {64, 128, 512}) {
+      const at::Tensor xs = x.narrow(0, 0, rows);
+      const double consumers = median_ms(50, [&] { target::moe_grouped(shape, fp8, xs); });
+      grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::epilogue_warps;
+      const double with_warps = median_ms(50, [&] { target::moe_grouped(shape, fp8, xs); });
+      grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::consumers;
+      std::printf("  FP8 experts, %4lld tokens: consumers' epilogue %.4f ms, epilogue warps %.4f ms\n",
+                  static_cast<long long>(rows), consumers, with_warps);
+    }
   }
   // DFLASHD_PROFILE=1: the grouped block's kernels by GPU time (10 calls).
   if (std::getenv("DFLASHD_PROFILE") != nullptr) {
