@@ -2,8 +2,7 @@
 //   1. One GatedDeltaNet core at the Qwen3.5-27B shape (Hk 16, Hv 48, head 128): our kernels
 //      (prepare + state + output, fp32 o out, and with the state pass at 64/32/128 value
 //      columns per CTA), the conv+SiLU+L2 kernel, and the reference path (libtorch ops), at
-//      2048..16384 tokens, batch 1 and packed; the gated norm as an FP8 out_proj's input, quantised
-//      after the kernel or in it. CUDA events, inputs rotated beyond L2.
+//      2048..16384 tokens, batch 1 and packed. CUDA events, inputs rotated beyond L2.
 //   2. A whole 27B-shaped target forward (random weights, up to layer 61, 3072 and 4096
 //      tokens): time, tokens/s, and MFU against the bf16 matmul rate measured here.
 // The Python peers (FLA, transformers' fallback) run beside it from bench/run_h200.sh gdn.
@@ -29,7 +28,6 @@
 #include "pipeline/flops.h"
 #include "target/gated_delta_net.h"
 #include "target/gdn_cuda.h"
-#include "target/kernels/gated_delta_net.h"
 #include "target/model.h"
 
 using namespace dflash;
@@ -108,19 +106,6 @@ void time_core(const std::vector<int64_t>& lengths, int64_t hk, int64_t hv) {
     const Inputs& in = sets[i % copies];
     target::gated_delta_rule_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, in.z, in.norm_weight);
   });
-  // The same as an FP8 out_proj's input: the bf16 rows then their quantisation (the target's
-  // default), and quantised by the fused kernel itself (the hook quantised_gdn_output).
-  auto quantised = [&](bool in_kernel) {
-    target::kernels::quantised_gdn_output = in_kernel;
-    const double ms = cuda_ms(20, [&](int i) {
-      const Inputs& in = sets[i % copies];
-      target::gated_delta_rule_fp8_cuda(in.mixed, hk, hv, target::GdnGates::precomputed(in.g, in.beta), in.plan, in.z,
-                                        in.norm_weight, 1e-6);
-    });
-    target::kernels::quantised_gdn_output = false;
-    return ms;
-  };
-  const double then_quantised = quantised(false), quantised_in_kernel = quantised(true);
   const double conv = cuda_ms(20, [&](int i) {
     const Inputs& in = sets[i % copies];
     target::conv1d_silu_l2norm_cuda(in.raw, in.conv_weight, in.positions, 2 * hk * 128);
@@ -142,8 +127,6 @@ void time_core(const std::vector<int64_t>& lengths, int64_t hk, int64_t hv) {
   std::printf("%-14s %8lld %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f %10.3f %12.3f %10.1f   rel.err %.1e  prepare/state/output %.3f/%.3f/%.3f\n",
               batch.c_str(), static_cast<long long>(n), ours, ours_bf16, normed, sync64, ours32, ours128, conv, reference, reference / ours, error,
               stages[2][0], stages[2][1], stages[2][2]);
-  std::printf("%-14s %8lld FP8 out_proj input: normed then quantised %.3f ms, quantised in the kernel %.3f ms\n",
-              batch.c_str(), static_cast<long long>(n), then_quantised, quantised_in_kernel);
 }
 
 // One decoding step's state update (decode_token kernels: one token per sequence) at 27B shapes,

@@ -11,13 +11,9 @@
 // the heuristic's first; `explore-split-k` the bf16 product through the heuristic's first 8
 // algorithms at every split-k and reduction scheme, the weights read from memory (4 copies);
 // `stream` the stream-K GEMM against cuBLASLt's heuristic (and which the projections take);
-// `grouped-fp8` the FP8 grouped GEMM (kernels/grouped_fp8.h) as one group (above 128 rows: its
-// dense kernel, clusters of two) against cuBLASLt's block-scaled product on the same operands,
-// then the MLP's gate_up with SiLU-mul (down_proj's e4m3 input) against the SwiGLU kernel with
-// each of its epilogues.
-// `fp8-once` runs each FP8 product at the MLP's gate_up shape once, for a profiler (Nsight Compute:
-// `-k 'regex:nvjet|dense_fp8|swiglu_fp8|silu_mul'` catches exactly those).
-// Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k | stream | grouped-fp8 | fp8-once] [ROWS...]
+// `grouped-fp8` the FP8 grouped GEMM (kernels/grouped_fp8.h) as one group against cuBLASLt's
+// block-scaled product on the same operands, with each of its epilogues.
+// Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k | stream | grouped-fp8] [ROWS...]
 //        (default: 3072 128)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -37,7 +33,6 @@
 
 #include "bench/timing.h"
 #include "target/fp8.h"
-#include "target/fused_ops.h"
 #include "target/kernels/grouped_fp8.h"
 #include "target/kernels/stream_gemm.h"
 #include "target/lt_gemm.h"
@@ -466,18 +461,10 @@ Fp8Operands fp8_operands(const Shape& s, int64_t m) {
           target::quantize_groups(x, target::fp8_gemm_rows(m, x.device()))};
 }
 
-// The target's path for a SwiGLU's stacked gate_up: cuBLASLt's product, then the SiLU-mul kernel
-// writing down_proj's e4m3 input.
-target::Fp8Activations lt_swiglu(const Fp8Operands& o) {
-  const at::Tensor y = target::fp8_linear(o.a, o.w, {});
-  const int64_t inner = y.size(1) / 2;
-  return target::silu_mul_fp8(y.narrow(1, 0, inner), y.narrow(1, inner, inner));
-}
-
 // Block-scaled FP8 at `m` rows: the FP8 grouped GEMM with one group (every row, no ends) against
-// cuBLASLt's (fp8_linear), the same quantised operands, 20 products back to back; above 128 rows
-// that is the dense kernel, timed with each epilogue. Returns {cuBLASLt ms, ours with the
-// consumers' epilogue, ours with the epilogue warps'} per product.
+// cuBLASLt's (fp8_linear), the same quantised operands, 20 products back to back, timed with each
+// epilogue. Returns {cuBLASLt ms, ours with the consumers' epilogue, ours with the epilogue
+// warps'} per product.
 std::array<double, 3> grouped_vs_lt(const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const auto [w, a] = fp8_operands(s, m);
@@ -503,69 +490,6 @@ std::array<double, 3> grouped_vs_lt(const Shape& s, int64_t m) {
   return ms;
 }
 
-// A dense SwiGLU at `m` rows (shape s: the MLP's stacked gate_up): cuBLASLt's gate_up product
-// then the SiLU-mul kernel writing down_proj's e4m3 input (the target's path), against the SwiGLU
-// kernel forming that input with each of its epilogues (fp8_swiglu, the hook fused_swiglu), 20
-// back to back each; how many of h's e4m3 bytes agree (the products' fp32 sums differ in order, so
-// a value near a rounding boundary of bf16 or e4m3 may land on its neighbour). Returns the ms per
-// product of the composite, then of the kernel with its epilogue in the consumers and in the
-// epilogue warps (0 where the kernel does not take the operands).
-std::array<double, 3> swiglu_vs_lt(const Shape& s, int64_t m) {
-  const Fp8Operands o = fp8_operands(s, m);
-  const auto& [w, a] = o;
-  const target::Fp8Activations reference = lt_swiglu(o);
-  std::array<double, 3> ms{per_call_ms([&] { lt_swiglu(o); }), 0, 0};
-  using grouped_fp8::Epilogue;
-  for (const Epilogue epilogue : {Epilogue::consumers, Epilogue::epilogue_warps}) {
-    const char* name = epilogue == Epilogue::consumers ? "SwiGLU kernel, consumers' epilogue"
-                                                             : "SwiGLU kernel, epilogue warps";
-    grouped_fp8::fused_swiglu = epilogue;
-    const target::Fp8Activations fused = target::fp8_swiglu(a, w);
-    if (!fused.defined()) {
-      std::printf("%-12s m %5lld: %s does not take these operands\n", s.name, static_cast<long long>(m), name);
-      continue;
-    }
-    const double agree = fused.q.narrow(0, 0, m).view(at::kByte).eq(reference.q.narrow(0, 0, m).view(at::kByte))
-                             .to(at::kDouble).mean().item<double>();
-    const double ours = per_call_ms([&] { target::fp8_swiglu(a, w); });
-    ms[static_cast<size_t>(epilogue)] = ours;
-    char note[64];
-    std::snprintf(note, sizeof(note), "%.4f of h's bytes equal", agree);
-    print_fp8_pair(s, m, "cuBLASLt + SiLU-mul", ms[0], name, ours, note);
-  }
-  grouped_fp8::fused_swiglu = Epilogue::off;
-  return ms;
-}
-
-// The MLP's stacked gate_up among kShapes.
-const Shape& gate_up_shape() {
-  return *std::find_if(std::begin(kShapes), std::end(kShapes),
-                       [](const Shape& s) { return std::string(s.name) == "mlp gate_up"; });
-}
-
-// Each FP8 product of shape s at m rows once, synchronised: cuBLASLt's, then the SiLU-mul pass on
-// it; the dense kernel with each epilogue; the SwiGLU kernel with each (the operands quantised
-// first, outside what a profiler filtering those kernels sees).
-void fp8_once(const Shape& s, int64_t m) {
-  const Fp8Operands o = fp8_operands(s, m);
-  const auto& [w, a] = o;
-  lt_swiglu(o);
-  using grouped_fp8::Epilogue;
-  for (const Epilogue epilogue : {Epilogue::consumers, Epilogue::epilogue_warps}) {
-    grouped_fp8::dense_projections = epilogue;
-    target::fp8_linear(a, w, {});
-    grouped_fp8::dense_projections = Epilogue::off;
-  }
-  for (const Epilogue epilogue : {Epilogue::consumers, Epilogue::epilogue_warps}) {
-    grouped_fp8::fused_swiglu = epilogue;
-    target::fp8_swiglu(a, w);
-    grouped_fp8::fused_swiglu = Epilogue::off;
-  }
-  c10::cuda::device_synchronize();
-  std::printf("%s m %lld: cuBLASLt + SiLU-mul, the dense kernel (2 epilogues), the SwiGLU kernel (2 epilogues), once "
-              "each\n", s.name, static_cast<long long>(m));
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -577,10 +501,9 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines out as they come, should a shape abort
   const std::string mode = argc > 1 && !std::isdigit(argv[1][0]) ? argv[1] : "";
   if (!mode.empty() && mode != "explore-fp8" && mode != "explore-bf16" && mode != "explore-split-k" &&
-      mode != "stream" && mode != "grouped-fp8" && mode != "fp8-once") {
+      mode != "stream" && mode != "grouped-fp8") {
     std::fprintf(stderr,
-                 "gemm_bench: unknown mode %s (explore-fp8, explore-bf16, explore-split-k, stream, grouped-fp8 or "
-                 "fp8-once)\n",
+                 "gemm_bench: unknown mode %s (explore-fp8, explore-bf16, explore-split-k, stream or grouped-fp8)\n",
                  mode.c_str());
     return 1;
   }
@@ -596,21 +519,11 @@ int main(int argc, char** argv) {
                   "stream-K %.2f |\n", static_cast<long long>(m), lt, ours);
       continue;
     }
-    if (mode == "fp8-once") {
-      fp8_once(gate_up_shape(), m);
-      continue;
-    }
     if (mode == "grouped-fp8") {
       const auto [lt, in_consumers, in_warps] = per_forward<3>([&](const Shape& s) { return grouped_vs_lt(s, m); });
-      std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | ours (dense kernel "
-                  "above 128 rows), consumers' epilogue %.1f | epilogue warps %.1f |\n", static_cast<long long>(m),
-                  lt, in_consumers, in_warps);
-      const Shape& gate_up = gate_up_shape();
-      const std::array<double, 3> swiglu = swiglu_vs_lt(gate_up, m);
-      std::printf("| %lld rows, gate_up + SiLU-mul of a forward (x %lld) | cuBLASLt + SiLU-mul %.1f ms | SwiGLU "
-                  "kernel, consumers' epilogue %.1f | epilogue warps %.1f |\n", static_cast<long long>(m),
-                  static_cast<long long>(gate_up.per_forward), swiglu[0] * gate_up.per_forward,
-                  swiglu[1] * gate_up.per_forward, swiglu[2] * gate_up.per_forward);
+      std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | the grouped kernel, "
+                  "consumers' epilogue %.1f | epilogue warps %.1f |\n", static_cast<long long>(m), lt, in_consumers,
+                  in_warps);
       continue;
     }
     if (mode == "explore-split-k") {

@@ -10,11 +10,8 @@
 //      SwiGLU, shared expert) at the measured bf16 matmul rate.
 //   An MoE target's FP8 forward runs three times: its experts dequantized per layer, on the FP8
 //   grouped GEMM with its tiles written by the epilogue warps, then by the consumers (the default;
-//   kernels/grouped_fp8.h's hooks, in one process). On sm_90a the FP8 forward runs
-//   again with its dense projections on the dense FP8 kernel (the hook dense_projections), with
-//   gate_up + SiLU-mul on the SwiGLU kernel (fused_swiglu), each with either epilogue, with the
-//   GatedDeltaNet layers' gated norm quantised by their fused kernel (quantised_gdn_output), and
-//   with all three.
+//   kernels/grouped_fp8.h's hooks, in one process); its MoE block also at decode's sizes (64, 128
+//   and 512 tokens) with either epilogue.
 // Usage: target_bench CONFIG_DIR [LAST_LAYER]   (LAST_LAYER -1: no whole forward, the MoE block only)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -34,7 +31,6 @@
 #include "pipeline/flops.h"
 #include "target/fp8.h"
 #include "target/model.h"
-#include "target/kernels/gated_delta_net.h"
 #include "target/kernels/grouped_fp8.h"
 #include "target/moe.h"
 
@@ -44,43 +40,6 @@ using bench::median_ms;
 namespace {
 
 constexpr int64_t kTokens = 3072;
-
-// The FP8 forward with our own dense kernels in place of cuBLASLt's (grouped_fp8.h's bench hooks),
-// each epilogue placement, and with the GatedDeltaNet layers' gated norm quantised in their fused
-// kernel (gated_delta_net.h's hook); how far each one's tapped states are from the default FP8
-// forward (`fp8`): the GEMMs' are the same block-scaled arithmetic summed in another order, the
-// quantised norm's the same bytes (0). run(options, name) is bench_forward's: it times a forward
-// and returns the tapped states.
-template <typename Run>
-void fp8_kernel_variants(Run& run, const target::TargetOptions& fp8_options, const std::vector<at::Tensor>& fp8,
-                         const std::vector<int64_t>& tapped) {
-  using grouped_fp8::Epilogue;
-  constexpr Epilogue kOff = Epilogue::off, kConsumers = Epilogue::consumers, kWarps = Epilogue::epilogue_warps;
-  struct Variant {
-    const char* name;
-    Epilogue dense, swiglu;
-    bool gdn_quantised;
-  };
-  for (const Variant& v :
-       {Variant{"fp8, projections on the dense FP8 kernel (consumers' epilogue)", kConsumers, kOff, false},
-        Variant{"fp8, projections on the dense FP8 kernel (epilogue warps)", kWarps, kOff, false},
-        Variant{"fp8, gate_up + SiLU-mul on the SwiGLU kernel (consumers' epilogue)", kOff, kConsumers, false},
-        Variant{"fp8, gate_up + SiLU-mul on the SwiGLU kernel (epilogue warps)", kOff, kWarps, false},
-        Variant{"fp8, GatedDeltaNet's gated norm quantised in its kernel", kOff, kOff, true},
-        Variant{"fp8, both GEMM kernels (epilogue warps) and the quantised gated norm", kWarps, kWarps, true}}) {
-    grouped_fp8::dense_projections = v.dense;
-    grouped_fp8::fused_swiglu = v.swiglu;
-    target::kernels::quantised_gdn_output = v.gdn_quantised;
-    const std::vector<at::Tensor> states = run(fp8_options, v.name);
-    grouped_fp8::dense_projections = kOff;
-    grouped_fp8::fused_swiglu = kOff;
-    target::kernels::quantised_gdn_output = false;
-    for (size_t i = 0; i < tapped.size(); ++i) {
-      std::printf("  %s: vs the default FP8 forward, tapped layer %lld: relative error %.2e (Frobenius)\n", v.name,
-                  static_cast<long long>(tapped[i]), ((states[i] - fp8[i]).norm() / fp8[i].norm()).item<double>());
-    }
-  }
-}
 
 // The whole target forward (layers 0..last) in bf16, then with FP8 projections where the GPU runs
 // them, and how far FP8's tapped states are from bf16's.
@@ -128,7 +87,6 @@ void bench_forward(const target::ModelConfig& config, const char* config_dir, in
         grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::consumers;
       }
       const std::vector<at::Tensor> fp8 = run(fp8_options, "fp8");
-      if (grouped_fp8::built_for(options.device.index())) fp8_kernel_variants(run, fp8_options, fp8, tapped);
       for (size_t i = 0; i < tapped.size(); ++i) {
         const at::Tensor d = fp8[i] - bf16[i];
         std::printf("  FP8 vs bf16 tapped layer %lld: relative error %.4f (Frobenius), max %.4f of max |bf16|, cosine %.5f\n",

@@ -6,8 +6,8 @@
 //   NamedBarrier      a subset of a CTA's warps: sync (arrive and wait) or arrive (a producer's signal)
 //   cluster           cluster_sync, cluster_rank, peer_address (a variable's address in another CTA)
 //   TransactionBarrier  an mbarrier whose phase completes when its arrivals and the bytes they
-//                     announced have landed (arrive_at: on a peer CTA's twin); store_to_peer
-//                     writes into a peer CTA and counts there
+//                     announced have landed; store_to_peer writes into a peer CTA and counts
+//                     there
 //   RowSwap           a float per row swapped with the peer CTA of a cluster of two, in two
 //                     buffers taken by turns
 #pragma once
@@ -94,13 +94,6 @@ struct TransactionBarrier {
   // Arrives without announcing bytes (a consumer's release of the buffer the barrier guards).
   __device__ __forceinline__ void arrive() const {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(address) : "memory");
-  }
-  // Arrives on this barrier's twin in CTA `rank` of the cluster, without announcing bytes: a
-  // consumer's release of a stage that the peer's producer also fills (TMA multicast). CTA scope,
-  // as CUTLASS releases a multicast stage: a release at cluster scope would also wait for this
-  // thread's earlier memory operations (bench/RESULTS.md, session 28: every product halved).
-  __device__ __forceinline__ void arrive_at(uint32_t rank) const {
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(peer_address(address, rank)) : "memory");
   }
   // Until the phase of parity `phase` has completed.
   __device__ __forceinline__ void wait(uint32_t phase) const {

@@ -39,21 +39,6 @@ __device__ __forceinline__ void load_2d(uint32_t destination, const void* map, i
 #endif
 }
 
-// load_2d into the same shared-memory offset of every CTA of the cluster in `ctas` (a bit per
-// rank), the bytes counted on each one's barrier at `barrier`'s offset: one L2 read for CTAs
-// that multiply the same tile. No eviction hint: the tile keeps L2's normal priority (other
-// clusters read it close together).
-__device__ __forceinline__ void load_2d_multicast(uint32_t destination, const void* map, int column, int row,
-                                                  uint32_t barrier, uint16_t ctas) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(destination),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(barrier), "h"(ctas)
-      : "memory");
-#endif
-}
-
 // Fetches the tensor map's descriptor ahead of its first use.
 __device__ __forceinline__ void prefetch_map(const void* map) {
 #if __CUDA_ARCH__ >= 900

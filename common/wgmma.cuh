@@ -47,20 +47,6 @@ using mma_tile::Tile;
   "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), \
   "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
   "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-#define DFLASHD_WGMMA_D96(d) \
-  DFLASHD_WGMMA_D64(d), \
-  "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), \
-  "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), \
-  "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), \
-  "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), \
-  "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3])
-#define DFLASHD_WGMMA_D96_TEXT \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
 #define DFLASHD_WGMMA_D32_TEXT \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
@@ -187,28 +173,6 @@ __device__ __forceinline__ void mma_64x128_e4m3(float (&d)[16][4], uint64_t a, u
       : DFLASHD_WGMMA_D64(d)
       : "l"(a), "l"(b), "r"(accumulate));
 #endif
-}
-
-// d (64 x 192) = (accumulate ? d : 0) + A . B over 32 columns of e4m3, as mma_64x128_e4m3 (B: 192
-// rows of n).
-__device__ __forceinline__ void mma_64x192_e4m3(float (&d)[24][4], uint64_t a, uint64_t b, int accumulate) {
-#ifdef DFLASHD_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 "
-      DFLASHD_WGMMA_D96_TEXT
-      "%96, %97, p, 1, 1;\n}\n"
-      : DFLASHD_WGMMA_D96(d)
-      : "l"(a), "l"(b), "r"(accumulate));
-#endif
-}
-
-// The e4m3 product of N columns (128 or 192) by the width of d.
-__device__ __forceinline__ void mma_e4m3(float (&d)[16][4], uint64_t a, uint64_t b, int accumulate) {
-  mma_64x128_e4m3(d, a, b, accumulate);
-}
-__device__ __forceinline__ void mma_e4m3(float (&d)[24][4], uint64_t a, uint64_t b, int accumulate) {
-  mma_64x192_e4m3(d, a, b, accumulate);
 }
 
 // The warpgroup's products over whole tiles, issued as one committed group each; the caller

@@ -169,38 +169,11 @@ int64_t factor_stride(const Fp8Activations& a) {
 namespace {
 
 #ifdef DFLASHD_WITH_CUDA
-// Whether w is laid out as kernels/grouped_fp8.h's kernels read it: `dims` dimensions ([n, k], or
-// [groups, n, k]), data and fp32 factors contiguous.
-bool kernel_layout(const Fp8Weight& w, int64_t dims) {
-  return w.defined() && w.data.dim() == dims && w.data.is_contiguous() && w.scale.is_contiguous() &&
+// Whether w is laid out as kernels/grouped_fp8.h's kernel reads it: [groups, n, k], data and fp32
+// factors contiguous.
+bool kernel_layout(const Fp8Weight& w) {
+  return w.defined() && w.data.dim() == 3 && w.data.is_contiguous() && w.scale.is_contiguous() &&
          w.scale.scalar_type() == at::kFloat;
-}
-
-// The FP8 grouped GEMM's problem for a's rows (m of them) against w ([n, k] or [groups, n, k])
-// into y (bf16 [m, n]; undefined for the SwiGLU kernel, which writes elsewhere); one group without
-// ends unless the caller sets them.
-grouped_fp8::Problem grouped_problem(const Fp8Activations& a, const Fp8Weight& w, int64_t m, const at::Tensor& y) {
-  grouped_fp8::Problem p;
-  p.x = a.q.data_ptr(), p.x_stride = a.q.stride(0), p.x_factors = a.factors.data_ptr<float>();
-  p.factor_stride = factor_stride(a), p.w = w.data.data_ptr(), p.w_factors = w.scale.data_ptr<float>();
-  p.y = y.defined() ? y.data_ptr() : nullptr, p.m = m, p.n = w.data.size(-2), p.k = w.data.size(-1);
-  return p;
-}
-
-// y = the product on the dense FP8 kernel (grouped_fp8.h's bench hook dense_projections), or an
-// undefined tensor where the hook is down or the kernel does not take the operands.
-at::Tensor dense_kernel_product(const Fp8Activations& a, const Fp8Weight& w) {
-  const grouped_fp8::Epilogue epilogue = grouped_fp8::dense_projections.load();
-  if (epilogue == grouped_fp8::Epilogue::off || a.dtype != at::kBFloat16 || a.q.size(0) <= 128 ||
-      !kernel_layout(w, 2)) {
-    return {};
-  }
-  const c10::cuda::CUDAGuard guard(a.q.device());  // the kernel runs on the current device
-  at::Tensor y = at::empty({a.q.size(0), w.data.size(0)}, a.q.options().dtype(at::kBFloat16));
-  const grouped_fp8::Problem p = grouped_problem(a, w, a.q.size(0), y);
-  if (!grouped_fp8::applies(p, a.q.device().index())) return {};
-  grouped_fp8::run(p, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream(), epilogue);
-  return y;
 }
 #endif
 
@@ -211,8 +184,7 @@ at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Ten
   at::Tensor y;
   if (a.q.is_cuda() && !fp8_gemm_unavailable(a.q.device())) {
 #ifdef DFLASHD_WITH_CUDA
-    y = dense_kernel_product(a, w);
-    if (!y.defined()) y = lt_gemm_fp8(a, w);
+    y = lt_gemm_fp8(a, w);
     if (bias.defined()) y.add_(bias);  // rounded once more than the emulation's fp32 add (within its tolerance)
 #endif
   } else {
@@ -223,31 +195,9 @@ at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Ten
   return a.q.size(0) != a.rows ? y.narrow(0, 0, a.rows) : y;
 }
 
-Fp8Activations fp8_swiglu(const Fp8Activations& a, const Fp8Weight& gate_up) {
-#ifdef DFLASHD_WITH_CUDA
-  const grouped_fp8::Epilogue epilogue = grouped_fp8::fused_swiglu.load();
-  if (epilogue == grouped_fp8::Epilogue::off || !a.q.is_cuda() || a.dtype != at::kBFloat16 ||
-      !kernel_layout(gate_up, 2) || gate_up.data.size(0) % (2 * kFp8Block) != 0) {
-    return {};
-  }
-  const c10::cuda::CUDAGuard guard(a.q.device());  // the kernel runs on the current device
-  const int64_t inner = gate_up.data.size(0) / 2;
-  Fp8Activations h = empty_activations(a.rows, inner, a.q.device());
-  const grouped_fp8::Problem p = grouped_problem(a, gate_up, a.rows, at::Tensor());
-  const grouped_fp8::SwigluOutput out{h.q.data_ptr(), h.factors.data_ptr<float>(), factor_stride(h)};
-  if (!grouped_fp8::swiglu_applies(p, out, a.q.device().index())) return {};
-  grouped_fp8::run_swiglu(p, out, epilogue, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream());
-  return h;
-#else
-  (void)a;
-  (void)gate_up;
-  return {};
-#endif
-}
-
 bool fp8_grouped_gemm_applies(const Fp8Weight& w, at::Device device) {
 #ifdef DFLASHD_WITH_CUDA
-  return device.is_cuda() && kernel_layout(w, 3) &&
+  return device.is_cuda() && kernel_layout(w) &&
          grouped_fp8::weights_apply(w.data.size(0), w.data.size(1), w.data.size(2), w.data.data_ptr(), device.index());
 #else
   (void)w;
@@ -266,8 +216,10 @@ at::Tensor fp8_grouped_linear(const Fp8Activations& a, const Fp8Weight& w, const
   at::Tensor y = at::empty({a.rows, out}, a.q.options().dtype(a.dtype));
 #ifdef DFLASHD_WITH_CUDA
   if (a.q.is_cuda() && a.dtype == at::kBFloat16 && fp8_grouped_gemm_applies(w, a.q.device())) {
-    grouped_fp8::Problem p = grouped_problem(a, w, a.rows, y);
-    p.ends = ends.data_ptr<int32_t>();
+    grouped_fp8::Problem p;
+    p.x = a.q.data_ptr(), p.x_stride = a.q.stride(0), p.x_factors = a.factors.data_ptr<float>();
+    p.factor_stride = factor_stride(a), p.w = w.data.data_ptr(), p.w_factors = w.scale.data_ptr<float>();
+    p.ends = ends.data_ptr<int32_t>(), p.y = y.data_ptr(), p.m = a.rows, p.n = out, p.k = in;
     p.groups = static_cast<int>(groups);
     grouped_fp8::run(p, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream(),
                      grouped_fp8::experts_epilogue.load());

@@ -103,13 +103,6 @@ at::Tensor fp8_linear(const at::Tensor& x, const Fp8Weight& w, const at::Tensor&
 // The same over rows quantised already: [a.rows, out] in a.dtype.
 at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Tensor& bias);
 
-// A dense SwiGLU's down_proj input from its stacked gate_up ([gate; up] rows, FP8) in one kernel:
-// silu(a . gate^T) * (a . up^T) quantised per 1x128 group, the bytes silu_mul_fp8 makes of the
-// bf16 product, without that product or the SiLU-mul pass (kernels/grouped_fp8.h's SwiGLU GEMM).
-// Undefined where that kernel does not run: its bench hook fused_swiglu down (the daemon's
-// projections stay on cuBLASLt until the two are measured), not sm_90a, or shapes it cannot take.
-Fp8Activations fp8_swiglu(const Fp8Activations& a, const Fp8Weight& gate_up);
-
 // The MoE experts' product over rows sorted by expert: rows [ends[g - 1], ends[g]) of `a` (ends
 // int32 [E] on a's device, ends[-1] = 0, rows past ends[E - 1] left unwritten) times W_g^T, W a
 // block-scaled batch [E, out, in]: [a.rows, out] in a.dtype. On a Hopper GPU the FP8 grouped GEMM

@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "target/fp8.h"
 #include "target/model_config.h"
 
 namespace dflash::target {
@@ -92,14 +91,6 @@ at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed, int64_t key_heads, int
                                  at::ScalarType o_dtype = at::kFloat, GdnCarriedStates* carried = nullptr);
 // stage_ms (profiling; synchronises): when given, receives the milliseconds of the three
 // kernels (prepare, state, output) of this call.
-
-// gated_delta_rule_cuda's gated RMSNorm (z and norm_weight given) as out_proj's FP8 input: the
-// bytes and factors quantize_groups makes of its bf16 rows, padded as fp8_gemm_rows says. With
-// the bench hook kernels::quantised_gdn_output up where the fused Hopper kernel runs, that kernel
-// writes them itself (no bf16 rows, no quantisation pass); otherwise the bf16 rows are quantised.
-Fp8Activations gated_delta_rule_fp8_cuda(const at::Tensor& mixed, int64_t key_heads, int64_t value_heads,
-                                         const GdnGates& gates, const GdnChunkPlan& plan, const at::Tensor& z,
-                                         const at::Tensor& norm_weight, double eps);
 
 // A few tokens of the rule per sequence (decoding's steps and crops): q, k bf16 [G, n, key_heads,
 // 128] and v bf16 [G, n, value_heads, 128] (q and k as the conv returns them, normalised here;

@@ -226,10 +226,6 @@ at::Tensor Linear::silu_mul_of(const GemmInput& in) const {
 }
 
 Fp8Activations Linear::silu_mul_fp8_of(const GemmInput& in) const {
-  if (fp8.defined() && in.fp8.defined() && !bias.defined()) {
-    Fp8Activations fused = fp8_swiglu(in.fp8, fp8);
-    if (fused.defined()) return fused;
-  }
   const at::Tensor both = (*this)(in);
   const int64_t inner = both.size(-1) / 2;
   return silu_mul_fp8(both.narrow(-1, 0, inner), both.narrow(-1, inner, inner));

@@ -33,8 +33,8 @@ struct Linear {
   // GEMM where the stream-K GEMM takes the product (lt_gemm.h), else the product then silu_mul
   // (rounded alike; the fused products' fp32 sums in another order).
   at::Tensor silu_mul_of(const GemmInput& in) const;
-  // The same as down_proj's FP8 input (silu_mul_fp8 of the product), in one kernel where
-  // fp8_swiglu runs it.
+  // The same as down_proj's FP8 input: the product on the FP8 GEMM, then silu_mul_fp8 (one pass
+  // that writes h quantised).
   Fp8Activations silu_mul_fp8_of(const GemmInput& in) const;
   int64_t bytes() const;  // what the weights hold on the device
 };

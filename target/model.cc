@@ -49,9 +49,6 @@ at::Tensor gdn_forward(const ModelConfig& c, const GatedDeltaNet& p, const GemmI
   if (plan != nullptr) {  // the gates are formed inside the kernels
     mixed = conv1d_silu_l2norm_cuda(mixed, p.conv, positions, 2 * hk * dk);
     const GdnGates gates = GdnGates::projections(a, b, p.a_log, p.dt_bias);
-    if (p.out.reads_fp8()) {
-      return p.out(gated_delta_rule_fp8_cuda(mixed, hk, hv, gates, *plan, z, p.norm, c.rms_norm_eps));
-    }
     const at::Tensor gated = gated_delta_rule_cuda(mixed, hk, hv, gates, *plan, z, p.norm, c.rms_norm_eps);
     return p.out(gated);
   }

@@ -530,87 +530,6 @@ TEST(GroupedFp8Schedule, EveryRowOfEveryGroupIsInOneTile) {
 }
 
 
-// The dense kernel's pairs of tiles: every (row, column) of the output in exactly one CTA's tile;
-// the two CTAs of a pair on the same n-tile, rank 0's rows first; only the second tile of the
-// last pair empty, and only when the m-tiles are odd. W's factor blocks as a tile of 128 or 192
-// columns meets them.
-TEST(GroupedFp8Schedule, DensePairsCoverTheProductOnce) {
-  namespace gf = dflash::grouped_fp8;
-  for (const auto& [m, n] : std::vector<std::pair<int64_t, int64_t>>{
-           {129, 192}, {256, 16480}, {300, 520}, {1000, 384}, {3072, 5120}, {3071, 34816}}) {
-    const gf::DensePairs pairs(m, n);
-    const int64_t chunks = (n + 7) / 8;  // columns in chunks of 8 (n is a multiple of 8 where it runs)
-    std::vector<int> covered(static_cast<size_t>(m * chunks), 0);
-    for (int64_t pair = 0; pair < pairs.count(); ++pair) {
-      const gf::Tile first = pairs.at(pair, 0), second = pairs.at(pair, 1);
-      ASSERT_EQ(first.n_tile, second.n_tile);
-      EXPECT_EQ(second.row_begin, first.row_begin + gf::kTileRows);
-      EXPECT_LT(first.row_begin, first.row_end) << "pair " << pair;
-      if (second.row_begin >= m) {
-        EXPECT_EQ(second.row_end, second.row_begin);
-        EXPECT_EQ(pair % pairs.m_pairs, pairs.m_pairs - 1) << "only the last pair's second tile is empty";
-      }
-      for (const gf::Tile& tile : {first, second}) {
-        if (tile.row_begin < m) {
-          EXPECT_LE(tile.row_end, m);
-        }
-        EXPECT_LE(tile.row_end - tile.row_begin, gf::kTileRows);
-        const int64_t first_chunk = tile.n_tile * gf::kDenseCols / 8;
-        const int64_t end_chunk = std::min<int64_t>(chunks, first_chunk + gf::kDenseCols / 8);
-        for (int r = tile.row_begin; r < tile.row_end; ++r) {
-          for (int64_t c = first_chunk; c < end_chunk; ++c) ++covered[static_cast<size_t>(r * chunks + c)];
-        }
-      }
-    }
-    for (size_t i = 0; i < covered.size(); ++i) ASSERT_EQ(covered[i], 1) << m << " x " << n << ": row " << i / chunks;
-  }
-  for (const int cols : {128, 192}) {
-    for (int64_t first = 0; first < 2048; first += cols) {
-      const gf::TileBlocks blocks = gf::tile_blocks(first, cols);
-      for (int chunk = 0; chunk < cols / 8; ++chunk) {
-        const int64_t block = (first + 8 * chunk) / 128;  // the chunk's 8 columns share one block
-        EXPECT_EQ(block, (first + 8 * chunk + 7) / 128);
-        EXPECT_EQ(block, blocks.first + (chunk < blocks.chunks_in_first ? 0 : 1)) << first << " + chunk " << chunk;
-      }
-      // promote's reading: chunks 0..7 in the first block, 16.. in the second, 8..15 in the first
-      // exactly when chunks_in_first is 16.
-      EXPECT_TRUE(blocks.chunks_in_first == 16 || (cols == 192 && blocks.chunks_in_first == 8)) << first;
-    }
-  }
-}
-// The SwiGLU kernel's tiles: every (row, column) of h in exactly one CTA's 64 columns; both CTAs
-// of a cluster on the same rows, each reading gate's rows of its own columns and up's rows inner
-// further; a tile's rows within m; m-tiles numbered fastest.
-TEST(GroupedFp8Schedule, SwigluTilesCoverHOnce) {
-  namespace gf = dflash::grouped_fp8;
-  for (const auto& [m, inner] : std::vector<std::pair<int64_t, int64_t>>{
-           {1, 128}, {70, 256}, {128, 384}, {300, 640}, {3072, 17408}, {3071, 1024}}) {
-    const gf::SwigluTiles tiles(m, inner);
-    const int64_t chunks = inner / 8;
-    std::vector<int> covered(static_cast<size_t>(m * chunks), 0);
-    for (int64_t index = 0; index < tiles.count(); ++index) {
-      const gf::Tile tile = tiles.at(index);
-      EXPECT_EQ(tile.row_begin, (index % tiles.m_tiles) * gf::kTileRows) << "m-tiles are numbered fastest";
-      EXPECT_LT(tile.row_begin, tile.row_end) << "tile " << index << " is empty";
-      EXPECT_LE(tile.row_end, m);
-      EXPECT_LE(tile.row_end - tile.row_begin, gf::kTileRows);
-      for (int rank = 0; rank < 2; ++rank) {
-        const int64_t column = gf::swiglu_column(tile, rank);
-        EXPECT_EQ(column / 128, tile.n_tile) << "a CTA's columns (and gate's rows) lie in the tile's factor block";
-        EXPECT_EQ((inner + column) / 128, inner / 128 + tile.n_tile) << "up's rows lie in up's block of the tile";
-        for (int r = tile.row_begin; r < tile.row_end; ++r) {
-          for (int64_t c = column / 8; c < (column + gf::kSwigluHalf) / 8; ++c) {
-            ++covered[static_cast<size_t>(r * chunks + c)];
-          }
-        }
-      }
-    }
-    for (size_t i = 0; i < covered.size(); ++i) {
-      ASSERT_EQ(covered[i], 1) << m << " x " << inner << ": row " << i / chunks << ", column " << 8 * (i % chunks);
-    }
-  }
-}
-
 // The CPU emulation of the grouped product is, group by group, fp8_linear's emulation of that
 // group's rows and expert (rows past the last group's end are not part of it).
 TEST(Fp8, GroupedLinearIsEachGroupsLinear) {
@@ -679,7 +598,7 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
   ASSERT_TRUE(gf::applies(p, 0));
   gf::run(p, 0, stream);
   p.y = again.data_ptr();
-  gf::run(p, 0, stream, gf::Epilogue::epilogue_warps);  // the other epilogue (either kernel): the same bits
+  gf::run(p, 0, stream, gf::Epilogue::epilogue_warps);  // the other epilogue: the same bits
   // bf16's rounding, and the tensor cores' FP8 sums within a k-block, which keep fewer bits
   // than fp32 (the reason the factors are applied per k-block): 1e-3 of the largest value.
   const at::Tensor result = got.narrow(0, 0, ends.back()).cpu().to(at::kFloat);
@@ -689,17 +608,6 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
   EXPECT_TRUE(at::equal(got, again)) << "a second run differs";
   EXPECT_TRUE(at::equal(got.narrow(0, ends.back(), c.spare_rows), sentinel.narrow(0, ends.back(), c.spare_rows)))
       << "rows past the groups were written";
-  // A dense product through fp8_linear with the bench hook up (each epilogue): the same kernel.
-  if (groups == 1 && ends.back() > gf::kTileRows) {
-    const Fp8Activations on_gpu{a.q.to(gpu), a.factors.to(gpu).t().contiguous().t(), a.rows, a.dtype};
-    const Fp8Weight one{gpu_w.data[0], gpu_w.scale[0]};
-    for (const gf::Epilogue epilogue : {gf::Epilogue::consumers, gf::Epilogue::epilogue_warps}) {
-      gf::dense_projections = epilogue;
-      const at::Tensor linear = fp8_linear(on_gpu, one, {});
-      gf::dense_projections = gf::Epilogue::off;
-      EXPECT_TRUE(at::equal(linear.narrow(0, 0, ends.back()), got.narrow(0, 0, ends.back())));
-    }
-  }
   // Through fp8_grouped_linear on the GPU: the same kernel.
   if (groups > 1 && c.stride == c.k) {
     const Fp8Activations on_gpu{a.q.to(gpu), a.factors.to(gpu).t().contiguous().t(), a.rows, a.dtype};
@@ -716,10 +624,8 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
 // (within bf16's rounding and the tensor cores' FP8 sums): empty groups, groups of 1, 64, 65,
 // 128, 129 and 300 rows (tiles cut at each group's own first row), k of 1, 2, 3, 4 and 16
 // k-blocks, n not a multiple of 128 (the last n-tile partial, reading the next group's rows),
-// rows of x strided, 35B-A3B's expert shapes; dense products (no ends: the dense kernel in
-// clusters of two above 128 rows) with odd m-tiles, 192-column tiles that begin inside a factor
-// block, a partial last one, more pairs than clusters; rows past the last group's end left as
-// they were; a second run bit for bit the same (with the other epilogue, in the epilogue warps;
+// rows of x strided, 35B-A3B's expert shapes; one group without ends (up to 2304 rows, a partial
+// last n-tile, more tiles than CTAs); rows past the last group's end left as they were; a second run bit for bit the same (with the other epilogue, in the epilogue warps;
 // through fp8_grouped_linear with each); shapes it cannot take refused by name.
 TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
   if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
@@ -750,85 +656,6 @@ TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
     ADD_FAILURE() << "a shape the kernel cannot take ran";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("-> 100"), std::string::npos) << e.what();
-  }
-}
-
-// The SwiGLU kernel against the path it replaces, run on our own GEMM so that the products' fp32
-// sums are the same: the grouped kernel's bf16 gate_up product (tiles of 128 columns), then the
-// SiLU-mul kernel's quantisation. The same e4m3 bytes and factors, bit for bit; the padding rows
-// left zero with factor 1; a second run the same; both epilogues (in the consumers, in the
-// epilogue warps). Cases: one row; a partial m-tile over several blocks of h; whole tiles; 3
-// m-tiles (the last one's second warpgroup without rows) by 5 blocks; more tiles than resident
-// clusters, with one k-block each (a CTA can run a tile ahead of its peer: the row maxima's
-// exchange alternates buffers) and with the 27B MLP's k of 5120. Through Linear's silu_mul_fp8_of
-// with the hook up: the same bytes; with it down, the composite path (cuBLASLt's product: its
-// bytes may differ where the fp32 sums' order moves a value across a rounding boundary, so only
-// its shape is compared). A gate_up that is not whole 128-row blocks of gate and up is refused by
-// name.
-TEST(Fp8, GpuSwigluKernelIsGateUpThenSiluMul) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
-  namespace gf = dflash::grouped_fp8;
-  const at::Device gpu(at::kCUDA, 0);
-  if (!gf::built_for(0) || fp8_gemm_unavailable(gpu)) {
-    GTEST_SKIP() << "the FP8 SwiGLU GEMM runs on compute capability 9.0 (sm_90a builds) only";
-  }
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(0).stream();
-  struct Case {
-    int64_t m, inner, k;
-  };
-  for (const Case& c : {Case{1, 128, 128}, Case{70, 384, 512}, Case{256, 256, 256}, Case{300, 640, 1024},
-                        Case{2048, 2048, 128}, Case{1000, 2048, 5120}}) {
-    SCOPED_TRACE(std::to_string(c.m) + " x " + std::to_string(c.k) + " -> 2 x " + std::to_string(c.inner));
-    const Fp8Weight cpu_w = quantize_blocks(uneven_weight(2 * c.inner, c.k, 80 + c.m) / std::sqrt(double(c.k)));
-    const Fp8Weight w{cpu_w.data.to(gpu), cpu_w.scale.to(gpu)};
-    at::manual_seed(90 + c.m);
-    const Fp8Activations a = quantize_groups((at::randn({c.m, c.k}) * 2).to(at::kBFloat16).to(gpu),
-                                             fp8_gemm_rows(c.m, gpu));
-    // The path it replaces, on the grouped kernel (ends given: one group, 128-column tiles).
-    const at::Tensor gate_up = at::empty({c.m, 2 * c.inner}, at::TensorOptions().dtype(at::kBFloat16).device(gpu));
-    const at::Tensor ends = at::full({1}, static_cast<int>(c.m), at::TensorOptions().dtype(at::kInt).device(gpu));
-    gf::Problem p;
-    p.x = a.q.data_ptr(), p.x_stride = c.k, p.x_factors = a.factors.data_ptr<float>();
-    p.factor_stride = a.factors.size(1) == 1 ? a.q.size(0) : a.factors.stride(1);
-    p.w = w.data.data_ptr(), p.w_factors = w.scale.data_ptr<float>();
-    p.ends = ends.data_ptr<int32_t>(), p.y = gate_up.data_ptr(), p.m = c.m, p.n = 2 * c.inner, p.k = c.k;
-    gf::run(p, 0, stream);
-    const Fp8Activations want = silu_mul_fp8(gate_up.narrow(1, 0, c.inner), gate_up.narrow(1, c.inner, c.inner));
-    // The SwiGLU kernel with each epilogue, twice.
-    for (const gf::Epilogue epilogue : {gf::Epilogue::consumers, gf::Epilogue::epilogue_warps}) {
-      SCOPED_TRACE(epilogue == gf::Epilogue::consumers ? "consumers' epilogue" : "epilogue warps");
-      gf::fused_swiglu = epilogue;
-      const Fp8Activations got = fp8_swiglu(a, w), again = fp8_swiglu(a, w);
-      const Fp8Activations through_linear = Linear{at::Tensor(), w, at::Tensor()}.silu_mul_fp8_of(GemmInput(a));
-      gf::fused_swiglu = gf::Epilogue::off;
-      ASSERT_TRUE(got.defined()) << "the kernel did not take the operands";
-      EXPECT_EQ(got.rows, c.m);
-      ASSERT_EQ(got.q.sizes(), want.q.sizes());
-      const at::Tensor got_bytes = got.q.view(at::kByte).cpu(), want_bytes = want.q.view(at::kByte).cpu();
-      const int64_t differ = got_bytes.ne(want_bytes).sum().item<int64_t>();
-      EXPECT_EQ(differ, 0) << "of " << got_bytes.numel() << " bytes";
-      EXPECT_TRUE(at::equal(got.factors.cpu(), want.factors.cpu()));
-      EXPECT_EQ(got.factors.strides(), want.factors.strides());
-      EXPECT_TRUE(bytes_equal(again.q.cpu(), got.q.cpu()) && at::equal(again.factors.cpu(), got.factors.cpu()))
-          << "a second run differs";
-      EXPECT_TRUE(bytes_equal(through_linear.q.cpu(), got.q.cpu())) << "Linear::silu_mul_fp8_of with the hook up";
-    }
-    EXPECT_FALSE(fp8_swiglu(a, w).defined()) << "the hook is down: the kernel must not run";
-    const Fp8Activations composite = Linear{at::Tensor(), w, at::Tensor()}.silu_mul_fp8_of(GemmInput(a));
-    EXPECT_EQ(composite.q.sizes(), want.q.sizes()) << "the composite path with the hook down";
-  }
-  const at::Tensor probe = at::zeros({384, 128}, at::TensorOptions().dtype(at::kByte).device(gpu));
-  gf::Problem bad;
-  bad.x = bad.w = probe.data_ptr();
-  bad.m = 16, bad.n = 384, bad.k = 128, bad.x_stride = 128, bad.factor_stride = 16;
-  const at::Tensor bad_factors = at::ones({16}, at::TensorOptions().device(gpu));
-  const gf::SwigluOutput out{probe.data_ptr(), bad_factors.data_ptr<float>(), 16};
-  EXPECT_FALSE(gf::swiglu_applies(bad, out, 0)) << "gate and up of 192 rows are not whole blocks";
-  try {
-    gf::run_swiglu(bad, out, gf::Epilogue::consumers, 0, stream);
-    ADD_FAILURE() << "a shape the kernel cannot take ran";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("gate_up of 384 rows"), std::string::npos) << e.what();
   }
 }
 

@@ -476,42 +476,6 @@ TEST(GatedDeltaNetKernels, Bf16OutputIsTheFp32OutputRounded) {
   EXPECT_THROW(gated_delta_rule_cuda(in.mixed, hk, hv, gates, plan, {}, {}, 1e-6, 64, nullptr, at::kHalf), std::exception);
 }
 
-// The gated norm before an FP8 out_proj, quantised by the fused kernel itself (the bench hook
-// quantised_gdn_output): the bytes and factors quantize_groups makes of the kernel's bf16 rows,
-// padding rows included, at the 27B shape (48 value heads) and with partial chunks, one-token
-// sequences and enough chunks per output group that each exchange buffer is used again. The
-// hook down gives the same through the bf16 rows.
-#ifdef DFLASHD_WITH_CUDA
-TEST(GatedDeltaNetKernels, QuantisedGatedNormIsTheBf16NormQuantised) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-  at::manual_seed(19);
-  const auto cuda = at::TensorOptions().device(at::kCUDA);
-  for (const KernelCase& kc : {KernelCase{16, 48, {1000, 64, 1, 2031}, 0.5}, KernelCase{2, 6, {1, 63, 65, 777}, 1.0}}) {
-    const int64_t hk = kc.key_heads, hv = kc.value_heads;
-    const GdnInputs in = random_gdn_inputs(kc.lengths, hk, hv, kc.decay, at::kCUDA);
-    const int64_t rows = in.cu_seqlens.back();
-    const GdnChunkPlan plan = make_gdn_chunk_plan(in.cu_seqlens, at::kCUDA);
-    const GdnGates gates = GdnGates::precomputed(in.g, in.beta);
-    const at::Tensor zs = (at::randn({rows, 2 * hv, 128}, cuda) * 2).to(at::kBFloat16);
-    const at::Tensor z = zs.narrow(1, hv, hv);  // rows of a wider projection, as the layer's z
-    const at::Tensor weight = (at::randn({128}, cuda) * 0.3 + 1).to(at::kBFloat16);
-    const at::Tensor bf16 = gated_delta_rule_cuda(in.mixed, hk, hv, gates, plan, z, weight, 1e-6);
-    const Fp8Activations expected = quantize_groups(bf16, fp8_gemm_rows(rows, bf16.device()));
-    for (const bool hook : {true, false}) {
-      const std::string what = std::to_string(hv) + " value heads, " + std::to_string(rows) + " tokens, hook " +
-                               (hook ? "up" : "down");
-      kernels::quantised_gdn_output = hook;
-      const Fp8Activations got = gated_delta_rule_fp8_cuda(in.mixed, hk, hv, gates, plan, z, weight, 1e-6);
-      kernels::quantised_gdn_output = false;
-      ASSERT_EQ(got.q.sizes(), expected.q.sizes()) << what;
-      EXPECT_EQ(got.rows, rows) << what;
-      EXPECT_TRUE(at::equal(got.q.view(at::kByte), expected.q.view(at::kByte))) << what;
-      EXPECT_TRUE(at::equal(got.factors, expected.factors)) << what;
-    }
-  }
-}
-#endif
-
 // The gates formed in the prepare kernel from the raw projections (strided rows, as a fused
 // [b | a] projection gives them) against the same gates computed by the reference ops.
 TEST(GatedDeltaNetKernels, GatesFromProjectionsMatchPrecomputedGates) {

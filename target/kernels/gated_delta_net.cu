@@ -102,14 +102,8 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
     throw std::invalid_argument("gated_delta_rule_forward: at most " + std::to_string(kMaxGroup) +
                                 " value heads per key head (got " + std::to_string(args.value_heads / args.key_heads) + ")");
   }
-  if ((args.out_raw != nullptr) + (args.out_plain != nullptr) + (args.out != nullptr) + (args.out_q != nullptr) != 1) {
-    throw std::invalid_argument("gated_delta_rule_forward: exactly one of out_raw, out_plain, out and out_q");
-  }
-  if (args.out_q != nullptr && (!gated_delta_rule_fuses_output(args.state_columns) || args.out_factors == nullptr ||
-                                args.factor_stride < args.tokens)) {
-    throw std::invalid_argument(
-        "gated_delta_rule_forward: the e4m3 output needs the fused Hopper kernel (sm_90a, 64 state columns), "
-        "out_factors and factor_stride >= tokens");
+  if ((args.out_raw != nullptr) + (args.out_plain != nullptr) + (args.out != nullptr) != 1) {
+    throw std::invalid_argument("gated_delta_rule_forward: exactly one of out_raw, out_plain and out");
   }
   const dim3 per_chunk(args.chunks.num_chunks, args.value_heads);
   auto mark = [&](int i) {
@@ -123,9 +117,7 @@ void gated_delta_rule_forward(const GdnForward& args, cudaStream_t stream) {
   check_cuda_launch("GatedDeltaNet kernel prepare");
   mark(1);
   if (gated_delta_rule_fuses_output(args.state_columns)) {
-    if (args.out_q != nullptr) {
-      launch_state_output<OutputFormat::gated_norm_e4m3>(args, stream);
-    } else if (args.out != nullptr) {
+    if (args.out != nullptr) {
       launch_state_output<OutputFormat::gated_norm>(args, stream);
     } else if (args.out_plain != nullptr) {
       launch_state_output<OutputFormat::bf16>(args, stream);

@@ -33,7 +33,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <atomic>
 #include <cstdint>
 
 namespace dflash::target::kernels {
@@ -139,13 +138,6 @@ struct GdnForward {
   int64_t z_stride = 0;
   const void* norm_weight = nullptr;
   float eps = 1e-6f;
-  // or that norm quantised for out_proj's FP8 GEMM (z and norm_weight as for out; only the fused
-  // Hopper kernel writes it: gated_delta_rule_fuses_output): out_q e4m3 [tokens, value_heads *
-  // 128], one 1x128 group per (token, head) whose factor is out_factors[head * factor_stride +
-  // token] (fp8_group's layout), the bytes quantize_groups_e4m3 makes of out's bf16 rows.
-  void* out_q = nullptr;
-  float* out_factors = nullptr;
-  int64_t factor_stride = 0;
   // Optional (decoding's prefills): sequence s's state before its tokens, state_before [num_seqs,
   // value_heads, 128 key dims, 128 value dims] (zero when null), and its state after them, written
   // to state_after (the same layout; distinct buffers); fp32, or bf16 with carried_bf16 (widened on
@@ -159,12 +151,6 @@ struct GdnForward {
   // Optional: four events recorded before prepare, state, output and after output (profiling).
   cudaEvent_t* stage_events = nullptr;
 };
-
-// A benchmark hook (the daemon never sets it): the gated norm before an FP8 out_proj is quantised
-// by the fused Hopper kernel itself (GdnForward::out_q: target/gdn_cuda.h's
-// gated_delta_rule_fp8_cuda) instead of written in bf16 and quantised by its own kernel. Which the
-// target takes is decided once the two are measured side by side (bench/target_bench.cc).
-inline std::atomic<bool> quantised_gdn_output{false};
 
 // Whether gated_delta_rule_forward runs the fused state + output kernel on the current device
 // (Hopper, 64 state columns): then GdnForward::states and v_new are not used (may be null).

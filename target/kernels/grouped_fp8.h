@@ -12,9 +12,9 @@
 // Why: ATen's FP8 grouped GEMM takes per-tensor or row-wise factors only on Hopper, not the
 // checkpoints' 128x128 blocks, and cuBLASLt has no grouped block-scaled product; without this
 // kernel each forward dequantized a layer's experts to bf16 first (bench/RESULTS.md, session 18:
-// the 35B-A3B FP8 forward slower than bf16). Its pieces also make two dense kernels: the dense
-// projections' product in clusters of two (run, above 128 rows) and a SwiGLU's gate_up product
-// with SiLU-mul and down_proj's quantisation in its epilogue (run_swiglu).
+// the 35B-A3B FP8 forward slower than bf16). The dense projections stay on cuBLASLt: kernels of
+// ours for them, built from these pieces, ran at 0.74-0.84x its speed (bench/RESULTS.md, session
+// 33).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,28 +30,15 @@ inline constexpr int kMaxGroups = 1024;  // the MoE block's largest expert count
 // bf16 grouped GEMM instead (the path before this kernel), to compare the two in one process.
 inline std::atomic<bool> off{false};
 
-// Where the kernels write their tiles out: in the consumer warpgroups between one tile's mainloop
+// Where the kernel writes its tiles out: in the consumer warpgroups between one tile's mainloop
 // and the next (the tensor cores wait meanwhile), or in the producer warpgroup's idle warps while
-// the consumers go on with the next tile (kernels/grouped_fp8/epilogue.cuh); the two are measured
-// against each other. off: the kernel is not taken (the dense and SwiGLU hooks below).
-enum class Epilogue : int { off = 0, consumers = 1, epilogue_warps = 2 };
-
-// A benchmark hook (the daemon never sets it): other than off, target/fp8.h's fp8_linear runs the
-// dense FP8 projections above 128 rows on this file's dense kernel with that epilogue instead of
-// cuBLASLt, so that a bench times both in one process (bench/target_bench.cc). Which the target
-// takes is decided once they are measured side by side.
-inline std::atomic<Epilogue> dense_projections{Epilogue::off};
-
-// A benchmark hook (the daemon never sets it): other than off, a dense SwiGLU's gate_up product and
-// the SiLU-mul pass after it (fp8.h's fp8_swiglu) run as this file's SwiGLU kernel with that
-// epilogue, which forms down_proj's FP8 input, instead of cuBLASLt's GEMM and the SiLU-mul kernel;
-// decided as dense_projections is.
-inline std::atomic<Epilogue> fused_swiglu{Epilogue::off};
+// the consumers go on with the next tile (kernels/grouped_fp8/epilogue.cuh).
+enum class Epilogue : int { consumers = 1, epilogue_warps = 2 };
 
 // A benchmark hook (the daemon never sets it): the epilogue of the MoE experts' products
-// (target/fp8.h's fp8_grouped_linear on this file's grouped kernel): the consumers' until the two
-// are measured side by side (an expert's down_proj at 35B-A3B shapes is 4 k-blocks a tile, so its
-// epilogue weighs); off counts as consumers.
+// (target/fp8.h's fp8_grouped_linear on this file's kernel): the consumers' until the two are
+// measured side by side (an expert's down_proj at 35B-A3B shapes is 4 k-blocks a tile, so its
+// epilogue weighs).
 inline std::atomic<Epilogue> experts_epilogue{Epilogue::consumers};
 
 struct Problem {
@@ -70,15 +57,6 @@ struct Problem {
   int groups = 1;
 };
 
-// Where the SwiGLU kernel writes h = silu(x . gate^T) * (x . up^T), quantised per 1x128 group of
-// each row as fp8.h's activations are: q e4m3 [m, inner] contiguous (16-byte aligned), row r's
-// factor of group j at factors[j * factor_stride + r] (rows past m untouched).
-struct SwigluOutput {
-  void* q = nullptr;
-  float* factors = nullptr;
-  int64_t factor_stride = 0;
-};
-
 // Whether this build carries the kernel for `device` (sm_90a: compute capability 9.0).
 bool built_for(int device);
 
@@ -93,19 +71,8 @@ bool weights_apply(int64_t groups, int64_t n, int64_t k, const void* w, int devi
 bool applies(const Problem& p, int device);
 
 // Runs the product on `stream` (one persistent CTA per SM; no host synchronisation: the group
-// sizes are read on the device). One group without ends above 128 rows (a dense projection) runs
-// on the dense kernel instead: clusters of two CTAs, each a pair of 128-row tiles by 192 columns of
-// W, W's tile loaded once into both (schedule.h's DensePairs). Either kernel's tiles are written
-// out by `epilogue` (off counts as consumers). Throws naming the shape where applies() is false.
+// sizes are read on the device), its tiles written out by `epilogue`. Throws naming the shape
+// where applies() is false.
 void run(const Problem& p, int device, cudaStream_t stream, Epilogue epilogue = Epilogue::consumers);
-
-// The SwiGLU kernel for W = [gate; up] (n = 2 inner rows, inner a multiple of 128): applies() for
-// one group without ends and y unused, and out's q aligned with factor_stride >= m.
-bool swiglu_applies(const Problem& p, const SwigluOutput& out, int device);
-
-// h into `out` on `stream` (clusters of two CTAs, each 64 of a 128-column block of h: schedule.h's
-// SwigluTiles; no host synchronisation), the tile formed by `epilogue`. Throws naming the shape
-// where swiglu_applies is false (or epilogue is off).
-void run_swiglu(const Problem& p, const SwigluOutput& out, Epilogue epilogue, int device, cudaStream_t stream);
 
 }  // namespace dflash::grouped_fp8

@@ -3,7 +3,6 @@
 // the math and the data layout.
 #pragma once
 
-#include "target/kernels/fp8_group.cuh"
 #include "target/kernels/gdn/common.cuh"
 
 namespace dflash::target::kernels::gdn {
@@ -21,9 +20,7 @@ namespace dflash::target::kernels::gdn {
 //   output, per chunk: (Q S)^T = S^T Q^T (wgmma from the hand-off tile), O^T = (Q S)^T
 //     diag(scale e^gamma) + V'^T P^T (mma.sync: P's A fragments are P^T's B fragments), the gated
 //     RMSNorm over the head's 128 columns (the two CTAs' per-token sums of squares sent to each
-//     other by st.async onto an mbarrier) in place of z in shared memory, stored as whole rows;
-//     or, for an FP8 out_proj, quantised per token and head (one 1x128 group: the two CTAs'
-//     largest values exchanged the same way) and stored as e4m3 with the group's factor.
+//     other by st.async onto an mbarrier) in place of z in shared memory, stored as whole rows.
 // Each output group has its own hand-off slot between named barriers (full: chain -> group;
 // empty: group -> chain) and its own buffers; each warpgroup loads its own operands (cp.async)
 // and synchronises on its own named barrier. No per-chunk states or V' in global memory.
@@ -43,11 +40,8 @@ __device__ __forceinline__ barriers::NamedBarrier slot_full(int slot) { return {
 __device__ __forceinline__ barriers::NamedBarrier slot_empty(int slot) { return {kEmptyBarrier + slot, 256}; }
 
 // What the output groups write (one kernel per format, chosen at launch): GdnForward::out_raw,
-// out_plain, out (the gated RMSNorm with z), or out_q and out_factors (that norm quantised).
-enum class OutputFormat { fp32, bf16, gated_norm, gated_norm_e4m3 };
-__host__ __device__ constexpr bool gated(OutputFormat f) {
-  return f == OutputFormat::gated_norm || f == OutputFormat::gated_norm_e4m3;
-}
+// out_plain, or out (the gated RMSNorm with z).
+enum class OutputFormat { fp32, bf16, gated_norm };
 
 struct FusedShared {
   static constexpr int BV = 64, LDU = BV + 8;
@@ -64,14 +58,11 @@ struct FusedShared {
   __align__(16) float output_gamma[kOutputGroups][C];
   // Per output group: the sums of squares per warp (its 16 columns) and token, the peer CTA's 64
   // columns per token (written by the peer; by the parity of the group's chunk count), rstd, and
-  // the mbarriers on which the peer's partial sums of parity 0 / 1 arrive; for the e4m3 output
-  // the same for each token's largest |value| over the peer's 64 columns.
+  // the mbarriers on which the peer's partial sums of parity 0 / 1 arrive.
   float squares[kOutputGroups][4][C];
   float peer_partial[kOutputGroups][2][C];
   float rstd[kOutputGroups][C];
   uint64_t peer_written[kOutputGroups][2];
-  float peer_amax[kOutputGroups][2][C];
-  uint64_t peer_amax_written[kOutputGroups][2];
 };
 
 // A warpgroup's software pipeline: wait_stage waits (cp.async) for the loads of iteration i (the
@@ -262,10 +253,8 @@ __device__ __forceinline__ void stage_plain(FusedShared& s, int buffer, const fl
 // this CTA writes its per-token partial sums of squares into the peer's peer_partial of the
 // chunk's parity and counts them on the peer's barrier of that parity.
 struct PeerExchange {
-  uint32_t partial;       // the peer's peer_partial[group], as this CTA addresses it
-  uint32_t written;       // the peer's peer_written[group]
-  uint32_t amax;          // the peer's peer_amax[group] (e4m3 output)
-  uint32_t amax_written;  // the peer's peer_amax_written[group]
+  uint32_t partial;  // the peer's peer_partial[group], as this CTA addresses it
+  uint32_t written;  // the peer's peer_written[group]
 };
 
 // rstd per token of chunk n of the group, from this CTA's sums of squares and the peer's.
@@ -333,56 +322,12 @@ __device__ __forceinline__ void store_staged_rows(const GdnForward& a, const Fus
   }
 }
 
-// The staged gated norm as out_proj's FP8 input (OutputFormat::gated_norm_e4m3): a token's 128
-// columns in the head (this CTA's 64, the peer's 64) are one quantisation group, so its largest
-// |value| is this CTA's and the peer's, exchanged as the squares are (on barriers of their own,
-// by the parity of the group's chunk n); then the bytes and factor quantize_groups_e4m3 makes of
-// the bf16 rows (fp8_group's factor and division). Thread tid of the group: token tid / 2,
-// columns 32 (tid % 2) .. + 32 of the CTA's 64, stored as two 16-byte stores; the CTA of the
-// head's first 64 columns writes the factors.
-__device__ __forceinline__ void store_quantised_rows(const GdnForward& a, const FusedTile& t, FusedShared& s,
-                                                     int buffer, int group, int n, int start, int length,
-                                                     const PeerExchange& peer) {
-  namespace fg = fp8_group;
-  const int tid = threadIdx.x & 127, token = tid >> 1, half = tid & 1;
-  const bf16* staged = s.z[buffer] + token * FusedShared::LDU + 32 * half;
-  float v[4][8];
-#pragma unroll
-  for (int c = 0; c < 4; ++c) load8(v[c], staged + 8 * c);
-  float amax = 0.f;
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[c][i]));
-  }
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  const barriers::RowSwap swap = barriers::RowSwap::of(mma_tile::shared_address(&s.peer_amax_written[group][0]),
-                                                       peer.amax, peer.amax_written, C, n);
-  if (tid == 0) swap.announce();
-  if (half == 0) swap.send(token, amax);
-  swap.wait();
-  const float factor = fg::factor_of(fmaxf(amax, s.peer_amax[group][swap.buffer][token]));
-  const fg::Divider divide = fg::divider_of(factor);
-  uint32_t packed[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float* four = v[i / 2] + 4 * (i % 2);
-    packed[i] = fg::e4m3x2(divide, four[0], four[1]) | (fg::e4m3x2(divide, four[2], four[3]) << 16);
-  }
-  if (token >= length) return;
-  const int64_t row = static_cast<int64_t>(a.value_heads) * D, at = start + token;
-  uint4* q = reinterpret_cast<uint4*>(static_cast<unsigned char*>(a.out_q) + at * row + t.head * D + t.v0 + 32 * half);
-  q[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  q[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-  if (t.v0 == 0 && half == 0) a.out_factors[t.head * a.factor_stride + at] = factor;
-}
-
 // Output group `group` (warpgroups 1, 2): its chunks i = group + n * kOutputGroups.
 template <OutputFormat kFormat>
 __device__ __forceinline__ void output_epilogue(const GdnForward& a, FusedShared& s, const FusedTile& t, int group,
                                                 const PeerExchange& peer) {
   constexpr int BV = FusedShared::BV, LDU = FusedShared::LDU;
-  constexpr bool kNorm = gated(kFormat);
+  constexpr bool kNorm = kFormat == OutputFormat::gated_norm;
   const int tid = threadIdx.x & 127, warp = tid >> 5, lane = threadIdx.x & 31, g = lane >> 2, vw = warp * 16;
   const bf16* qkv = static_cast<const bf16*>(a.qkv);
   const int chunks = t.count > group ? (t.count - group + kOutputGroups - 1) / kOutputGroups : 0;
@@ -437,11 +382,7 @@ __device__ __forceinline__ void output_epilogue(const GdnForward& a, FusedShared
         stage_plain(s, buffer, ot);
       }
       bar.sync();
-      if constexpr (kFormat == OutputFormat::gated_norm_e4m3) {
-        store_quantised_rows(a, t, s, buffer, group, n, start, length, peer);
-      } else {
-        store_staged_rows(a, t, s, buffer, start, length);
-      }
+      store_staged_rows(a, t, s, buffer, start, length);
     }
     issue_after(n, chunks, bar, load);
   }
@@ -456,15 +397,13 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
   const FusedTile t = FusedTile::of(a);
   const int group = max(static_cast<int>(threadIdx.x >> 7) - 1, 0);  // output warpgroups: 0 .. kOutputGroups - 1
   PeerExchange peer{};
-  if constexpr (gated(kFormat)) {
+  if constexpr (kFormat == OutputFormat::gated_norm) {
     const uint32_t rank = barriers::cluster_rank();
-    auto peers = [rank](const void* own) { return barriers::peer_address(mma_tile::shared_address(own), rank ^ 1); };
-    peer = {peers(&s.peer_partial[group][0][0]), peers(&s.peer_written[group][0]), peers(&s.peer_amax[group][0][0]),
-            peers(&s.peer_amax_written[group][0])};
+    peer.partial = barriers::peer_address(mma_tile::shared_address(&s.peer_partial[group][0][0]), rank ^ 1);
+    peer.written = barriers::peer_address(mma_tile::shared_address(&s.peer_written[group][0]), rank ^ 1);
     if (threadIdx.x == 0) {
       for (int p = 0; p < 2 * kOutputGroups; ++p) {
         barriers::TransactionBarrier{mma_tile::shared_address(&s.peer_written[p / 2][p % 2])}.init(1);
-        barriers::TransactionBarrier{mma_tile::shared_address(&s.peer_amax_written[p / 2][p % 2])}.init(1);
       }
       barriers::TransactionBarrier::fence_init();
     }
@@ -476,7 +415,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(kFusedThreads, 1) st
     output_epilogue<kFormat>(a, s, t, group, peer);
   }
   // Neither CTA leaves while its peer may still write into its shared memory.
-  if constexpr (gated(kFormat)) barriers::cluster_sync();
+  if constexpr (kFormat == OutputFormat::gated_norm) barriers::cluster_sync();
 }
 
 }  // namespace dflash::target::kernels::gdn

@@ -1,11 +1,9 @@
-// epilogue.cuh: the FP8 GEMMs' tiles leave the consumers' registers (grouped_fp8.cu): rounded to
-// bf16 into shared memory (stage_tile), then each of the tile's rows (only those of its group,
-// and only its columns below n) to y as 16-byte stores (copy_tile). Either the consumers do both
-// between one tile's mainloop and the next (store_tile: the grouped kernel, and the dense kernel's
-// Epilogue::consumers), or they only stage the tile and go on, and the producer warpgroup's three
-// idle warps copy it out while the next tile's mainloop runs (hand_over_tile / take_tile /
-// release_tile, and drain_tiles for the bf16 tiles: Epilogue::epilogue_warps, whose hand-over the
-// SwiGLU kernel's epilogue uses too).
+// epilogue.cuh: the FP8 grouped GEMM's tiles leave the consumers' registers (grouped_fp8.cu):
+// rounded to bf16 into shared memory (stage_tile), then each of the tile's rows (only those of its
+// group, and only its columns below n) to y as 16-byte stores (copy_tile). Either the consumers do
+// both between one tile's mainloop and the next (store_tile: Epilogue::consumers), or they only
+// stage the tile and go on, and the producer warpgroup's three idle warps copy it out while the
+// next tile's mainloop runs (hand_over_tile, drain_tiles: Epilogue::epilogue_warps).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -19,12 +17,11 @@ namespace dflash::grouped_fp8 {
 
 // The tile's sums rounded to bf16 into `out` by consumer thread `ct`: rows 16 w + lane / 4 (+ 8),
 // columns 8 j + 2 (lane % 4) (+ 1), as the accumulators hold them.
-template <int kCols>
-__device__ __forceinline__ void stage_tile(const Accumulators<kCols>& acc, Staging<kCols>& out, int ct) {
+__device__ __forceinline__ void stage_tile(const Accumulators& acc, Staging& out, int ct) {
   const int lane = ct % 32;
   const int row0 = 16 * (ct / 32) + lane / 4, column0 = 2 * (lane % 4);  // warp w of 8: rows 16 w..
 #pragma unroll
-  for (int j = 0; j < kCols / 8; ++j) {
+  for (int j = 0; j < kTileCols / 8; ++j) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       *reinterpret_cast<__nv_bfloat162*>(&out[row0 + 8 * half][8 * j + column0]) =
@@ -34,14 +31,13 @@ __device__ __forceinline__ void stage_tile(const Accumulators<kCols>& acc, Stagi
 }
 
 // The staged tile's rows to y (bf16 [.., n]), 16 bytes a thread at a time, by `threads` threads of
-// which this is `thread` (kCols given: Staging's width does not deduce it).
-template <int kCols>
-__device__ __forceinline__ void copy_tile(const Staging<kCols>& out, const Tile& tile, __nv_bfloat16* y, int64_t n,
-                                          int thread, int threads) {
-  constexpr int kChunks = kCols / 8;  // 16-byte chunks of a row
+// which this is `thread`.
+__device__ __forceinline__ void copy_tile(const Staging& out, const Tile& tile, __nv_bfloat16* y, int64_t n, int thread,
+                                          int threads) {
+  constexpr int kChunks = kTileCols / 8;  // 16-byte chunks of a row
   const int rows = tile.row_end - tile.row_begin;
-  const int64_t first_column = static_cast<int64_t>(tile.n_tile) * kCols;
-  const int chunks = n - first_column < kCols ? static_cast<int>(n - first_column) / 8 : kChunks;
+  const int64_t first_column = static_cast<int64_t>(tile.n_tile) * kTileCols;
+  const int chunks = n - first_column < kTileCols ? static_cast<int>(n - first_column) / 8 : kChunks;
   __nv_bfloat16* first = y + static_cast<int64_t>(tile.row_begin) * n + first_column;
   for (int i = thread; i < rows * kChunks; i += threads) {
     const int row = i / kChunks, chunk = i % kChunks;
@@ -51,14 +47,13 @@ __device__ __forceinline__ void copy_tile(const Staging<kCols>& out, const Tile&
 }
 
 // Both, by the consumers (barrier 1: the consumers' own).
-template <int kCols>
-__device__ __forceinline__ void store_tile(const Accumulators<kCols>& acc, Staging<kCols>& out, const Tile& tile,
-                                           __nv_bfloat16* y, int64_t n, int ct) {
+__device__ __forceinline__ void store_tile(const Accumulators& acc, Staging& out, const Tile& tile, __nv_bfloat16* y,
+                                           int64_t n, int ct) {
   const barriers::NamedBarrier consumers{1, kConsumerThreads};
   consumers.sync();  // the previous tile's stores have read the staging
   stage_tile(acc, out, ct);
   consumers.sync();
-  copy_tile<kCols>(out, tile, y, n, ct, kConsumerThreads);
+  copy_tile(out, tile, y, n, ct, kConsumerThreads);
 }
 
 // ---- the hand-over to the epilogue warps ----------------------------------------------------------
@@ -77,9 +72,7 @@ __device__ __forceinline__ barriers::NamedBarrier drained_barrier() {
 
 // A consumer thread's part: once the epilogue warps have read the previous tile (done > 0: the
 // tiles handed over before), its sums into the staging, and on.
-template <int kCols>
-__device__ __forceinline__ void hand_over_tile(const Accumulators<kCols>& acc, Staging<kCols>& out, int done,
-                                               int ct) {
+__device__ __forceinline__ void hand_over_tile(const Accumulators& acc, Staging& out, int done, int ct) {
   if (done > 0) drained_barrier().sync();
   stage_tile(acc, out, ct);
   staged_barrier().arrive();
@@ -87,9 +80,9 @@ __device__ __forceinline__ void hand_over_tile(const Accumulators<kCols>& acc, S
 
 // A consumer thread's bf16 tile out of its accumulators, the `done`-th of the CTA: handed over to
 // the epilogue warps (kWarpEpilogue) or stored by the consumers themselves (store_tile).
-template <bool kWarpEpilogue, int kCols>
-__device__ __forceinline__ void finish_tile(const Accumulators<kCols>& acc, Staging<kCols>& out, const Tile& tile,
-                                            __nv_bfloat16* y, int64_t n, int done, int ct) {
+template <bool kWarpEpilogue>
+__device__ __forceinline__ void finish_tile(const Accumulators& acc, Staging& out, const Tile& tile, __nv_bfloat16* y,
+                                            int64_t n, int done, int ct) {
   if constexpr (kWarpEpilogue) {
     hand_over_tile(acc, out, done, ct);
   } else {
@@ -106,16 +99,13 @@ __device__ __forceinline__ void release_tile(bool last) {
   drained_barrier().arrive();
 }
 
-// The epilogue warps' whole part for bf16 tiles: the CTA's work items first, first + step, ...
-// below count, item i's tile (tile_at(i)) copied out of the staging to y (bf16 [.., n]) as each is
-// handed over.
-template <int kCols, typename TileAt>
-__device__ __forceinline__ void drain_tiles(const Staging<kCols>& out, int64_t first, int64_t count, int64_t step,
-                                            TileAt&& tile_at, __nv_bfloat16* y, int64_t n) {
-  for (int64_t i = first; i < count; i += step) {
+// The epilogue warps' whole part: the CTA's tiles (walk: blockIdx.x, + gridDim.x, ...) copied out
+// of the staging to y (bf16 [.., n]) as each is handed over.
+__device__ __forceinline__ void drain_tiles(const Staging& out, const Walk& walk, __nv_bfloat16* y, int64_t n) {
+  for (int64_t t = blockIdx.x; t < walk.tiles; t += gridDim.x) {
     take_tile();
-    copy_tile<kCols>(out, tile_at(i), y, n, static_cast<int>(threadIdx.x) - 32, kEpilogueThreads);
-    release_tile(i + step >= count);
+    copy_tile(out, walk.at(t), y, n, static_cast<int>(threadIdx.x) - 32, kEpilogueThreads);
+    release_tile(t + gridDim.x >= walk.tiles);
   }
 }
 
