@@ -284,6 +284,20 @@ void bind_workspace(const at::TensorOptions& bf, int64_t value_heads, const GdnC
   a.state_columns = state_columns;
 }
 
+// The gated RMSNorm's inputs: z (bf16 [tokens, value_heads, 128], contiguous heads) and the
+// norm's weight.
+void bind_norm(const at::Tensor& z, const at::Tensor& norm_weight_in, int64_t tokens, int64_t value_heads,
+               GdnLaunch* l) {
+  constexpr int64_t D = kernels::kGdnHeadDim;
+  expect(z.defined() && z.scalar_type() == at::kBFloat16 && z.dim() == 3 && z.size(0) == tokens &&
+             z.size(1) == value_heads && z.size(2) == D && z.stride(2) == 1 && z.stride(1) == D,
+         "z must be bf16 [tokens, value_heads, 128] with contiguous heads");
+  kernels::GdnForward& a = l->args;
+  a.z = z.data_ptr();
+  a.z_stride = z.stride(0);
+  a.norm_weight = l->hold(norm_weight_in.to(at::kBFloat16).contiguous()).data_ptr();
+}
+
 // The output: gated RMSNorm with z (bf16 [tokens, value_heads * 128]), or the plain output of
 // the rule in bf16 or fp32 ([tokens, value_heads, 128]).
 at::Tensor bind_output(const at::Tensor& z, const at::Tensor& norm_weight_in, at::ScalarType o_dtype,
@@ -292,14 +306,9 @@ at::Tensor bind_output(const at::Tensor& z, const at::Tensor& norm_weight_in, at
   kernels::GdnForward& a = l->args;
   expect(o_dtype == at::kFloat || o_dtype == at::kBFloat16, "o_dtype must be float32 or bfloat16");
   if (norm_weight_in.defined()) {
-    expect(z.defined() && z.scalar_type() == at::kBFloat16 && z.dim() == 3 && z.size(0) == tokens &&
-               z.size(1) == value_heads && z.size(2) == D && z.stride(2) == 1 && z.stride(1) == D,
-           "z must be bf16 [tokens, value_heads, 128] with contiguous heads");
+    bind_norm(z, norm_weight_in, tokens, value_heads, l);
     at::Tensor out = at::empty({tokens, value_heads * D}, bf);
     a.out = out.data_ptr();
-    a.z = z.data_ptr();
-    a.z_stride = z.stride(0);
-    a.norm_weight = l->hold(norm_weight_in.to(at::kBFloat16).contiguous()).data_ptr();
     return out;
   }
   if (o_dtype == at::kBFloat16) {
@@ -348,35 +357,44 @@ void launch(GdnLaunch& l, float* stage_ms) {
   for (cudaEvent_t& e : events) cudaEventDestroy(e);
 }
 
-}  // namespace
-
-at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed_in, int64_t key_heads, int64_t value_heads, const GdnGates& gates,
-                                 const GdnChunkPlan& plan, const at::Tensor& z, const at::Tensor& norm_weight_in,
-                                 double eps, int state_columns, float* stage_ms, at::ScalarType o_dtype,
-                                 GdnCarriedStates* carried) {
+// The rule's input, gates and workspace (the caller holds a CUDAGuard for mixed's device).
+void bind_rule(const at::Tensor& mixed_in, int64_t key_heads, int64_t value_heads, const GdnGates& gates,
+               const GdnChunkPlan& plan, double eps, int state_columns, GdnLaunch* l) {
   constexpr int64_t D = kernels::kGdnHeadDim;
   expect(mixed_in.is_cuda() && mixed_in.scalar_type() == at::kBFloat16 && mixed_in.dim() == 2 &&
              mixed_in.size(1) == (2 * key_heads + value_heads) * D,
          "mixed must be bf16 [tokens, (2 key_heads + value_heads) * 128] on a GPU");
   expect(plan.table.defined() && plan.table.device() == mixed_in.device(), "the chunk plan must be on the input's device");
-  const c10::cuda::CUDAGuard guard(mixed_in.device());
-  GdnLaunch l;
-  const at::Tensor& mixed = l.hold(mixed_in.stride(1) == 1 ? mixed_in : mixed_in.contiguous());
+  const at::Tensor& mixed = l->hold(mixed_in.stride(1) == 1 ? mixed_in : mixed_in.contiguous());
   const int64_t tokens = mixed.size(0);
-  l.args.qkv = mixed.data_ptr();
-  l.args.qkv_stride = mixed.stride(0);
-  l.args.tokens = static_cast<int>(tokens);
-  l.args.key_heads = static_cast<int>(key_heads);
-  l.args.value_heads = static_cast<int>(value_heads);
-  l.args.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  l.args.eps = static_cast<float>(eps);
-  bind_gates(gates, tokens, value_heads, &l);
-  bind_workspace(mixed.options(), value_heads, plan, state_columns, &l);
-  const at::Tensor out = bind_output(z, norm_weight_in, o_dtype, mixed.options(), tokens, value_heads, &l);
+  kernels::GdnForward& a = l->args;
+  a.qkv = mixed.data_ptr();
+  a.qkv_stride = mixed.stride(0);
+  a.tokens = static_cast<int>(tokens);
+  a.key_heads = static_cast<int>(key_heads);
+  a.value_heads = static_cast<int>(value_heads);
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  a.eps = static_cast<float>(eps);
+  bind_gates(gates, tokens, value_heads, l);
+  bind_workspace(mixed.options(), value_heads, plan, state_columns, l);
+}
+
+}  // namespace
+
+at::Tensor gated_delta_rule_cuda(const at::Tensor& mixed, int64_t key_heads, int64_t value_heads, const GdnGates& gates,
+                                 const GdnChunkPlan& plan, const at::Tensor& z, const at::Tensor& norm_weight,
+                                 double eps, int state_columns, float* stage_ms, at::ScalarType o_dtype,
+                                 GdnCarriedStates* carried) {
+  const c10::cuda::CUDAGuard guard(mixed.device());
+  GdnLaunch l;
+  bind_rule(mixed, key_heads, value_heads, gates, plan, eps, state_columns, &l);
+  const int64_t tokens = mixed.size(0);
+  const at::Tensor out = bind_output(z, norm_weight, o_dtype, mixed.options(), tokens, value_heads, &l);
   if (carried != nullptr) bind_carried_states(carried, plan.num_seqs, value_heads, mixed.device(), &l);
   launch(l, stage_ms);
   return out;
 }
+
 ConvStepResult conv_step_cuda(const at::Tensor& tails_in, const at::Tensor& x_in, const at::Tensor& weight_in,
                               const ConvStepGates* gates, bool settled) {
   expect(tails_in.is_cuda() && tails_in.dim() == 3 && tails_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2 &&

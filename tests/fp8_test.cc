@@ -625,8 +625,9 @@ void check_grouped_case(const GroupedCase& c, const at::Device& gpu, cudaStream_
 // 128, 129 and 300 rows (tiles cut at each group's own first row), k of 1, 2, 3, 4 and 16
 // k-blocks, n not a multiple of 128 (the last n-tile partial, reading the next group's rows),
 // rows of x strided, 35B-A3B's expert shapes; one group without ends (up to 2304 rows, a partial
-// last n-tile, more tiles than CTAs); rows past the last group's end left as they were; a second run bit for bit the same (with the other epilogue, in the epilogue warps;
-// through fp8_grouped_linear with each); shapes it cannot take refused by name.
+// last n-tile, more tiles than CTAs); rows past the last group's end left as they were; a second
+// run bit for bit the same (with the other epilogue, in the epilogue warps; through
+// fp8_grouped_linear with each); shapes it cannot take refused by name.
 TEST(Fp8, GpuGroupedGemmMatchesTheEmulation) {
   if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
   namespace gf = dflash::grouped_fp8;
