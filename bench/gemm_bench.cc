@@ -12,7 +12,7 @@
 // algorithms at every split-k and reduction scheme, the weights read from memory (4 copies);
 // `stream` the stream-K GEMM against cuBLASLt's heuristic (and which the projections take);
 // `grouped-fp8` the FP8 grouped GEMM (kernels/grouped_fp8.h) as one group against cuBLASLt's
-// block-scaled product on the same operands, with each of its epilogues.
+// block-scaled product on the same operands.
 // Usage: gemm_bench [explore-fp8 | explore-bf16 | explore-split-k | stream | grouped-fp8] [ROWS...]
 //        (default: 3072 128)
 #include <ATen/ATen.h>
@@ -462,10 +462,9 @@ Fp8Operands fp8_operands(const Shape& s, int64_t m) {
 }
 
 // Block-scaled FP8 at `m` rows: the FP8 grouped GEMM with one group (every row, no ends) against
-// cuBLASLt's (fp8_linear), the same quantised operands, 20 products back to back, timed with each
-// epilogue. Returns {cuBLASLt ms, ours with the consumers' epilogue, ours with the epilogue
-// warps'} per product.
-std::array<double, 3> grouped_vs_lt(const Shape& s, int64_t m) {
+// cuBLASLt's (fp8_linear), the same quantised operands, 20 products back to back. Returns
+// {cuBLASLt ms, ours} per product.
+std::array<double, 2> grouped_vs_lt(const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const auto [w, a] = fp8_operands(s, m);
   const target::Fp8Weight batch{w.data.unsqueeze(0), w.scale.unsqueeze(0)};
@@ -476,18 +475,13 @@ std::array<double, 3> grouped_vs_lt(const Shape& s, int64_t m) {
   p.factor_stride = a.factors.stride(1), p.w = batch.data.data_ptr(), p.w_factors = batch.scale.data_ptr<float>();
   p.y = y.data_ptr(), p.m = m, p.n = s.n, p.k = s.k;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(0).stream();
-  std::array<double, 3> ms{per_call_ms([&] { target::fp8_linear(a, w, {}); }), 0, 0};
-  using grouped_fp8::Epilogue;
-  for (const Epilogue epilogue : {Epilogue::consumers, Epilogue::epilogue_warps}) {
-    grouped_fp8::run(p, 0, stream, epilogue);
-    char note[64];
-    std::snprintf(note, sizeof(note), "vs cuBLASLt %.0e", relative_error(y, reference));
-    ms[static_cast<size_t>(epilogue)] = per_call_ms([&] { grouped_fp8::run(p, 0, stream, epilogue); });
-    print_fp8_pair(s, m, "FP8 cuBLASLt", ms[0],
-                   epilogue == Epilogue::consumers ? "ours, consumers' epilogue" : "ours, epilogue warps",
-                   ms[static_cast<size_t>(epilogue)], note);
-  }
-  return ms;
+  const double lt = per_call_ms([&] { target::fp8_linear(a, w, {}); });
+  grouped_fp8::run(p, 0, stream);
+  char note[64];
+  std::snprintf(note, sizeof(note), "vs cuBLASLt %.0e", relative_error(y, reference));
+  const double ours = per_call_ms([&] { grouped_fp8::run(p, 0, stream); });
+  print_fp8_pair(s, m, "FP8 cuBLASLt", lt, "the grouped kernel", ours, note);
+  return {lt, ours};
 }
 
 }  // namespace
@@ -520,10 +514,9 @@ int main(int argc, char** argv) {
       continue;
     }
     if (mode == "grouped-fp8") {
-      const auto [lt, in_consumers, in_warps] = per_forward<3>([&](const Shape& s) { return grouped_vs_lt(s, m); });
-      std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | the grouped kernel, "
-                  "consumers' epilogue %.1f | epilogue warps %.1f |\n", static_cast<long long>(m), lt, in_consumers,
-                  in_warps);
+      const auto [lt, ours] = per_forward<2>([&](const Shape& s) { return grouped_vs_lt(s, m); });
+      std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | the grouped kernel %.1f |\n",
+                  static_cast<long long>(m), lt, ours);
       continue;
     }
     if (mode == "explore-split-k") {

@@ -8,10 +8,9 @@
 //      reference host loop (what ran before), the grouped path with FP8 experts on the FP8
 //      grouped GEMM and dequantized per call, and the floor: its FLOPs (router, top-k experts'
 //      SwiGLU, shared expert) at the measured bf16 matmul rate.
-//   An MoE target's FP8 forward runs three times: its experts dequantized per layer, on the FP8
-//   grouped GEMM with its tiles written by the epilogue warps, then by the consumers (the default;
-//   kernels/grouped_fp8.h's hooks, in one process); its MoE block also at decode's sizes (64, 128
-//   and 512 tokens) with either epilogue.
+//   An MoE target's FP8 forward runs twice: its experts dequantized per layer (kernels/
+//   grouped_fp8.h's hook `off`, in one process), then on the FP8 grouped GEMM; its MoE block also
+//   at decode's sizes (64, 128 and 512 tokens).
 // Usage: target_bench CONFIG_DIR [LAST_LAYER]   (LAST_LAYER -1: no whole forward, the MoE block only)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -77,14 +76,11 @@ void bench_forward(const target::ModelConfig& config, const char* config_dir, in
     fp8_options.fp8_weights = true;
     try {
       // An MoE target: first with its FP8 experts dequantized per layer (the path before the FP8
-      // grouped GEMM), then on that GEMM with the epilogue warps, in the same process.
+      // grouped GEMM), in the same process.
       if (config.num_experts > 0) {
         grouped_fp8::off = true;
         run(fp8_options, "fp8, experts dequantized per layer");
         grouped_fp8::off = false;
-        grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::epilogue_warps;
-        run(fp8_options, "fp8, experts' products with the epilogue warps");
-        grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::consumers;
       }
       const std::vector<at::Tensor> fp8 = run(fp8_options, "fp8");
       for (size_t i = 0; i < tapped.size(); ++i) {
@@ -143,26 +139,18 @@ void bench_moe_block(const target::ModelConfig& config, double rate) {
     fp8.experts_gate_up = fp8.experts_down = at::Tensor();
     const bool kernel = target::fp8_experts_grouped(fp8, x.device(), x.scalar_type());
     const double on_kernel = median_ms(20, [&] { target::moe_grouped(shape, fp8, x); });
-    grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::epilogue_warps;
-    const double warps = median_ms(20, [&] { target::moe_grouped(shape, fp8, x); });
-    grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::consumers;
     grouped_fp8::off = true;
     const double dequantized = median_ms(20, [&] { target::moe_grouped(shape, fp8, x); });
     grouped_fp8::off = false;
     std::printf("  %-40s %9.3f %10.2f%s\n", "grouped, FP8 experts (grouped FP8 GEMM)", on_kernel, on_kernel / floor_ms,
                 kernel ? "" : "  (the kernel does not apply here)");
-    std::printf("  %-40s %9.3f %10.2f\n", "  the same, epilogue warps", warps, warps / floor_ms);
     std::printf("  %-40s %9.3f %10.2f\n", "grouped, FP8 experts dequantized", dequantized, dequantized / floor_ms);
     // Decode's sizes (a generate step of 64 or 128 sequences, a verify step's blocks): each
     // expert a few rows, its tiles mostly partial.
     for (const int64_t rows : {64, 128, 512}) {
       const at::Tensor xs = x.narrow(0, 0, rows);
-      const double consumers = median_ms(50, [&] { target::moe_grouped(shape, fp8, xs); });
-      grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::epilogue_warps;
-      const double with_warps = median_ms(50, [&] { target::moe_grouped(shape, fp8, xs); });
-      grouped_fp8::experts_epilogue = grouped_fp8::Epilogue::consumers;
-      std::printf("  FP8 experts, %4lld tokens: consumers' epilogue %.4f ms, epilogue warps %.4f ms\n",
-                  static_cast<long long>(rows), consumers, with_warps);
+      std::printf("  grouped, FP8 experts, %4lld tokens: %.4f ms\n", static_cast<long long>(rows),
+                  median_ms(50, [&] { target::moe_grouped(shape, fp8, xs); }));
     }
   }
   // DFLASHD_PROFILE=1: the grouped block's kernels by GPU time (10 calls).

@@ -221,8 +221,7 @@ at::Tensor fp8_grouped_linear(const Fp8Activations& a, const Fp8Weight& w, const
     p.factor_stride = factor_stride(a), p.w = w.data.data_ptr(), p.w_factors = w.scale.data_ptr<float>();
     p.ends = ends.data_ptr<int32_t>(), p.y = y.data_ptr(), p.m = a.rows, p.n = out, p.k = in;
     p.groups = static_cast<int>(groups);
-    grouped_fp8::run(p, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream(),
-                     grouped_fp8::experts_epilogue.load());
+    grouped_fp8::run(p, a.q.device().index(), at::cuda::getCurrentCUDAStream().stream());
     return y;
   }
 #endif

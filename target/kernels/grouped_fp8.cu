@@ -21,28 +21,24 @@ constexpr int kThreads = 128 + kConsumerThreads;  // a producer warpgroup and tw
 constexpr size_t kSharedBytes = sizeof(Shared) + 1024;  // + the alignment of the ring
 static_assert(kSharedBytes <= 227 * 1024, "the FP8 grouped GEMM's shared memory exceeds an H200 CTA's");
 
-// The kernel's roles: thread 0 produces; with kWarpEpilogue warps 1-3 write the tiles out
-// (`drain`); the consumer warpgroups multiply (`consume`, given the consumer thread's index
-// 0..255). The producer warpgroup gives registers up to the consumers.
-template <bool kWarpEpilogue, typename Produce, typename Drain, typename Consume>
+// The kernel's roles: thread 0 produces; warps 1-3 write the tiles out (`drain`); the consumer
+// warpgroups multiply (`consume`, given the consumer thread's index 0..255). The producer
+// warpgroup gives registers up to the consumers.
+template <typename Produce, typename Drain, typename Consume>
 __device__ __forceinline__ void warp_roles(Produce&& produce, Drain&& drain, Consume&& consume) {
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x == 0) produce();
-    if constexpr (kWarpEpilogue) {
-      if (threadIdx.x >= 32) drain();
-    }
+    if (threadIdx.x >= 32) drain();
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   consume(static_cast<int>(threadIdx.x) - 128);
 }
 
-// Warpgroup 0 produces (thread 0), warpgroups 1 and 2 consume; every CTA walks the same tile
-// numbering (schedule.h), each from its own index. Its tiles are written out by the consumers, or
-// with kWarpEpilogue by warps 1-3 of the producer warpgroup while the consumers go on
-// (epilogue.cuh).
-template <bool kWarpEpilogue>
+// Warpgroup 0 produces (thread 0) and writes the tiles out (warps 1-3, while the consumers go on:
+// epilogue.cuh), warpgroups 1 and 2 consume; every CTA walks the same tile numbering
+// (schedule.h), each from its own index.
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_fp8_kernel(const __grid_constant__ XMaps x_maps, const __grid_constant__ CUtensorMap w_map,
                        const Problem p) {
@@ -58,7 +54,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Walk walk = count_tiles(s, p);  // synchronises the CTA (the barriers' set-up too)
   const int k_blocks = static_cast<int>(p.k / kBlockK);
   auto* y = static_cast<__nv_bfloat16*>(p.y);
-  warp_roles<kWarpEpilogue>(
+  warp_roles(
       [&] { produce(s.ring, x_maps, &w_map, walk, static_cast<int>(p.n), k_blocks); },
       [&] { drain_tiles(s.out, walk, y, p.n); },
       [&](int ct) {
@@ -68,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int64_t t = blockIdx.x; t < walk.tiles; t += gridDim.x, ++done) {
           const Tile tile = walk.at(t);
           consume_tile(s.ring, acc, at, tile, p, k_blocks, ct);
-          finish_tile<kWarpEpilogue>(acc, s.out, tile, y, p.n, done, ct);
+          hand_over_tile(acc, s.out, done, ct);
         }
       });
 #else
@@ -76,11 +72,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <bool kWarpEpilogue>
 void run_grouped(const Problem& p, int device, cudaStream_t stream) {
   static std::array<std::once_flag, 64> once;  // the attribute is set per device
   std::call_once(once[device], [] {
-    allow_shared_memory(grouped_fp8_kernel<kWarpEpilogue>, kSharedBytes, "FP8 grouped GEMM kernel");
+    allow_shared_memory(grouped_fp8_kernel, kSharedBytes, "FP8 grouped GEMM kernel");
   });
   XMaps x_maps;
   for (int box = 0; box < kXBoxes; ++box) {
@@ -92,7 +87,7 @@ void run_grouped(const Problem& p, int device, cudaStream_t stream) {
   // Every group adds at most one partial m-tile: more CTAs than this would find no tile.
   const int64_t most_tiles = ((p.m + kTileRows - 1) / kTileRows + p.groups) * n_tiles_of(p.n);
   const int64_t ctas = std::min<int64_t>(tensor_map::device_facts(device).sms, most_tiles);
-  grouped_fp8_kernel<kWarpEpilogue><<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(x_maps, w_map, p);
+  grouped_fp8_kernel<<<static_cast<unsigned>(ctas), kThreads, kSharedBytes, stream>>>(x_maps, w_map, p);
   check_cuda(cudaGetLastError(), "FP8 grouped GEMM kernel");
 }
 
@@ -122,7 +117,7 @@ bool applies(const Problem& p, int device) {
   return rest && weights_apply(p.groups, p.n, p.k, p.w, device);
 }
 
-void run(const Problem& p, int device, cudaStream_t stream, Epilogue epilogue) {
+void run(const Problem& p, int device, cudaStream_t stream) {
   if (!applies(p, device)) {
     throw std::invalid_argument("FP8 grouped GEMM: " + std::to_string(p.groups) + " groups of [" + std::to_string(p.m) +
                                 " rows, " + std::to_string(p.k) + "] -> " + std::to_string(p.n) +
@@ -130,11 +125,7 @@ void run(const Problem& p, int device, cudaStream_t stream, Epilogue epilogue) {
                                 " (sm_90a, n a multiple of 8, k of 128, 16-byte aligned operands)");
   }
   if (p.m == 0) return;
-  if (epilogue == Epilogue::epilogue_warps) {
-    run_grouped<true>(p, device, stream);
-  } else {
-    run_grouped<false>(p, device, stream);
-  }
+  run_grouped(p, device, stream);
 }
 
 }  // namespace dflash::grouped_fp8

@@ -30,17 +30,6 @@ inline constexpr int kMaxGroups = 1024;  // the MoE block's largest expert count
 // bf16 grouped GEMM instead (the path before this kernel), to compare the two in one process.
 inline std::atomic<bool> off{false};
 
-// Where the kernel writes its tiles out: in the consumer warpgroups between one tile's mainloop
-// and the next (the tensor cores wait meanwhile), or in the producer warpgroup's idle warps while
-// the consumers go on with the next tile (kernels/grouped_fp8/epilogue.cuh).
-enum class Epilogue : int { consumers = 1, epilogue_warps = 2 };
-
-// A benchmark hook (the daemon never sets it): the epilogue of the MoE experts' products
-// (target/fp8.h's fp8_grouped_linear on this file's kernel): the consumers' until the two are
-// measured side by side (an expert's down_proj at 35B-A3B shapes is 4 k-blocks a tile, so its
-// epilogue weighs).
-inline std::atomic<Epilogue> experts_epilogue{Epilogue::consumers};
-
 struct Problem {
   const void* x = nullptr;             // e4m3 [m, k], rows x_stride bytes apart, sorted by group
   int64_t x_stride = 0;                // a multiple of 16, >= k
@@ -71,8 +60,7 @@ bool weights_apply(int64_t groups, int64_t n, int64_t k, const void* w, int devi
 bool applies(const Problem& p, int device);
 
 // Runs the product on `stream` (one persistent CTA per SM; no host synchronisation: the group
-// sizes are read on the device), its tiles written out by `epilogue`. Throws naming the shape
-// where applies() is false.
-void run(const Problem& p, int device, cudaStream_t stream, Epilogue epilogue = Epilogue::consumers);
+// sizes are read on the device). Throws naming the shape where applies() is false.
+void run(const Problem& p, int device, cudaStream_t stream);
 
 }  // namespace dflash::grouped_fp8

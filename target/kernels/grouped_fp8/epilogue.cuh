@@ -1,9 +1,9 @@
 // epilogue.cuh: the FP8 grouped GEMM's tiles leave the consumers' registers (grouped_fp8.cu):
-// rounded to bf16 into shared memory (stage_tile), then each of the tile's rows (only those of its
-// group, and only its columns below n) to y as 16-byte stores (copy_tile). Either the consumers do
-// both between one tile's mainloop and the next (store_tile: Epilogue::consumers), or they only
-// stage the tile and go on, and the producer warpgroup's three idle warps copy it out while the
-// next tile's mainloop runs (hand_over_tile, drain_tiles: Epilogue::epilogue_warps).
+// the consumers round them to bf16 into shared memory (stage_tile) and go on with the next tile;
+// the producer warpgroup's three idle warps copy each of the tile's rows (only those of its group,
+// and only its columns below n) to y as 16-byte stores (copy_tile) while the next tile's mainloop
+// runs. Written by the consumers themselves between tiles, the tensor cores waited meanwhile: the
+// MoE block at 35B-A3B shapes took 2-4 % longer (bench/RESULTS.md, session 33).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -46,48 +46,26 @@ __device__ __forceinline__ void copy_tile(const Staging& out, const Tile& tile, 
   }
 }
 
-// Both, by the consumers (barrier 1: the consumers' own).
-__device__ __forceinline__ void store_tile(const Accumulators& acc, Staging& out, const Tile& tile, __nv_bfloat16* y,
-                                           int64_t n, int ct) {
-  const barriers::NamedBarrier consumers{1, kConsumerThreads};
-  consumers.sync();  // the previous tile's stores have read the staging
-  stage_tile(acc, out, ct);
-  consumers.sync();
-  copy_tile(out, tile, y, n, ct, kConsumerThreads);
-}
-
 // ---- the hand-over to the epilogue warps ----------------------------------------------------------
 inline constexpr int kEpilogueWarps = 3;  // warps 1-3: the producer warpgroup's, beside its producer thread
 inline constexpr int kEpilogueThreads = 32 * kEpilogueWarps;
 
-// Staged (barrier 2): the consumers (arrive) to the epilogue warps (sync) that a tile is in the
-// staging; drained (barrier 3): the epilogue warps (arrive) to the consumers (sync, before they
+// Staged (barrier 1): the consumers (arrive) to the epilogue warps (sync) that a tile is in the
+// staging; drained (barrier 2): the epilogue warps (arrive) to the consumers (sync, before they
 // stage the next tile) that they have read it.
 __device__ __forceinline__ barriers::NamedBarrier staged_barrier() {
-  return {2, kConsumerThreads + kEpilogueThreads};
+  return {1, kConsumerThreads + kEpilogueThreads};
 }
 __device__ __forceinline__ barriers::NamedBarrier drained_barrier() {
-  return {3, kConsumerThreads + kEpilogueThreads};
+  return {2, kConsumerThreads + kEpilogueThreads};
 }
 
-// A consumer thread's part: once the epilogue warps have read the previous tile (done > 0: the
-// tiles handed over before), its sums into the staging, and on.
+// A consumer thread's part of the CTA's `done`-th tile: once the epilogue warps have read the
+// previous tile (done > 0), its sums into the staging, and on.
 __device__ __forceinline__ void hand_over_tile(const Accumulators& acc, Staging& out, int done, int ct) {
   if (done > 0) drained_barrier().sync();
   stage_tile(acc, out, ct);
   staged_barrier().arrive();
-}
-
-// A consumer thread's bf16 tile out of its accumulators, the `done`-th of the CTA: handed over to
-// the epilogue warps (kWarpEpilogue) or stored by the consumers themselves (store_tile).
-template <bool kWarpEpilogue>
-__device__ __forceinline__ void finish_tile(const Accumulators& acc, Staging& out, const Tile& tile, __nv_bfloat16* y,
-                                            int64_t n, int done, int ct) {
-  if constexpr (kWarpEpilogue) {
-    hand_over_tile(acc, out, done, ct);
-  } else {
-    store_tile(acc, out, tile, y, n, ct);
-  }
 }
 
 // An epilogue warp's: wait for the next staged tile (take_tile); after reading it, hand the
