@@ -1,9 +1,8 @@
 // fp8_group.cuh: one 1x128 group of a row quantised to e4m3 by the 16 lanes of a half-warp that
 // hold it, 8 consecutive values each (target/fp8.h's activation quantisation). The quantisation
 // kernel and the element-wise kernels that produce an FP8 GEMM's input (the RMSNorm before a
-// projection, SiLU-mul before down_proj) share it, and the FP8 GEMM that forms SwiGLU in its
-// epilogue (grouped_fp8/swiglu_epilogue.cuh) its factor and division, so the rounding is the same
-// wherever a GEMM's input is quantised. Device code only.
+// projection, SiLU-mul before down_proj, the attention output gate before o_proj) share it, so
+// the rounding is the same wherever a GEMM's input is quantised. Device code only.
 #pragma once
 
 #include <cuda_fp8.h>
