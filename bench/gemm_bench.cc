@@ -515,8 +515,8 @@ int main(int argc, char** argv) {
     }
     if (mode == "grouped-fp8") {
       const auto [lt, ours] = per_forward<2>([&](const Shape& s) { return grouped_vs_lt(s, m); });
-      std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | the grouped kernel %.1f |\n",
-                  static_cast<long long>(m), lt, ours);
+      std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | the grouped kernel "
+                  "%.1f |\n", static_cast<long long>(m), lt, ours);
       continue;
     }
     if (mode == "explore-split-k") {
