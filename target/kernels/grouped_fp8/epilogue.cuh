@@ -3,7 +3,7 @@
 // the producer warpgroup's three idle warps copy each of the tile's rows (only those of its group,
 // and only its columns below n) to y as 16-byte stores (copy_tile) while the next tile's mainloop
 // runs. Written by the consumers themselves between tiles, the tensor cores waited meanwhile: the
-// MoE block at 35B-A3B shapes took 2-4 % longer (bench/RESULTS.md, session 33).
+// MoE block at 35B-A3B shapes took 1-4 % longer (bench/RESULTS.md, session 33).
 #pragma once
 
 #include <cuda_bf16.h>
