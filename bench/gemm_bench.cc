@@ -18,11 +18,9 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/InferenceMode.h>
-#include <c10/cuda/CUDAFunctions.h>
 #include <cublasLt.h>
 
 #include <algorithm>
-#include <array>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -269,7 +267,7 @@ Row bench_shape(cublasLtHandle_t handle, const Shape& s, int64_t m) {
 // One shape's product, bf16 or block-scaled FP8, through every configuration cuBLASLt lists (FP8
 // with and without fast accumulation): the heuristic's first against the fastest that stays within
 // 1e-2 of ATen's product. Returns {heuristic ms, fastest ms}.
-std::array<double, 2> explore(cublasLtHandle_t handle, const Shape& s, int64_t m, bool fp8) {
+std::pair<double, double> explore(cublasLtHandle_t handle, const Shape& s, int64_t m, bool fp8) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
   const at::Tensor w = (at::randn({s.n, s.k}, gpu) * 0.02).to(at::kBFloat16);
@@ -332,21 +330,21 @@ std::vector<at::Tensor> rotated_weights(const Shape& s) {
   return weights;
 }
 
-// N times per product (ms) summed over a forward over layers 0..61 (each shape per_forward times).
-template <size_t N, typename F>
-std::array<double, N> per_forward(F&& times) {
-  std::array<double, N> total{};
+// Two times per product (ms) summed over a forward over layers 0..61 (each shape per_forward times).
+template <typename F>
+std::pair<double, double> per_forward(F&& times) {
+  double first = 0, second = 0;
   for (const Shape& s : kShapes) {
-    const std::array<double, N> one = times(s);
-    for (size_t i = 0; i < N; ++i) total[i] += one[i] * s.per_forward;
+    const auto [a, b] = times(s);
+    first += a * s.per_forward, second += b * s.per_forward;
   }
-  return total;
+  return {first, second};
 }
 
 // bf16 at `m` rows with split-k (which `explore` leaves at 1): the heuristic's first 8 algorithms,
 // each at split-k 1 .. 16 with every reduction scheme cuBLASLt's check accepts, the weights rotated
 // over 4 copies (as a step reads them: from memory, not L2). Returns {heuristic ms, fastest ms}.
-std::array<double, 2> explore_split_k(cublasLtHandle_t handle, const Shape& s, int64_t m) {
+std::pair<double, double> explore_split_k(cublasLtHandle_t handle, const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
   const std::vector<at::Tensor> weights = rotated_weights(s);
@@ -398,7 +396,7 @@ std::array<double, 2> explore_split_k(cublasLtHandle_t handle, const Shape& s, i
 // heuristic (lt_gemm_bf16), 20 products back to back over 4 rotated copies of the weights (as a
 // step reads them: from memory, launch gaps included), and which of the two the target's
 // projections take (projection_bf16). Returns {cuBLASLt ms, stream-K ms} per product.
-std::array<double, 2> stream_vs_lt(const Shape& s, int64_t m) {
+std::pair<double, double> stream_vs_lt(const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
   const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
   const std::vector<at::Tensor> weights = rotated_weights(s);
@@ -429,58 +427,36 @@ std::array<double, 2> stream_vs_lt(const Shape& s, int64_t m) {
   return {lt, ours};
 }
 
-// f's time per call (ms): 20 calls back to back, the median of 7 such runs.
-template <typename F>
-double per_call_ms(F&& f) {
-  return bench::median_ms(7, [&] {
-           for (int i = 0; i < 20; ++i) f();
-         }) / 20;
-}
-
-// One line of two FP8 products of shape s at m rows: each one's time and TFLOP/s, `note` after
-// the second's, and the first's time over the second's.
-void print_fp8_pair(const Shape& s, int64_t m, const char* first, double first_ms, const char* second,
-                    double second_ms, const char* note) {
-  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(s.n) * static_cast<double>(s.k);
-  std::printf("%-12s m %5lld n %5lld k %5lld | %s %.4f ms (%.0f TFLOP/s) | %s %.4f ms (%.0f TFLOP/s, %s) | %.2fx\n",
-              s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), first,
-              first_ms, flops / first_ms / 1e9, second, second_ms, flops / second_ms / 1e9, note,
-              first_ms / second_ms);
-}
-
-// Random block-scaled FP8 operands of shape s at m rows: W [n, k] of unit-variance products, x
-// quantised per 1x128 group (rows padded as the GEMM reads them).
-struct Fp8Operands {
-  target::Fp8Weight w;
-  target::Fp8Activations a;
-};
-Fp8Operands fp8_operands(const Shape& s, int64_t m) {
-  const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
-  const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
-  return {target::quantize_blocks(at::randn({s.n, s.k}, gpu) / std::sqrt(static_cast<double>(s.k))),
-          target::quantize_groups(x, target::fp8_gemm_rows(m, x.device()))};
-}
-
 // Block-scaled FP8 at `m` rows: the FP8 grouped GEMM with one group (every row, no ends) against
 // cuBLASLt's (fp8_linear), the same quantised operands, 20 products back to back. Returns
-// {cuBLASLt ms, ours} per product.
-std::array<double, 2> grouped_vs_lt(const Shape& s, int64_t m) {
+// {cuBLASLt ms, grouped ms} per product.
+std::pair<double, double> grouped_vs_lt(const Shape& s, int64_t m) {
   const auto gpu = at::TensorOptions().device(at::kCUDA, 0);
-  const auto [w, a] = fp8_operands(s, m);
+  const at::Tensor x = at::randn({m, s.k}, gpu.dtype(at::kBFloat16));
+  const target::Fp8Weight w = target::quantize_blocks(at::randn({s.n, s.k}, gpu) / std::sqrt(static_cast<double>(s.k)));
+  const target::Fp8Activations a = target::quantize_groups(x, target::fp8_gemm_rows(m, x.device()));
   const target::Fp8Weight batch{w.data.unsqueeze(0), w.scale.unsqueeze(0)};
   const at::Tensor reference = target::fp8_linear(a, w, {});
   at::Tensor y = at::empty({m, s.n}, gpu.dtype(at::kBFloat16));
   grouped_fp8::Problem p;
   p.x = a.q.data_ptr(), p.x_stride = s.k, p.x_factors = a.factors.data_ptr<float>();
-  p.factor_stride = a.factors.stride(1), p.w = batch.data.data_ptr(), p.w_factors = batch.scale.data_ptr<float>();
+  p.factor_stride = target::factor_stride(a);
+  p.w = batch.data.data_ptr(), p.w_factors = batch.scale.data_ptr<float>();
   p.y = y.data_ptr(), p.m = m, p.n = s.n, p.k = s.k;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(0).stream();
-  const double lt = per_call_ms([&] { target::fp8_linear(a, w, {}); });
   grouped_fp8::run(p, 0, stream);
-  char note[64];
-  std::snprintf(note, sizeof(note), "vs cuBLASLt %.0e", relative_error(y, reference));
-  const double ours = per_call_ms([&] { grouped_fp8::run(p, 0, stream); });
-  print_fp8_pair(s, m, "FP8 cuBLASLt", lt, "the grouped kernel", ours, note);
+  const double error = relative_error(y, reference);
+  const double lt = bench::median_ms(7, [&] {
+                      for (int i = 0; i < 20; ++i) target::fp8_linear(a, w, {});
+                    }) / 20;
+  const double ours = bench::median_ms(7, [&] {
+                        for (int i = 0; i < 20; ++i) grouped_fp8::run(p, 0, stream);
+                      }) / 20;
+  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(s.n) * static_cast<double>(s.k);
+  std::printf("%-12s m %5lld n %5lld k %5lld | FP8 cuBLASLt %.4f ms (%.0f TFLOP/s) | grouped, one group %.4f ms "
+              "(%.0f TFLOP/s, vs cuBLASLt %.0e) | %.2fx\n",
+              s.name, static_cast<long long>(m), static_cast<long long>(s.n), static_cast<long long>(s.k), lt,
+              flops / lt / 1e9, ours, flops / ours / 1e9, error, lt / ours);
   return {lt, ours};
 }
 
@@ -508,26 +484,26 @@ int main(int argc, char** argv) {
   check(cublasLtCreate(&handle), "handle");
   for (const int64_t m : rows) {
     if (mode == "stream") {
-      const auto [lt, ours] = per_forward<2>([&](const Shape& s) { return stream_vs_lt(s, m); });
+      const auto [lt, ours] = per_forward([&](const Shape& s) { return stream_vs_lt(s, m); });
       std::printf("| %lld rows, bf16 GEMMs of a forward over layers 0..61, weights from memory | cuBLASLt %.2f ms | "
                   "stream-K %.2f |\n", static_cast<long long>(m), lt, ours);
       continue;
     }
     if (mode == "grouped-fp8") {
-      const auto [lt, ours] = per_forward<2>([&](const Shape& s) { return grouped_vs_lt(s, m); });
+      const auto [lt, ours] = per_forward([&](const Shape& s) { return grouped_vs_lt(s, m); });
       std::printf("| %lld rows, FP8 GEMMs of a forward over layers 0..61 | cuBLASLt %.1f ms | the grouped kernel "
                   "%.1f |\n", static_cast<long long>(m), lt, ours);
       continue;
     }
     if (mode == "explore-split-k") {
-      const auto [heuristic, fastest] = per_forward<2>([&](const Shape& s) { return explore_split_k(handle, s, m); });
+      const auto [heuristic, fastest] = per_forward([&](const Shape& s) { return explore_split_k(handle, s, m); });
       std::printf("| %lld rows, bf16 GEMMs of a forward over layers 0..61, weights from memory | heuristic %.1f ms | "
                   "fastest split-k variant %.1f |\n", static_cast<long long>(m), heuristic, fastest);
       continue;
     }
     if (!mode.empty()) {
       const auto [heuristic, fastest] =
-          per_forward<2>([&](const Shape& s) { return explore(handle, s, m, mode == "explore-fp8"); });
+          per_forward([&](const Shape& s) { return explore(handle, s, m, mode == "explore-fp8"); });
       std::printf("| %lld rows, %s GEMMs of a forward over layers 0..61 | heuristic %.1f ms | fastest configuration "
                   "%.1f |\n", static_cast<long long>(m), mode.c_str() + 8, heuristic, fastest);
       continue;
