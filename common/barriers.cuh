@@ -8,8 +8,6 @@
 //   TransactionBarrier  an mbarrier whose phase completes when its arrivals and the bytes they
 //                     announced have landed; store_to_peer writes into a peer CTA and counts
 //                     there
-//   RowSwap           a float per row swapped with the peer CTA of a cluster of two, in two
-//                     buffers taken by turns
 #pragma once
 
 #include <cstdint>
@@ -116,33 +114,5 @@ __device__ __forceinline__ void store_to_peer(uint32_t remote, float value, uint
                "r"(remote_barrier)
                : "memory");
 }
-
-// Swap number n of a float per row (`rows` of them) with the peer CTA of a cluster of two. Each
-// CTA holds two buffers [2][rows] of the peer's values and a transaction barrier per buffer
-// (uint64_t [2], each initialised for one arrival); swap n uses buffer n % 2, and it is that
-// barrier's (n / 2)-th phase. One thread announces the rows * 4 bytes the peer sends (announce),
-// each row's value is sent once (send), and readers wait (wait), then read row r of their own
-// buffer `buffer`. A buffer is free again when the peer writes it: the peer sends swap n + 2 only
-// after receiving this CTA's swap n + 1, which this CTA sends only after its readers have read
-// swap n (the caller orders that, by a barrier or by one thread reading and sending).
-struct RowSwap {
-  uint32_t arrived;       // this CTA's barrier of the buffer
-  uint32_t peer_values;   // the peer's buffer (peer_address)
-  uint32_t peer_arrived;  // the peer's barrier of the buffer (peer_address)
-  uint32_t bytes, phase;
-  int buffer;
-  // own_arrived: this CTA's barriers [2]; peer_values, peer_arrived: the peer's buffers and barriers.
-  __device__ __forceinline__ static RowSwap of(uint32_t own_arrived, uint32_t peer_values, uint32_t peer_arrived,
-                                               int rows, int n) {
-    const int buffer = n & 1;
-    return {own_arrived + 8u * buffer, peer_values + 4u * buffer * rows, peer_arrived + 8u * buffer, 4u * rows,
-            static_cast<uint32_t>((n >> 1) & 1), buffer};
-  }
-  __device__ __forceinline__ void announce() const { TransactionBarrier{arrived}.expect_bytes(bytes); }
-  __device__ __forceinline__ void send(int row, float value) const {
-    store_to_peer(peer_values + 4u * row, value, peer_arrived);
-  }
-  __device__ __forceinline__ void wait() const { TransactionBarrier{arrived}.wait(phase); }
-};
 
 }  // namespace dflash::barriers

@@ -273,14 +273,15 @@ __device__ __forceinline__ void exchange_squares(const GdnForward& a, FusedShare
   }
   bar.sync();
   if (tid < C) {
-    // The group's chunk n is its n-th swap (the group's barrier orders reads before sends).
-    const barriers::RowSwap swap =
-        barriers::RowSwap::of(mma_tile::shared_address(&s.peer_written[group][0]), peer.partial, peer.written, C, n);
-    if (tid == 0) swap.announce();
+    // The peer's buffer of this parity is free: it read it two of the group's chunks ago, before
+    // it sent the partial sums of the group's chunk in between, which this CTA has received.
+    const int parity = n & 1;
+    const barriers::TransactionBarrier arrived{mma_tile::shared_address(&s.peer_written[group][parity])};
+    if (tid == 0) arrived.expect_bytes(C * 4);
     const float own = s.squares[group][0][tid] + s.squares[group][1][tid] + s.squares[group][2][tid] + s.squares[group][3][tid];
-    swap.send(tid, own);
-    swap.wait();
-    s.rstd[group][tid] = rsqrtf((own + s.peer_partial[group][swap.buffer][tid]) / D + a.eps);
+    barriers::store_to_peer(peer.partial + (parity * C + tid) * 4, own, peer.written + parity * 8);
+    arrived.wait((n >> 1) & 1);  // the peer's partial sums of this chunk: the (n / 2)-th phase of this parity
+    s.rstd[group][tid] = rsqrtf((own + s.peer_partial[group][parity][tid]) / D + a.eps);
   }
   bar.sync();
 }
