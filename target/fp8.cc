@@ -8,7 +8,6 @@
 
 #ifdef DFLASHD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
 
 #include "target/fused_ops.h"
 #include "target/kernels/fp8.h"
@@ -166,19 +165,6 @@ int64_t factor_stride(const Fp8Activations& a) {
   return a.factors.size(1) == 1 ? a.factors.size(0) : a.factors.stride(1);
 }
 
-namespace {
-
-#ifdef DFLASHD_WITH_CUDA
-// Whether w is laid out as kernels/grouped_fp8.h's kernel reads it: [groups, n, k], data and fp32
-// factors contiguous.
-bool kernel_layout(const Fp8Weight& w) {
-  return w.defined() && w.data.dim() == 3 && w.data.is_contiguous() && w.scale.is_contiguous() &&
-         w.scale.scalar_type() == at::kFloat;
-}
-#endif
-
-}  // namespace
-
 at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Tensor& bias) {
   const at::ScalarType dtype = a.dtype;
   at::Tensor y;
@@ -197,7 +183,10 @@ at::Tensor fp8_linear(const Fp8Activations& a, const Fp8Weight& w, const at::Ten
 
 bool fp8_grouped_gemm_applies(const Fp8Weight& w, at::Device device) {
 #ifdef DFLASHD_WITH_CUDA
-  return device.is_cuda() && kernel_layout(w) &&
+  if (!device.is_cuda() || !w.defined() || w.data.dim() != 3 || !w.data.is_contiguous() || !w.scale.is_contiguous()) {
+    return false;
+  }
+  return w.scale.scalar_type() == at::kFloat &&
          grouped_fp8::weights_apply(w.data.size(0), w.data.size(1), w.data.size(2), w.data.data_ptr(), device.index());
 #else
   (void)w;
