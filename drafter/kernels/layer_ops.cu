@@ -304,7 +304,10 @@ namespace {
 template <bool kBackward>
 void launch_rope(const void* in, const void* cos, const void* sin, void* out, int64_t rows, int heads, int d,
                  cudaStream_t stream, const char* name) {
-  if (!rope_supports(d) || heads < 1) throw std::invalid_argument(std::string(name) + ": needs d a multiple of 16");
+  if (!rope_supports(d) || heads < 1) {
+    throw std::invalid_argument(std::string(name) + ": needs d a multiple of 16 and at least one head, got d " +
+                                std::to_string(d) + ", " + std::to_string(heads) + " heads");
+  }
   const int64_t pairs = rows * heads * (d / 16);
   if (pairs == 0) return;
   rope_kernel<kBackward><<<grid_stride_blocks(pairs, kThreads), kThreads, 0, stream>>>(
