@@ -21,6 +21,9 @@
 #include "common/tensor_math.h"
 #include "drafter/block_attention.h"
 #include "drafter/checkpoint.h"
+#ifdef DFLASHD_WITH_CUDA
+#include "drafter/kernels/layer_ops.h"
+#endif
 #include "drafter/layer_ops.h"
 #include "drafter/loss.h"
 #include "drafter/model.h"
@@ -567,6 +570,18 @@ TEST(TrainedRope, GpuKernelsMatchTheCompositeForwardAndBackward) {
     EXPECT_TRUE(at::equal(ours, reference)) << what;
     EXPECT_TRUE(at::equal(x1.grad(), x2.grad())) << what;
   }
+#ifdef DFLASHD_WITH_CUDA
+  // Heads the kernels cannot take are refused naming what they got (trained_rope keeps them on
+  // the composite).
+  const at::Tensor odd = at::zeros({4, 2, 24}, bf16);
+  try {
+    dflash::drafter::kernels::rope_forward(odd.data_ptr(), odd.data_ptr(), odd.data_ptr(), odd.data_ptr(), 4, 2, 24,
+                                           nullptr);
+    ADD_FAILURE() << "heads of 24 ran";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("got d 24, 2 heads"), std::string::npos) << e.what();
+  }
+#endif
 }
 
 TEST(LmHeadLoss, GpuKernelsMatchTheCompositeComputation) {
