@@ -57,7 +57,76 @@ std::string shard_name(int64_t n, const char* suffix) {
   return name;
 }
 
+// The prompt indices committed shard n's marker lists.
+std::vector<int64_t> marker_prompts(const std::string& dir, int64_t n) {
+  const std::string path = dir + "/" + shard_name(n, ".done");
+  try {
+    return nlohmann::json::parse(read_all(path)).at("prompts").get<std::vector<int64_t>>();
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(path + ": damaged marker: " + e.what());
+  }
+}
+
+// DIR/generate.json, the record of the job.
+nlohmann::json read_job(const std::string& dir) {
+  const std::string path = dir + "/generate.json";
+  try {
+    return nlohmann::json::parse(read_all(path));
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(path + ": not JSON (" + e.what() + ")");
+  }
+}
+
+// A shard cut short (no marker) or a temporary file; generate decodes its prompts again.
+void remove_file(const std::string& path) {
+  if (::unlink(path.c_str()) != 0) {
+    throw std::runtime_error(path + ": cannot remove an uncommitted shard: " + errno_text());
+  }
+}
+
 }  // namespace
+
+ShardListing list_shards(const std::string& dir) {
+  ShardListing listing;
+  std::set<int64_t> markers, samples;
+  for (const std::string& name : entries(dir)) {
+    if (name.find(".tmp") != std::string::npos) {
+      listing.temporary.push_back(name);
+    } else if (const int64_t n = shard_number(name, ".done"); n >= 0) {
+      markers.insert(n);
+    } else if (const int64_t m = shard_number(name, ".jsonl"); m >= 0) {
+      samples.insert(m);
+    }
+  }
+  for (int64_t n : samples) {
+    if (markers.count(n) == 0) listing.uncommitted.push_back(shard_name(n, ".jsonl"));
+  }
+  for (int64_t n : markers) {
+    if (samples.count(n) == 0) {
+      throw std::runtime_error(dir + "/" + shard_name(n, ".done") + ": a commit marker without its samples " +
+                               shard_name(n, ".jsonl") + " (removed by hand?); remove the marker as well, and generate "
+                               "decodes its prompts again");
+    }
+    listing.committed.push_back(n);
+  }
+  return listing;
+}
+
+bool is_generate_output(const std::string& dir) { return ::access((dir + "/generate.json").c_str(), F_OK) == 0; }
+
+GeneratedData generated_data(const std::string& dir) {
+  GeneratedData data;
+  const nlohmann::json job = read_job(dir);
+  const auto prompts = job.is_object() ? job.find("prompts") : job.end();
+  data.prompts = prompts != job.end() && prompts->is_number_integer() ? prompts->get<int64_t>() : -1;
+  const ShardListing listing = list_shards(dir);
+  for (int64_t n : listing.committed) {
+    data.files.push_back(dir + "/" + shard_name(n, ".jsonl"));
+    data.done += static_cast<int64_t>(marker_prompts(dir, n).size());
+  }
+  for (const std::string& name : listing.uncommitted) data.uncommitted.push_back(dir + "/" + name);
+  return data;
+}
 
 ShardedOutput::ShardedOutput(std::string dir, const std::string& job, int64_t shard_size, bool keep_truncated)
     : dir_(std::move(dir)), shard_size_(shard_size), keep_truncated_(keep_truncated) {
@@ -65,13 +134,8 @@ ShardedOutput::ShardedOutput(std::string dir, const std::string& job, int64_t sh
   make_directories(dir_);
   const std::string job_path = dir_ + "/generate.json";
   const nlohmann::json wanted = nlohmann::json::parse(job);
-  if (::access(job_path.c_str(), F_OK) == 0) {
-    nlohmann::json found;
-    try {
-      found = nlohmann::json::parse(read_all(job_path));
-    } catch (const nlohmann::json::exception& e) {
-      throw std::runtime_error(job_path + ": not JSON (" + e.what() + ")");
-    }
+  if (is_generate_output(dir_)) {
+    const nlohmann::json found = read_job(dir_);
     // A record without some of this job's keys was written by an older dflashd that did not
     // record them: the same job if every key it has agrees (the keys are recorded from now on).
     bool same = found.is_object() && wanted.is_object();
@@ -88,30 +152,16 @@ ShardedOutput::ShardedOutput(std::string dir, const std::string& job, int64_t sh
   } else {
     write_file_atomically(job_path, wanted.dump(2) + "\n");
   }
-  std::set<int64_t> markers;
-  for (const std::string& name : entries(dir_)) {
-    if (const int64_t n = shard_number(name, ".done"); n >= 0) markers.insert(n);
-  }
-  for (const std::string& name : entries(dir_)) {
-    const int64_t n = shard_number(name, ".jsonl");
-    const bool temporary = name.find(".tmp") != std::string::npos;  // a write cut short (write_file_atomically)
-    if (temporary || (n >= 0 && markers.count(n) == 0)) {
-      if (::unlink((dir_ + "/" + name).c_str()) != 0) {
-        throw std::runtime_error(dir_ + "/" + name + ": cannot remove an uncommitted shard: " + errno_text());
+  const ShardListing listing = list_shards(dir_);
+  for (const std::string& name : listing.temporary) remove_file(dir_ + "/" + name);
+  for (const std::string& name : listing.uncommitted) remove_file(dir_ + "/" + name);
+  removed_uncommitted_ = static_cast<int64_t>(listing.uncommitted.size());
+  for (int64_t n : listing.committed) {
+    for (int64_t index : marker_prompts(dir_, n)) {
+      if (!done_before_.insert(index).second) {
+        throw std::runtime_error(dir_ + "/" + shard_name(n, ".done") + ": damaged marker: prompt " +
+                                 std::to_string(index) + " is in two shards");
       }
-      if (!temporary) ++removed_uncommitted_;
-    }
-  }
-  for (int64_t n : markers) {
-    const std::string path = dir_ + "/" + shard_name(n, ".done");
-    try {
-      for (int64_t index : nlohmann::json::parse(read_all(path)).at("prompts").get<std::vector<int64_t>>()) {
-        if (!done_before_.insert(index).second) {
-          throw std::runtime_error("prompt " + std::to_string(index) + " is in two shards");
-        }
-      }
-    } catch (const std::exception& e) {
-      throw std::runtime_error(path + ": damaged marker: " + e.what());
     }
     next_shard_ = n + 1;
   }

@@ -11,8 +11,9 @@
 //                              every prompt index the shard handled (written or skipped) and counts
 //
 // A commit writes the samples (write_file_atomically: temporary file, fsync, rename, directory
-// fsync), then the marker the same way. A shard without its marker was cut by a crash: opening the directory deletes it
-// (and any temporary file), and its prompts are generated again. Not thread-safe: one owner.
+// fsync), then the marker the same way. A shard without its marker was cut by a crash (or is being
+// committed): opening the directory deletes it (and any temporary file), and its prompts are
+// generated again; a training run reading the directory leaves it out. Not thread-safe: one owner.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +30,30 @@ struct GeneratedSample {
   int64_t prompt_tokens = 0;
   bool stopped = false;  // a stop token ended it ("stop"); else max_new_tokens did ("length": truncated)
 };
+
+// The shards of an output directory as they lie on disk.
+struct ShardListing {
+  std::vector<int64_t> committed;        // shard numbers with their samples and marker, ascending
+  std::vector<std::string> uncommitted;  // shard-NNNNNN.jsonl without a marker: a commit cut short or under way
+  std::vector<std::string> temporary;    // temporary files of writes cut short (write_file_atomically)
+};
+// Lists `dir`. Throws std::runtime_error naming a marker whose samples are missing (removed by hand:
+// its prompts would count as done with their samples gone).
+ShardListing list_shards(const std::string& dir);
+
+// Whether `dir` is the output directory of a generate job (it holds generate.json).
+bool is_generate_output(const std::string& dir);
+
+// What a training run reads of a generate output directory (data.paths): the committed shards'
+// sample files in order, never one without its marker.
+struct GeneratedData {
+  std::vector<std::string> files;        // DIR/shard-NNNNNN.jsonl, committed, ascending
+  std::vector<std::string> uncommitted;  // DIR/shard-NNNNNN.jsonl left out
+  int64_t prompts = -1;                  // the job's prompts (generate.json), -1 where not recorded
+  int64_t done = 0;                      // prompts the committed shards handled (written or skipped)
+};
+// Throws std::runtime_error naming the file when generate.json or a marker is damaged.
+GeneratedData generated_data(const std::string& dir);
 
 class ShardedOutput {
  public:

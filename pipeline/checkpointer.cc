@@ -11,10 +11,11 @@ namespace dflash::pipeline {
 
 using Clock = std::chrono::steady_clock;
 
-Checkpointer::Checkpointer(const config::Config& config, const StepPlan& plan, RunMetrics& metrics, Health& health,
-                           FailedSamples& failed_samples)
+Checkpointer::Checkpointer(const config::Config& config, const StepPlan& plan, std::string data_digest,
+                           RunMetrics& metrics, Health& health, FailedSamples& failed_samples)
     : config_(config),
       plan_(plan),
+      data_digest_(std::move(data_digest)),
       metrics_(metrics),
       health_(health),
       failed_samples_(failed_samples),
@@ -33,6 +34,7 @@ std::string Checkpointer::trainer_state_json(int64_t step) {
                             {"sample_failures", failures},
                             {"data", {{"next_sample", step < plan_.total_steps ? plan_.first_sample(step) : -1},
                                       {"samples_per_epoch", plan_.samples_per_epoch},
+                                      {"digest", data_digest_},
                                       {"global_batch", plan_.global_batch()}}}};
   return j.dump();
 }
@@ -114,6 +116,13 @@ int64_t Checkpointer::resume(const std::vector<std::unique_ptr<drafter::Drafter>
                              std::to_string(data_state.value("samples_per_epoch", int64_t{0})) +
                              " samples per epoch then, " + std::to_string(plan_.samples_per_epoch) +
                              " now); resuming would not be exact. Use checkpoint.resume: never to start over");
+  }
+  // A checkpoint written before the digest was recorded has none: its size check above is all there is.
+  if (const std::string then = data_state.value("digest", data_digest_); then != data_digest_) {
+    throw std::runtime_error(resumed_from_ + ": the training data changed since this checkpoint (data digest " + then +
+                             " then, " + data_digest_ + " now: other samples, loss masks, held-out samples or order "
+                             "with as many samples); resuming would not be exact. Restore that data, or use "
+                             "checkpoint.resume: never to start over");
   }
   metrics_.restore(state.value("tokens_consumed", int64_t{0}), state.value("samples_consumed", int64_t{0}));
   {

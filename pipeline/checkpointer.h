@@ -30,8 +30,9 @@ namespace dflash::pipeline {
 
 class Checkpointer {
  public:
-  Checkpointer(const config::Config& config, const StepPlan& plan, RunMetrics& metrics, Health& health,
-               FailedSamples& failed_samples);
+  // `data_digest`: Dataset::digest(), recorded in every checkpoint and compared on resume.
+  Checkpointer(const config::Config& config, const StepPlan& plan, std::string data_digest, RunMetrics& metrics,
+               Health& health, FailedSamples& failed_samples);
 
   // By steps, by minutes, or forced (then waited for): the state of `drafter` and `optimizer`
   // after `step` steps.
@@ -39,8 +40,8 @@ class Checkpointer {
 
   // The checkpoint checkpoint.resume names (auto: the newest complete one) loaded into every
   // replica; restores the metrics' totals, the failed-sample counts and the best tau. Returns the
-  // step to continue from (0 without a checkpoint). Throws naming the checkpoint when its data or
-  // batch shape differs from the plan (resuming would not be exact).
+  // step to continue from (0 without a checkpoint). Throws naming the checkpoint when its data
+  // (digest), data size or batch shape differs from the run's (resuming would not be exact).
   int64_t resume(const std::vector<std::unique_ptr<drafter::Drafter>>& drafters,
                  const std::vector<std::unique_ptr<drafter::AdamW>>& optimizers);
   const std::string& resumed_from() const { return resumed_from_; }
@@ -52,6 +53,7 @@ class Checkpointer {
   // Constant after construction.
   const config::Config& config_;
   const StepPlan& plan_;
+  const std::string data_digest_;
   RunMetrics& metrics_;
   Health& health_;
   FailedSamples& failed_samples_;

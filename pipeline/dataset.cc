@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <numeric>
 #include <random>
 #include <stdexcept>
 
 #include "common/log.h"
+#include "decode/shards.h"
 
 namespace dflash::pipeline {
 
@@ -21,12 +23,45 @@ uint64_t mix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+namespace {
+
+// The committed shards of a `dflashd generate` output directory: a shard without its marker is a
+// commit cut short or under way (generate, run again, removes it and decodes its prompts again),
+// so reading it could train on a prompt twice. What is left out, and an unfinished job, are said.
+std::vector<std::string> generated_files(const std::string& dir) {
+  const decode::GeneratedData g = decode::generated_data(dir);
+  if (!g.uncommitted.empty()) {
+    log::warn("data.paths: {}: {} shard(s) without a commit marker left out ({}{}): a dflashd generate run cut short "
+              "or still running",
+              dir, g.uncommitted.size(), g.uncommitted.front(), g.uncommitted.size() > 1 ? ", ..." : "");
+  }
+  const std::string job = g.prompts < 0 ? "?" : std::to_string(g.prompts);
+  if (g.files.empty()) {
+    throw std::runtime_error("data.paths: " + dir + ": dflashd generate output without a committed shard yet (0 of " +
+                             job + " prompts done)");
+  }
+  if (g.prompts < 0 || g.done < g.prompts) {
+    log::warn("data.paths: {}: dflashd generate has done {} of {} prompts; training on those (run the same generate "
+              "command again to finish the job)",
+              dir, g.done, job);
+  } else {
+    log::info("data.paths: {}: dflashd generate output, {} committed shard(s), all {} prompts", dir, g.files.size(),
+              job);
+  }
+  return g.files;
+}
+
+}  // namespace
+
 std::vector<std::string> data_files(const std::vector<std::string>& paths) {
   std::vector<std::string> files;
   for (const auto& p : paths) {
     struct stat st {};
     if (::stat(p.c_str(), &st) != 0) throw std::runtime_error("data.paths: " + p + ": no such file or directory");
-    if (S_ISDIR(st.st_mode)) {
+    if (S_ISDIR(st.st_mode) && decode::is_generate_output(p)) {
+      const std::vector<std::string> shards = generated_files(p);
+      files.insert(files.end(), shards.begin(), shards.end());
+    } else if (S_ISDIR(st.st_mode)) {
       std::vector<std::string> shard;
       if (DIR* dir = ::opendir(p.c_str())) {
         while (dirent* e = ::readdir(dir)) {
@@ -60,7 +95,22 @@ bool has_anchor(const TokenSample& s) {
   return false;
 }
 
+// A usable sample's ids and loss mask as the run sees them (truncated), and whether it is held out.
+uint64_t sample_digest(const TokenSample& s, bool held_out) {
+  uint64_t h = mix64(s.input_ids.size() * 2 + (held_out ? 1 : 0));
+  for (size_t i = 0; i < s.input_ids.size(); ++i) {
+    h = mix64(h ^ ((static_cast<uint64_t>(s.input_ids[i]) << 1) | (s.loss_mask[i] ? 1 : 0)));
+  }
+  return h;
+}
+
 }  // namespace
+
+std::string Dataset::digest() const {
+  char text[17];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(digest_));
+  return text;
+}
 
 TokenSample synthetic_sample(int64_t number, const config::SyntheticData& synthetic, int64_t vocab_size, int64_t seed) {
   std::mt19937_64 rng(mix64(static_cast<uint64_t>(seed) ^ mix64(static_cast<uint64_t>(number))));
@@ -80,6 +130,7 @@ std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t
   auto d = std::shared_ptr<Dataset>(new Dataset());
   d->config_ = config;
   d->vocab_size_ = vocab_size;
+  d->digest_ = mix64(static_cast<uint64_t>(config.seed) * 2 + (config.shuffle ? 1 : 0));
   int64_t usable = 0;  // usable samples indexed so far: the held-out draw's counter
   auto accept = [&](const TokenSample& s, Entry e) {
     const int64_t tokens = std::min<int64_t>(static_cast<int64_t>(s.input_ids.size()), config.max_length);
@@ -97,7 +148,9 @@ std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t
     e.tokens = static_cast<int32_t>(tokens);
     // data.eval_fraction: a seeded, order-independent choice of samples kept out of training.
     const uint64_t draw = mix64(static_cast<uint64_t>(config.seed) ^ mix64(0xe7a1 + static_cast<uint64_t>(usable++)));
-    if (static_cast<double>(draw >> 11) * 0x1.0p-53 < config.eval_fraction) {
+    const bool held_out = static_cast<double>(draw >> 11) * 0x1.0p-53 < config.eval_fraction;
+    d->digest_ = mix64(d->digest_ ^ sample_digest(truncated, held_out));
+    if (held_out) {
       d->held_out_.push_back(e);
       return;
     }

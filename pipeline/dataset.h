@@ -26,8 +26,9 @@
 
 namespace dflash::pipeline {
 
-// The JSONL files of data.paths (a directory: its *.jsonl shards, sorted); throws naming the path
-// that does not exist or holds no shard.
+// The JSONL files of data.paths (a directory: its *.jsonl shards, sorted; a `dflashd generate`
+// output directory: its committed shards only, logging what it leaves out); throws naming the
+// path that does not exist or holds no shard.
 std::vector<std::string> data_files(const std::vector<std::string>& paths);
 
 // splitmix64: a stateless, well-spread hash for deriving seeds (sample order, anchors).
@@ -44,6 +45,10 @@ class Dataset {
   int64_t skipped_no_anchor() const { return skipped_no_anchor_; }
   int64_t skipped_malformed() const { return skipped_malformed_; }  // on_malformed: skip
   int64_t tokens_per_epoch() const { return tokens_per_epoch_; }
+  // 16 hex digits over every usable sample's ids and loss mask (truncated) in file order, which of
+  // them are held out, and the order's seed and shuffle: two datasets with the same digest give a
+  // run the same samples in the same order (nodes must agree on it; a checkpoint records it).
+  std::string digest() const;
   // The usable sample at `index` (0 <= index < size()), truncated. Thread-safe.
   TokenSample load(int64_t index) const;
   // The sample index at `position` of epoch `epoch`.
@@ -72,6 +77,7 @@ class Dataset {
   std::vector<Entry> index_;
   std::vector<Entry> held_out_;  // data.eval_fraction
   int64_t skipped_short_ = 0, skipped_no_anchor_ = 0, skipped_malformed_ = 0, tokens_per_epoch_ = 0;
+  uint64_t digest_ = 0;
   mutable std::mutex order_mutex_;
   mutable int64_t cached_epoch_ = -1;
   mutable std::vector<int64_t> cached_order_;

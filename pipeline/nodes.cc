@@ -148,4 +148,15 @@ std::vector<uint8_t> NodeGroup::broadcast(const std::vector<uint8_t>& from_node0
   return exchange(info_.rank == 0 ? from_node0 : std::vector<uint8_t>{})[0];
 }
 
+void NodeGroup::require_same(const std::string& mine, const std::string& disagree, const std::string& advice) {
+  const auto all = exchange(std::vector<uint8_t>(mine.begin(), mine.end()));
+  bool same = true;
+  std::string values;
+  for (size_t r = 0; r < all.size(); ++r) {
+    same = same && all[r] == all[0];
+    values += (r ? "; node " : "node ") + std::to_string(r) + ": " + std::string(all[r].begin(), all[r].end());
+  }
+  if (!same) throw std::runtime_error("distributed: the nodes " + disagree + " (" + values + "); " + advice);
+}
+
 }  // namespace dflash::pipeline

@@ -42,6 +42,9 @@ class NodeGroup {
   void sum(std::vector<at::Tensor>& tensors);
   // Node 0's bytes on every node (the NCCL unique id).
   std::vector<uint8_t> broadcast(const std::vector<uint8_t>& from_node0);
+  // Throws std::runtime_error on every node unless every node passes the same `mine`:
+  // "distributed: the nodes <disagree> (node 0: .., node 1: ..); <advice>".
+  void require_same(const std::string& mine, const std::string& disagree, const std::string& advice);
 
  private:
   std::vector<std::vector<uint8_t>> exchange(const std::vector<uint8_t>& mine);

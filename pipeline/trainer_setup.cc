@@ -71,7 +71,13 @@ void Trainer::Impl::open_data() {
   s.nodes_in_run = node_info.nodes;
   s.node_rank = node_info.rank;
   s.local_replicas = replicas;
-  if (node_info.nodes > 1) s.nodes = std::make_unique<NodeGroup>(node_info);
+  if (node_info.nodes > 1) {
+    s.nodes = std::make_unique<NodeGroup>(node_info);
+    // Every node reads its own copy of the data; the step plan assigns samples by position.
+    s.nodes->require_same(std::to_string(s.data->size()) + " samples, digest " + s.data->digest(),
+                          "read different training data",
+                          "give every node the same data.paths contents and data settings");
+  }
   s.plan = StepPlan::make(s.data->size(), replicas * node_info.nodes, config.train.sequences_per_step,
                           config.train.grad_accumulation_steps, config.train.epochs, config.train.max_steps);
   s.failure_policy = std::make_unique<FailurePolicy>(
@@ -94,22 +100,13 @@ void Trainer::Impl::open_data() {
 void Trainer::Impl::resume() {
   Impl &s = *this;
   const config::Config &config = s.config;
-  s.checkpoints = std::make_unique<Checkpointer>(s.config, s.plan, *s.metrics, *s.health, *s.failed_samples);
+  s.checkpoints =
+      std::make_unique<Checkpointer>(s.config, s.plan, s.data->digest(), *s.metrics, *s.health, *s.failed_samples);
   s.start_step = s.checkpoints->resume(s.models->drafters, s.models->optimizers);
   if (s.nodes) {
-    // Every node must resume from the same step (each reads its own
-    // output_dir).
-    const std::vector<double> agreed = s.nodes->sum(
-        {static_cast<double>(s.start_step), static_cast<double>(s.start_step) * static_cast<double>(s.start_step)});
-    const double n = s.nodes_in_run, mean = agreed[0] / n;
-    if (agreed[1] / n - mean * mean > 0.25) {
-      throw std::runtime_error(
-          "distributed: the nodes would resume from "
-          "different steps (this node: " +
-          std::to_string(s.start_step) + ", mean over nodes: " + std::to_string(mean) +
-          "); give every node the same checkpoints or "
-          "checkpoint.resume: never");
-    }
+    // Every node must resume from the same step (each reads its own output_dir).
+    s.nodes->require_same("step " + std::to_string(s.start_step), "would resume from different steps",
+                          "give every node the same checkpoints or checkpoint.resume: never");
   }
   if (config.drafter.init != "random") {
     log::info(s.checkpoints->resumed_from().empty() ? "drafter initialised from {} (drafter.init)"
@@ -179,9 +176,9 @@ void Trainer::Impl::connect() {
   }
   log::info(
       "data: {} samples ({} tokens) per epoch, {} held out for eval (data.eval_fraction); skipped: {} with too few "
-      "supervised tokens, {} without two adjacent supervised tokens (no anchor), {} malformed",
+      "supervised tokens, {} without two adjacent supervised tokens (no anchor), {} malformed; digest {}",
       s.data->size(), s.data->tokens_per_epoch(), s.data->held_out_size(), s.data->skipped_short(),
-      s.data->skipped_no_anchor(), s.data->skipped_malformed());
+      s.data->skipped_no_anchor(), s.data->skipped_malformed(), s.data->digest());
   log::info(
       "plan: {} steps ({} per epoch), global batch {} sequences on {} "
       "drafter replica(s); drafter {} layers, {} parameters",

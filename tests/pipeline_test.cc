@@ -8,7 +8,9 @@
 #include <sys/stat.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -18,6 +20,7 @@
 #include "pipeline/nccl_gradients.h"
 #include "pipeline/streams.h"
 #include "pipeline/dataset.h"
+#include "decode/shards.h"
 #include "pipeline/flops.h"
 #include "target/model_config.h"
 #include "tests/run_dir.h"
@@ -118,6 +121,90 @@ TEST(Dataset, MalformedLinesErrorWithFileAndLineOrAreSkipped) {
   config::DataConfig missing;
   missing.paths = {dir + "/nope.jsonl"};
   EXPECT_THROW(Dataset::open(missing, 100), std::runtime_error);
+}
+
+// A `dflashd generate` output directory (data.paths) is read by its committed shards only: a
+// shard without its commit marker (a generate run cut short, or one committing right now) would
+// give its prompts twice once generate runs them again.
+TEST(Dataset, AGenerateOutputIsReadByItsCommittedShardsOnly) {
+  const std::string dir = test::make_temp_dir("generated") + "/out";
+  {
+    decode::ShardedOutput out(dir, "{\"prompts\": 5}", 2, false);
+    out.add({0, {1, 2, 3, 4}, 1, true});
+    out.add({3, {5, 6, 7}, 1, true});
+    out.add({1, {8, 9, 10}, 1, false});  // truncated: handled, not written
+    out.add({4, {11, 12, 13}, 1, true});
+    out.add({2, {14, 15, 16}, 1, true});  // buffered: never committed
+  }
+  std::ofstream(dir + "/shard-000002.jsonl") << "{\"input_ids\": [20, 21, 22], \"loss_mask\": [0, 1, 1]}\n";
+  std::ofstream(dir + "/shard-000003.jsonl.tmp-77") << "{\"input_ids\": [";
+  const decode::GeneratedData g = decode::generated_data(dir);
+  EXPECT_EQ(g.files, (std::vector<std::string>{dir + "/shard-000000.jsonl", dir + "/shard-000001.jsonl"}));
+  EXPECT_EQ(g.uncommitted, std::vector<std::string>{dir + "/shard-000002.jsonl"});
+  EXPECT_EQ(g.prompts, 5);
+  EXPECT_EQ(g.done, 4);
+  config::DataConfig c;
+  c.paths = {dir};
+  c.shuffle = false;
+  auto d = Dataset::open(c, 100);
+  ASSERT_EQ(d->size(), 3);
+  EXPECT_EQ(d->load(0).input_ids, (std::vector<int64_t>{1, 2, 3, 4}));
+  EXPECT_EQ(d->load(1).input_ids, (std::vector<int64_t>{5, 6, 7}));
+  EXPECT_EQ(d->load(2).input_ids, (std::vector<int64_t>{11, 12, 13}));
+  // A marker whose samples were removed by hand is refused, naming it (by generate as well).
+  ASSERT_EQ(std::remove((dir + "/shard-000001.jsonl").c_str()), 0);
+  for (auto open : {std::function<void()>([&] { Dataset::open(c, 100); }),
+                    std::function<void()>([&] { decode::ShardedOutput(dir, "{\"prompts\": 5}", 2, false); })}) {
+    try {
+      open();
+      ADD_FAILURE() << "a marker without its samples was accepted";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(dir + "/shard-000001.done: a commit marker without its samples"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  // A job that has committed nothing yet is no training data.
+  const std::string fresh = test::make_temp_dir("generated-fresh") + "/out";
+  decode::ShardedOutput(fresh, "{\"prompts\": 5}", 2, false);
+  c.paths = {fresh};
+  try {
+    Dataset::open(c, 100);
+    ADD_FAILURE() << "an output without committed shards was accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("without a committed shard yet (0 of 5 prompts done)"), std::string::npos)
+        << e.what();
+  }
+}
+
+// The digest a checkpoint records and nodes compare: it follows the samples' content, the order's
+// seed and the held-out choice, not where the files lie.
+TEST(Dataset, DigestFollowsTheSamplesTheirOrderAndTheHeldOutChoiceNotThePaths) {
+  const std::string a = test::make_temp_dir("digest-a"), b = test::make_temp_dir("digest-b");
+  std::string lines = "{\"input_ids\": [1,2,3,4], \"loss_mask\": [0,1,1,1]}\n";
+  for (int i = 0; i < 15; ++i) {
+    lines += "{\"input_ids\": [5,6,7," + std::to_string(8 + i) + "], \"loss_mask\": [1,1,1,1]}\n";
+  }
+  std::ofstream(a + "/x.jsonl") << lines;
+  std::ofstream(b + "/y.jsonl") << lines;
+  config::DataConfig c;
+  c.paths = {a};
+  const std::string base = Dataset::open(c, 100)->digest();
+  EXPECT_EQ(base.size(), 16u);
+  c.paths = {b};
+  EXPECT_EQ(Dataset::open(c, 100)->digest(), base) << "the same samples elsewhere";
+  c.seed = 1;
+  EXPECT_NE(Dataset::open(c, 100)->digest(), base) << "another order";
+  c.seed = 0;
+  c.eval_fraction = 0.5;
+  EXPECT_NE(Dataset::open(c, 100)->digest(), base) << "samples held out";
+  c.eval_fraction = 0;
+  std::ofstream(b + "/y.jsonl", std::ios::trunc) << "{\"input_ids\": [1,2,3,4], \"loss_mask\": [0,0,1,1]}\n"
+                                                 << lines.substr(lines.find('\n') + 1);
+  const std::string masked = Dataset::open(c, 100)->digest();
+  EXPECT_NE(masked, base) << "another loss mask";
+  c.max_length = 3;
+  EXPECT_NE(Dataset::open(c, 100)->digest(), masked) << "truncated otherwise";
 }
 
 TEST(BoundedQueue, BoundsBlocksProducersAndDrainsOnClose) {
@@ -227,6 +314,13 @@ TEST(PipelineRun, TrainsToTheEndCheckpointsAndExports) {
   test::Process again({kBinary, "run", "-c", r.config}, {}, r.dir);
   ASSERT_EQ(again.wait(60000), 0) << again.err();
   EXPECT_NE(again.err().find("the plan is already complete (step 24 of 24)"), std::string::npos) << again.err();
+  // Other samples, as many of them: resuming would not be exact, and is refused.
+  set_section(r, "data", "data: {synthetic: {sequences: 64, min_length: 24, max_length: 47}}");
+  test::Process changed({kBinary, "run", "-c", r.config}, {}, r.dir);
+  EXPECT_EQ(changed.wait(60000), 4);
+  EXPECT_NE(changed.err().find("step-000000000024: the training data changed since this checkpoint (data digest "),
+            std::string::npos)
+      << changed.err();
 }
 
 TEST(PipelineRun, SigkillAndResumeIsBitIdenticalAtSeveralKillPoints) {
@@ -397,6 +491,29 @@ TEST(PipelineRun, OneNodeStoppedStopsAllAtOneStepAndResumeMustAgree) {
   EXPECT_NE(b.wait(60000), 0);
   for (const test::Process* p : {&a, &b}) {
     EXPECT_NE(p->err().find("the nodes would resume from different steps"), std::string::npos) << p->err();
+  }
+}
+
+// Each node reads its own copy of the data: nodes whose data differ are refused on every node,
+// each node's count and digest named, before any step.
+TEST(PipelineRun, NodesWithDifferentDataAreRefused) {
+  const int port = test::free_port();
+  auto node = [&](int rank) {
+    return make_run("data" + std::to_string(rank), "train: {max_steps: 4}\ndistributed: {nodes: 2, node_rank: " +
+                                                       std::to_string(rank) + ", master_port: " + std::to_string(port) +
+                                                       ", timeout_seconds: 60}\n");
+  };
+  const RunDir n0 = node(0), n1 = node(1);
+  set_section(n1, "data", "data: {synthetic: {sequences: 64, min_length: 24, max_length: 47}}");
+  test::Process a({kBinary, "run", "-c", n0.config}, {}, n0.dir);
+  test::Process b({kBinary, "run", "-c", n1.config}, {}, n1.dir);
+  EXPECT_EQ(a.wait(60000), 4);
+  EXPECT_EQ(b.wait(60000), 4);
+  for (const test::Process* p : {&a, &b}) {
+    EXPECT_NE(p->err().find("distributed: the nodes read different training data (node 0: 64 samples, digest "),
+              std::string::npos)
+        << p->err();
+    EXPECT_EQ(p->err().find("step 1"), std::string::npos) << p->err();
   }
 }
 
