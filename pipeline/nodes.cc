@@ -3,8 +3,11 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <stdexcept>
 
 #include "common/log.h"
@@ -30,6 +33,32 @@ int env_int(const char* name, int low, int high) {
                              std::to_string(low) + ".." + std::to_string(high));
   }
   return static_cast<int>(x);
+}
+
+// What differs among the nodes' values (node r's is values[r]): for JSON objects the keys whose
+// values differ, each with every node's value; otherwise every node's value.
+std::string differences(const std::vector<std::string>& values) {
+  std::vector<nlohmann::json> objects;
+  std::set<std::string> keys;
+  for (const std::string& v : values) {
+    nlohmann::json j = nlohmann::json::parse(v, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object()) break;
+    for (auto it = j.begin(); it != j.end(); ++it) keys.insert(it.key());
+    objects.push_back(std::move(j));
+  }
+  std::string text;
+  if (objects.size() == values.size()) {
+    for (const std::string& key : keys) {
+      std::vector<std::string> each;
+      for (const nlohmann::json& j : objects) each.push_back(j.contains(key) ? j[key].dump() : "(none)");
+      if (std::all_of(each.begin(), each.end(), [&](const std::string& e) { return e == each[0]; })) continue;
+      text += (text.empty() ? "" : "; ") + key + ":";
+      for (size_t r = 0; r < each.size(); ++r) text += (r ? ", node " : " node ") + std::to_string(r) + " " + each[r];
+    }
+    return text;
+  }
+  for (size_t r = 0; r < values.size(); ++r) text += (r ? "; node " : "node ") + std::to_string(r) + ": " + values[r];
+  return text;
 }
 
 }  // namespace
@@ -149,14 +178,12 @@ std::vector<uint8_t> NodeGroup::broadcast(const std::vector<uint8_t>& from_node0
 }
 
 void NodeGroup::require_same(const std::string& mine, const std::string& disagree, const std::string& advice) {
-  const auto all = exchange(std::vector<uint8_t>(mine.begin(), mine.end()));
-  bool same = true;
-  std::string values;
-  for (size_t r = 0; r < all.size(); ++r) {
-    same = same && all[r] == all[0];
-    values += (r ? "; node " : "node ") + std::to_string(r) + ": " + std::string(all[r].begin(), all[r].end());
+  std::vector<std::string> values;
+  for (const std::vector<uint8_t>& v : exchange(std::vector<uint8_t>(mine.begin(), mine.end()))) {
+    values.emplace_back(v.begin(), v.end());
   }
-  if (!same) throw std::runtime_error("distributed: the nodes " + disagree + " (" + values + "); " + advice);
+  if (std::all_of(values.begin(), values.end(), [&](const std::string& v) { return v == values[0]; })) return;
+  throw std::runtime_error("distributed: the nodes " + disagree + " (" + differences(values) + "); " + advice);
 }
 
 }  // namespace dflash::pipeline

@@ -43,7 +43,8 @@ class NodeGroup {
   // Node 0's bytes on every node (the NCCL unique id).
   std::vector<uint8_t> broadcast(const std::vector<uint8_t>& from_node0);
   // Throws std::runtime_error on every node unless every node passes the same `mine`:
-  // "distributed: the nodes <disagree> (node 0: .., node 1: ..); <advice>".
+  // "distributed: the nodes <disagree> (node 0: .., node 1: ..); <advice>"; where `mine` is a JSON
+  // object, the message names only the keys that differ, with each node's value.
   void require_same(const std::string& mine, const std::string& disagree, const std::string& advice);
 
  private:

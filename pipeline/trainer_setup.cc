@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 
 #include "common/log.h"
 #include "drafter/optimizer.h"
@@ -14,6 +15,40 @@
 #include "target/model.h"
 
 namespace dflash::pipeline {
+namespace {
+
+// What the drafter replicas of every node must share in one data-parallel run: their count per
+// node (the step plan's), the drafter's shape, the target's precision (its features) and the
+// settings of the steps they take together.
+nlohmann::ordered_json training_settings(const config::Config &config, const drafter::DrafterShape &shape,
+                                         int64_t replicas) {
+  const config::TrainConfig &t = config.train;
+  nlohmann::ordered_json j;
+  j["gpus.drafter (replicas per node)"] = replicas;
+  j["target.dtype"] = config::name_of(config.target.dtype);
+  const nlohmann::ordered_json exported = nlohmann::ordered_json::parse(drafter::export_config_json(shape));
+  for (auto it = exported.begin(); it != exported.end(); ++it) j["drafter: " + it.key()] = *it;
+  j["train.anchors_per_sequence"] = t.anchors_per_sequence;
+  j["train.sequences_per_step"] = t.sequences_per_step;
+  j["train.grad_accumulation_steps"] = t.grad_accumulation_steps;
+  j["train.epochs"] = t.epochs;
+  j["train.max_steps"] = t.max_steps;
+  j["train.learning_rate"] = t.learning_rate;
+  j["train.min_learning_rate"] = t.min_learning_rate;
+  j["train.warmup_ratio"] = t.warmup_ratio;
+  j["train.weight_decay"] = t.weight_decay;
+  j["train.adam_beta1"] = t.adam_beta1;
+  j["train.adam_beta2"] = t.adam_beta2;
+  j["train.adam_epsilon"] = t.adam_epsilon;
+  j["train.grad_clip_norm"] = t.grad_clip_norm;
+  j["train.loss_gamma"] = config.loss_gamma();
+  j["train.seed"] = t.seed;
+  j["train.deterministic"] = t.deterministic;
+  j["train.on_nonfinite"] = t.on_nonfinite == config::OnNonfinite::skip ? "skip" : "stop";
+  return j;
+}
+
+}  // namespace
 
 // The target config, the drafter shape, the memory plan (refused before
 // anything is loaded when it does not fit), the replicas on their devices and
@@ -73,10 +108,15 @@ void Trainer::Impl::open_data() {
   s.local_replicas = replicas;
   if (node_info.nodes > 1) {
     s.nodes = std::make_unique<NodeGroup>(node_info);
-    // Every node reads its own copy of the data; the step plan assigns samples by position.
-    s.nodes->require_same(std::to_string(s.data->size()) + " samples, digest " + s.data->digest(),
+    // Every node reads its own copy of the data (the step plan assigns samples by position) and
+    // its own config: its replicas' gradients are summed with the others' and its steps must be
+    // theirs.
+    s.nodes->require_same(nlohmann::json{{"samples", s.data->size()}, {"data digest", s.data->digest()}}.dump(),
                           "read different training data",
                           "give every node the same data.paths contents and data settings");
+    s.nodes->require_same(training_settings(config, s.shape, replicas).dump(), "would train differently",
+                          "give every node the same drafter and train sections, target dtype and number of drafter "
+                          "GPUs");
   }
   s.plan = StepPlan::make(s.data->size(), replicas * node_info.nodes, config.train.sequences_per_step,
                           config.train.grad_accumulation_steps, config.train.epochs, config.train.max_steps);

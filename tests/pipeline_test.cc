@@ -494,26 +494,38 @@ TEST(PipelineRun, OneNodeStoppedStopsAllAtOneStepAndResumeMustAgree) {
   }
 }
 
-// Each node reads its own copy of the data: nodes whose data differ are refused on every node,
-// each node's count and digest named, before any step.
-TEST(PipelineRun, NodesWithDifferentDataAreRefused) {
-  const int port = test::free_port();
-  auto node = [&](int rank) {
-    return make_run("data" + std::to_string(rank), "train: {max_steps: 4}\ndistributed: {nodes: 2, node_rank: " +
-                                                       std::to_string(rank) + ", master_port: " + std::to_string(port) +
-                                                       ", timeout_seconds: 60}\n");
+// Each node reads its own copy of the data and its own config: nodes whose data differ, or whose
+// steps would differ (a setting of the train section, the drafter's shape, drafter GPUs per node),
+// are refused on every node before any step, the message naming what differs and each node's value.
+TEST(PipelineRun, NodesWithDifferentDataOrTrainingSettingsAreRefused) {
+  struct Case {
+    std::string node1_section, message;
   };
-  const RunDir n0 = node(0), n1 = node(1);
-  set_section(n1, "data", "data: {synthetic: {sequences: 64, min_length: 24, max_length: 47}}");
-  test::Process a({kBinary, "run", "-c", n0.config}, {}, n0.dir);
-  test::Process b({kBinary, "run", "-c", n1.config}, {}, n1.dir);
-  EXPECT_EQ(a.wait(60000), 4);
-  EXPECT_EQ(b.wait(60000), 4);
-  for (const test::Process* p : {&a, &b}) {
-    EXPECT_NE(p->err().find("distributed: the nodes read different training data (node 0: 64 samples, digest "),
-              std::string::npos)
-        << p->err();
-    EXPECT_EQ(p->err().find("step 1"), std::string::npos) << p->err();
+  const std::vector<Case> cases{
+      {"data: {synthetic: {sequences: 64, min_length: 24, max_length: 47}}",
+       "distributed: the nodes read different training data (data digest: node 0 \""},
+      {"train: {max_steps: 4, learning_rate: 0.001}",
+       "distributed: the nodes would train differently (train.learning_rate: node 0 0.0006, node 1 0.001); give "
+       "every node the same drafter and train sections"},
+      {"gpus: {device: cpu, target: [0], drafter: [0, 1]}",
+       "(gpus.drafter (replicas per node): node 0 1, node 1 2)"}};
+  for (const Case& c : cases) {
+    const int port = test::free_port();
+    auto node = [&](int rank) {
+      return make_run("agree" + std::to_string(rank), "train: {max_steps: 4}\ndistributed: {nodes: 2, node_rank: " +
+                                                          std::to_string(rank) + ", master_port: " +
+                                                          std::to_string(port) + ", timeout_seconds: 60}\n");
+    };
+    const RunDir n0 = node(0), n1 = node(1);
+    set_section(n1, c.node1_section.substr(0, c.node1_section.find(':')), c.node1_section);
+    test::Process a({kBinary, "run", "-c", n0.config}, {}, n0.dir);
+    test::Process b({kBinary, "run", "-c", n1.config}, {}, n1.dir);
+    EXPECT_EQ(a.wait(60000), 4) << c.node1_section;
+    EXPECT_EQ(b.wait(60000), 4) << c.node1_section;
+    for (const test::Process* p : {&a, &b}) {
+      EXPECT_NE(p->err().find(c.message), std::string::npos) << p->err();
+      EXPECT_EQ(p->err().find("step 1"), std::string::npos) << p->err();
+    }
   }
 }
 
