@@ -170,6 +170,16 @@ LoadedCheckpoint read_checkpoint(const std::string& dir, Drafter* drafter, AdamW
   if (state.value("format", "") != "dflashd-checkpoint" || state.value("version", 0) != 1) {
     throw CheckpointError(dir + "/state.json: not a version 1 dflashd checkpoint");
   }
+  // Tensor shapes alone would let a drafter of another block size, mask token, tapped layers or
+  // window take these weights: the whole shape must be the checkpoint's.
+  const std::string config_path = dir + "/config.json";
+  const std::string differences = shape_differences(parse_export_config(read_text(config_path), config_path),
+                                                    drafter->shape());
+  if (!differences.empty()) {
+    throw CheckpointError(config_path + ": the checkpoint's drafter is not the configured one (drafter.* and the "
+                          "target decide it): " + differences + "; configure the drafter it was trained as, or use "
+                          "checkpoint.resume: never to start over");
+  }
   const auto model = read_tensors(dir + "/model.safetensors");
   drafter->load_tensors(model, dir + "/model.safetensors");
   if (optimizer) {

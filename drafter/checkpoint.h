@@ -60,7 +60,8 @@ struct LoadedCheckpoint {
   int64_t step = 0;
   std::string trainer_state_json;
 };
-// Restores weights and optimizer state; throws CheckpointError naming the directory and file.
+// Restores weights and optimizer state; throws CheckpointError naming the directory and file, and
+// every field where the checkpoint's drafter (its config.json) differs from `drafter`'s shape.
 LoadedCheckpoint read_checkpoint(const std::string& dir, Drafter* drafter, AdamW* optimizer);
 // `dflashd export`: the checkpoint's weights in the serving format (bf16) in out_dir.
 void export_checkpoint(const std::string& checkpoint_dir, const std::string& out_dir);

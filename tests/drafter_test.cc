@@ -827,6 +827,35 @@ TEST(Checkpoint, CorruptOrIncompleteCheckpointsAreClearErrors) {
   EXPECT_THROW(read_checkpoint(root, &drafter, &optimizer), CheckpointError);  // no COMMIT
 }
 
+// Tensor shapes do not say the block size, the mask token, the tapped layers or the window: a
+// drafter configured otherwise is refused the checkpoint, every difference named.
+TEST(Checkpoint, ADrafterConfiguredOtherwiseIsRefusedEvenWithTheSameTensorShapes) {
+  const std::string root = test::make_temp_dir("ckpt-shape");
+  Drafter saved(tiny_shape(), at::TensorOptions().dtype(at::kFloat));
+  saved.init_random(1);
+  AdamW saved_optimizer(saved.parameters(), OptimizerSettings{});
+  const std::string dir = write_checkpoint(root, 1, saved, saved_optimizer, "{}");
+  DrafterShape other = tiny_shape();
+  other.block_size = 8;
+  other.target_layer_ids = {2, 3, 5};
+  Drafter drafter(other, at::TensorOptions().dtype(at::kFloat));
+  AdamW optimizer(drafter.parameters(), OptimizerSettings{});
+  try {
+    read_checkpoint(dir, &drafter, &optimizer);
+    FAIL() << "a drafter of another block size took the checkpoint";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find(dir + "/config.json: the checkpoint's drafter is not the configured one"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("block_size 4 there, 8 configured; target_layer_ids [1, 3, 5] there"),
+              std::string::npos)
+        << e.what();
+  }
+  Drafter same(tiny_shape(), at::TensorOptions().dtype(at::kFloat));
+  AdamW same_optimizer(same.parameters(), OptimizerSettings{});
+  EXPECT_EQ(read_checkpoint(dir, &same, &same_optimizer).step, 1);
+}
+
 // Invariant 7: the exported drafter loads in the published model code and gives our logits.
 TEST(DrafterExport, LoadsInSpecForgeModelCodeWithTheSameLogits) {
   const Reference r = load_reference();
