@@ -316,6 +316,11 @@ int generate(const GenerateArgs& a_in) {
     places += (places.empty() ? "" : ", ") + o.device.str();
   }
   const std::vector<std::vector<int64_t>> prompts = read_prompts(a.prompts, models[0]->config().vocab_size);
+  try {
+    check_stop_tokens(a.settings.stop_token_ids, models[0]->config().vocab_size);
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error(std::string("--stop-token-ids: ") + e.what());
+  }
   size_t longest = 0;
   for (const std::vector<int64_t>& p : prompts) longest = std::max(longest, p.size());
   for (const auto& model : models) {

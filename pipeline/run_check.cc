@@ -4,6 +4,7 @@
 
 #include <fstream>
 
+#include "common/token_file.h"
 #include "drafter/drafter_config.h"
 #include "pipeline/dataset.h"
 #include "pipeline/gpu_memory.h"
@@ -47,6 +48,12 @@ RunCheck check_run(const config::Config& config, const std::vector<int64_t>& cap
     shape = drafter::shape_for_target(target, config.drafter);
     shaped = true;
     if (const std::string p = context_problem(config, target); !p.empty()) problem(p);
+    try {
+      check_stop_tokens({config.eval.stop_token_ids.begin(), config.eval.stop_token_ids.end()},
+                                target.vocab_size);
+    } catch (const std::invalid_argument& e) {
+      problem(std::string("eval.stop_token_ids: ") + e.what());
+    }
     if (config.drafter.init != "random" && !(offline && !is_file(config.drafter.init + "/config.json"))) {
       drafter::check_drafter_init(config.drafter.init, shape);
     }

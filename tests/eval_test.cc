@@ -169,6 +169,18 @@ TEST(RealAcceptance, TheEvalSectionNeedsExactlyOneSourceOfPrompts) {
   EXPECT_NE(validate(", eval_fraction: 0.2}\n"), 0);
   EXPECT_NE(test::read_file(dir + "/v.log").find("eval.every_steps is 0"), std::string::npos) << test::read_file(dir + "/v.log");
   EXPECT_EQ(validate(", eval_fraction: 0.2}\neval: {every_steps: 5}\n"), 0) << test::read_file(dir + "/v.log");
+  // A stop id outside the target's vocabulary (512): validate says so, and a run refuses to start.
+  EXPECT_NE(validate(", eval_fraction: 0.2}\neval: {every_steps: 5, stop_token_ids: [3, 600]}\n"), 0);
+  EXPECT_NE(test::read_file(dir + "/v.log")
+                .find("eval.stop_token_ids: stop token id 600 is outside the vocabulary (512)"),
+            std::string::npos)
+      << test::read_file(dir + "/v.log");
+  std::ofstream(dir + "/c.yaml", std::ios::app) << "run: {output_dir: " << dir << "/run}\nmetrics: {listen: \"\"}\n";
+  const std::string run = kBinary + " run -c " + dir + "/c.yaml > " + dir + "/r.log 2>&1";
+  EXPECT_NE(std::system(run.c_str()), 0);
+  EXPECT_NE(test::read_file(dir + "/r.log").find("eval.stop_token_ids: stop token id 600 is outside the vocabulary"),
+            std::string::npos)
+      << test::read_file(dir + "/r.log");
 }
 
 // The eval section's decoding settings reach the decoder: every id a stop token (each prompt ends

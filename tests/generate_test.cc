@@ -299,6 +299,12 @@ TEST(Generate, BadInputsAreClearErrors) {
   std::ofstream(dir + "/bad.jsonl") << "{\"input_ids\": [1, 2]}\n{\"input_ids\": [3, 70000]}\n";
   EXPECT_EQ(run("--preset tiny-qwen3 --device cpu --prompts " + dir + "/bad.jsonl --out " + dir + "/o1", log), 1);
   EXPECT_TRUE(said(dir + "/bad.jsonl:2: token id 70000 is outside the vocabulary")) << test::read_file(log);
+  // A stop id no token can be would let every response run to its length.
+  EXPECT_EQ(run("--preset tiny-qwen3 --device cpu --prompts " + dir + "/prompts.jsonl --out " + dir +
+                    "/o0 --stop-token-ids 5,512",
+                log),
+            1);
+  EXPECT_TRUE(said("--stop-token-ids: stop token id 512 is outside the vocabulary (512)")) << test::read_file(log);
   // Continuing an output with other settings is refused, naming its generate.json.
   ASSERT_EQ(run("--preset tiny-qwen3 --device cpu --prompts " + dir + "/prompts.jsonl --out " + dir +
                     "/o2 --max-new-tokens 4 --truncated keep",
