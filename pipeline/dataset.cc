@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <random>
 #include <stdexcept>
@@ -75,6 +76,17 @@ std::vector<std::string> data_files(const std::vector<std::string>& paths) {
       files.insert(files.end(), shard.begin(), shard.end());
     } else {
       files.push_back(p);
+    }
+  }
+  // A file reached twice (listed twice, or listed and within a listed directory) would be trained
+  // on twice an epoch: refused, naming both ways to it.
+  std::map<std::pair<dev_t, ino_t>, std::string> seen;
+  for (const std::string& f : files) {
+    struct stat st {};
+    if (::stat(f.c_str(), &st) != 0) continue;  // reported when read
+    const auto [it, first] = seen.emplace(std::make_pair(st.st_dev, st.st_ino), f);
+    if (!first) {
+      throw std::runtime_error("data.paths: " + f + " is read twice (also as " + it->second + "); list each file once");
     }
   }
   return files;

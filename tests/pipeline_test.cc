@@ -121,6 +121,16 @@ TEST(Dataset, MalformedLinesErrorWithFileAndLineOrAreSkipped) {
   config::DataConfig missing;
   missing.paths = {dir + "/nope.jsonl"};
   EXPECT_THROW(Dataset::open(missing, 100), std::runtime_error);
+  // A file listed and within a listed directory would be trained on twice.
+  config::DataConfig twice;
+  twice.paths = {dir, dir + "/./a.jsonl"};
+  try {
+    Dataset::open(twice, 100);
+    ADD_FAILURE() << "a file read twice was accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "data.paths: " + dir + "/./a.jsonl is read twice (also as " + dir + "/a.jsonl); list each file once");
+  }
 }
 
 // A `dflashd generate` output directory (data.paths) is read by its committed shards only: a
