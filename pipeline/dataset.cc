@@ -208,7 +208,8 @@ std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t
     throw std::runtime_error("data: no usable sample (" + std::to_string(d->skipped_short_) +
                              " with too few supervised tokens, " + std::to_string(d->skipped_no_anchor_) +
                              " without two adjacent supervised tokens, " + std::to_string(d->skipped_malformed_) +
-                             " malformed)");
+                             " malformed, " + std::to_string(d->held_out_.size()) +
+                             " held out for eval by data.eval_fraction)");
   }
   return d;
 }
