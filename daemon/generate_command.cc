@@ -50,7 +50,8 @@ sequence's place taking the next prompt), written as training samples to shards 
                       output lines: {"input_ids": prompt + response, "loss_mask": 1 on the response,
                       "prompt_index", "finish_reason": "stop" | "length"}. A run's data.paths reads DIR.
                       Run again after a crash or a stop: it continues, and every prompt appears once.
-  --max-new-tokens N  per prompt (2048); a response that reaches it is truncated ("length")
+  --max-new-tokens N  per prompt (2048); a response that reaches it, or the target's context
+                      (max_position_embeddings), is truncated ("length")
   --truncated         skip (the default: counted, not written) or keep truncated responses
   --temperature T     0 (greedy, the default) or the sampling temperature, with --top-p (1) and
   --top-k K           --top-k (0: all); --seed S (0): prompt i samples from its own stream, seeded
@@ -141,15 +142,16 @@ std::optional<int> parse_generate_args(const std::vector<std::string>& args, Gen
   return std::nullopt;
 }
 
-// The prompts of a token file, every id checked against the vocabulary (FILE:LINE on a bad one).
-std::vector<std::vector<int64_t>> read_prompts(const std::string& path, int64_t vocab) {
+// The prompts of a token file, every id checked against the vocabulary and every length against
+// the context (FILE:LINE on a bad one).
+std::vector<std::vector<int64_t>> read_prompts(const std::string& path, const target::ModelConfig& target) {
   std::vector<std::vector<int64_t>> prompts;
   for (const TokenSample& s : read_token_file(path)) {
     std::vector<int64_t> prompt = decode::prompt_of(s);
     const std::string where = path + ":" + std::to_string(s.line);
     if (prompt.empty()) throw std::runtime_error(where + ": no prompt (empty, or supervised from its first token)");
     try {
-      decode::check_prompt(prompt, vocab);
+      decode::check_prompt(prompt, target);
     } catch (const std::invalid_argument& e) {
       throw std::runtime_error(where + ": " + e.what());
     }
@@ -315,14 +317,24 @@ int generate(const GenerateArgs& a_in) {
     replicas.push_back(decoders.back().get());
     places += (places.empty() ? "" : ", ") + o.device.str();
   }
-  const std::vector<std::vector<int64_t>> prompts = read_prompts(a.prompts, models[0]->config().vocab_size);
+  const std::vector<std::vector<int64_t>> prompts = read_prompts(a.prompts, models[0]->config());
   try {
     check_stop_tokens(a.settings.stop_token_ids, models[0]->config().vocab_size);
   } catch (const std::invalid_argument& e) {
     throw std::runtime_error(std::string("--stop-token-ids: ") + e.what());
   }
   size_t longest = 0;
-  for (const std::vector<int64_t>& p : prompts) longest = std::max(longest, p.size());
+  int64_t capped = 0;  // prompts whose responses the target's context ends before --max-new-tokens
+  const int64_t context = models[0]->config().max_position_embeddings;
+  for (const std::vector<int64_t>& p : prompts) {
+    longest = std::max(longest, p.size());
+    capped += context > 0 && static_cast<int64_t>(p.size()) + a.settings.max_new_tokens > context ? 1 : 0;
+  }
+  if (capped > 0) {
+    log::warn("generate: {} prompt(s) reach the target's context ({} tokens, {}: max_position_embeddings) before "
+              "--max-new-tokens: their responses end there, as truncated (\"length\")",
+              capped, context, models[0]->config().source);
+  }
   for (const auto& model : models) {
     check_decoding_batch("dflashd generate", *model, std::min<int64_t>(a.max_batch, static_cast<int64_t>(prompts.size())),
                          static_cast<int64_t>(longest) + a.settings.max_new_tokens, 1);

@@ -83,7 +83,7 @@ std::vector<Generation> decode_prompts(const Decoder& decoder, const std::vector
   }
   for (const EvalPrompt& p : prompts) {  // bad ids are named by their line before anything runs
     try {
-      check_prompt(p.ids, vocab);
+      check_prompt(p.ids, decoder.target().model().config());
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument(p.where + ": " + e.what());
     }

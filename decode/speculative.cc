@@ -136,13 +136,19 @@ class Decoder::TokensInFlight {
   std::optional<c10::Event> copied_;     // recorded after the copy; reset once waited for
 };
 
-void check_prompt(const std::vector<int64_t>& prompt, int64_t vocab) {
+void check_prompt(const std::vector<int64_t>& prompt, const target::ModelConfig& target) {
   if (prompt.empty()) throw std::invalid_argument("the prompt is empty");
   for (int64_t id : prompt) {
-    if (id < 0 || id >= vocab) {
+    if (id < 0 || id >= target.vocab_size) {
       throw std::invalid_argument("token id " + std::to_string(id) + " is outside the vocabulary (" +
-                                  std::to_string(vocab) + ")");
+                                  std::to_string(target.vocab_size) + ")");
     }
+  }
+  const int64_t context = target.max_position_embeddings;
+  if (context > 0 && static_cast<int64_t>(prompt.size()) >= context) {
+    throw std::invalid_argument(std::to_string(prompt.size()) + " tokens: the target's context is " +
+                                std::to_string(context) + " (" + target.source +
+                                ": max_position_embeddings), which leaves no place for a new token");
   }
 }
 
@@ -189,7 +195,7 @@ void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const Nex
   check_sampling(settings.sampling);
   if (settings.max_new_tokens < 1) throw std::invalid_argument("generate: max_new_tokens must be >= 1");
   if (max_batch < 1) throw std::invalid_argument("generate: the batch must hold at least one sequence");
-  const int64_t vocab = target_.model().config().vocab_size;
+  const int64_t context = target_.model().config().max_position_embeddings;  // 0: not said
   std::vector<std::unique_ptr<Sequence>> active;
   auto new_tokens = [](const std::vector<Sequence*>& sequences) {
     int64_t n = 0;
@@ -214,13 +220,15 @@ void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const Nex
         auto s = std::make_unique<Sequence>();
         if (!(more = next(&s->request))) break;
         try {
-          check_prompt(s->request.prompt, vocab);
+          check_prompt(s->request.prompt, target_.model().config());
         } catch (const std::invalid_argument& e) {
           throw std::invalid_argument("request " + std::to_string(s->request.id) + ": " + e.what());
         }
         s->gen = at::make_generator<at::CPUGeneratorImpl>(s->request.seed);
         s->g.prompt_tokens = static_cast<int64_t>(s->request.prompt.size());
+        // A response ends at max_new_tokens or at the target's context, whichever comes first.
         s->max_length = s->g.prompt_tokens + settings.max_new_tokens;
+        if (context > 0) s->max_length = std::min(s->max_length, context);
         admitted.push_back(std::move(s));
       }
       std::vector<Sequence*> starting;

@@ -100,8 +100,9 @@ class Decoder {
 };
 
 // Throws std::invalid_argument ("the prompt is empty", "token id N is outside the vocabulary
-// (V)") for a prompt the target cannot decode; callers prefix where the prompt came from.
-void check_prompt(const std::vector<int64_t>& prompt, int64_t vocab);
+// (V)", "N tokens: the target's context is C") for a prompt the target cannot decode; callers
+// prefix where the prompt came from.
+void check_prompt(const std::vector<int64_t>& prompt, const target::ModelConfig& target);
 
 // The seed of request `index` of a run seeded with `seed` (splitmix64 of the two).
 uint64_t sequence_seed(uint64_t seed, uint64_t index);

@@ -4,7 +4,9 @@
 // commit protocol, and bad inputs as clear errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <cstdlib>
 #include <dirent.h>
 #include <fstream>
@@ -18,6 +20,7 @@
 #include <httplib.h>
 
 #include "decode/shards.h"
+#include "target/model_config.h"
 #include "tests/test_util.h"
 
 namespace dflash {
@@ -336,6 +339,41 @@ TEST(Generate, BadInputsAreClearErrors) {
       << test::read_file(log);
   EXPECT_EQ(run("--preset tiny-qwen3 --device cpu --dtype float9 --prompts p --out o", log), 2);
   EXPECT_TRUE(said("--dtype must be bfloat16, float32 or float8")) << test::read_file(log);
+}
+
+// A response ends at the target's context (its config.json's max_position_embeddings) if
+// --max-new-tokens would take it further, as truncated; a prompt that fills the context is
+// refused, naming its line.
+TEST(Generate, ResponsesEndAtTheTargetsContext) {
+  const std::string dir = test::make_temp_dir("generate-context");
+  std::string json = target::preset_config_json("tiny-qwen3");
+  json.insert(json.rfind('}'), R"(, "max_position_embeddings": 12)");
+  std::filesystem::create_directories(dir + "/target");
+  std::ofstream(dir + "/target/config.json") << json;
+  write_prompts(dir + "/prompts.jsonl", 8, 500);  // 1-9 ids each
+  const std::string common = "--target " + dir + "/target --random-weights --device cpu --max-new-tokens 6 "
+                             "--truncated keep --prompts ";
+  ASSERT_EQ(run(common + dir + "/prompts.jsonl --out " + dir + "/out", dir + "/a.log"), 0)
+      << test::read_file(dir + "/a.log");
+  const auto samples = read_output(dir + "/out");
+  ASSERT_EQ(samples.size(), 8u);
+  int capped = 0;
+  for (const auto& [i, sample] : samples) {
+    const size_t prompt = static_cast<size_t>(std::count(sample["loss_mask"].begin(), sample["loss_mask"].end(), 0));
+    EXPECT_EQ(sample["input_ids"].size(), std::min<size_t>(prompt + 6, 12)) << "prompt " << i;
+    EXPECT_EQ(sample["finish_reason"], "length");
+    capped += prompt + 6 > 12 ? 1 : 0;
+  }
+  ASSERT_GT(capped, 0) << "no prompt long enough to reach the context";
+  EXPECT_NE(test::read_file(dir + "/a.log").find(std::to_string(capped) + " prompt(s) reach the target's context (12 "
+                                                 "tokens"),
+            std::string::npos)
+      << test::read_file(dir + "/a.log");
+  std::ofstream(dir + "/long.jsonl") << "{\"input_ids\": [1, 2]}\n{\"input_ids\": [1,2,3,4,5,6,7,8,9,10,11,12]}\n";
+  EXPECT_EQ(run(common + dir + "/long.jsonl --out " + dir + "/long", dir + "/b.log"), 1);
+  EXPECT_NE(test::read_file(dir + "/b.log").find(dir + "/long.jsonl:2: 12 tokens: the target's context is 12"),
+            std::string::npos)
+      << test::read_file(dir + "/b.log");
 }
 
 // --state-dtype bfloat16 (target.decode_state_dtype with -c) keeps the GatedDeltaNet states in
