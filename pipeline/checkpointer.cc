@@ -6,16 +6,19 @@
 #include <stdexcept>
 
 #include "common/log.h"
+#include "pipeline/run_settings.h"
 
 namespace dflash::pipeline {
 
 using Clock = std::chrono::steady_clock;
 
 Checkpointer::Checkpointer(const config::Config& config, const StepPlan& plan, std::string data_digest,
-                           RunMetrics& metrics, Health& health, FailedSamples& failed_samples)
+                           std::string settings_json, RunMetrics& metrics, Health& health,
+                           FailedSamples& failed_samples)
     : config_(config),
       plan_(plan),
       data_digest_(std::move(data_digest)),
+      settings_json_(std::move(settings_json)),
       metrics_(metrics),
       health_(health),
       failed_samples_(failed_samples),
@@ -35,7 +38,8 @@ std::string Checkpointer::trainer_state_json(int64_t step) {
                             {"data", {{"next_sample", step < plan_.total_steps ? plan_.first_sample(step) : -1},
                                       {"samples_per_epoch", plan_.samples_per_epoch},
                                       {"digest", data_digest_},
-                                      {"global_batch", plan_.global_batch()}}}};
+                                      {"global_batch", plan_.global_batch()}}},
+                            {"settings", nlohmann::json::parse(settings_json_)}};
   return j.dump();
 }
 
@@ -123,6 +127,12 @@ int64_t Checkpointer::resume(const std::vector<std::unique_ptr<drafter::Drafter>
                              " then, " + data_digest_ + " now: other samples, loss masks, held-out samples or order "
                              "with as many samples); resuming would not be exact. Restore that data, or use "
                              "checkpoint.resume: never to start over");
+  }
+  if (state.contains("settings")) {
+    const std::string changed = setting_differences({state["settings"].dump(), settings_json_}, {"then", "now"});
+    if (!changed.empty()) {
+      log::warn("resuming {} with other settings than the run that wrote it: {}", resumed_from_, changed);
+    }
   }
   metrics_.restore(state.value("tokens_consumed", int64_t{0}), state.value("samples_consumed", int64_t{0}));
   {

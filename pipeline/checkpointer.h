@@ -30,9 +30,10 @@ namespace dflash::pipeline {
 
 class Checkpointer {
  public:
-  // `data_digest`: Dataset::digest(), recorded in every checkpoint and compared on resume.
-  Checkpointer(const config::Config& config, const StepPlan& plan, std::string data_digest, RunMetrics& metrics,
-               Health& health, FailedSamples& failed_samples);
+  // `data_digest`: Dataset::digest(), recorded in every checkpoint and compared on resume;
+  // `settings_json`: training_settings_json(), recorded, and on resume what differs is said.
+  Checkpointer(const config::Config& config, const StepPlan& plan, std::string data_digest, std::string settings_json,
+               RunMetrics& metrics, Health& health, FailedSamples& failed_samples);
 
   // By steps, by minutes, or forced (then waited for): the state of `drafter` and `optimizer`
   // after `step` steps.
@@ -41,7 +42,8 @@ class Checkpointer {
   // The checkpoint checkpoint.resume names (auto: the newest complete one) loaded into every
   // replica; restores the metrics' totals, the failed-sample counts and the best tau. Returns the
   // step to continue from (0 without a checkpoint). Throws naming the checkpoint when its data
-  // (digest), data size or batch shape differs from the run's (resuming would not be exact).
+  // (digest), data size or batch shape differs from the run's (resuming would not be exact); logs
+  // the settings that differ from those of the run that wrote it (a changed learning rate, ...).
   int64_t resume(const std::vector<std::unique_ptr<drafter::Drafter>>& drafters,
                  const std::vector<std::unique_ptr<drafter::AdamW>>& optimizers);
   const std::string& resumed_from() const { return resumed_from_; }
@@ -54,6 +56,7 @@ class Checkpointer {
   const config::Config& config_;
   const StepPlan& plan_;
   const std::string data_digest_;
+  const std::string settings_json_;
   RunMetrics& metrics_;
   Health& health_;
   FailedSamples& failed_samples_;

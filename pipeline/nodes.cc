@@ -3,14 +3,12 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <nlohmann/json.hpp>
-#include <set>
 #include <stdexcept>
 
 #include "common/log.h"
+#include "pipeline/run_settings.h"
 
 namespace dflash::pipeline {
 namespace {
@@ -33,32 +31,6 @@ int env_int(const char* name, int low, int high) {
                              std::to_string(low) + ".." + std::to_string(high));
   }
   return static_cast<int>(x);
-}
-
-// What differs among the nodes' values (node r's is values[r]): for JSON objects the keys whose
-// values differ, each with every node's value; otherwise every node's value.
-std::string differences(const std::vector<std::string>& values) {
-  std::vector<nlohmann::json> objects;
-  std::set<std::string> keys;
-  for (const std::string& v : values) {
-    nlohmann::json j = nlohmann::json::parse(v, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_object()) break;
-    for (auto it = j.begin(); it != j.end(); ++it) keys.insert(it.key());
-    objects.push_back(std::move(j));
-  }
-  std::string text;
-  if (objects.size() == values.size()) {
-    for (const std::string& key : keys) {
-      std::vector<std::string> each;
-      for (const nlohmann::json& j : objects) each.push_back(j.contains(key) ? j[key].dump() : "(none)");
-      if (std::all_of(each.begin(), each.end(), [&](const std::string& e) { return e == each[0]; })) continue;
-      text += (text.empty() ? "" : "; ") + key + ":";
-      for (size_t r = 0; r < each.size(); ++r) text += (r ? ", node " : " node ") + std::to_string(r) + " " + each[r];
-    }
-    return text;
-  }
-  for (size_t r = 0; r < values.size(); ++r) text += (r ? "; node " : "node ") + std::to_string(r) + ": " + values[r];
-  return text;
 }
 
 }  // namespace
@@ -178,12 +150,15 @@ std::vector<uint8_t> NodeGroup::broadcast(const std::vector<uint8_t>& from_node0
 }
 
 void NodeGroup::require_same(const std::string& mine, const std::string& disagree, const std::string& advice) {
-  std::vector<std::string> values;
+  std::vector<std::string> values, labels;
   for (const std::vector<uint8_t>& v : exchange(std::vector<uint8_t>(mine.begin(), mine.end()))) {
+    labels.push_back("node " + std::to_string(values.size()));
     values.emplace_back(v.begin(), v.end());
   }
-  if (std::all_of(values.begin(), values.end(), [&](const std::string& v) { return v == values[0]; })) return;
-  throw std::runtime_error("distributed: the nodes " + disagree + " (" + differences(values) + "); " + advice);
+  const std::string differences = setting_differences(values, labels);
+  if (!differences.empty()) {
+    throw std::runtime_error("distributed: the nodes " + disagree + " (" + differences + "); " + advice);
+  }
 }
 
 }  // namespace dflash::pipeline

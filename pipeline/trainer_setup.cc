@@ -10,45 +10,12 @@
 #include "pipeline/memory_plan.h"
 #include "pipeline/nccl_gradients.h"
 #include "pipeline/run_check.h"
+#include "pipeline/run_settings.h"
 #include "decode/eval.h"
 #include "pipeline/trainer_impl.h"
 #include "target/model.h"
 
 namespace dflash::pipeline {
-namespace {
-
-// What the drafter replicas of every node must share in one data-parallel run: their count per
-// node (the step plan's), the drafter's shape, the target's precision (its features) and the
-// settings of the steps they take together.
-nlohmann::ordered_json training_settings(const config::Config &config, const drafter::DrafterShape &shape,
-                                         int64_t replicas) {
-  const config::TrainConfig &t = config.train;
-  nlohmann::ordered_json j;
-  j["gpus.drafter (replicas per node)"] = replicas;
-  j["target.dtype"] = config::name_of(config.target.dtype);
-  const nlohmann::ordered_json exported = nlohmann::ordered_json::parse(drafter::export_config_json(shape));
-  for (auto it = exported.begin(); it != exported.end(); ++it) j["drafter: " + it.key()] = *it;
-  j["train.anchors_per_sequence"] = t.anchors_per_sequence;
-  j["train.sequences_per_step"] = t.sequences_per_step;
-  j["train.grad_accumulation_steps"] = t.grad_accumulation_steps;
-  j["train.epochs"] = t.epochs;
-  j["train.max_steps"] = t.max_steps;
-  j["train.learning_rate"] = t.learning_rate;
-  j["train.min_learning_rate"] = t.min_learning_rate;
-  j["train.warmup_ratio"] = t.warmup_ratio;
-  j["train.weight_decay"] = t.weight_decay;
-  j["train.adam_beta1"] = t.adam_beta1;
-  j["train.adam_beta2"] = t.adam_beta2;
-  j["train.adam_epsilon"] = t.adam_epsilon;
-  j["train.grad_clip_norm"] = t.grad_clip_norm;
-  j["train.loss_gamma"] = config.loss_gamma();
-  j["train.seed"] = t.seed;
-  j["train.deterministic"] = t.deterministic;
-  j["train.on_nonfinite"] = t.on_nonfinite == config::OnNonfinite::skip ? "skip" : "stop";
-  return j;
-}
-
-}  // namespace
 
 // The target config, the drafter shape, the memory plan (refused before
 // anything is loaded when it does not fit), the replicas on their devices and
@@ -114,7 +81,7 @@ void Trainer::Impl::open_data() {
     s.nodes->require_same(nlohmann::json{{"samples", s.data->size()}, {"data digest", s.data->digest()}}.dump(),
                           "read different training data",
                           "give every node the same data.paths contents and data settings");
-    s.nodes->require_same(training_settings(config, s.shape, replicas).dump(), "would train differently",
+    s.nodes->require_same(training_settings_json(config, s.shape, replicas), "would train differently",
                           "give every node the same drafter and train sections, target dtype and number of drafter "
                           "GPUs");
   }
@@ -141,7 +108,9 @@ void Trainer::Impl::resume() {
   Impl &s = *this;
   const config::Config &config = s.config;
   s.checkpoints =
-      std::make_unique<Checkpointer>(s.config, s.plan, s.data->digest(), *s.metrics, *s.health, *s.failed_samples);
+      std::make_unique<Checkpointer>(s.config, s.plan, s.data->digest(),
+                                     training_settings_json(config, s.shape, s.local_replicas), *s.metrics, *s.health,
+                                     *s.failed_samples);
   s.start_step = s.checkpoints->resume(s.models->drafters, s.models->optimizers);
   if (s.nodes) {
     // Every node must resume from the same step (each reads its own output_dir).

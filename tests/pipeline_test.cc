@@ -331,6 +331,15 @@ TEST(PipelineRun, TrainsToTheEndCheckpointsAndExports) {
   EXPECT_NE(changed.err().find("step-000000000024: the training data changed since this checkpoint (data digest "),
             std::string::npos)
       << changed.err();
+  // Other training settings resume, and the log says which differ from the run that wrote it.
+  set_section(r, "data", "data: {synthetic: {sequences: 64, min_length: 24, max_length: 48}}");
+  set_section(r, "train", "train: {max_steps: 24, learning_rate: 0.002, deterministic: true}");
+  test::Process relearned({kBinary, "run", "-c", r.config}, {}, r.dir);
+  ASSERT_EQ(relearned.wait(60000), 0) << relearned.err();
+  EXPECT_NE(relearned.err().find("step-000000000024 with other settings than the run that wrote it: "
+                                 "train.learning_rate: then 0.003, now 0.002"),
+            std::string::npos)
+      << relearned.err();
 }
 
 TEST(PipelineRun, SigkillAndResumeIsBitIdenticalAtSeveralKillPoints) {
