@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "common/dir_lock.h"
 #include "common/health.h"
 #include "common/log.h"
 #include "common/token_file.h"
@@ -339,6 +340,7 @@ int generate(const GenerateArgs& a_in) {
     check_decoding_batch("dflashd generate", *model, std::min<int64_t>(a.max_batch, static_cast<int64_t>(prompts.size())),
                          static_cast<int64_t>(longest) + a.settings.max_new_tokens, 1);
   }
+  const DirectoryLock lock(a.out, "dflashd generate of " + a.prompts);  // one writer of the shards
   decode::ShardedOutput out = open_output(a, *base, prompts);
   log::info("generate: {} prompts from {}, {} done before{}; {} replica(s) on {}, {} sequences at once each, target "
             "{} with {} GatedDeltaNet states; {}, up to {} new tokens, truncated responses {}; output {}",

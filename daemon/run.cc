@@ -4,13 +4,17 @@
 #include <prometheus/gauge.h>
 #include <prometheus/registry.h>
 
+#include <sys/stat.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <condition_variable>
 #include <mutex>
 #include <optional>
 
+#include "common/dir_lock.h"
 #include "common/health.h"
+#include "common/safetensors.h"
 #include "daemon/exit_codes.h"
 #include "daemon/http_endpoint.h"
 #include "daemon/machine.h"
@@ -154,6 +158,21 @@ int finish_run(pipeline::Trainer& trainer, SystemdNotifier& notifier, ServiceMet
   return exit_code::kOk;
 }
 
+// One dflashd per run directory: run.output_dir, and checkpoint.dir where it lies elsewhere (a
+// second run writing the same checkpoints would interleave and prune them).
+std::vector<std::unique_ptr<DirectoryLock>> lock_run_directories(const config::Config& config) {
+  const std::string role = "dflashd run '" + config.run.name + "' of " + config.source;
+  std::vector<std::unique_ptr<DirectoryLock>> locks;
+  locks.push_back(std::make_unique<DirectoryLock>(config.run.output_dir, role));
+  const std::string checkpoints = config.checkpoint_dir();
+  make_directories(checkpoints);
+  struct stat output {}, other {};
+  const bool same = ::stat(config.run.output_dir.c_str(), &output) == 0 && ::stat(checkpoints.c_str(), &other) == 0 &&
+                    output.st_dev == other.st_dev && output.st_ino == other.st_ino;
+  if (!config.checkpoint.dir.empty() && !same) locks.push_back(std::make_unique<DirectoryLock>(checkpoints, role));
+  return locks;
+}
+
 }  // namespace
 
 int run_service(const config::Config& config, const RunOptions& options) {
@@ -182,6 +201,15 @@ int run_service(const config::Config& config, const RunOptions& options) {
   if (!machine_problems.empty()) {
     for (const auto& d : machine_problems) log::error("{}", d.str());
     notifier.status("failed: the config does not fit this machine");
+    return exit_code::kStartup;
+  }
+
+  std::vector<std::unique_ptr<DirectoryLock>> locks;
+  try {
+    locks = lock_run_directories(config);
+  } catch (const std::exception& e) {
+    log::error("{}", e.what());
+    notifier.status(std::string("failed: ") + e.what());
     return exit_code::kStartup;
   }
 

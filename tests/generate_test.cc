@@ -19,6 +19,7 @@
 
 #include <httplib.h>
 
+#include "common/dir_lock.h"
 #include "decode/shards.h"
 #include "target/model_config.h"
 #include "tests/test_util.h"
@@ -308,6 +309,13 @@ TEST(Generate, BadInputsAreClearErrors) {
                 log),
             1);
   EXPECT_TRUE(said("--stop-token-ids: stop token id 512 is outside the vocabulary (512)")) << test::read_file(log);
+  // One generate per output directory: another writer is refused, naming the holder.
+  {
+    const DirectoryLock holder(dir + "/held", "the test's holder");
+    EXPECT_EQ(run("--preset tiny-qwen3 --device cpu --prompts " + dir + "/prompts.jsonl --out " + dir + "/held", log),
+              1);
+    EXPECT_TRUE(said(dir + "/held is in use by the test's holder (pid ")) << test::read_file(log);
+  }
   // Continuing an output with other settings is refused, naming its generate.json.
   ASSERT_EQ(run("--preset tiny-qwen3 --device cpu --prompts " + dir + "/prompts.jsonl --out " + dir +
                     "/o2 --max-new-tokens 4 --truncated keep",

@@ -20,6 +20,7 @@
 #include "pipeline/nccl_gradients.h"
 #include "pipeline/streams.h"
 #include "pipeline/dataset.h"
+#include "common/dir_lock.h"
 #include "decode/shards.h"
 #include "pipeline/flops.h"
 #include "target/model_config.h"
@@ -546,6 +547,29 @@ TEST(PipelineRun, NodesWithDifferentDataOrTrainingSettingsAreRefused) {
       EXPECT_EQ(p->err().find("step 1"), std::string::npos) << p->err();
     }
   }
+}
+
+// One dflashd per output directory (and per checkpoint directory elsewhere): a second process is
+// refused at start, naming the holder; the lock goes with the process that held it.
+TEST(PipelineRun, ASecondProcessOnTheSameDirectoriesIsRefused) {
+  const RunDir r = make_run("locked", "train: {max_steps: 2}\n");
+  {
+    const DirectoryLock holder(r.dir + "/out", "the test's holder");
+    test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
+    EXPECT_EQ(p.wait(60000), 4);
+    EXPECT_NE(p.err().find(r.dir + "/out is in use by the test's holder (pid " + std::to_string(::getpid()) + ")"),
+              std::string::npos)
+        << p.err();
+  }
+  set_section(r, "train", "train: {max_steps: 2}\ncheckpoint: {dir: " + r.dir + "/elsewhere}");
+  {
+    const DirectoryLock holder(r.dir + "/elsewhere", "the test's holder");
+    test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
+    EXPECT_EQ(p.wait(60000), 4);
+    EXPECT_NE(p.err().find(r.dir + "/elsewhere is in use by the test's holder"), std::string::npos) << p.err();
+  }
+  test::Process p({kBinary, "run", "-c", r.config}, {}, r.dir);
+  EXPECT_EQ(p.wait(60000), 0) << p.err();
 }
 
 TEST(PipelineRun, TorchrunVariablesMissingAreNamed) {
