@@ -67,6 +67,7 @@ struct Trainer::Impl {
   StepSettings step_settings;
   int node_rank = 0;
   int64_t local_replicas = 1;  // drafter replicas of this node
+  std::string settings_json;   // training_settings_json(): what nodes compare and checkpoints record
   int nodes_in_run = 1;        // processes of the run (distributed.nodes)
   int64_t start_step = 0;      // the resumed checkpoint's step, or 0
 

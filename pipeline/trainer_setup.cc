@@ -73,6 +73,7 @@ void Trainer::Impl::open_data() {
   s.nodes_in_run = node_info.nodes;
   s.node_rank = node_info.rank;
   s.local_replicas = replicas;
+  s.settings_json = training_settings_json(config, s.shape, replicas);
   if (node_info.nodes > 1) {
     s.nodes = std::make_unique<NodeGroup>(node_info);
     // Every node reads its own copy of the data (the step plan assigns samples by position) and
@@ -81,7 +82,7 @@ void Trainer::Impl::open_data() {
     s.nodes->require_same(nlohmann::json{{"samples", s.data->size()}, {"data digest", s.data->digest()}}.dump(),
                           "read different training data",
                           "give every node the same data.paths contents and data settings");
-    s.nodes->require_same(training_settings_json(config, s.shape, replicas), "would train differently",
+    s.nodes->require_same(s.settings_json, "would train differently",
                           "give every node the same drafter and train sections, target dtype and number of drafter "
                           "GPUs");
   }
@@ -108,8 +109,7 @@ void Trainer::Impl::resume() {
   Impl &s = *this;
   const config::Config &config = s.config;
   s.checkpoints =
-      std::make_unique<Checkpointer>(s.config, s.plan, s.data->digest(),
-                                     training_settings_json(config, s.shape, s.local_replicas), *s.metrics, *s.health,
+      std::make_unique<Checkpointer>(s.config, s.plan, s.data->digest(), s.settings_json, *s.metrics, *s.health,
                                      *s.failed_samples);
   s.start_step = s.checkpoints->resume(s.models->drafters, s.models->optimizers);
   if (s.nodes) {
