@@ -9,6 +9,7 @@
 #include <optional>
 #include <sstream>
 
+#include "common/safetensors.h"
 #include "daemon/decode_args.h"
 #include "daemon/exit_codes.h"
 #include "decode/eval.h"
@@ -159,9 +160,7 @@ int command_eval(const std::vector<std::string>& args) {
     const decode::EvalReport report = decode::evaluate(spec, target, prompts, a.settings, a.baseline, a.max_batch);
     print_report(report);
     if (!a.out.empty()) {
-      std::ofstream out(a.out);
-      out << report.to_json();
-      if (!out) throw std::runtime_error(a.out + ": cannot write the report");
+      write_file_atomically(a.out, report.to_json());  // throws naming the file
     }
     return exit_code::kOk;
   } catch (const std::exception& e) {

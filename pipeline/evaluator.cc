@@ -4,12 +4,12 @@
 #include <c10/core/InferenceMode.h>
 
 #include <chrono>
-#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "common/log.h"
+#include "common/safetensors.h"
 #include "pipeline/run_metrics.h"
 #include "pipeline/streams.h"
 
@@ -188,8 +188,7 @@ void Evaluator::evaluate(int64_t step) {
     report.speedup = speedup;
     nlohmann::json j = nlohmann::json::parse(report.to_json());
     j["step"] = step;
-    std::ofstream(best_dir_ + "/eval.json.tmp") << j.dump(2) << "\n";
-    std::filesystem::rename(best_dir_ + "/eval.json.tmp", best_dir_ + "/eval.json");
+    write_file_atomically(best_dir_ + "/eval.json", j.dump(2) + "\n");  // fsynced: never half a report
     log::info("export/best: step {} (eval acceptance length {})", step, log::fixed(best_, 3));
   }
 }
