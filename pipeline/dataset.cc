@@ -107,9 +107,9 @@ bool has_anchor(const TokenSample& s) {
   return false;
 }
 
-// A usable sample's ids and loss mask as the run sees them (truncated), and whether it is held out.
-uint64_t sample_digest(const TokenSample& s, bool held_out) {
-  uint64_t h = mix64(s.input_ids.size() * 2 + (held_out ? 1 : 0));
+// A usable sample's ids and loss mask as the run sees them (truncated).
+uint64_t sample_digest(const TokenSample& s) {
+  uint64_t h = mix64(s.input_ids.size());
   for (size_t i = 0; i < s.input_ids.size(); ++i) {
     h = mix64(h ^ ((static_cast<uint64_t>(s.input_ids[i]) << 1) | (s.loss_mask[i] ? 1 : 0)));
   }
@@ -161,7 +161,8 @@ std::shared_ptr<Dataset> Dataset::open(const config::DataConfig& config, int64_t
     // data.eval_fraction: a seeded, order-independent choice of samples kept out of training.
     const uint64_t draw = mix64(static_cast<uint64_t>(config.seed) ^ mix64(0xe7a1 + static_cast<uint64_t>(usable++)));
     const bool held_out = static_cast<double>(draw >> 11) * 0x1.0p-53 < config.eval_fraction;
-    d->digest_ = mix64(d->digest_ ^ sample_digest(truncated, held_out));
+    e.digest = sample_digest(truncated);
+    d->digest_ = mix64(d->digest_ ^ e.digest ^ (held_out ? 0x9E3779B97F4A7C15ULL : 0));
     if (held_out) {
       d->held_out_.push_back(e);
       return;
@@ -235,6 +236,11 @@ TokenSample Dataset::load_entry(const Entry& e) const {
   }
   s.input_ids.resize(e.tokens);
   s.loss_mask.resize(e.tokens);
+  if (sample_digest(s) != e.digest) {
+    throw std::runtime_error(describe_entry(e) + ": changed since the data was indexed at start (a sample is read "
+                             "again each time it is trained on); restore the file, or restart the run to index "
+                             "the data again (a resume onto other data is refused)");
+  }
   return s;
 }
 

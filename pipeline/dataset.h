@@ -7,7 +7,8 @@
 // and counted, by config), samples longer than data.max_length are truncated, samples with
 // fewer than data.min_supervised_tokens supervised tokens, or without two adjacent supervised
 // tokens (no anchor for a block), are skipped and counted. The index
-// keeps (file, byte offset) per usable sample; load() re-reads one line.
+// keeps (file, byte offset, digest) per usable sample; load() re-reads one line and refuses it
+// when it is no longer the sample indexed (the file changed during the run).
 //
 // Order: epoch e visits the usable samples in a permutation seeded by (data.seed, e) (or in
 // file order without shuffle). Sample number q (counting across epochs) is epoch q / N,
@@ -67,6 +68,7 @@ class Dataset {
     int64_t offset = 0;   // byte offset of the line, or the synthetic sample number
     int64_t line = 0;
     int32_t tokens = 0;
+    uint64_t digest = 0;  // of the sample as indexed (truncated): load() checks it is still so
   };
   std::vector<int64_t> epoch_order(int64_t epoch) const;
   TokenSample load_entry(const Entry& e) const;

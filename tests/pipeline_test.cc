@@ -218,6 +218,30 @@ TEST(Dataset, DigestFollowsTheSamplesTheirOrderAndTheHeldOutChoiceNotThePaths) {
   EXPECT_NE(Dataset::open(c, 100)->digest(), masked) << "truncated otherwise";
 }
 
+// A sample is read again each time it is trained on: one whose file changed in place since the
+// data was indexed (the same line lengths, other tokens) is refused, not trained on silently.
+TEST(Dataset, ASampleChangedSinceIndexingIsRefusedWhenRead) {
+  const std::string dir = test::make_temp_dir("changed");
+  std::ofstream(dir + "/a.jsonl") << "{\"input_ids\": [1,2,3,4], \"loss_mask\": [0,1,1,1]}\n"
+                                     "{\"input_ids\": [5,6,7,8], \"loss_mask\": [1,1,1,1]}\n";
+  config::DataConfig c;
+  c.paths = {dir + "/a.jsonl"};
+  c.shuffle = false;
+  auto d = Dataset::open(c, 100);
+  EXPECT_EQ(d->load(1).input_ids, (std::vector<int64_t>{5, 6, 7, 8}));
+  std::ofstream(dir + "/a.jsonl", std::ios::trunc) << "{\"input_ids\": [1,2,3,4], \"loss_mask\": [0,1,1,1]}\n"
+                                                      "{\"input_ids\": [5,6,7,9], \"loss_mask\": [1,1,1,1]}\n";
+  EXPECT_EQ(d->load(0).input_ids, (std::vector<int64_t>{1, 2, 3, 4})) << "an unchanged line reads as before";
+  try {
+    d->load(1);
+    ADD_FAILURE() << "a changed sample was read";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(dir + "/a.jsonl:2: changed since the data was indexed at start"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(BoundedQueue, BoundsBlocksProducersAndDrainsOnClose) {
   BoundedQueue<int> q(2);
   EXPECT_TRUE(q.push(1));
