@@ -159,7 +159,7 @@ struct Decoder::Sequence {
   target::DecodeCache cache;
   drafter::DrafterContextCache context;  // speculative decoding only
   int64_t start = 0;                     // the last committed token, not yet run through the target
-  int64_t max_length = 0;                // prompt + max_new_tokens
+  int64_t max_length = 0;                // prompt + max_new_tokens, at most the target's context
   Clock::time_point decode_start;
   // Plain decoding: the step in flight that chose this sequence's next token (its row
   // `flight_row`), not yet taken into g.tokens; null when none.
