@@ -57,10 +57,10 @@ std::vector<TokenSample> read_token_file(const std::string& path) {
   return samples;
 }
 
-void check_stop_tokens(const std::vector<int64_t>& stop_token_ids, int64_t vocab) {
+void check_stop_tokens(const std::string& setting, const std::vector<int64_t>& stop_token_ids, int64_t vocab) {
   for (int64_t id : stop_token_ids) {
     if (id < 0 || id >= vocab) {
-      throw std::invalid_argument("stop token id " + std::to_string(id) + " is outside the vocabulary (" +
+      throw std::invalid_argument(setting + ": stop token id " + std::to_string(id) + " is outside the vocabulary (" +
                                   std::to_string(vocab) + "): no token could end a response with it");
     }
   }

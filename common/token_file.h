@@ -27,8 +27,9 @@ struct TokenSample {
 TokenSample parse_token_line(const std::string& text, const std::string& file, int64_t line);
 std::vector<TokenSample> read_token_file(const std::string& path);
 
-// Throws std::invalid_argument ("stop token id N is outside the vocabulary (V)...") for a stop id
-// no token can be (every response would run to its length); callers prefix the setting's name.
-void check_stop_tokens(const std::vector<int64_t>& stop_token_ids, int64_t vocab);
+// Throws std::invalid_argument ("SETTING: stop token id N is outside the vocabulary (V)...") for a
+// stop id no token can be (every response would run to its length); `setting` names where the ids
+// came from ("--stop-token-ids", "eval.stop_token_ids").
+void check_stop_tokens(const std::string& setting, const std::vector<int64_t>& stop_token_ids, int64_t vocab);
 
 }  // namespace dflash

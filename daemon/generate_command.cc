@@ -319,11 +319,7 @@ int generate(const GenerateArgs& a_in) {
     places += (places.empty() ? "" : ", ") + o.device.str();
   }
   const std::vector<std::vector<int64_t>> prompts = read_prompts(a.prompts, models[0]->config());
-  try {
-    check_stop_tokens(a.settings.stop_token_ids, models[0]->config().vocab_size);
-  } catch (const std::invalid_argument& e) {
-    throw std::runtime_error(std::string("--stop-token-ids: ") + e.what());
-  }
+  check_stop_tokens("--stop-token-ids", a.settings.stop_token_ids, models[0]->config().vocab_size);
   size_t longest = 0;
   int64_t capped = 0;  // prompts whose responses the target's context ends before --max-new-tokens
   const int64_t context = models[0]->config().max_position_embeddings;

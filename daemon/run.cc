@@ -164,12 +164,14 @@ std::vector<std::unique_ptr<DirectoryLock>> lock_run_directories(const config::C
   const std::string role = "dflashd run '" + config.run.name + "' of " + config.source;
   std::vector<std::unique_ptr<DirectoryLock>> locks;
   locks.push_back(std::make_unique<DirectoryLock>(config.run.output_dir, role));
-  const std::string checkpoints = config.checkpoint_dir();
-  make_directories(checkpoints);
-  struct stat output {}, other {};
-  const bool same = ::stat(config.run.output_dir.c_str(), &output) == 0 && ::stat(checkpoints.c_str(), &other) == 0 &&
-                    output.st_dev == other.st_dev && output.st_ino == other.st_ino;
-  if (!config.checkpoint.dir.empty() && !same) locks.push_back(std::make_unique<DirectoryLock>(checkpoints, role));
+  if (config.checkpoint.dir.empty()) return locks;  // the checkpoints lie in the locked output_dir
+  make_directories(config.checkpoint.dir);
+  // The same directory named otherwise: a second lock on it would refuse this very process.
+  struct stat output {}, checkpoints {};
+  const bool same = ::stat(config.run.output_dir.c_str(), &output) == 0 &&
+                    ::stat(config.checkpoint.dir.c_str(), &checkpoints) == 0 && output.st_dev == checkpoints.st_dev &&
+                    output.st_ino == checkpoints.st_ino;
+  if (!same) locks.push_back(std::make_unique<DirectoryLock>(config.checkpoint.dir, role));
   return locks;
 }
 

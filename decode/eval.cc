@@ -75,15 +75,11 @@ std::vector<Generation> decode_prompts(const Decoder& decoder, const std::vector
                                        const GenerateSettings& settings, int64_t max_batch, double* seconds) {
   std::vector<std::vector<int64_t>> ids;
   for (const EvalPrompt& p : prompts) ids.push_back(p.ids);
-  const int64_t vocab = decoder.target().model().config().vocab_size;
-  try {
-    dflash::check_stop_tokens(settings.stop_token_ids, vocab);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(std::string("stop_token_ids: ") + e.what());
-  }
+  const target::ModelConfig& target_config = decoder.target().model().config();
+  dflash::check_stop_tokens("stop_token_ids", settings.stop_token_ids, target_config.vocab_size);
   for (const EvalPrompt& p : prompts) {  // bad ids are named by their line before anything runs
     try {
-      check_prompt(p.ids, decoder.target().model().config());
+      check_prompt(p.ids, target_config);
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument(p.where + ": " + e.what());
     }

@@ -49,10 +49,10 @@ RunCheck check_run(const config::Config& config, const std::vector<int64_t>& cap
     shaped = true;
     if (const std::string p = context_problem(config, target); !p.empty()) problem(p);
     try {
-      check_stop_tokens({config.eval.stop_token_ids.begin(), config.eval.stop_token_ids.end()},
-                                target.vocab_size);
+      check_stop_tokens("eval.stop_token_ids", {config.eval.stop_token_ids.begin(), config.eval.stop_token_ids.end()},
+                        target.vocab_size);
     } catch (const std::invalid_argument& e) {
-      problem(std::string("eval.stop_token_ids: ") + e.what());
+      problem(e.what());  // the checks below still run
     }
     if (config.drafter.init != "random" && !(offline && !is_file(config.drafter.init + "/config.json"))) {
       drafter::check_drafter_init(config.drafter.init, shape);

@@ -144,11 +144,8 @@ void Trainer::Impl::prepare_eval() {
                                " held-out samples, none with a prompt (tokens before the first supervised one)");
     }
   }
-  try {
-    check_stop_tokens({e.stop_token_ids.begin(), e.stop_token_ids.end()}, target_config.vocab_size);
-  } catch (const std::invalid_argument &bad) {
-    throw std::runtime_error(std::string("eval.stop_token_ids: ") + bad.what());
-  }
+  check_stop_tokens("eval.stop_token_ids", {e.stop_token_ids.begin(), e.stop_token_ids.end()},
+                    target_config.vocab_size);
   if (models->targets[0]->size() != 1) {
     throw std::runtime_error("eval: target replica 0 spans " + std::to_string(models->targets[0]->size()) +
                              " GPUs (gpus.target[0]); the eval decodes with a target on one device: list a "
