@@ -168,8 +168,8 @@ double back_to_back_with(const target::IncrementalTarget& target, const std::vec
 // grouped GEMM).
 void print_fp8_experts_dequantized(const target::IncrementalTarget& target,
                                    const std::vector<target::DecodeCache*>& all, const std::vector<at::Tensor>& one) {
-  const auto paths = target.model().kernel_paths();
-  if (target.model().config().num_experts == 0 || paths.at("target.projections").path != "fp8") return;
+  const auto paths = target.stage(0).kernel_paths();
+  if (target.config().num_experts == 0 || paths.at("target.projections").path != "fp8") return;
   const double ms = back_to_back_with(target, all, one, [](bool on) { grouped_fp8::off = on; });
   std::printf("batch of %3zu: plain steps back to back with the FP8 experts dequantized per layer %.2f ms each\n",
               all.size(), ms);
@@ -202,7 +202,7 @@ void sampled_choice(const std::vector<target::DecodeOutput>& out, int64_t batch)
 // generate` prefills: as many prompts together as one prefill batch takes.
 void prefill_random(const target::IncrementalTarget& target, std::vector<target::DecodeCache>& caches,
                     int prompt_tokens) {
-  const int64_t vocab = target.model().config().vocab_size, batch = static_cast<int64_t>(caches.size());
+  const int64_t vocab = target.config().vocab_size, batch = static_cast<int64_t>(caches.size());
   const int64_t per_prefill = std::max<int64_t>(1, target::IncrementalTarget::kPrefillBatchTokens / prompt_tokens);
   for (int64_t first = 0; first < batch; first += per_prefill) {
     const int64_t n = std::min(per_prefill, batch - first);
@@ -246,7 +246,7 @@ void timed_prefills(const target::IncrementalTarget& target, std::vector<target:
 // block and context extension; then what 64 x 256 new tokens cost at acceptance length L.
 void batched_steps(const target::IncrementalTarget& target, const drafter::Drafter& d, int64_t batch,
                    int prompt_tokens, double plain_one) {
-  const int64_t vocab = target.model().config().vocab_size, block = d.shape().block_size;
+  const int64_t vocab = target.config().vocab_size, block = d.shape().block_size;
   const std::vector<int64_t> tap(d.shape().target_layer_ids.begin(), d.shape().target_layer_ids.end());
   const auto random_ids = [&](int64_t n) {
     return at::randint(0, vocab - 1, {n}, at::TensorOptions().dtype(at::kLong));
@@ -295,7 +295,7 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   const double verify = round(block, tap);
   print_memory("verify rounds");
   const std::vector<at::Tensor> blocks(static_cast<size_t>(batch), random_ids(block));
-  const double draft = median_ms(5, [&] { d.block_hiddens(all_contexts, blocks, target.model().embed_tokens()); });
+  const double draft = median_ms(5, [&] { d.block_hiddens(all_contexts, blocks, target.embed_tokens()); });
   const std::vector<at::Tensor> accepted(static_cast<size_t>(batch), features.narrow(0, 0, 5));
   const double extend = median_ms(5, [&] {
     std::vector<drafter::DrafterContextCache> copies = contexts;
@@ -327,7 +327,7 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
 // `max_batch` at once.
 void end_to_end(const target::IncrementalTarget& target, const drafter::Drafter& d, int prompts, int new_tokens,
                 int prompt_tokens, int max_batch) {
-  const int64_t vocab = target.model().config().vocab_size;
+  const int64_t vocab = target.config().vocab_size;
   std::vector<decode::EvalPrompt> set;
   for (int i = 0; i < prompts; ++i) {
     const at::Tensor p = at::randint(0, vocab - 1, {prompt_tokens}, at::TensorOptions().dtype(at::kLong));

@@ -75,7 +75,7 @@ std::vector<Generation> decode_prompts(const Decoder& decoder, const std::vector
                                        const GenerateSettings& settings, int64_t max_batch, double* seconds) {
   std::vector<std::vector<int64_t>> ids;
   for (const EvalPrompt& p : prompts) ids.push_back(p.ids);
-  const target::ModelConfig& target_config = decoder.target().model().config();
+  const target::ModelConfig& target_config = decoder.target().config();
   dflash::check_stop_tokens("stop_token_ids", settings.stop_token_ids, target_config.vocab_size);
   for (const EvalPrompt& p : prompts) {  // bad ids are named by their line before anything runs
     try {

@@ -195,7 +195,7 @@ void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const Nex
   check_sampling(settings.sampling);
   if (settings.max_new_tokens < 1) throw std::invalid_argument("generate: max_new_tokens must be >= 1");
   if (max_batch < 1) throw std::invalid_argument("generate: the batch must hold at least one sequence");
-  const int64_t context = target_.model().config().max_position_embeddings;  // 0: not said
+  const int64_t context = target_.config().max_position_embeddings;  // 0: not said
   std::vector<std::unique_ptr<Sequence>> active;
   auto new_tokens = [](const std::vector<Sequence*>& sequences) {
     int64_t n = 0;
@@ -220,7 +220,7 @@ void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const Nex
         auto s = std::make_unique<Sequence>();
         if (!(more = next(&s->request))) break;
         try {
-          check_prompt(s->request.prompt, target_.model().config());
+          check_prompt(s->request.prompt, target_.config());
         } catch (const std::invalid_argument& e) {
           throw std::invalid_argument("request " + std::to_string(s->request.id) + ": " + e.what());
         }
@@ -301,8 +301,9 @@ Generation Decoder::generate(const std::vector<int64_t>& prompt, const GenerateS
 SpeculativeDecoder::SpeculativeDecoder(const target::IncrementalTarget& target, const drafter::Drafter& drafter)
     : Decoder(target),
       drafter_(drafter),
-      tap_(drafter.shape().target_layer_ids.begin(), drafter.shape().target_layer_ids.end()) {
-  const target::ModelConfig& c = target.model().config();
+      tap_(drafter.shape().target_layer_ids.begin(), drafter.shape().target_layer_ids.end()),
+      embed_(target.embed_tokens().to(target.device())) {
+  const target::ModelConfig& c = target.config();
   if (drafter.shape().hidden_size != c.hidden_size || drafter.shape().vocab_size != c.vocab_size) {
     throw std::invalid_argument("speculative decoding: the drafter (hidden " + std::to_string(drafter.shape().hidden_size) +
                                 ", vocabulary " + std::to_string(drafter.shape().vocab_size) + ") does not fit the target " +
@@ -350,10 +351,10 @@ void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const Gen
   if (!drafting.empty()) {
     std::vector<const drafter::DrafterContextCache*> contexts;
     for (Sequence* s : drafting) contexts.push_back(&s->context);
-    const std::vector<at::Tensor> hidden = drafter_.block_hiddens(contexts, draft_ids, target_.model().embed_tokens());
+    const std::vector<at::Tensor> hidden = drafter_.block_hiddens(contexts, draft_ids, embed_);
     std::vector<at::Tensor> rows;
     for (const at::Tensor& h : hidden) rows.push_back(h.narrow(0, 1, h.size(0) - 1));
-    const at::Tensor logits = at::matmul(at::cat(rows), target_.model().lm_head().t()).to(at::kFloat);
+    const at::Tensor logits = at::matmul(at::cat(rows), target_.lm_head().t()).to(at::kFloat);
     std::vector<at::Generator*> row_gens;
     for (size_t j = 0; j < count; ++j) row_gens.insert(row_gens.end(), blocks[j].size() - 1, gens[j]);
     std::vector<int64_t> drafted;

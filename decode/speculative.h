@@ -119,6 +119,9 @@ class SpeculativeDecoder : public Decoder {
 
   const drafter::Drafter& drafter_;
   std::vector<int64_t> tap_;
+  // The target's embedding where the drafter runs (the target's output device): the target's
+  // own tensor on one device, a copy when its stages span several.
+  at::Tensor embed_;
 };
 
 // Plain decoding: the prompt's prefill, then one target step per token.

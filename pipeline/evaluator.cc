@@ -32,13 +32,14 @@ double recorded_best(const std::string& dir) {
 
 }  // namespace
 
-Evaluator::Evaluator(const config::Config& config, const target::TargetModel& target, const drafter::DrafterShape& shape,
+Evaluator::Evaluator(const config::Config& config, std::vector<const target::TargetModel*> target,
+                     const drafter::DrafterShape& shape,
                      std::vector<decode::EvalPrompt> prompts, prometheus::Registry& registry)
     : settings_(config.eval),
       best_dir_(config.run.output_dir + "/export/best"),
-      target_(target),
+      target_(std::move(target)),
       prompts_(std::move(prompts)),
-      drafter_(shape, at::TensorOptions().device(target.options().device).dtype(target.options().dtype)) {
+      drafter_(shape, at::TensorOptions().device(target_.device()).dtype(target_.options().dtype)) {
   generate_.max_new_tokens = settings_.max_new_tokens;
   generate_.stop_token_ids.assign(settings_.stop_token_ids.begin(), settings_.stop_token_ids.end());
   generate_.sampling = {settings_.temperature, settings_.top_p, settings_.top_k};
@@ -73,8 +74,7 @@ Evaluator::Evaluator(const config::Config& config, const target::TargetModel& ta
   log::info("eval: every {} steps, {} prompts, {} new tokens each, {}, {} at once, on {} ({} GatedDeltaNet states); "
             "export/best follows the eval acceptance{}",
             settings_.every_steps, prompts_.size(), settings_.max_new_tokens, decode::describe(generate_),
-            settings_.max_batch, target.options().device.str(),
-            target::decode_state_dtype_name(target.options()),
+            settings_.max_batch, target_.places(), target::decode_state_dtype_name(target_.options()),
             best_ > 0 ? " (best so far " + std::to_string(best_) + ")" : "");
   thread_ = std::thread([this] { run(); });
 }
@@ -100,7 +100,7 @@ void Evaluator::maybe_start(int64_t step, const drafter::Drafter& current) {
   }
   // The replica's weights between its optimizer steps (this is its thread), to the eval's device.
   drafter_.load_tensors(current.parameters(), "drafter replica 0 at step " + std::to_string(step));
-  std::shared_ptr<ReadyEvent> ready = mark_ready(target_.model().options().device);
+  std::shared_ptr<ReadyEvent> ready = mark_ready(target_.device());
   {
     std::lock_guard lock(mutex_);
     pending_step_ = step;
@@ -117,7 +117,7 @@ void Evaluator::finish() {
 void Evaluator::evaluate_final(int64_t step, const drafter::Drafter& current) {
   finish();
   if (evaluated_step_ == step) return;  // the evaluation thread's writes are visible after finish()
-  const WorkerStream stream(target_.model().options().device);  // the copy and the evaluation on one stream
+  const WorkerStream stream(target_.device());  // the copy and the evaluation on one stream
   drafter_.load_tensors(current.parameters(), "the final drafter (step " + std::to_string(step) + ")");
   evaluate(step);
 }
@@ -135,7 +135,7 @@ void Evaluator::run() {
       pending_step_ = -1;
       ready = std::move(weights_ready_);
     }
-    if (!stream) stream = std::make_unique<WorkerStream>(target_.model().options().device);
+    if (!stream) stream = std::make_unique<WorkerStream>(target_.device());
     wait_ready(ready, {});  // the copy of the weights, queued on drafter replica 0's stream
     try {
       evaluate(step);

@@ -1,6 +1,6 @@
 // evaluator.h: the eval section (config.h EvalConfig): the real acceptance of the drafter being
 // trained, measured beside training. Every eval.every_steps steps drafter replica 0 hands its
-// weights over (copied to the first target GPU); an evaluation thread runs speculative decoding
+// weights over (copied to the first target replica's GPU, its last stage's when it spans several); an evaluation thread runs speculative decoding
 // of the prompts with the first target replica (decode/eval.h), records the metrics, logs a line,
 // and writes export/best when the acceptance length is the best so far (with eval configured,
 // export/best follows real acceptance, not the training proxy tau). Plain decoding of the same
@@ -33,9 +33,11 @@ namespace dflash::pipeline {
 
 class Evaluator {
  public:
-  // `target` (every layer) outlives the Evaluator. export/best/eval.json, when present, holds the
-  // best acceptance so far (a resumed run keeps its best).
-  Evaluator(const config::Config& config, const target::TargetModel& target, const drafter::DrafterShape& shape,
+  // `target`: one target replica's stages (every layer between them; IncrementalTarget), which
+  // outlive the Evaluator; the drafter copy lives on the last stage's device. export/best/eval.json,
+  // when present, holds the best acceptance so far (a resumed run keeps its best).
+  Evaluator(const config::Config& config, std::vector<const target::TargetModel*> target,
+            const drafter::DrafterShape& shape,
             std::vector<decode::EvalPrompt> prompts, prometheus::Registry& registry);
   ~Evaluator();
 

@@ -146,12 +146,7 @@ void Trainer::Impl::prepare_eval() {
   }
   check_stop_tokens("eval.stop_token_ids", {e.stop_token_ids.begin(), e.stop_token_ids.end()},
                     target_config.vocab_size);
-  if (models->targets[0]->size() != 1) {
-    throw std::runtime_error("eval: target replica 0 spans " + std::to_string(models->targets[0]->size()) +
-                             " GPUs (gpus.target[0]); the eval decodes with a target on one device: list a "
-                             "single-GPU replica first, or leave eval.every_steps at 0");
-  }
-  evaluator = std::make_unique<Evaluator>(config, models->targets[0]->stage(0), shape, std::move(prompts), *registry);
+  evaluator = std::make_unique<Evaluator>(config, models->targets[0]->models(), shape, std::move(prompts), *registry);
 }
 
 // The collectives and the queues between the threads (the feature queue within

@@ -147,13 +147,14 @@ void put_group_rows(const RowGroup& group, at::Tensor& out, const at::Tensor& ro
 // of its row of the batch (no mask to build, grouped-query heads read as they are) and costs the
 // host one launch: cuDNN's masked SDPA, which ATen picks otherwise, spent 2.6 ms of host time per
 // call at 128 sequences (bench/RESULTS.md, session 16). Same math; CPU runs keep the mask.
-bool flash_decoding_applies(const at::Tensor& like, int64_t head_dim) {
+bool flash_decoding_applies(const at::TensorOptions& activations, int64_t head_dim) {
 #ifdef DFLASHD_WITH_CUDA
-  if (!like.is_cuda() || (like.scalar_type() != at::kBFloat16 && like.scalar_type() != at::kHalf)) return false;
+  const at::ScalarType dtype = activations.dtype().toScalarType();
+  if (!activations.device().is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf)) return false;
   if (head_dim % 8 != 0 || head_dim > 256) return false;
-  return at::cuda::getDeviceProperties(like.device().index())->major >= 8;
+  return at::cuda::getDeviceProperties(activations.device().index())->major >= 8;
 #else
-  (void)like, (void)head_dim;
+  (void)activations, (void)head_dim;
   return false;
 #endif
 }
@@ -199,7 +200,7 @@ struct KvStep {
 // has room for every member's positions in every attention layer and, if members join, rows
 // that no live cache holds (its holders are exactly its members: its use count says so). Leaves
 // `step` as it was otherwise.
-void plan_in_place(const RowGroup& group, const std::vector<DecodeCache*>& caches,
+void plan_in_place(const RowGroup& group, const std::vector<StageCache*>& caches, const std::vector<int64_t>& lengths,
                    const std::vector<size_t>& attention_layers, const std::vector<int64_t>& slots, KvStep& step) {
   const size_t size = group.members.size();
   auto keys_of = [&](size_t j, size_t layer) -> const at::Tensor& { return caches[group.members[j]]->keys[layer]; };
@@ -220,7 +221,7 @@ void plan_in_place(const RowGroup& group, const std::vector<DecodeCache*>& cache
   }
   const bool joining = most->second < size;
   for (size_t layer : attention_layers) {
-    const DecodeCache& holder = *caches[group.members[shared]];
+    const StageCache& holder = *caches[group.members[shared]];
     for (const at::Tensor* t : {&holder.keys[layer], &holder.values[layer]}) {
       if (t->size(1) < step.longest) return;  // no room for the step's positions
       if (joining && static_cast<size_t>(t->use_count()) != most->second) return;  // a row may belong to a live cache
@@ -234,7 +235,7 @@ void plan_in_place(const RowGroup& group, const std::vector<DecodeCache*>& cache
     if (free_row == taken.size()) return;  // more joining than unused rows
     taken[free_row] = true;
     rows[j] = static_cast<int64_t>(free_row);
-    joins.push_back({j, slots[j], caches[group.members[j]]->length});
+    joins.push_back({j, slots[j], lengths[group.members[j]]});
   }
   step.in_place = true;
   step.shared_member = shared;
@@ -242,29 +243,30 @@ void plan_in_place(const RowGroup& group, const std::vector<DecodeCache*>& cache
   step.joins = std::move(joins);
 }
 
-KvStep plan_kv_step(const RowGroup& group, const std::vector<DecodeCache*>& caches,
+KvStep plan_kv_step(const RowGroup& group, const std::vector<StageCache*>& caches, const std::vector<int64_t>& lengths,
                     const std::vector<size_t>& attention_layers, at::Device device, bool flash, bool croppable) {
   const size_t first_attention = attention_layers[0];
   std::vector<const at::Tensor*> sources;
   std::vector<int64_t> slots, begins, rows, positions;
   KvStep step;
   for (size_t j = 0; j < group.members.size(); ++j) {
-    const DecodeCache& cache = *caches[group.members[j]];
+    const StageCache& cache = *caches[group.members[j]];
+    const int64_t length = lengths[group.members[j]];
     sources.push_back(&cache.keys[first_attention]);
     slots.push_back(cache.step_slot);
-    begins.push_back(cache.length);
-    step.held = std::max(step.held, cache.length);
-    step.longest = std::max(step.longest, cache.length + group.count);
-    step.same_begin = step.same_begin && cache.length == caches[group.members[0]]->length;
+    begins.push_back(length);
+    step.held = std::max(step.held, length);
+    step.longest = std::max(step.longest, length + group.count);
+    step.same_begin = step.same_begin && length == lengths[group.members[0]];
     for (int64_t t = 0; t < group.count; ++t) {
       rows.push_back(static_cast<int64_t>(j));
-      positions.push_back(cache.length + t);
+      positions.push_back(length + t);
     }
   }
   step.rows = RowGather(sources, slots, device);
   step.begin = begins[0];
   const auto long_options = at::TensorOptions().dtype(at::kLong);
-  if (flash && !croppable && !step.rows.whole()) plan_in_place(group, caches, attention_layers, slots, step);
+  if (flash && !croppable && !step.rows.whole()) plan_in_place(group, caches, lengths, attention_layers, slots, step);
   if (step.in_place) {  // the step's keys go to each member's row of the shared batch
     step.same_begin = false;
     for (int64_t& row : rows) row = step.in_place_rows[static_cast<size_t>(row)];
@@ -401,7 +403,7 @@ bool one_token_attention(const ModelConfig& c, const AttentionQkv& qkv, const Ro
 // (step.visible hides the rest). Writes the attention rows into `out` [tokens, Hq, d]; returns
 // whether they were gated too (one_token_attention).
 bool attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup& group, const KvStep& step,
-                     const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& out) {
+                     const std::vector<StageCache*>& caches, size_t layer, at::Tensor& out) {
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t d = c.head_dim, hq = c.num_attention_heads;
   std::vector<const at::Tensor*> keys, values;
@@ -438,7 +440,7 @@ bool attention_group(const ModelConfig& c, const AttentionQkv& a, const RowGroup
 // One full-attention layer over every sequence's tokens.
 at::Tensor attention_layer(const ModelConfig& c, const Attention& p, const GemmInput& x, const at::Tensor& cos,
                            const at::Tensor& sin, const std::vector<RowGroup>& groups, const std::vector<KvStep>& steps,
-                           const std::vector<DecodeCache*>& caches, size_t layer) {
+                           const std::vector<StageCache*>& caches, size_t layer) {
   const AttentionQkv a = project_attention(c, p, x, cos, sin);
   at::Tensor out = at::empty({x.rows(), c.num_attention_heads, c.head_dim}, a.q.options());
   bool gated = false;  // only a group that holds every row gates them itself
@@ -538,13 +540,13 @@ struct GdnStep {
 // Every GatedDeltaNet layer's state address of each member (its row of the batch its cache holds),
 // one table for the step, or undefined where a state is not a dense row of a dense batch.
 at::Tensor state_addresses(const std::vector<Layer>& layers, const RowGroup& group,
-                           const std::vector<DecodeCache*>& caches, at::Device device) {
+                           const std::vector<StageCache*>& caches, at::Device device) {
   const int64_t size = static_cast<int64_t>(group.members.size());
   std::vector<int64_t> table(layers.size() * static_cast<size_t>(size), 0);
   for (size_t i = 0; i < layers.size(); ++i) {
     if (layers[i].kind == LayerKind::full_attention) continue;
     for (int64_t j = 0; j < size; ++j) {
-      const DecodeCache& cache = *caches[group.members[static_cast<size_t>(j)]];
+      const StageCache& cache = *caches[group.members[static_cast<size_t>(j)]];
       const at::Tensor& batch = cache.state[i];
       if (!batch.is_contiguous() || cache.slot >= batch.size(0)) return {};
       const auto* row =
@@ -576,7 +578,7 @@ at::Tensor conv_window(const GdnStep& step, const at::Tensor& window, const at::
 // gated RMSNorm of them (bf16 [tokens, Hv * dv]).
 void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjections& proj, const GdnGateValues& gates,
                const ConvStepGates* conv_gates, const RowGroup& group, const GdnStep& step,
-               const std::vector<DecodeCache*>& caches, size_t layer, at::Tensor& o_out, int64_t recurrent_step_tokens,
+               const std::vector<StageCache*>& caches, size_t layer, at::Tensor& o_out, int64_t recurrent_step_tokens,
                bool decode_kernel, bool croppable, const GdnOutputNorm* norm) {
   const RowGather& rows = step.rows;
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
@@ -646,8 +648,8 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
     put_group_rows(group, o_out, o.reshape({size * n, hv, dv}));
   }
   for (size_t member : group.members) {
-    DecodeCache& cache = *caches[member];
-    if (croppable) cache.last.gdn[layer] = {before, q, k, v, g, beta, window};
+    StageCache& cache = *caches[member];
+    if (croppable) cache.last_gdn[layer] = {before, q, k, v, g, beta, window};
     cache.state[layer] = after;
     cache.conv[layer] = tails;
   }
@@ -655,7 +657,7 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
 
 // One GatedDeltaNet layer over every sequence's tokens.
 at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const GemmInput& x, const std::vector<RowGroup>& groups,
-                     const std::vector<GdnStep>& steps, const std::vector<DecodeCache*>& caches, size_t layer,
+                     const std::vector<GdnStep>& steps, const std::vector<StageCache*>& caches, size_t layer,
                      int64_t recurrent_step_tokens, bool kernel, bool croppable) {
   const GdnProjections proj = project_gdn(c, p, x);
   // A step whose only group convolves in one pass forms the gates in the conv step's launch.
@@ -683,48 +685,12 @@ at::Tensor gdn_layer(const ModelConfig& c, const GatedDeltaNet& p, const GemmInp
   return norm_in_step ? p.out(o) : gdn_output(c, p, o, proj.z, proj.z.scalar_type());
 }
 
-// A step's tokens: every sequence's ids in one tensor (copied to the device once: a copy per
-// sequence waited for the stream each time), their counts, the sequences' first positions, and
-// every token's position. Throws on a malformed step.
-struct StepTokens {
-  at::Tensor ids;
-  std::vector<int64_t> counts, begins, positions;
-};
-StepTokens step_tokens(const std::vector<DecodeCache*>& caches, const std::vector<at::Tensor>& input_ids,
-                       size_t layers, const at::Device& device) {
-  if (caches.empty() || caches.size() != input_ids.size()) {
-    throw std::invalid_argument("decode step: " + std::to_string(caches.size()) + " caches for " +
-                                std::to_string(input_ids.size()) + " token lists");
-  }
-  StepTokens t;
-  std::vector<at::Tensor> ids;
-  // Ids on one device are joined there (one copy later if on the host); ids on several (the
-  // tokens a step in flight chose, beside a joining prompt's first token on the host) each go to
-  // the model's device first. No id is read here: a step's ids may not have been computed yet.
-  bool one_device = true;
-  for (const at::Tensor& id : input_ids) one_device = one_device && id.device() == input_ids[0].device();
-  for (size_t s = 0; s < caches.size(); ++s) {
-    const DecodeCache& cache = *caches[s];
-    if (cache.keys.size() != layers) throw std::invalid_argument("decode step: the cache is not this model's");
-    if (std::find(caches.begin(), caches.begin() + s, caches[s]) != caches.begin() + s) {
-      throw std::invalid_argument("decode step: a cache appears twice in one step");
-    }
-    ids.push_back((one_device ? input_ids[s] : to_device_async(input_ids[s], device)).to(at::kLong).reshape({-1}));
-    t.counts.push_back(ids.back().size(0));
-    if (t.counts.back() == 0) throw std::invalid_argument("decode step: no tokens");
-    t.begins.push_back(cache.length);
-    for (int64_t p = cache.length; p < cache.length + t.counts.back(); ++p) t.positions.push_back(p);
-  }
-  t.ids = at::cat(ids);
-  return t;
-}
-
-// A cache's first step: its attention layers start from empty batches, its GatedDeltaNet layers
-// from zero conv inputs and states (`activations`: the model's dtype and device; the states in
-// `state_dtype`).
-void start_caches(const std::vector<Layer>& layers, const ModelConfig& c, const std::vector<DecodeCache*>& caches,
+// A cache's first step in a stage: its attention layers start from empty batches, its
+// GatedDeltaNet layers from zero conv inputs and states (`activations`: the stage's dtype and
+// device; the states in `state_dtype`).
+void start_caches(const std::vector<Layer>& layers, const ModelConfig& c, const std::vector<StageCache*>& caches,
                   const at::TensorOptions& activations, at::ScalarType state_dtype) {
-  for (DecodeCache* cache : caches) {
+  for (StageCache* cache : caches) {
     for (size_t i = 0; i < layers.size(); ++i) {
       if (layers[i].kind == LayerKind::full_attention) {
         if (cache->keys[i].defined()) continue;
@@ -743,19 +709,20 @@ void start_caches(const std::vector<Layer>& layers, const ModelConfig& c, const 
   }
 }
 
-// The attention layers' plan of a step, per group (none without attention layers).
+// The attention layers' plan of a step, per group (none without attention layers); `lengths`:
+// each sequence's tokens before the step.
 std::vector<KvStep> plan_kv_steps(const std::vector<Layer>& layers, const std::vector<RowGroup>& groups,
-                                  const std::vector<DecodeCache*>& caches, const at::Tensor& like, int64_t head_dim,
-                                  bool croppable) {
+                                  const std::vector<StageCache*>& caches, const std::vector<int64_t>& lengths,
+                                  const at::TensorOptions& activations, int64_t head_dim, bool croppable) {
   std::vector<KvStep> steps;
   std::vector<size_t> attention;
   for (size_t i = 0; i < layers.size(); ++i) {
     if (layers[i].kind == LayerKind::full_attention) attention.push_back(i);
   }
-  const bool flash = !attention.empty() && flash_decoding_applies(like, head_dim);
+  const bool flash = !attention.empty() && flash_decoding_applies(activations, head_dim);
   for (const RowGroup& group : groups) {
     if (attention.empty()) break;
-    steps.push_back(plan_kv_step(group, caches, attention, like.device(), flash, croppable));
+    steps.push_back(plan_kv_step(group, caches, lengths, attention, activations.device(), flash, croppable));
   }
   return steps;
 }
@@ -763,8 +730,8 @@ std::vector<KvStep> plan_kv_steps(const std::vector<Layer>& layers, const std::v
 // The GatedDeltaNet layers' plan of a step, per group (none without GatedDeltaNet layers); `kernels`:
 // the layers run the CUDA kernels; `croppable`: the step keeps what a crop needs.
 std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std::vector<RowGroup>& groups,
-                                    const std::vector<DecodeCache*>& caches, at::Device device, bool kernels,
-                                    bool croppable) {
+                                    const std::vector<StageCache*>& caches, const std::vector<int64_t>& lengths,
+                                    at::Device device, bool kernels, bool croppable) {
   std::vector<GdnStep> steps;
   const int64_t first = first_gdn_layer(layers);
   for (const RowGroup& group : groups) {
@@ -783,7 +750,7 @@ std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std:
       for (size_t j = 0; j < group.members.size(); ++j) cu_seqlens.push_back(cu_seqlens.back() + group.count);
       step.chunks = make_gdn_chunk_plan(cu_seqlens, device);
       step.fresh = std::all_of(group.members.begin(), group.members.end(),
-                               [&](size_t member) { return caches[member]->length == 0; });
+                               [&](size_t member) { return lengths[member] == 0; });
     }
     if (kernels && !step.one_pass) {
       const int64_t held = step.fresh ? 0 : layers[static_cast<size_t>(first)].gdn.conv.size(1) - 1;
@@ -795,55 +762,96 @@ std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std:
   return steps;
 }
 
-// After a step: member j of a group is row j of the group's batches (its keys and values row
-// in_place_rows[j] of the shared batch when they stayed in place); the caches hold the step's
-// tokens, and what crop() may roll back (nothing when the step is not croppable).
-void record_step(const std::vector<RowGroup>& groups, const std::vector<KvStep>& kv_steps, const StepTokens& tokens,
-                 bool croppable, const std::vector<DecodeCache*>& caches) {
+// After a stage's part of a step: member j of a group is row j of the group's batches (its keys
+// and values row in_place_rows[j] of the shared batch when they stayed in place); a step that is
+// not croppable keeps nothing for crop().
+void record_stage(const std::vector<RowGroup>& groups, const std::vector<KvStep>& kv_steps, bool croppable,
+                  const std::vector<StageCache*>& caches) {
   for (size_t g = 0; g < groups.size(); ++g) {
     const RowGroup& group = groups[g];
     const bool in_place = g < kv_steps.size() && kv_steps[g].in_place;
     for (size_t j = 0; j < group.members.size(); ++j) {
-      DecodeCache& cache = *caches[group.members[j]];
+      StageCache& cache = *caches[group.members[j]];
       cache.slot = static_cast<int64_t>(j);
       cache.step_slot = in_place ? kv_steps[g].in_place_rows[j] : static_cast<int64_t>(j);
     }
   }
-  for (size_t s = 0; s < caches.size(); ++s) {
-    DecodeCache& cache = *caches[s];
-    cache.length = tokens.begins[s] + tokens.counts[s];
-    cache.last.begin = croppable ? tokens.begins[s] : cache.length;
-    cache.last.count = croppable ? tokens.counts[s] : 0;
-    if (!croppable) {
-      for (DecodeCache::LastStep::Gdn& g : cache.last.gdn) g = {};
-    }
+  if (croppable) return;
+  for (StageCache* cache : caches) {
+    for (StageCache::LastGdn& g : cache->last_gdn) g = {};
   }
+}
+
+// Every cache's part in stage `stage`.
+std::vector<StageCache*> stage_parts(const std::vector<DecodeCache*>& caches, size_t stage) {
+  std::vector<StageCache*> parts;
+  parts.reserve(caches.size());
+  for (DecodeCache* cache : caches) parts.push_back(&cache->stages[stage]);
+  return parts;
 }
 
 }  // namespace
 
+// A step's tokens: every sequence's ids in one tensor (copied to the device once: a copy per
+// sequence waited for the stream each time), their counts, the sequences' first positions, and
+// every token's position.
+struct IncrementalTarget::StepTokens {
+  at::Tensor ids;
+  std::vector<int64_t> counts, begins, positions;
+};
+
 IncrementalTarget::IncrementalTarget(const TargetModel& model, int64_t recurrent_step_tokens)
-    : model_(model), recurrent_step_tokens_(recurrent_step_tokens) {
-  if (model.first_layer() != 0 || model.last_layer() != model.config().num_layers - 1) {
-    throw std::invalid_argument(model.config().source + ": decoding needs every layer of the target (built to layer " +
-                                std::to_string(model.last_layer()) + " of " +
-                                std::to_string(model.config().num_layers) + ")");
+    : IncrementalTarget(std::vector<const TargetModel*>{&model}, recurrent_step_tokens) {}
+
+IncrementalTarget::IncrementalTarget(std::vector<const TargetModel*> stages, int64_t recurrent_step_tokens)
+    : stages_(std::move(stages)), recurrent_step_tokens_(recurrent_step_tokens) {
+  if (stages_.empty()) throw std::invalid_argument("decoding needs a target (no stages given)");
+  const TargetModel& first = *stages_.front();
+  const ModelConfig& c = first.config();
+  int64_t next = 0;  // the layer the next stage must start at
+  for (size_t s = 0; s < stages_.size(); ++s) {
+    const TargetModel& stage = *stages_[s];
+    const std::string which = stages_.size() > 1 ? " (stage " + std::to_string(s) + ")" : "";
+    if (stage.first_layer() != next) {
+      throw std::invalid_argument(c.source + ": decoding needs every layer of the target, in order; stage " +
+                                  std::to_string(s) + " starts at layer " + std::to_string(stage.first_layer()) +
+                                  ", not " + std::to_string(next));
+    }
+    if (stage.options().dtype != first.options().dtype ||
+        stage.options().decode_state_dtype != first.options().decode_state_dtype) {
+      throw std::invalid_argument(c.source + ": decoding stages must share their dtype and decode_state_dtype" + which);
+    }
+    next = stage.last_layer() + 1;
   }
-  const at::ScalarType state = model.options().decode_state_dtype;
+  if (next != c.num_layers || !stages_.back()->impl_->head.defined()) {
+    throw std::invalid_argument(c.source + ": decoding needs every layer of the target and its LM head (built to layer " +
+                                std::to_string(next - 1) + " of " + std::to_string(c.num_layers) + ")");
+  }
+  const at::ScalarType state = first.options().decode_state_dtype;
   if (state != at::kFloat && state != at::kBFloat16) {
     throw std::invalid_argument(std::string("decoding keeps GatedDeltaNet states in float32 or bfloat16, not ") +
                                 c10::toString(state));
   }
 }
 
+std::string IncrementalTarget::places() const {
+  std::string out;
+  for (const TargetModel* stage : stages_) out += (out.empty() ? "" : " + ") + stage->options().device.str();
+  return out;
+}
+
 DecodeCache IncrementalTarget::new_cache() const {
   DecodeCache cache;
-  const size_t layers = model_.impl_->layers.size();
-  cache.keys.resize(layers);
-  cache.values.resize(layers);
-  cache.conv.resize(layers);
-  cache.state.resize(layers);
-  cache.last.gdn.resize(layers);
+  cache.stages.resize(stages_.size());
+  for (size_t s = 0; s < stages_.size(); ++s) {
+    StageCache& part = cache.stages[s];
+    const size_t layers = stages_[s]->impl_->layers.size();
+    part.keys.resize(layers);
+    part.values.resize(layers);
+    part.conv.resize(layers);
+    part.state.resize(layers);
+    part.last_gdn.resize(layers);
+  }
   return cache;
 }
 
@@ -869,42 +877,100 @@ std::vector<DecodeOutput> IncrementalTarget::prefill_batch(const std::vector<Dec
   return run_step(caches, ids, tap, /*croppable=*/false, /*last_logits_only=*/true);
 }
 
+IncrementalTarget::StepTokens IncrementalTarget::step_tokens(const std::vector<DecodeCache*>& caches,
+                                                             const std::vector<at::Tensor>& input_ids,
+                                                             const std::vector<int64_t>& tap) const {
+  if (caches.empty() || caches.size() != input_ids.size()) {
+    throw std::invalid_argument("decode step: " + std::to_string(caches.size()) + " caches for " +
+                                std::to_string(input_ids.size()) + " token lists");
+  }
+  for (size_t i = 0; i < tap.size(); ++i) {
+    if (tap[i] < 0 || tap[i] >= config().num_layers || (i > 0 && tap[i] <= tap[i - 1])) {
+      throw std::invalid_argument("decode step: tapped layers must ascend within the model's layers");
+    }
+  }
+  const at::Device device = stages_.front()->options().device;
+  StepTokens t;
+  std::vector<at::Tensor> ids;
+  // Ids on one device are joined there (one copy later if on the host); ids on several (the
+  // tokens a step in flight chose, beside a joining prompt's first token on the host) each go to
+  // the first stage's device first. No id is read here: a step's ids may not have been computed yet.
+  bool one_device = true;
+  for (const at::Tensor& id : input_ids) one_device = one_device && id.device() == input_ids[0].device();
+  for (size_t s = 0; s < caches.size(); ++s) {
+    const DecodeCache& cache = *caches[s];
+    bool ours = cache.stages.size() == stages_.size();
+    for (size_t i = 0; ours && i < stages_.size(); ++i) ours = cache.stages[i].keys.size() == stages_[i]->impl_->layers.size();
+    if (!ours) throw std::invalid_argument("decode step: the cache is not this model's");
+    if (std::find(caches.begin(), caches.begin() + s, caches[s]) != caches.begin() + s) {
+      throw std::invalid_argument("decode step: a cache appears twice in one step");
+    }
+    ids.push_back((one_device ? input_ids[s] : to_device_async(input_ids[s], device)).to(at::kLong).reshape({-1}));
+    t.counts.push_back(ids.back().size(0));
+    if (t.counts.back() == 0) throw std::invalid_argument("decode step: no tokens");
+    t.begins.push_back(cache.length);
+    for (int64_t p = cache.length; p < cache.length + t.counts.back(); ++p) t.positions.push_back(p);
+  }
+  t.ids = at::cat(ids);
+  return t;
+}
+
+StreamState IncrementalTarget::run_stage(size_t s, const std::vector<DecodeCache*>& caches, const StepTokens& tokens,
+                                         const StreamState& in, const std::vector<int64_t>& tap, bool croppable,
+                                         std::vector<at::Tensor>* tapped) const {
+  const TargetModel& model = *stages_[s];
+  const TargetModel::Impl& m = *model.impl_;
+  const ModelConfig& c = model.config();
+  const at::Device device = model.options().device;
+  const at::TensorOptions activations = at::TensorOptions().dtype(model.options().dtype).device(device);
+  const std::vector<StageCache*> parts = stage_parts(caches, s);
+  const std::vector<RowGroup> groups = group_rows_by_count(tokens.counts, device);
+  start_caches(m.layers, c, parts, activations, model.options().decode_state_dtype);
+  const std::vector<KvStep> kv_steps = plan_kv_steps(m.layers, groups, parts, tokens.begins, activations, c.head_dim,
+                                                     croppable);
+  const std::vector<GdnStep> gdn_steps =
+      plan_gdn_steps(m.layers, groups, parts, tokens.begins, device, model.gdn_kernels_, croppable);
+  const at::Tensor position_ids = values_on(tokens.positions, at::kLong, device);
+  const auto [cos, sin] = rope_tables(m.inv_freq, position_ids, model.options().dtype);
+
+  // The first stage embeds the ids; a later one continues the stream on its device.
+  auto here = [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; };
+  ResidualStream stream = s == 0 ? ResidualStream(at::embedding(m.embed, to_device_async(tokens.ids, device)), c)
+                                 : ResidualStream(here(in.x), here(in.pending), c);
+  auto next = std::lower_bound(tap.begin(), tap.end(), model.first_layer());
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const Layer& layer = m.layers[i];
+    const GemmInput normed = stream.add_and_norm(layer.input_norm, layer.mixer_reads_fp8());
+    stream.push(layer.kind == LayerKind::full_attention
+                    ? attention_layer(c, layer.attention, normed, cos, sin, groups, kv_steps, parts, i)
+                    : gdn_layer(c, layer.gdn, normed, groups, gdn_steps, parts, i, recurrent_step_tokens_,
+                                model.gdn_kernels_, croppable));
+    stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm, layer.mlp_reads_fp8()),
+                            model.grouped_moe_));
+    if (next != tap.end() && *next == model.first_layer() + static_cast<int64_t>(i)) {
+      tapped->push_back(stream.output());
+      ++next;
+    }
+  }
+  record_stage(groups, kv_steps, croppable, parts);
+  return stream.state();
+}
+
 std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCache*>& caches,
                                                       const std::vector<at::Tensor>& input_ids,
                                                       const std::vector<int64_t>& tap, bool croppable,
                                                       bool last_logits_only) const {
   c10::InferenceMode inference;
-  const TargetModel::Impl& m = *model_.impl_;
-  const ModelConfig& c = model_.config();
-  const at::Device device = model_.options().device;
-  const StepTokens tokens = step_tokens(caches, input_ids, m.layers.size(), device);
-  const std::vector<RowGroup> groups = group_rows_by_count(tokens.counts, device);
-  start_caches(m.layers, c, caches, at::TensorOptions().dtype(model_.options().dtype).device(device),
-               model_.options().decode_state_dtype);
-  const std::vector<KvStep> kv_steps = plan_kv_steps(m.layers, groups, caches, m.embed, c.head_dim, croppable);
-  const std::vector<GdnStep> gdn_steps = plan_gdn_steps(m.layers, groups, caches, device, model_.gdn_kernels_, croppable);
-  const at::Tensor position_ids = values_on(tokens.positions, at::kLong, device);
-  const auto [cos, sin] = rope_tables(m.inv_freq, position_ids, model_.options().dtype);
-
-  ResidualStream stream(at::embedding(m.embed, to_device_async(tokens.ids, device)), c);
+  const StepTokens tokens = step_tokens(caches, input_ids, tap);
   std::vector<at::Tensor> tapped;
-  size_t next = 0;
-  for (size_t i = 0; i < m.layers.size(); ++i) {
-    const Layer& layer = m.layers[i];
-    const GemmInput normed = stream.add_and_norm(layer.input_norm, layer.mixer_reads_fp8());
-    stream.push(layer.kind == LayerKind::full_attention
-                    ? attention_layer(c, layer.attention, normed, cos, sin, groups, kv_steps, caches, i)
-                    : gdn_layer(c, layer.gdn, normed, groups, gdn_steps, caches, i, recurrent_step_tokens_,
-                                model_.gdn_kernels_, croppable));
-    stream.push(mlp_forward(c, layer.mlp, stream.add_and_norm(layer.post_attention_norm, layer.mlp_reads_fp8()),
-                            model_.grouped_moe_));
-    if (next < tap.size() && tap[next] == static_cast<int64_t>(i)) {
-      tapped.push_back(stream.output());
-      ++next;
-    }
-  }
-  if (next != tap.size()) throw std::invalid_argument("decode step: tapped layers must ascend within the model's layers");
-  at::Tensor normed = stream.add_and_norm(m.final_norm);
+  StreamState stream;
+  for (size_t s = 0; s < stages_.size(); ++s) stream = run_stage(s, caches, tokens, stream, tap, croppable, &tapped);
+
+  // The last stage's head, on its device, where the tapped features join the logits.
+  const TargetModel::Impl& m = *stages_.back()->impl_;
+  const at::Device device = this->device();
+  ResidualStream last(stream.x, stream.pending, config());
+  at::Tensor normed = last.add_and_norm(m.final_norm);
   if (last_logits_only) {  // each sequence's last token
     std::vector<int64_t> last_rows;
     int64_t row = 0;
@@ -912,10 +978,14 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
     normed = normed.index_select(0, values_on(last_rows, at::kLong, device));
   }
   const at::Tensor logits = widen_to_float(at::matmul(normed, m.head.t()));
+  for (at::Tensor& t : tapped) t = t.to(device);  // a GPU-to-GPU copy does not block the host
   const at::Tensor features = tapped.empty() ? at::Tensor() : at::cat(tapped, -1);
-  record_step(groups, kv_steps, tokens, croppable, caches);
   std::vector<DecodeOutput> out(caches.size());
   for (size_t s = 0, row = 0; s < caches.size(); row += static_cast<size_t>(tokens.counts[s]), ++s) {
+    DecodeCache& cache = *caches[s];
+    cache.length = tokens.begins[s] + tokens.counts[s];
+    cache.last.begin = croppable ? tokens.begins[s] : cache.length;
+    cache.last.count = croppable ? tokens.counts[s] : 0;
     out[s].logits = last_logits_only ? logits.narrow(0, static_cast<int64_t>(s), 1)
                                      : logits.narrow(0, static_cast<int64_t>(row), tokens.counts[s]);
     if (features.defined()) out[s].features = features.narrow(0, static_cast<int64_t>(row), tokens.counts[s]);
@@ -956,46 +1026,52 @@ void IncrementalTarget::crop_batch(const std::vector<DecodeCache*>& caches, cons
     }
     if (lengths[s] - last.begin < last.count) by_kept[lengths[s] - last.begin].push_back(s);
   }
-  const std::vector<Layer>& layers = model_.impl_->layers;
-  const int64_t first_gdn = first_gdn_layer(layers);
   for (const auto& [keep, members] : by_kept) {
-    if (first_gdn < 0) break;  // full attention only: rows past `length` are ignored
-    // Where the members' rows lie in their last steps' batches: the same in every layer.
-    std::vector<int64_t> slots;
-    std::vector<const at::Tensor*> sources;
-    for (size_t s : members) {
-      slots.push_back(caches[s]->step_slot);
-      sources.push_back(&caches[s]->last.gdn[first_gdn].state_before);
-    }
-    const RowGather rows(sources, slots, model_.options().device);
-    for (size_t i = 0; i < layers.size(); ++i) {
-      if (layers[i].kind == LayerKind::full_attention) continue;
-      // The members' last steps may have run different numbers of tokens: each batch is cut to
-      // the kept tokens before its rows are gathered.
-      using Gdn = DecodeCache::LastStep::Gdn;
-      auto gather = [&](at::Tensor Gdn::*field, const RowGather::View& view) {
-        for (size_t j = 0; j < members.size(); ++j) sources[j] = &(caches[members[j]]->last.gdn[i].*field);
-        return rows.gather(sources, view);
-      };
-      const auto kept_tokens = [&](const at::Tensor& t) { return t.narrow(1, 0, keep); };
-      const int64_t kernel_minus_1 = layers[i].gdn.conv.size(1) - 1;
-      // The conv inputs before the first token not kept: rows keep .. keep + K - 2 of the window.
-      const at::Tensor conv = gather(&Gdn::window, [&](const at::Tensor& w) { return w.narrow(1, keep, kernel_minus_1); })
-                                  .clone(at::MemoryFormat::Contiguous);
-      at::Tensor state = gather(&Gdn::state_before, nullptr);
-      if (keep > 0) {
-        run_rule_group(gather(&Gdn::q, kept_tokens), gather(&Gdn::k, kept_tokens), gather(&Gdn::v, kept_tokens),
-                       gather(&Gdn::g, kept_tokens), gather(&Gdn::beta, kept_tokens), &state, recurrent_step_tokens_,
-                       model_.gdn_kernels_, nullptr);
-      }
-      for (size_t s : members) caches[s]->state[i] = state, caches[s]->conv[i] = conv;
-    }
-    for (size_t j = 0; j < members.size(); ++j) caches[members[j]]->slot = static_cast<int64_t>(j);
+    for (size_t stage = 0; stage < stages_.size(); ++stage) crop_stage(stage, caches, members, keep);
   }
   for (size_t s = 0; s < caches.size(); ++s) {
     caches[s]->last.count = lengths[s] - caches[s]->last.begin;
     caches[s]->length = lengths[s];
   }
+}
+
+void IncrementalTarget::crop_stage(size_t stage, const std::vector<DecodeCache*>& caches,
+                                   const std::vector<size_t>& members, int64_t keep) const {
+  const TargetModel& model = *stages_[stage];
+  const std::vector<Layer>& layers = model.impl_->layers;
+  const int64_t first_gdn = first_gdn_layer(layers);
+  if (first_gdn < 0) return;  // full attention only: rows past the kept length are ignored
+  // Where the members' rows lie in their last steps' batches: the same in every layer.
+  std::vector<int64_t> slots;
+  std::vector<const at::Tensor*> sources;
+  for (size_t s : members) {
+    slots.push_back(caches[s]->stages[stage].step_slot);
+    sources.push_back(&caches[s]->stages[stage].last_gdn[first_gdn].state_before);
+  }
+  const RowGather rows(sources, slots, model.options().device);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].kind == LayerKind::full_attention) continue;
+    // The members' last steps may have run different numbers of tokens: each batch is cut to
+    // the kept tokens before its rows are gathered.
+    using Gdn = StageCache::LastGdn;
+    auto gather = [&](at::Tensor Gdn::*field, const RowGather::View& view) {
+      for (size_t j = 0; j < members.size(); ++j) sources[j] = &(caches[members[j]]->stages[stage].last_gdn[i].*field);
+      return rows.gather(sources, view);
+    };
+    const auto kept_tokens = [&](const at::Tensor& t) { return t.narrow(1, 0, keep); };
+    const int64_t kernel_minus_1 = layers[i].gdn.conv.size(1) - 1;
+    // The conv inputs before the first token not kept: rows keep .. keep + K - 2 of the window.
+    const at::Tensor conv = gather(&Gdn::window, [&](const at::Tensor& w) { return w.narrow(1, keep, kernel_minus_1); })
+                                .clone(at::MemoryFormat::Contiguous);
+    at::Tensor state = gather(&Gdn::state_before, nullptr);
+    if (keep > 0) {
+      run_rule_group(gather(&Gdn::q, kept_tokens), gather(&Gdn::k, kept_tokens), gather(&Gdn::v, kept_tokens),
+                     gather(&Gdn::g, kept_tokens), gather(&Gdn::beta, kept_tokens), &state, recurrent_step_tokens_,
+                     model.gdn_kernels_, nullptr);
+    }
+    for (size_t s : members) caches[s]->stages[stage].state[i] = state, caches[s]->stages[stage].conv[i] = conv;
+  }
+  for (size_t j = 0; j < members.size(); ++j) caches[members[j]]->stages[stage].slot = static_cast<int64_t>(j);
 }
 
 }  // namespace dflash::target

@@ -23,29 +23,40 @@
 // kernels, every step and crop runs the decode-step kernel (the state read and written once),
 // prefills the training forward's chunked kernels from and to the cached states, the conv the
 // conv kernel, and on a GPU in bf16 the attention FlashAttention's
-// variable-length kernel over the cache rows (no mask). Thread-safety: const methods; a cache belongs to one thread, and caches that
-// stepped together share tensors that no step modifies in place except the attention batch
-// their group shares (its new keys and values).
+// variable-length kernel over the cache rows (no mask).
+//
+// A target over several devices (a StagedTarget's pipeline stages) decodes as one: each stage
+// runs its layers over its part of every cache (StageCache, on its device), the residual stream
+// passes from stage to stage as in StagedTarget::forward (so the split changes no rounding: the
+// logits and features are bit-identical to one device's), and the logits and features come out
+// on the last stage's device. A step runs the stages one after another, so one decoder keeps one
+// stage busy at a time; several decoders over one IncrementalTarget, each on its own thread,
+// keep several busy (`dflashd generate` runs one per stage).
+//
+// Thread-safety: const methods; a cache belongs to one thread, and caches that stepped together
+// share tensors that no step modifies in place except the attention batch their group shares
+// (its new keys and values).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 #include "target/model.h"
 
 namespace dflash::target {
 
-// One sequence's decoding state. A copy shares its tensors with the original (keys and values are
-// written in place): step only one of them.
-struct DecodeCache {
-  int64_t length = 0;  // tokens held: positions 0 .. length - 1
+// One pipeline stage's part of a sequence's decoding state: the caches of the layers that stage
+// holds (indexed from its first layer), on its device. A copy shares its tensors with the
+// original (keys and values are written in place): step only one of them.
+struct StageCache {
   // Full-attention layers: the sequence's keys and values are row `step_slot` of batch tensors
-  // [rows, capacity, Hkv, d] it shares with the sequences it last stepped with (positions < length
-  // valid; the step's keys are written in place). step_slot is its row in its last step's group,
-  // which also indexes last.gdn's batches; after a step that kept nothing for a crop (GPU,
-  // FlashAttention), it may be its row of a batch that sequences have left (their rows unused)
-  // or joined (copied into rows no live cache held).
+  // [rows, capacity, Hkv, d] it shares with the sequences it last stepped with (positions <
+  // DecodeCache::length valid; the step's keys are written in place). step_slot is its row in
+  // its last step's group, which also indexes last_gdn's batches; after a step that kept nothing
+  // for a crop (GPU, FlashAttention), it may be its row of a batch that sequences have left
+  // (their rows unused) or joined (copied into rows no live cache held).
   std::vector<at::Tensor> keys, values;
   int64_t step_slot = 0;
   // GatedDeltaNet layers: the sequence's conv inputs and state are row `slot` of batch tensors it
@@ -54,17 +65,25 @@ struct DecodeCache {
   // no op per sequence and layer, and the next step of the same sequences reads the batch as it is.
   std::vector<at::Tensor> conv, state;
   int64_t slot = 0;
-  // The last step, for crop(): its first position and token count (the tokens still held of it);
-  // per GatedDeltaNet layer, as batch tensors of the step's group (row step_slot): the state
-  // before it, the rule's inputs over it (q, k, v [G, n, heads, d], g, beta [G, n, Hv]) and the
-  // conv inputs over it ([G, K - 1 + n, channels]), n the tokens the step ran.
+  // The last step, for crop(), per GatedDeltaNet layer, as batch tensors of the step's group (row
+  // step_slot): the state before it, the rule's inputs over it (q, k, v [G, n, heads, d], g, beta
+  // [G, n, Hv]) and the conv inputs over it ([G, K - 1 + n, channels]), n the tokens the step ran.
+  struct LastGdn {
+    at::Tensor state_before, q, k, v, g, beta, window;
+  };
+  std::vector<LastGdn> last_gdn;  // per layer (empty entries for full-attention layers)
+};
+
+// One sequence's decoding state: its length, its last step, and one StageCache per stage of the
+// target (one for a target on one device). A copy shares its tensors with the original: step
+// only one of them.
+struct DecodeCache {
+  int64_t length = 0;  // tokens held: positions 0 .. length - 1
+  // The last step, for crop(): its first position and token count (the tokens still held of it).
   struct LastStep {
     int64_t begin = 0, count = 0;
-    struct Gdn {
-      at::Tensor state_before, q, k, v, g, beta, window;
-    };
-    std::vector<Gdn> gdn;  // per layer (empty entries for full-attention layers)
   } last;
+  std::vector<StageCache> stages;
 };
 
 struct DecodeOutput {
@@ -82,6 +101,11 @@ class IncrementalTarget {
   // `model` must hold every layer (its last_layer is the model's last) and outlive this.
   // `recurrent_step_tokens`: the threshold above (benchmarks compare the two forms).
   explicit IncrementalTarget(const TargetModel& model, int64_t recurrent_step_tokens = kRecurrentStepTokens);
+  // A target over several devices: `stages` (a StagedTarget's, in order) hold layers 0 .. the
+  // model's last between them, contiguous, the last with the final norm and LM head; all outlive
+  // this. Throws std::invalid_argument otherwise, or when their dtypes or state dtypes differ.
+  explicit IncrementalTarget(std::vector<const TargetModel*> stages,
+                             int64_t recurrent_step_tokens = kRecurrentStepTokens);
 
   DecodeCache new_cache() const;
   // Runs `ids` (int64 [n], n >= 1) at positions cache.length .. + n - 1; the cache grows by n.
@@ -119,14 +143,38 @@ class IncrementalTarget {
   // for the caches that keep the same number of tokens of their last step.
   void crop_batch(const std::vector<DecodeCache*>& caches, const std::vector<int64_t>& lengths) const;
 
-  const TargetModel& model() const { return model_; }
+  const ModelConfig& config() const { return stages_.front()->config(); }
+  // The first stage's options (every stage's dtype and decode_state_dtype are the same).
+  const TargetOptions& options() const { return stages_.front()->options(); }
+  // Where the logits and features come out: the last stage's device.
+  at::Device device() const { return stages_.back()->options().device; }
+  const at::Tensor& embed_tokens() const { return stages_.front()->embed_tokens(); }  // on the first stage
+  const at::Tensor& lm_head() const { return stages_.back()->lm_head(); }             // on the last stage
+  size_t stage_count() const { return stages_.size(); }
+  // The stages' devices for logs: "cuda:0", or "cuda:0 + cuda:1" for a target over two.
+  std::string places() const;
+  const TargetModel& stage(size_t i) const { return *stages_[i]; }
 
  private:
   // step_batch's forward; with last_logits_only, each sequence's logits are its last token's.
   std::vector<DecodeOutput> run_step(const std::vector<DecodeCache*>& caches, const std::vector<at::Tensor>& ids,
                                      const std::vector<int64_t>& tap, bool croppable, bool last_logits_only) const;
 
-  const TargetModel& model_;
+  // A step's tokens (incremental.cc), and the checks of a step's caches, ids and taps.
+  struct StepTokens;
+  StepTokens step_tokens(const std::vector<DecodeCache*>& caches, const std::vector<at::Tensor>& input_ids,
+                         const std::vector<int64_t>& tap) const;
+  // One stage's layers of a step over its part of the caches, from `stream` (the previous stage's;
+  // none on the first stage, which embeds the ids): the stream after them; the outputs of the
+  // tapped layers it holds appended to *tapped.
+  StreamState run_stage(size_t stage, const std::vector<DecodeCache*>& caches, const StepTokens& tokens,
+                        const StreamState& stream, const std::vector<int64_t>& tap, bool croppable,
+                        std::vector<at::Tensor>* tapped) const;
+  // crop_batch's GatedDeltaNet states of one stage, for the members keeping `keep` tokens.
+  void crop_stage(size_t stage, const std::vector<DecodeCache*>& caches, const std::vector<size_t>& members,
+                  int64_t keep) const;
+
+  std::vector<const TargetModel*> stages_;
   int64_t recurrent_step_tokens_;
 };
 

@@ -51,7 +51,7 @@ StagedTarget::StagedTarget(const ModelConfig& config, WeightSource& weights, int
   for (size_t s = 0; s < stages.size(); ++s) {
     stages_.push_back(std::make_unique<TargetModel>(config, weights, ranges_[s], stages[s]));
     log::info("target stage {}: layers {}..{} on {} ({} % of the forward)", s, ranges_[s].first, ranges_[s].last,
-              stages[s].device.str(), static_cast<int>(100 * shares_.back() + 0.5));
+              stages[s].device.str(), static_cast<int>(100 * shares_[s] + 0.5));
   }
 }
 
@@ -123,6 +123,12 @@ void StagedTarget::stage_loop(size_t s) const {
       job->result.set_exception(std::current_exception());
     }
   }
+}
+
+std::vector<const TargetModel*> StagedTarget::models() const {
+  std::vector<const TargetModel*> out;
+  for (const auto& stage : stages_) out.push_back(stage.get());
+  return out;
 }
 
 std::vector<at::Tensor> StagedTarget::forward(const at::Tensor& input_ids, const std::vector<int64_t>& cu_seqlens,

@@ -48,6 +48,8 @@ class StagedTarget {
 
   size_t size() const { return stages_.size(); }
   const TargetModel& stage(size_t i) const { return *stages_[i]; }
+  // Every stage, in order (an IncrementalTarget over this replica).
+  std::vector<const TargetModel*> models() const;
   const std::vector<LayerRange>& ranges() const { return ranges_; }
   // Each stage's share of the forward cost (sums to 1).
   const std::vector<double>& cost_shares() const { return shares_; }

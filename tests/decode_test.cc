@@ -25,6 +25,7 @@
 #include "target/incremental.h"
 #include "target/model.h"
 #include "target/model_config.h"
+#include "target/stages.h"
 #include "tests/kernel_sized.h"
 #include "tests/test_util.h"
 
@@ -118,7 +119,7 @@ TEST(IncrementalTarget, ACacheKeepsOnlyItsOwnConvWindow) {
   decoder.prefill(a, at::randint(0, config.vocab_size, {300}, options), {});
   auto own = [](const DecodeCache& cache, const char* when) {
     int layers = 0;
-    for (const at::Tensor& conv : cache.conv) {
+    for (const at::Tensor& conv : cache.stages[0].conv) {
       if (!conv.defined()) continue;
       ++layers;
       EXPECT_EQ(conv.size(1), 3) << when;  // [sequences stepped together, K - 1, channels]
@@ -149,7 +150,7 @@ TEST(IncrementalTarget, Bf16StatesAreRoundedOncePerStep) {
     const IncrementalTarget exact(*exact_model), rounded(*rounded_model);
     DecodeCache oracle = exact.new_cache(), unrounded = exact.new_cache(), ours = rounded.new_cache();
     auto round_states = [](DecodeCache& cache) {
-      for (at::Tensor& state : cache.state) {
+      for (at::Tensor& state : cache.stages[0].state) {
         if (state.defined()) state = state.to(at::kBFloat16).to(at::kFloat);
       }
     };
@@ -173,11 +174,11 @@ TEST(IncrementalTarget, Bf16StatesAreRoundedOncePerStep) {
     }
     EXPECT_GT(rounding_shows, 1e-6);  // logits of about 0.5: the roundings move them by 1e-6 .. 1e-5
     int gdn_layers = 0;
-    for (size_t i = 0; i < ours.state.size(); ++i) {
-      if (!ours.state[i].defined()) continue;
+    for (size_t i = 0; i < ours.stages[0].state.size(); ++i) {
+      if (!ours.stages[0].state[i].defined()) continue;
       ++gdn_layers;
-      EXPECT_EQ(ours.state[i].scalar_type(), at::kBFloat16) << "layer " << i;
-      EXPECT_EQ(ours.last.gdn[i].state_before.scalar_type(), at::kBFloat16) << "layer " << i;
+      EXPECT_EQ(ours.stages[0].state[i].scalar_type(), at::kBFloat16) << "layer " << i;
+      EXPECT_EQ(ours.stages[0].last_gdn[i].state_before.scalar_type(), at::kBFloat16) << "layer " << i;
     }
     EXPECT_GT(gdn_layers, 0);
   }
@@ -342,6 +343,110 @@ drafter::Drafter random_drafter(const ModelConfig& config, uint64_t seed, int bl
   drafter::Drafter d(drafter::shape_for_target(config, dc), at::TensorOptions().dtype(at::kFloat));
   d.init_random(seed);
   return d;
+}
+
+// A target over several stages (a StagedTarget's; StageCache per stage) decodes bit-identically
+// to the same target on one device, through every kind of call a decoder makes: prompts
+// prefilled together, croppable verify steps of mixed lengths with taps, crops keeping different
+// numbers of tokens, plain steps, a sequence leaving and a new one joining.
+TEST(IncrementalTarget, StagesDecodeBitIdenticalToOneDevice) {
+  for (const char* preset : kPresets) {
+    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
+    auto whole = random_target(config, config.num_layers - 1, TargetOptions{}, 17);
+    const IncrementalTarget one(*whole);
+    for (size_t count : {2, 3}) {
+      SCOPED_TRACE(std::string(preset) + ", " + std::to_string(count) + " stages");
+      auto staged = random_staged_target(config, config.num_layers - 1, std::vector<TargetOptions>(count), 17);
+      const IncrementalTarget split(staged->models());
+      ASSERT_EQ(split.stage_count(), count);
+      const std::vector<int64_t> tap{0, 2, config.num_layers - 1};
+      const auto long_options = at::TensorOptions().dtype(at::kLong);
+      auto ids = [&](int64_t n) { return at::randint(0, config.vocab_size, {n}, long_options); };
+      std::vector<DecodeCache> a, b;
+      for (int i = 0; i < 4; ++i) a.push_back(one.new_cache()), b.push_back(split.new_cache());
+      auto pointers = [](std::vector<DecodeCache>& caches, const std::vector<size_t>& which) {
+        std::vector<DecodeCache*> out;
+        for (size_t i : which) out.push_back(&caches[i]);
+        return out;
+      };
+      auto same = [&](const std::vector<DecodeOutput>& x, const std::vector<DecodeOutput>& y, const char* what) {
+        ASSERT_EQ(x.size(), y.size());
+        for (size_t s = 0; s < x.size(); ++s) {
+          EXPECT_TRUE(at::equal(x[s].logits, y[s].logits)) << what << ", sequence " << s;
+          EXPECT_EQ(x[s].features.defined(), y[s].features.defined()) << what;
+          if (x[s].features.defined()) EXPECT_TRUE(at::equal(x[s].features, y[s].features)) << what << ", sequence " << s;
+        }
+      };
+      std::vector<at::Tensor> prompts{ids(30), ids(5), ids(17)};
+      same(one.prefill_batch(pointers(a, {0, 1, 2}), prompts, tap), split.prefill_batch(pointers(b, {0, 1, 2}), prompts, tap),
+           "prefill_batch");
+      for (int round = 0; round < 3; ++round) {
+        const std::vector<at::Tensor> verify{ids(7), ids(7), ids(3)};
+        same(one.step_batch(pointers(a, {0, 1, 2}), verify, tap), split.step_batch(pointers(b, {0, 1, 2}), verify, tap),
+             "verify step");
+        const std::vector<int64_t> keep{a[0].length - 4 + round, a[1].length - 7, a[2].length};
+        one.crop_batch(pointers(a, {0, 1, 2}), keep), split.crop_batch(pointers(b, {0, 1, 2}), keep);
+      }
+      // Sequence 1 leaves; sequence 3 joins with its prompt; plain steps of one token each.
+      const at::Tensor joining = ids(12);
+      same({one.prefill(a[3], joining, tap)}, {split.prefill(b[3], joining, tap)}, "prefill");
+      for (int round = 0; round < 3; ++round) {
+        const std::vector<at::Tensor> next{ids(1), ids(1), ids(1)};
+        same(one.step_batch(pointers(a, {0, 2, 3}), next, {}, /*croppable=*/false),
+             split.step_batch(pointers(b, {0, 2, 3}), next, {}, /*croppable=*/false), "plain step");
+      }
+      for (size_t s = 0; s < a.size(); ++s) EXPECT_EQ(b[s].length, a[s].length) << "sequence " << s;
+    }
+  }
+}
+
+// Decoders over a staged target give the tokens of the same decoders over one device, plain and
+// speculative (the drafter on the last stage's device, the embedding copied there).
+TEST(IncrementalTarget, DecodersOverStagesGiveTheOneDeviceTokens) {
+  for (const char* preset : {"tiny-qwen3_5", "tiny-qwen3_next"}) {
+    SCOPED_TRACE(preset);
+    const ModelConfig config = parse_model_config(preset_config_json(preset), preset);
+    auto whole = random_target(config, config.num_layers - 1, TargetOptions{}, 19);
+    auto staged = random_staged_target(config, config.num_layers - 1, std::vector<TargetOptions>(2), 19);
+    const IncrementalTarget one(*whole), split(staged->models());
+    const drafter::Drafter d = random_drafter(config, 23);
+    std::vector<std::vector<int64_t>> prompts;
+    for (int64_t length : {1, 9, 33, 4}) {
+      const at::Tensor p = at::randint(0, config.vocab_size, {length}, at::TensorOptions().dtype(at::kLong));
+      prompts.emplace_back(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + length);
+    }
+    decode::GenerateSettings settings;
+    settings.max_new_tokens = 17;
+    settings.sampling.temperature = 1.0;
+    settings.seed = 3;
+    const auto plain_one = decode::PlainDecoder(one).generate_all(prompts, settings, 3);
+    const auto plain_split = decode::PlainDecoder(split).generate_all(prompts, settings, 3);
+    const auto spec_one = decode::SpeculativeDecoder(one, d).generate_all(prompts, settings, 2);
+    const auto spec_split = decode::SpeculativeDecoder(split, d).generate_all(prompts, settings, 2);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      EXPECT_EQ(plain_split[i].tokens, plain_one[i].tokens) << "prompt " << i;
+      EXPECT_EQ(spec_split[i].tokens, spec_one[i].tokens) << "prompt " << i;
+      EXPECT_EQ(spec_split[i].acceptance, spec_one[i].acceptance) << "prompt " << i;
+    }
+  }
+}
+
+// Stages that do not hold every layer in order, with the head on the last, are refused.
+TEST(IncrementalTarget, RefusesStagesThatAreNotTheWholeTargetInOrder) {
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3_5"), "tiny");
+  auto short_of_one = random_staged_target(config, config.num_layers - 2, std::vector<TargetOptions>(2), 1);
+  EXPECT_THROW(IncrementalTarget{short_of_one->models()}, std::invalid_argument);
+  auto staged = random_staged_target(config, config.num_layers - 1, std::vector<TargetOptions>(3), 1);
+  std::vector<const TargetModel*> stages = staged->models();
+  EXPECT_THROW(IncrementalTarget({stages[0], stages[2]}), std::invalid_argument);  // a gap
+  EXPECT_THROW(IncrementalTarget({stages[1], stages[0], stages[2]}), std::invalid_argument);
+  EXPECT_THROW(IncrementalTarget(std::vector<const TargetModel*>{}), std::invalid_argument);
+  EXPECT_NO_THROW(IncrementalTarget{stages});
+  // A cache of another split is not this target's.
+  auto whole = random_target(config, config.num_layers - 1, TargetOptions{}, 1);
+  const IncrementalTarget one(*whole), split(stages);
+  DecodeCache cache = one.new_cache();
+  EXPECT_THROW(split.step(cache, at::arange(3, at::TensorOptions().dtype(at::kLong)), {}), std::invalid_argument);
 }
 
 TEST(DrafterDecoding, ABlockOverTheCachedContextIsTheTrainingForwardOfItsAnchor) {

@@ -33,7 +33,7 @@ void write_target_generated(const std::string& path, const target::IncrementalTa
                             uint64_t seed) {
   std::ofstream out(path);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  const int64_t vocab = target.model().config().vocab_size - 1;  // the last id is the mask token
+  const int64_t vocab = target.config().vocab_size - 1;  // the last id is the mask token
   decode::GenerateSettings settings;
   settings.max_new_tokens = response;
   std::vector<std::vector<int64_t>> prompts;

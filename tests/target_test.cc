@@ -1099,9 +1099,9 @@ TEST(GatedDeltaNetKernels, DecodingOnBf16StatesMatchesTheReferencePath) {
     EXPECT_LE(relative_l2_error(x.logits, y.logits), 2e-2) << "step " << step;
     if (n > 1) a.crop(ca, ca.length - 2), b.crop(cb, cb.length - 2);
   }
-  for (size_t i = 0; i < ca.state.size(); ++i) {
-    if (ca.state[i].defined()) {
-      EXPECT_EQ(ca.state[i].scalar_type(), at::kBFloat16) << "layer " << i;
+  for (size_t i = 0; i < ca.stages[0].state.size(); ++i) {
+    if (ca.stages[0].state[i].defined()) {
+      EXPECT_EQ(ca.stages[0].state[i].scalar_type(), at::kBFloat16) << "layer " << i;
     }
   }
 }
@@ -1130,7 +1130,7 @@ TEST(IncrementalTarget, GpuSequencesLeavingAndJoiningMatchEachAlone) {
     }
     size_t attention = 0;
     while (config.layer_types[attention] != LayerKind::full_attention) ++attention;
-    const auto keys_of = [&](size_t s) { return batched[s].keys[attention].unsafeGetTensorImpl(); };
+    const auto keys_of = [&](size_t s) { return batched[s].stages[0].keys[attention].unsafeGetTensorImpl(); };
     const auto round = [&](const std::vector<size_t>& members, const std::string& what) {
       SCOPED_TRACE(what);
       std::vector<DecodeCache*> caches;
@@ -1157,9 +1157,9 @@ TEST(IncrementalTarget, GpuSequencesLeavingAndJoiningMatchEachAlone) {
     round({3, 4}, "two left, the rest in another order");
     EXPECT_EQ(keys_of(3), shared);
     for (size_t s : {0, 2, 3, 4}) {
-      for (size_t i = 0; i < batched[s].state.size(); ++i) {
-        if (batched[s].state[i].defined()) {
-          EXPECT_EQ(batched[s].state[i].scalar_type(), state_dtype) << "layer " << i;
+      for (size_t i = 0; i < batched[s].stages[0].state.size(); ++i) {
+        if (batched[s].stages[0].state[i].defined()) {
+          EXPECT_EQ(batched[s].stages[0].state[i].scalar_type(), state_dtype) << "layer " << i;
         }
       }
     }
