@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <iostream>
+#include <map>
 #include <stdexcept>
 
 #include "common/log.h"
@@ -47,15 +48,25 @@ bool parse_decoding_option(const std::string& k, const std::string& v, decode::G
   return true;
 }
 
-std::optional<target::TargetOptions> target_options(const std::string& command, const TargetArgs& a) {
-  target::TargetOptions o;
-  try {
-    o.device = a.device_text.empty() ? (at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU))
-                                     : at::Device(a.device_text);
-  } catch (const std::exception&) {
-    std::cerr << "dflashd " << command << ": --device: '" << a.device_text << "' is not a device (cpu, cuda:0, ...)\n";
-    return std::nullopt;
+std::optional<std::vector<target::TargetOptions>> target_options(const std::string& command, const TargetArgs& a) {
+  std::vector<at::Device> devices;
+  std::stringstream list(a.device_text);
+  for (std::string part; std::getline(list, part, ',');) {
+    try {
+      devices.emplace_back(part);
+    } catch (const std::exception&) {
+      std::cerr << "dflashd " << command << ": --device: '" << part << "' is not a device (cpu, cuda:0, ...)\n";
+      return std::nullopt;
+    }
+    if (devices.back().type() != devices.front().type()) {
+      std::cerr << "dflashd " << command << ": --device " << a.device_text << ": the stages of one target are all "
+                << "GPUs or all the CPU\n";
+      return std::nullopt;
+    }
   }
+  if (devices.empty()) devices.push_back(at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
+  target::TargetOptions o;
+  o.device = devices.front();
   const std::string dtype = a.dtype_text.empty() ? (o.device.is_cuda() ? "bfloat16" : "float32") : a.dtype_text;
   if (dtype == "bfloat16") {
     o.dtype = at::kBFloat16;
@@ -70,38 +81,54 @@ std::optional<target::TargetOptions> target_options(const std::string& command, 
   }
   o.decode_state_dtype = a.state_dtype_text == "bfloat16" ? at::kBFloat16 : at::kFloat;
   o.allow_slow_path = a.allow_slow_path;
-  return o;
+  std::vector<target::TargetOptions> stages;
+  for (const at::Device& device : devices) {
+    stages.push_back(o);
+    stages.back().device = device;
+  }
+  return stages;
 }
 
-std::unique_ptr<target::TargetModel> load_decoding_target(const TargetArgs& a, const target::TargetOptions& options) {
+std::unique_ptr<target::StagedTarget> load_decoding_target(const TargetArgs& a,
+                                                           const std::vector<target::TargetOptions>& stages) {
   const target::ModelConfig config = a.preset.empty()
                                          ? target::load_model_config(a.dir)
                                          : target::parse_model_config(target::preset_config_json(a.preset), a.preset);
-  if (a.preset.empty() && !a.random_weights) return target::load_target(a.dir, config.num_layers - 1, options);
-  return target::random_target(config, config.num_layers - 1, options, target::run_target_seed(a.target_seed));
+  if (a.preset.empty() && !a.random_weights) return target::load_staged_target(a.dir, config.num_layers - 1, stages);
+  return target::random_staged_target(config, config.num_layers - 1, stages, target::run_target_seed(a.target_seed));
 }
 
-void check_decoding_batch(const std::string& command, const target::TargetModel& model, int64_t sequences,
+void check_decoding_batch(const std::string& command, const target::IncrementalTarget& target, int64_t sequences,
                           int64_t tokens, int64_t step_tokens) {
-  const at::Device device = model.options().device;
   const std::vector<int64_t> capacities = pipeline::gpu_capacities();
-  if (!device.is_cuda() || device.index() < 0 || device.index() >= static_cast<int>(capacities.size())) return;
-  const std::vector<pipeline::GpuMemory> used = pipeline::gpu_memory({device.index()});
-  // What the weights left, less 1 GB for the CUDA context and the libraries' workspaces.
-  const int64_t left = capacities[static_cast<size_t>(device.index())] - (used.empty() ? 0 : used[0].allocated_bytes) -
-                       (int64_t{1} << 30);
-  const int64_t dtype_bytes = static_cast<int64_t>(c10::elementSize(model.options().dtype));
-  const int64_t state_bytes = static_cast<int64_t>(c10::elementSize(model.options().decode_state_dtype));
-  const int64_t each = target::decoding_sequence_bytes(model.config(), tokens, step_tokens, dtype_bytes, state_bytes);
-  const int64_t fits = target::decoding_batch_that_fits(left, each);
-  if (sequences <= fits) return;
-  auto gb = [](int64_t bytes) { return log::fixed(static_cast<double>(bytes) / 1e9, 1); };
-  throw std::runtime_error(
-      command + ": " + std::to_string(sequences) + " sequences at once (--max-batch) of up to " +
-      std::to_string(tokens) + " tokens need about " + gb(sequences * each) + " GB of decoding caches on " +
-      device.str() + " (" + gb(each) + " GB each), but the target's weights leave about " + gb(left) + " GB: " +
-      (fits > 0 ? "use --max-batch " + std::to_string(fits) + " or fewer" : "not one sequence of that length fits") +
-      ", or shorter prompts / --max-new-tokens");
+  const int64_t dtype_bytes = static_cast<int64_t>(c10::elementSize(target.options().dtype));
+  const int64_t state_bytes = static_cast<int64_t>(c10::elementSize(target.options().decode_state_dtype));
+  // Per GPU, what one sequence's caches of the stages there take (several stages may share one).
+  std::map<int, int64_t> each;
+  for (size_t s = 0; s < target.stage_count(); ++s) {
+    const at::Device device = target.stage(s).options().device;
+    if (!device.is_cuda() || device.index() < 0 || device.index() >= static_cast<int>(capacities.size())) continue;
+    const target::LayerRange layers{target.stage(s).first_layer(), target.stage(s).last_layer(),
+                                    s + 1 == target.stage_count()};
+    each[device.index()] +=
+        target::decoding_sequence_bytes(target.config(), tokens, step_tokens, dtype_bytes, state_bytes, layers);
+  }
+  for (const auto& [gpu, bytes] : each) {
+    const std::vector<pipeline::GpuMemory> used = pipeline::gpu_memory({gpu});
+    // What the weights left, less 1 GB for the CUDA context and the libraries' workspaces.
+    const int64_t left = capacities[static_cast<size_t>(gpu)] - (used.empty() ? 0 : used[0].allocated_bytes) -
+                         (int64_t{1} << 30);
+    const int64_t fits = target::decoding_batch_that_fits(left, bytes);
+    if (sequences <= fits) continue;
+    auto gb = [](int64_t b) { return log::fixed(static_cast<double>(b) / 1e9, 1); };
+    throw std::runtime_error(
+        command + ": " + std::to_string(sequences) + " sequences at once of up to " + std::to_string(tokens) +
+        " tokens need about " + gb(sequences * bytes) + " GB of decoding caches on cuda:" + std::to_string(gpu) + " (" +
+        gb(bytes) + " GB each), but the target's weights leave about " + gb(left) + " GB: " +
+        (fits > 0 ? "use --max-batch " + std::to_string(fits) + " or fewer" : "not one sequence of that length fits") +
+        ", or shorter prompts / --max-new-tokens" +
+        (target.stage_count() > 1 ? "" : ", or split the target over several GPUs (--device cuda:0,cuda:1)"));
+  }
 }
 
 }  // namespace dflash::daemon

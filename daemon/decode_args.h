@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "decode/speculative.h"
+#include "target/incremental.h"
 #include "target/model.h"
+#include "target/stages.h"
 
 namespace dflash::daemon {
 
@@ -43,19 +45,22 @@ bool parse_target_option(const std::string& key, const std::string& value, Targe
 bool parse_decoding_option(const std::string& key, const std::string& value, decode::GenerateSettings* s,
                            int64_t* max_batch, bool* ok);
 
-// The device, dtype and state dtype the arguments name, or their defaults (cuda:0 and bfloat16
-// when a GPU is visible, else cpu and float32; float32 states); nullopt after printing "dflashd
-// COMMAND: ..." otherwise.
-std::optional<target::TargetOptions> target_options(const std::string& command, const TargetArgs& a);
+// The target's stages the arguments name: one TargetOptions per device of --device ("cuda:0";
+// "cuda:0,cuda:1": the target split into pipeline stages over those GPUs), each with the dtype
+// and state dtype; their defaults are cuda:0 and bfloat16 when a GPU is visible, else cpu and
+// float32, and float32 states. nullopt after printing "dflashd COMMAND: ..." otherwise.
+std::optional<std::vector<target::TargetOptions>> target_options(const std::string& command, const TargetArgs& a);
 
-// Refuses (std::runtime_error naming the command, the device, the numbers and the largest batch
-// that fits) a batch of `sequences` decoding sequences of up to `tokens` positions, in steps of
-// `step_tokens`, whose caches (target/decode_plan.h) do not fit in what the target's weights left
-// of its GPU. A batch that cannot fit would run out of memory mid-run. Nothing to check on a CPU.
-void check_decoding_batch(const std::string& command, const target::TargetModel& model, int64_t sequences,
+// Refuses (std::runtime_error naming the command, the GPU, the numbers and the largest batch that
+// fits) `sequences` decoding sequences at once on `target` (all its decoders together) of up to
+// `tokens` positions, in steps of `step_tokens`, whose caches (target/decode_plan.h; each stage's
+// layers on its GPU) do not fit in what the weights left of a GPU. A batch that cannot fit would
+// run out of memory mid-run. Nothing to check on a CPU.
+void check_decoding_batch(const std::string& command, const target::IncrementalTarget& target, int64_t sequences,
                           int64_t tokens, int64_t step_tokens);
 
-// The target's config and model with every layer (decoding needs them all).
-std::unique_ptr<target::TargetModel> load_decoding_target(const TargetArgs& a, const target::TargetOptions& options);
+// The target with every layer (decoding needs them all), over `stages` (one per device).
+std::unique_ptr<target::StagedTarget> load_decoding_target(const TargetArgs& a,
+                                                           const std::vector<target::TargetOptions>& stages);
 
 }  // namespace dflash::daemon

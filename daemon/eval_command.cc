@@ -22,8 +22,9 @@ namespace {
 
 constexpr const char* kHelp = R"(Usage: dflashd eval (--target DIR | --preset NAME) --drafter EXPORT_DIR --prompts FILE.jsonl
                     [--max-new-tokens N] [--max-prompts N] [--max-batch N] [--temperature T] [--top-p P] [--top-k K]
-                    [--seed S] [--stop-token-ids 1,2] [--device cpu|cuda:N] [--dtype bfloat16|float32|float8]
-                    [--state-dtype float32|bfloat16] [--no-baseline] [--out REPORT.json] [--random-weights] [--target-seed S]
+                    [--seed S] [--stop-token-ids 1,2] [--device cpu|cuda:N[,cuda:M...]]
+                    [--dtype bfloat16|float32|float8] [--state-dtype float32|bfloat16] [--no-baseline]
+                    [--out REPORT.json] [--random-weights] [--target-seed S]
                     [--allow-slow-path]
 
 Measures the drafter's real acceptance: speculative decoding of every prompt with the target
@@ -48,7 +49,8 @@ that greedy speculative decoding changed no output; --no-baseline skips it).
   --temperature T     0 (greedy, the default) or the sampling temperature, with --top-p (1) and
   --top-k             --top-k (0: all); --seed S seeds the sampling (0)
   --stop-token-ids    token ids that end a prompt's output
-  --device            cuda:0 when a GPU is visible, else cpu
+  --device            cuda:0 when a GPU is visible, else cpu; cuda:0,cuda:1 splits the target into
+                      pipeline stages over those GPUs (the drafter runs on the last)
   --dtype             bfloat16 on a GPU, float32 on the CPU; float8: FP8 projections (target.dtype: float8)
   --state-dtype       the GatedDeltaNet states between steps: float32 (the default, as transformers) or
                       bfloat16 (half their memory and traffic, as vLLM keeps them by default)
@@ -138,12 +140,12 @@ void print_report(const decode::EvalReport& r) {
 int command_eval(const std::vector<std::string>& args) {
   EvalArgs a;
   if (const std::optional<int> code = parse_eval_args(args, &a)) return *code;
-  const std::optional<target::TargetOptions> options = target_options("eval", a.target);
-  if (!options) return exit_code::kUsage;
+  const std::optional<std::vector<target::TargetOptions>> stages = target_options("eval", a.target);
+  if (!stages) return exit_code::kUsage;
   try {
     const std::vector<decode::EvalPrompt> prompts = decode::read_eval_prompts(a.prompts, a.max_prompts);
-    const std::unique_ptr<target::TargetModel> model = load_decoding_target(a.target, *options);
-    const target::IncrementalTarget target(*model);
+    const std::unique_ptr<target::StagedTarget> model = load_decoding_target(a.target, *stages);
+    const target::IncrementalTarget target(model->models());
     size_t longest = 0;
     for (const decode::EvalPrompt& p : prompts) longest = std::max(longest, p.ids.size());
     std::ifstream in(a.drafter_dir + "/config.json");
@@ -151,10 +153,10 @@ int command_eval(const std::vector<std::string>& args) {
     std::stringstream text;
     text << in.rdbuf();
     drafter::Drafter d(drafter::parse_export_config(text.str(), a.drafter_dir + "/config.json"),
-                       at::TensorOptions().device(options->device).dtype(options->dtype));
+                       at::TensorOptions().device(target.device()).dtype(target.options().dtype));
     d.load_export(a.drafter_dir);
     const int64_t block = d.shape().block_size;
-    check_decoding_batch("dflashd eval", *model, std::min<int64_t>(a.max_batch, static_cast<int64_t>(prompts.size())),
+    check_decoding_batch("dflashd eval", target, std::min<int64_t>(a.max_batch, static_cast<int64_t>(prompts.size())),
                          static_cast<int64_t>(longest) + a.settings.max_new_tokens + block, block);
     const decode::SpeculativeDecoder spec(target, d);
     const decode::EvalReport report = decode::evaluate(spec, target, prompts, a.settings, a.baseline, a.max_batch);

@@ -34,12 +34,12 @@ namespace {
 constexpr const char* kHelp = R"(Usage: dflashd generate (--target DIR | --preset NAME) --prompts FILE.jsonl --out DIR
                         [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                         [--stop-token-ids 1,2] [--max-batch N] [--shard-size N] [--truncated skip|keep]
-                        [-c CONFIG] [--device cpu|cuda:N] [--dtype bfloat16|float32|float8]
+                        [-c CONFIG] [--device cpu|cuda:N[,cuda:M...]] [--dtype bfloat16|float32|float8]
                         [--state-dtype float32|bfloat16] [--random-weights]
                         [--target-seed S] [--allow-slow-path] [--metrics HOST:PORT] [--log-every SECONDS]
 
 Regenerates training responses with the target: every prompt decoded by the target (plain
-decoding, continuous batching: --max-batch sequences at once per target replica, a finished
+decoding, continuous batching: --max-batch sequences at once per decoder, a finished
 sequence's place taking the next prompt), written as training samples to shards in --out.
 
   --target DIR        the target, a Hugging Face model directory (every layer is loaded)
@@ -58,12 +58,17 @@ sequence's place taking the next prompt), written as training samples to shards 
   --top-k K           --top-k (0: all); --seed S (0): prompt i samples from its own stream, seeded
                       from S and i, so the output does not depend on batching, replicas or restarts
   --stop-token-ids    token ids that end a response (the target's end-of-turn ids)
-  --max-batch N       sequences decoded at once per replica (64)
+  --max-batch N       sequences decoded at once per decoder (64): a replica on one GPU runs one
+                      decoder, a replica split over S GPUs S (each on its own thread, so that all
+                      its stages work at once)
   --shard-size N      samples per committed shard (256)
   -c CONFIG           a dflashd config: its target (unless --target / --preset), target.dtype and
-                      target.decode_state_dtype, gpus.device and gpus.target (one replica per id),
+                      target.decode_state_dtype, gpus.device and gpus.target (one replica per
+                      entry; [[0, 1]]: one replica split into pipeline stages over GPUs 0 and 1),
                       train.seed (random weights), metrics.listen and metrics.log_every_seconds
-  --device, --dtype   without -c: one replica; cuda:0 and bfloat16 when a GPU is visible, else cpu, float32
+  --device, --dtype   without -c: one replica; cuda:0 and bfloat16 when a GPU is visible, else cpu, float32;
+                      --device cuda:0,cuda:1 splits the target into pipeline stages over those GPUs
+                      (a target bigger than one GPU)
   --state-dtype       the GatedDeltaNet states between steps: float32 (the default, as transformers) or
                       bfloat16 (half their memory and a decode step's state traffic, as vLLM keeps
                       them by default; the rule runs in fp32 either way)
@@ -213,22 +218,20 @@ decode::ShardedOutput open_output(const GenerateArgs& a, const target::TargetOpt
   return out;
 }
 
-// The replicas' places: one per id of the config's gpus.target, or the one device of --device.
-std::vector<target::TargetOptions> replica_options(const std::optional<config::Config>& config,
-                                                   const target::TargetOptions& base) {
-  if (!config) return {base};
-  std::vector<target::TargetOptions> out;
-  for (size_t r = 0; r < config->gpus.target_replicas.size(); ++r) {
-    const std::vector<int>& ids = config->gpus.target_replicas[r];
-    if (ids.size() != 1) {
-      throw std::runtime_error(config->source + ": gpus.target[" + std::to_string(r) + "] spans " +
-                               std::to_string(ids.size()) + " GPUs; generate decodes with each target replica on "
-                               "one GPU (pipeline stages serve training)");
+// The replicas' stages: one replica per entry of the config's gpus.target (a list of several ids:
+// the target split into pipeline stages over those GPUs), or the --device list as one replica.
+std::vector<std::vector<target::TargetOptions>> replica_stages(const std::optional<config::Config>& config,
+                                                               const std::vector<target::TargetOptions>& stages) {
+  if (!config) return {stages};
+  std::vector<std::vector<target::TargetOptions>> out;
+  for (const std::vector<int>& ids : config->gpus.target_replicas) {
+    std::vector<target::TargetOptions> replica;
+    for (const int id : ids) {
+      replica.push_back(stages.front());
+      replica.back().device =
+          config->gpus.device == config::Device::cpu ? at::Device(at::kCPU) : at::Device(at::kCUDA, id);
     }
-    const int id = ids[0];
-    target::TargetOptions o = base;
-    o.device = config->gpus.device == config::Device::cpu ? at::Device(at::kCPU) : at::Device(at::kCUDA, id);
-    out.push_back(o);
+    out.push_back(std::move(replica));
   }
   return out;
 }
@@ -300,29 +303,35 @@ std::optional<config::Config> apply_config(GenerateArgs* a) {
 int generate(const GenerateArgs& a_in) {
   GenerateArgs a = a_in;
   const std::optional<config::Config> config = apply_config(&a);
-  const std::optional<target::TargetOptions> base = target_options("generate", a.target);
-  if (!base) return exit_code::kUsage;
+  const std::optional<std::vector<target::TargetOptions>> stages = target_options("generate", a.target);
+  if (!stages) return exit_code::kUsage;
+  const target::TargetOptions& base = stages->front();
   // Signals first: every thread started later inherits the blocked mask.
   std::atomic<bool> stop{false};
   SignalWatcher signals([&](int) { stop.store(true); }, [] {});
 
-  std::vector<std::unique_ptr<target::TargetModel>> models;
+  // Per replica its target and one decoder per stage, each on its own thread: a step runs the
+  // stages in turn, so while one decoder's step is on a stage another's is on the next.
+  std::vector<std::unique_ptr<target::StagedTarget>> models;
   std::vector<std::unique_ptr<target::IncrementalTarget>> targets;
   std::vector<std::unique_ptr<decode::PlainDecoder>> decoders;
-  std::vector<const decode::Decoder*> replicas;
+  std::vector<const decode::Decoder*> running;
   std::string places;
-  for (const target::TargetOptions& o : replica_options(config, *base)) {
-    models.push_back(load_decoding_target(a.target, o));
-    targets.push_back(std::make_unique<target::IncrementalTarget>(*models.back()));
-    decoders.push_back(std::make_unique<decode::PlainDecoder>(*targets.back()));
-    replicas.push_back(decoders.back().get());
-    places += (places.empty() ? "" : ", ") + o.device.str();
+  for (const std::vector<target::TargetOptions>& replica : replica_stages(config, *stages)) {
+    models.push_back(load_decoding_target(a.target, replica));
+    targets.push_back(std::make_unique<target::IncrementalTarget>(models.back()->models()));
+    for (size_t d = 0; d < replica.size(); ++d) {
+      decoders.push_back(std::make_unique<decode::PlainDecoder>(*targets.back()));
+      running.push_back(decoders.back().get());
+    }
+    places += (places.empty() ? "" : ", ") + targets.back()->places();
   }
-  const std::vector<std::vector<int64_t>> prompts = read_prompts(a.prompts, models[0]->config());
-  check_stop_tokens("--stop-token-ids", a.settings.stop_token_ids, models[0]->config().vocab_size);
+  const target::ModelConfig& target_config = targets[0]->config();
+  const std::vector<std::vector<int64_t>> prompts = read_prompts(a.prompts, target_config);
+  check_stop_tokens("--stop-token-ids", a.settings.stop_token_ids, target_config.vocab_size);
   size_t longest = 0;
   int64_t capped = 0;  // prompts whose responses the target's context ends before --max-new-tokens
-  const int64_t context = models[0]->config().max_position_embeddings;
+  const int64_t context = target_config.max_position_embeddings;
   for (const std::vector<int64_t>& p : prompts) {
     longest = std::max(longest, p.size());
     capped += context > 0 && static_cast<int64_t>(p.size()) + a.settings.max_new_tokens > context ? 1 : 0;
@@ -330,23 +339,26 @@ int generate(const GenerateArgs& a_in) {
   if (capped > 0) {
     log::warn("generate: {} prompt(s) reach the target's context ({} tokens, {}: max_position_embeddings) before "
               "--max-new-tokens: their responses end there, as truncated (\"length\")",
-              capped, context, models[0]->config().source);
+              capped, context, target_config.source);
   }
-  for (const auto& model : models) {
-    check_decoding_batch("dflashd generate", *model, std::min<int64_t>(a.max_batch, static_cast<int64_t>(prompts.size())),
+  for (const auto& target : targets) {
+    const int64_t at_once = a.max_batch * static_cast<int64_t>(target->stage_count());  // its decoders together
+    check_decoding_batch("dflashd generate", *target, std::min<int64_t>(at_once, static_cast<int64_t>(prompts.size())),
                          static_cast<int64_t>(longest) + a.settings.max_new_tokens, 1);
   }
   const DirectoryLock lock(a.out, "dflashd generate of " + a.prompts);  // one writer of the shards
-  decode::ShardedOutput out = open_output(a, *base, prompts);
-  log::info("generate: {} prompts from {}, {} done before{}; {} replica(s) on {}, {} sequences at once each, target "
+  decode::ShardedOutput out = open_output(a, base, prompts);
+  log::info("generate: {} prompts from {}, {} done before{}; {} replica(s) on {}, {} decoder(s), {} sequences at once "
+            "each, target "
             "{} with {} GatedDeltaNet states; {}, up to {} new tokens, truncated responses {}; output {}",
             prompts.size(), a.prompts, out.done_before().size(),
             out.removed_uncommitted() > 0 ? " (" + std::to_string(out.removed_uncommitted()) + " uncommitted shard(s) removed)" : "",
-            replicas.size(), places, a.max_batch, dtype_name(*base), target::decode_state_dtype_name(*base),
+            targets.size(), places, running.size(), a.max_batch, dtype_name(base),
+            target::decode_state_dtype_name(base),
             decode::describe(a.settings), a.settings.max_new_tokens, a.keep_truncated ? "kept" : "skipped", a.out);
 
   auto registry = std::make_shared<prometheus::Registry>();
-  const GenerateMetrics metrics = register_metrics(*registry, *base);
+  const GenerateMetrics metrics = register_metrics(*registry, base);
   metrics.total->Set(static_cast<double>(prompts.size()));
   metrics.done->Set(static_cast<double>(out.done_before().size()));
   std::unique_ptr<HttpEndpoint> endpoint;
@@ -372,7 +384,7 @@ int generate(const GenerateArgs& a_in) {
               log::fixed(100.0 * static_cast<double>(p.done_before + p.finished) / static_cast<double>(p.total), 1),
               log::fixed(rate, 1), duration_text(eta));
   };
-  decode::run_generation(replicas, prompts, a.settings, a.max_batch, out, stop, a.log_every, progress);
+  decode::run_generation(running, prompts, a.settings, a.max_batch, out, stop, a.log_every, progress);
   const int64_t total_done = static_cast<int64_t>(out.done_before().size()) + out.committed();
   log::info("generate: {} this run: {} prompts, {} samples written, {} truncated responses skipped, {} new tokens; {} / "
             "{} prompts in {}{}",

@@ -1,8 +1,9 @@
 // evaluator.h: the eval section (config.h EvalConfig): the real acceptance of the drafter being
 // trained, measured beside training. Every eval.every_steps steps drafter replica 0 hands its
-// weights over (copied to the first target replica's GPU, its last stage's when it spans several); an evaluation thread runs speculative decoding
-// of the prompts with the first target replica (decode/eval.h), records the metrics, logs a line,
-// and writes export/best when the acceptance length is the best so far (with eval configured,
+// weights over (copied to the first target replica's GPU, its last stage's when it spans
+// several); an evaluation thread runs speculative decoding of the prompts with the first target
+// replica (decode/eval.h, over all its stages), records the metrics, logs a line, and writes
+// export/best when the acceptance length is the best so far (with eval configured,
 // export/best follows real acceptance, not the training proxy tau). Plain decoding of the same
 // prompts (the speed baseline) runs once, at the first evaluation: the target is frozen.
 //

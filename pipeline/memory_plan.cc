@@ -72,16 +72,28 @@ int64_t drafter_activation_bytes(const config::Config& config, const drafter::Dr
   return layers_kept + tokens * h * bytes * 2 + 2 * chunk_rows * v * 4;
 }
 
-// Evaluation (the eval section) decodes on target replica 0's first GPU, a verify step of a block
-// at a time, with its own copy of the drafter there: 0 without the eval section.
-int64_t evaluation_bytes(const config::Config& config, const target::ModelConfig& target,
-                         const drafter::DrafterShape& shape) {
-  if (config.eval.every_steps <= 0) return 0;
+// Evaluation (the eval section) decodes with target replica 0 (every layer), a verify step of a
+// block at a time: each of its stages' GPUs holds the decoding caches of its layers, the last
+// one the drafter's copy too (and, for a replica over several GPUs, the embedding's: the drafter
+// reads it there). By GPU; none without the eval section.
+std::map<int, int64_t> evaluation_bytes(const config::Config& config, const target::ModelConfig& target,
+                                        const drafter::DrafterShape& shape) {
+  std::map<int, int64_t> on;
+  if (config.eval.every_steps <= 0 || config.gpus.target_replicas.empty()) return on;
+  const std::vector<int>& ids = config.gpus.target_replicas[0];
   const int64_t bytes = config::bytes_of(config.target.dtype);
-  const int64_t sequence = target::decoding_sequence_bytes(target, config.data.max_length + config.eval.max_new_tokens,
-                                                           shape.block_size, bytes,
-                                                           config::bytes_of(config.target.decode_state_dtype));
-  return shape.parameter_count() * bytes + config.eval.max_batch * sequence;
+  const std::vector<target::LayerRange> ranges =
+      target::plan_target_stages(target, target.num_layers - 1, std::min<size_t>(ids.size(), target.num_layers),
+                                 config.data.max_length);
+  for (size_t s = 0; s < ranges.size(); ++s) {
+    on[ids[s]] += config.eval.max_batch *
+                  target::decoding_sequence_bytes(target, config.data.max_length + config.eval.max_new_tokens,
+                                                  shape.block_size, bytes,
+                                                  config::bytes_of(config.target.decode_state_dtype), ranges[s]);
+  }
+  on[ids[ranges.size() - 1]] += shape.parameter_count() * bytes +
+                                (ranges.size() > 1 ? target.vocab_size * target.hidden_size * bytes : 0);
+  return on;
 }
 
 std::string gb(int64_t bytes) { return log::fixed(static_cast<double>(bytes) / 1e9, 1); }
@@ -134,8 +146,7 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
   const int64_t queued = (config.queues.features + config.train.sequences_per_step) * item;
   const int64_t drafter_activations = drafter_activation_bytes(config, shape, h, v);
 
-  const int eval_gpu = config.gpus.target_replicas.empty() ? -1 : config.gpus.target_replicas[0][0];
-  const int64_t eval_decoding = evaluation_bytes(config, target, shape);
+  std::map<int, int64_t> eval_decoding = evaluation_bytes(config, target, shape);
 
   std::set<int> ids(config.gpus.target.begin(), config.gpus.target.end());
   ids.insert(config.gpus.drafter.begin(), config.gpus.drafter.end());
@@ -149,7 +160,7 @@ std::vector<GpuMemoryPlan> plan_memory(const config::Config& config, const targe
       g.target_weights = weights_on[id];
       g.target_activations = target_activations + (runs_grouped_fp8(id) ? 0 : dequantized_experts);
       g.target_layers = layers_on[id];
-      if (id == eval_gpu) g.eval_decoding = eval_decoding;
+      g.eval_decoding = eval_decoding[id];
     }
     if (g.drafter) {
       g.drafter_state = drafter_state + (g.target ? 0 : head_and_embedding);

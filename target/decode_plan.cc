@@ -6,10 +6,16 @@ namespace dflash::target {
 
 int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t step_tokens, int64_t dtype_bytes,
                                 int64_t state_bytes) {
+  const LayerRange every{0, c.num_layers - 1, true};
+  return decoding_sequence_bytes(c, tokens, step_tokens, dtype_bytes, state_bytes, every);
+}
+
+int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t step_tokens, int64_t dtype_bytes,
+                                int64_t state_bytes, const LayerRange& layers) {
   int64_t capacity = 256;
   while (capacity < tokens) capacity *= 2;
   int64_t bytes = 0;
-  for (int64_t i = 0; i < c.num_layers; ++i) {
+  for (int64_t i = layers.first; i <= layers.last; ++i) {
     if (c.layer_types[static_cast<size_t>(i)] == LayerKind::full_attention) {
       bytes += 2 * capacity * c.num_key_value_heads * c.head_dim * dtype_bytes;
     } else {
@@ -19,7 +25,7 @@ int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t st
                (c.linear_conv_kernel_dim - 1) * channels * dtype_bytes;
     }
   }
-  return bytes + step_tokens * c.vocab_size * (4 + dtype_bytes);
+  return bytes + (layers.head ? step_tokens * c.vocab_size * (4 + dtype_bytes) : 0);
 }
 
 int64_t decoding_batch_that_fits(int64_t free_bytes, int64_t per_sequence) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "target/model_config.h"
+#include "target/stage_plan.h"
 
 namespace dflash::target {
 
@@ -16,8 +17,12 @@ namespace dflash::target {
 // capacity they grow to (a power of two, at least 256 positions); a step's fp32 and model-dtype
 // logits. dtype_bytes: the model's dtype (2 for bf16); state_bytes: the states' (4 for fp32, 2
 // for bf16: TargetOptions::decode_state_dtype).
+// `layers`: a pipeline stage's part (its layers; the logits only with its head); every layer
+// and the logits by default.
 int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t step_tokens, int64_t dtype_bytes,
                                 int64_t state_bytes);
+int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t step_tokens, int64_t dtype_bytes,
+                                int64_t state_bytes, const LayerRange& layers);
 
 // The most sequences of decoding_sequence_bytes `per_sequence` that fit in `free_bytes`, keeping
 // a tenth for the prefill's activations, the allocator's fragmentation and the GEMMs' workspaces.

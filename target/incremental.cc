@@ -824,8 +824,8 @@ IncrementalTarget::IncrementalTarget(std::vector<const TargetModel*> stages, int
     next = stage.last_layer() + 1;
   }
   if (next != c.num_layers || !stages_.back()->impl_->head.defined()) {
-    throw std::invalid_argument(c.source + ": decoding needs every layer of the target and its LM head (built to layer " +
-                                std::to_string(next - 1) + " of " + std::to_string(c.num_layers) + ")");
+    throw std::invalid_argument(c.source + ": decoding needs every layer of the target and its LM head (built to " +
+                                "layer " + std::to_string(next - 1) + " of " + std::to_string(c.num_layers) + ")");
   }
   const at::ScalarType state = first.options().decode_state_dtype;
   if (state != at::kFloat && state != at::kBFloat16) {
@@ -900,7 +900,9 @@ IncrementalTarget::StepTokens IncrementalTarget::step_tokens(const std::vector<D
   for (size_t s = 0; s < caches.size(); ++s) {
     const DecodeCache& cache = *caches[s];
     bool ours = cache.stages.size() == stages_.size();
-    for (size_t i = 0; ours && i < stages_.size(); ++i) ours = cache.stages[i].keys.size() == stages_[i]->impl_->layers.size();
+    for (size_t i = 0; ours && i < stages_.size(); ++i) {
+      ours = cache.stages[i].keys.size() == stages_[i]->impl_->layers.size();
+    }
     if (!ours) throw std::invalid_argument("decode step: the cache is not this model's");
     if (std::find(caches.begin(), caches.begin() + s, caches[s]) != caches.begin() + s) {
       throw std::invalid_argument("decode step: a cache appears twice in one step");

@@ -85,6 +85,15 @@ TEST(RealAcceptance, ADrafterTrainedOnItsTargetsOutputAcceptsThreeOrMoreTokensPe
   EXPECT_EQ(report["prompts"], 16);
   EXPECT_EQ(report["outputs_differing_from_plain_greedy"], 0);  // lossless
   EXPECT_GE(report["acceptance_length"].get<double>(), 3.0) << report.dump();
+  // The target split into two pipeline stages (--device cpu,cpu) decodes the same tokens.
+  const std::string split = kBinary + " eval --target " + dir + "/target --random-weights --device cpu,cpu --drafter " +
+                            dir + "/run/export/final --prompts " + dir + "/held_out.jsonl --max-new-tokens 48 --out " +
+                            dir + "/split.json > " + dir + "/split.log 2>&1";
+  ASSERT_EQ(std::system(split.c_str()), 0) << test::read_file(dir + "/split.log");
+  const nlohmann::json split_report = nlohmann::json::parse(test::read_file(dir + "/split.json"));
+  for (const char* key : {"new_tokens", "verify_steps", "acceptance_length", "acceptance_at_position"}) {
+    EXPECT_EQ(split_report[key], report[key]) << key;
+  }
   // The run's eval section measured the same thing during training, every 200 steps, and chose
   // export/best by it.
   const std::string log = test::read_file(dir + "/run.log");
@@ -140,11 +149,12 @@ TEST(RealAcceptance, HeldOutSamplesAreTheEvalPromptsAndTheMetricsAreExported) {
   EXPECT_NE(log.find("eval at step 5:"), std::string::npos) << log;
   EXPECT_TRUE(std::filesystem::exists(dir + "/run/export/best/eval.json"));
 
-  // A finished run evaluates its final drafter even when that step was not due.
+  // A finished run evaluates its final drafter even when that step was not due; here with target
+  // replica 0 split into two pipeline stages (the eval decodes over both).
   std::ofstream(dir + "/short.yaml") << "run: {name: eval-final, output_dir: " << dir << "/short}\n"
                                      << "target: {preset: tiny-qwen3_5, weights: random, dtype: float32}\n"
                                      << "drafter: {num_layers: 1, block_size: 8, mask_token_id: 511}\n"
-                                     << "gpus: {device: cpu, target: [0], drafter: [0]}\n"
+                                     << "gpus: {device: cpu, target: [[0, 1]], drafter: [0]}\n"
                                      << "data: {synthetic: {sequences: 100, min_length: 24, max_length: 40}, eval_fraction: 0.1}\n"
                                      << "train: {max_steps: 7, anchors_per_sequence: 16}\n"
                                      << "eval: {every_steps: 5, max_prompts: 4, max_new_tokens: 8}\n"
@@ -152,6 +162,8 @@ TEST(RealAcceptance, HeldOutSamplesAreTheEvalPromptsAndTheMetricsAreExported) {
   const std::string run = kBinary + " run -c " + dir + "/short.yaml > " + dir + "/short.log 2>&1";
   ASSERT_EQ(std::system(run.c_str()), 0) << test::read_file(dir + "/short.log");
   EXPECT_NE(test::read_file(dir + "/short.log").find("eval at step 7:"), std::string::npos) << test::read_file(dir + "/short.log");
+  EXPECT_NE(test::read_file(dir + "/short.log").find("at once, on cpu + cpu"), std::string::npos)
+      << test::read_file(dir + "/short.log");
 }
 
 // Config errors: an eval without prompts, prompts without an eval.

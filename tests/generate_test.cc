@@ -183,7 +183,7 @@ TEST(Generate, EveryPromptExactlyOnceAfterSigkill) {
 }
 
 // Two target replicas (-c, gpus.target: [0, 1], on the CPU) share the prompts: the same samples as
-// one replica, each prompt once.
+// one replica, each prompt once; as do replicas split into pipeline stages.
 TEST(Generate, SeveralReplicasShareThePrompts) {
   const std::string dir = test::make_temp_dir("generate-replicas");
   write_prompts(dir + "/prompts.jsonl", 24, 500);
@@ -207,6 +207,28 @@ TEST(Generate, SeveralReplicasShareThePrompts) {
   const auto two = read_output(dir + "/two");
   EXPECT_EQ(two.size(), 24u);
   EXPECT_EQ(two, read_output(dir + "/one"));
+  // A replica split into pipeline stages (gpus.target: [[0, 1], 2]) runs a decoder per stage, and
+  // --device cpu,cpu splits the one replica: the same samples again.
+  std::ofstream(dir + "/staged.yaml") << "target: {preset: tiny-qwen3_5, weights: random, dtype: float32}\n"
+                                      << "drafter: {mask_token_id: 511}\n"
+                                      << "gpus: {device: cpu, target: [[0, 1], 2], drafter: [0]}\n"
+                                      << "data: {synthetic: {sequences: 10}}\n"
+                                      << "metrics: {listen: \"\"}\n";
+  ASSERT_EQ(run("-c " + dir + "/staged.yaml --prompts " + dir + "/prompts.jsonl --out " + dir +
+                    "/staged --max-new-tokens 8 --max-batch 3 --shard-size 5 --truncated keep",
+                dir + "/staged.log"),
+            0)
+      << test::read_file(dir + "/staged.log");
+  EXPECT_NE(test::read_file(dir + "/staged.log").find("2 replica(s) on cpu + cpu, cpu, 3 decoder(s)"),
+            std::string::npos)
+      << test::read_file(dir + "/staged.log");
+  EXPECT_EQ(read_output(dir + "/staged"), two);
+  ASSERT_EQ(run("--preset tiny-qwen3_5 --device cpu,cpu --prompts " + dir + "/prompts.jsonl --out " + dir +
+                    "/split --max-new-tokens 8 --max-batch 3 --shard-size 5 --truncated keep",
+                dir + "/split.log"),
+            0)
+      << test::read_file(dir + "/split.log");
+  EXPECT_EQ(read_output(dir + "/split"), two);
 }
 
 // Truncated responses are skipped by default (counted, recorded in the marker as handled), the
@@ -327,13 +349,11 @@ TEST(Generate, BadInputsAreClearErrors) {
                 log),
             1);
   EXPECT_TRUE(said(dir + "/o2/generate.json: this directory holds output of another job")) << test::read_file(log);
-  // A target replica in pipeline stages decodes nowhere yet: said, naming the config entry.
-  std::ofstream(dir + "/staged.yaml") << "target: {preset: tiny-qwen3, weights: random}\n"
-                                      << "drafter: {mask_token_id: 511}\n"
-                                      << "gpus: {device: cpu, target: [[0, 1]], drafter: [0]}\n"
-                                      << "data: {synthetic: {sequences: 10}}\n";
-  EXPECT_EQ(run("-c " + dir + "/staged.yaml --prompts " + dir + "/prompts.jsonl --out " + dir + "/o3", log), 1);
-  EXPECT_TRUE(said("gpus.target[0] spans 2 GPUs; generate decodes with each target replica on one GPU"))
+  // The stages of one target are all GPUs or all the CPU.
+  EXPECT_EQ(run("--preset tiny-qwen3 --device cpu,cuda:0 --prompts " + dir + "/prompts.jsonl --out " + dir + "/o3",
+                log),
+            2);
+  EXPECT_TRUE(said("--device cpu,cuda:0: the stages of one target are all GPUs or all the CPU"))
       << test::read_file(log);
   // target.dtype: float8 reaches the target's loading: the tiny preset's 64 features are refused
   // as FP8 projections, naming the tensor; an unknown --dtype is a usage error.

@@ -480,6 +480,21 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
   EXPECT_EQ(with_eval[1].eval_decoding, 0);
   EXPECT_NE(format_memory_plan(with_eval).find("eval decoding"), std::string::npos);
   EXPECT_TRUE(memory_plan_problems(with_eval).empty()) << format_memory_plan(with_eval);
+  // Target replica 0 over two GPUs (pipeline stages): each holds its layers' caches, the last the
+  // drafter's copy and the embedding's; together what one GPU held, plus that embedding.
+  c.gpus.target = {0, 1};
+  c.gpus.target_replicas = {{0, 1}};
+  c.gpus.drafter = {2};
+  const auto staged = plan_memory(c, target, shape, std::vector<int64_t>(3, 143'771LL << 20));
+  ASSERT_EQ(staged.size(), 3u);
+  EXPECT_GT(staged[0].eval_decoding, 0);
+  EXPECT_GT(staged[1].eval_decoding, shape.parameter_count() * 2);
+  EXPECT_EQ(staged[0].eval_decoding + staged[1].eval_decoding,
+            with_eval[0].eval_decoding + target.vocab_size * target.hidden_size * 2);
+  EXPECT_EQ(staged[2].eval_decoding, 0);
+  c.gpus.target = {0};
+  c.gpus.target_replicas = {{0}};
+  c.gpus.drafter = {1};
   c.target.decode_state_dtype = config::ModelDtype::bfloat16;
   EXPECT_LT(plan_memory(c, target, shape, {})[0].eval_decoding, with_eval[0].eval_decoding);
   c.target.decode_state_dtype = config::ModelDtype::float32;

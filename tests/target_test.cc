@@ -1216,6 +1216,53 @@ TEST(IncrementalTarget, GpuAttentionMatchesTheFullForward) {
   }
 }
 
+// A target in two pipeline stages on one GPU decodes bit-identically to the whole target there,
+// through the GPU paths (decode-step kernels, FlashAttention or the decoding attention kernel,
+// chunked prefills, in-place keys after a sequence left): prompts prefilled together, a verify
+// step cropped, plain steps, a sequence leaving.
+TEST(IncrementalTarget, GpuTwoStagesOnOneGpuDecodeBitIdentical) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  for (const int head_dim : {32, 256}) {  // FlashAttention, the decoding attention kernel
+    SCOPED_TRACE("head_dim " + std::to_string(head_dim));
+    const ModelConfig config = kernel_sized_qwen3_5(head_dim);
+    const TargetOptions gpu{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+    auto whole = random_target(config, config.num_layers - 1, gpu, 21);
+    auto staged = random_staged_target(config, config.num_layers - 1, {gpu, gpu}, 21);
+    const IncrementalTarget one(*whole), split(staged->models());
+    const auto ids = [&](int64_t n) {
+      return at::randint(0, config.vocab_size, {n}, at::TensorOptions().dtype(at::kLong));
+    };
+    std::vector<DecodeCache> a, b;
+    std::vector<at::Tensor> prompts;
+    for (int64_t length : {40, 7, 90}) {
+      a.push_back(one.new_cache()), b.push_back(split.new_cache()), prompts.push_back(ids(length));
+    }
+    auto pointers = [](std::vector<DecodeCache>& caches, const std::vector<size_t>& which) {
+      std::vector<DecodeCache*> out;
+      for (size_t i : which) out.push_back(&caches[i]);
+      return out;
+    };
+    auto same = [](const std::vector<DecodeOutput>& x, const std::vector<DecodeOutput>& y, const std::string& what) {
+      for (size_t s = 0; s < x.size(); ++s) {
+        EXPECT_TRUE(at::equal(x[s].logits, y[s].logits)) << what << ", sequence " << s;
+      }
+    };
+    same(one.prefill_batch(pointers(a, {0, 1, 2}), prompts, {}),
+         split.prefill_batch(pointers(b, {0, 1, 2}), prompts, {}), "prefill");
+    std::vector<at::Tensor> verify{ids(4), ids(4), ids(4)};
+    same(one.step_batch(pointers(a, {0, 1, 2}), verify, {1}), split.step_batch(pointers(b, {0, 1, 2}), verify, {1}),
+         "verify");
+    const std::vector<int64_t> keep{a[0].length - 2, a[1].length - 3, a[2].length};
+    one.crop_batch(pointers(a, {0, 1, 2}), keep), split.crop_batch(pointers(b, {0, 1, 2}), keep);
+    for (int step = 0; step < 4; ++step) {
+      const std::vector<size_t> which = step < 2 ? std::vector<size_t>{0, 1, 2} : std::vector<size_t>{0, 2};
+      std::vector<at::Tensor> next(which.size(), ids(1));
+      same(one.step_batch(pointers(a, which), next, {}, false), split.step_batch(pointers(b, which), next, {}, false),
+           "plain step " + std::to_string(step));
+    }
+  }
+}
+
 #ifdef DFLASHD_WITH_CUDA
 // A conv step asked for the gates without all of their inputs and outputs is refused before
 // anything runs, with what it needs.
