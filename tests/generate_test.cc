@@ -187,48 +187,34 @@ TEST(Generate, EveryPromptExactlyOnceAfterSigkill) {
 TEST(Generate, SeveralReplicasShareThePrompts) {
   const std::string dir = test::make_temp_dir("generate-replicas");
   write_prompts(dir + "/prompts.jsonl", 24, 500);
-  std::ofstream(dir + "/c.yaml") << "target: {preset: tiny-qwen3_5, weights: random, dtype: float32}\n"
-                                 << "drafter: {mask_token_id: 511}\n"
-                                 << "gpus: {device: cpu, target: [0, 1], drafter: [0]}\n"
-                                 << "data: {synthetic: {sequences: 10}}\n"
-                                 << "metrics: {listen: \"\"}\n";
-  ASSERT_EQ(run("-c " + dir + "/c.yaml --prompts " + dir + "/prompts.jsonl --out " + dir +
-                    "/two --max-new-tokens 8 --max-batch 3 --shard-size 5 --truncated keep",
-                dir + "/two.log"),
-            0)
-      << test::read_file(dir + "/two.log");
-  EXPECT_NE(test::read_file(dir + "/two.log").find("2 replica(s) on cpu, cpu"), std::string::npos)
-      << test::read_file(dir + "/two.log");
-  ASSERT_EQ(run("--preset tiny-qwen3_5 --device cpu --prompts " + dir + "/prompts.jsonl --out " + dir +
-                    "/one --max-new-tokens 8 --max-batch 3 --shard-size 5 --truncated keep",
-                dir + "/one.log"),
-            0)
-      << test::read_file(dir + "/one.log");
-  const auto two = read_output(dir + "/two");
-  EXPECT_EQ(two.size(), 24u);
-  EXPECT_EQ(two, read_output(dir + "/one"));
-  // A replica split into pipeline stages (gpus.target: [[0, 1], 2]) runs a decoder per stage, and
-  // --device cpu,cpu splits the one replica: the same samples again.
-  std::ofstream(dir + "/staged.yaml") << "target: {preset: tiny-qwen3_5, weights: random, dtype: float32}\n"
-                                      << "drafter: {mask_token_id: 511}\n"
-                                      << "gpus: {device: cpu, target: [[0, 1], 2], drafter: [0]}\n"
-                                      << "data: {synthetic: {sequences: 10}}\n"
-                                      << "metrics: {listen: \"\"}\n";
-  ASSERT_EQ(run("-c " + dir + "/staged.yaml --prompts " + dir + "/prompts.jsonl --out " + dir +
-                    "/staged --max-new-tokens 8 --max-batch 3 --shard-size 5 --truncated keep",
-                dir + "/staged.log"),
-            0)
-      << test::read_file(dir + "/staged.log");
-  EXPECT_NE(test::read_file(dir + "/staged.log").find("2 replica(s) on cpu + cpu, cpu, 3 decoder(s)"),
-            std::string::npos)
-      << test::read_file(dir + "/staged.log");
-  EXPECT_EQ(read_output(dir + "/staged"), two);
-  ASSERT_EQ(run("--preset tiny-qwen3_5 --device cpu,cpu --prompts " + dir + "/prompts.jsonl --out " + dir +
-                    "/split --max-new-tokens 8 --max-batch 3 --shard-size 5 --truncated keep",
-                dir + "/split.log"),
-            0)
-      << test::read_file(dir + "/split.log");
-  EXPECT_EQ(read_output(dir + "/split"), two);
+  // The job into dir/NAME, its target placed by `where` (-c with a config whose gpus.target is
+  // `gpus_target`, or --device), its log said to contain `said`; returns its samples.
+  auto generate = [&](const std::string& name, const std::string& gpus_target, const std::string& device,
+                      const std::string& said) {
+    std::string where = "--preset tiny-qwen3_5 --device " + device;
+    if (device.empty()) {
+      std::ofstream(dir + "/" + name + ".yaml") << "target: {preset: tiny-qwen3_5, weights: random, dtype: float32}\n"
+                                                << "drafter: {mask_token_id: 511}\n"
+                                                << "gpus: {device: cpu, target: " << gpus_target << ", drafter: [0]}\n"
+                                                << "data: {synthetic: {sequences: 10}}\n"
+                                                << "metrics: {listen: \"\"}\n";
+      where = "-c " + dir + "/" + name + ".yaml";
+    }
+    const std::string log = dir + "/" + name + ".log";
+    EXPECT_EQ(run(where + " --prompts " + dir + "/prompts.jsonl --out " + dir + "/" + name +
+                      " --max-new-tokens 8 --max-batch 3 --shard-size 5 --truncated keep",
+                  log),
+              0)
+        << test::read_file(log);
+    EXPECT_NE(test::read_file(log).find(said), std::string::npos) << test::read_file(log);
+    return read_output(dir + "/" + name);
+  };
+  const auto one = generate("one", "", "cpu", "1 replica(s) on cpu, 1 decoder(s)");
+  EXPECT_EQ(one.size(), 24u);
+  EXPECT_EQ(generate("two", "[0, 1]", "", "2 replica(s) on cpu, cpu, 2 decoder(s)"), one);
+  // A replica split into pipeline stages runs a decoder per stage.
+  EXPECT_EQ(generate("staged", "[[0, 1], 2]", "", "2 replica(s) on cpu + cpu, cpu, 3 decoder(s)"), one);
+  EXPECT_EQ(generate("split", "", "cpu,cpu", "1 replica(s) on cpu + cpu, 2 decoder(s)"), one);
 }
 
 // Truncated responses are skipped by default (counted, recorded in the marker as handled), the
