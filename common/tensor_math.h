@@ -3,11 +3,26 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 namespace dflash {
+
+// Makes a GPU `device` this thread's current device while it lives (nothing for the CPU). Our
+// kernels launch on the current device's current stream: a model on cuda:1 run from a thread
+// whose current device is cuda:0 (a decoder thread, a pipeline stage after another) would launch
+// them on cuda:0's stream with cuda:1's memory.
+class DeviceScope {
+ public:
+  explicit DeviceScope(const at::Device& device)
+      : guard_(device.is_cuda() ? std::optional<at::Device>(device) : std::nullopt) {}
+
+ private:
+  c10::OptionalDeviceGuard guard_;
+};
 
 // RMSNorm in fp32. Zero-centred (Qwen3.5/Next): (x_hat * (1 + w)) cast back. Plain (Qwen3,
 // Llama, the DFlash drafter): w * x_hat cast back first, as HF does it (the order matters in bf16).

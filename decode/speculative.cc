@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/tensor_math.h"
+
 namespace dflash::decode {
 namespace {
 
@@ -192,6 +194,7 @@ uint64_t sequence_seed(uint64_t seed, uint64_t index) {
 void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const NextRequest& next, const Finished& done,
                   std::atomic<int64_t>* decoded) const {
   c10::InferenceMode inference;
+  const DeviceScope scope(target_.device());  // where the drafter runs and the tokens are chosen
   check_sampling(settings.sampling);
   if (settings.max_new_tokens < 1) throw std::invalid_argument("generate: max_new_tokens must be >= 1");
   if (max_batch < 1) throw std::invalid_argument("generate: the batch must hold at least one sequence");

@@ -924,6 +924,7 @@ StreamState IncrementalTarget::run_stage(size_t s, const std::vector<DecodeCache
   const TargetModel::Impl& m = *model.impl_;
   const ModelConfig& c = model.config();
   const at::Device device = model.options().device;
+  const DeviceScope scope(device);
   const at::TensorOptions activations = at::TensorOptions().dtype(model.options().dtype).device(device);
   const std::vector<StageCache*> parts = stage_parts(caches, s);
   const std::vector<RowGroup> groups = group_rows_by_count(tokens.counts, device);
@@ -971,6 +972,7 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
   // The last stage's head, on its device, where the tapped features join the logits.
   const TargetModel::Impl& m = *stages_.back()->impl_;
   const at::Device device = this->device();
+  const DeviceScope scope(device);
   ResidualStream last(stream.x, stream.pending, config());
   at::Tensor normed = last.add_and_norm(m.final_norm);
   if (last_logits_only) {  // each sequence's last token
@@ -1043,6 +1045,7 @@ void IncrementalTarget::crop_stage(size_t stage, const std::vector<DecodeCache*>
   const std::vector<Layer>& layers = model.impl_->layers;
   const int64_t first_gdn = first_gdn_layer(layers);
   if (first_gdn < 0) return;  // full attention only: rows past the kept length are ignored
+  const DeviceScope scope(model.options().device);
   // Where the members' rows lie in their last steps' batches: the same in every layer.
   std::vector<int64_t> slots;
   std::vector<const at::Tensor*> sources;

@@ -367,6 +367,7 @@ StreamState TargetModel::run_layers(const at::Tensor& input_ids, const std::vect
   const ModelConfig& c = config_;
   check_cu_seqlens(cu_seqlens, input_ids.size(0));
   const at::Device device = options_.device;
+  const DeviceScope scope(device);
   // Position of each token within its own sequence.
   std::vector<int64_t> position_values(static_cast<size_t>(input_ids.size(0)));
   for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
