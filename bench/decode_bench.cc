@@ -10,7 +10,9 @@
 // Usage: decode_bench CONFIG_DIR [PROMPTS NEW PROMPT_TOKENS MAX_BATCH]   (needs a GPU); DECODE_BATCHES="16 64 128"
 // sets the batch sizes of the batched rounds (16 and 64 by default); DECODE_DTYPE=float8 keeps the
 // projections block-scaled FP8; DECODE_STATE_DTYPE=bfloat16 keeps the GatedDeltaNet states in
-// bf16 (target.decode_state_dtype).
+// bf16 (target.decode_state_dtype); DECODE_STAGES=S builds the target as S pipeline stages, all on
+// cuda:0 (what a split costs a step beyond the stages' own work: their host planning and the
+// stream's hand-over; one GPU).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/core/InferenceMode.h>
@@ -34,6 +36,7 @@
 #include "decode/sampling.h"
 #include "drafter/drafter_config.h"
 #include "target/incremental.h"
+#include "target/stages.h"
 #include "target/kernels/decode_attention.h"
 #include "target/kernels/grouped_fp8.h"
 #include "target/model.h"
@@ -385,16 +388,20 @@ int main(int argc, char** argv) {
   const target::ModelConfig config = target::load_model_config(argv[1]);
   const target::TargetOptions options = bench_options();
   const bool bf16_states = options.decode_state_dtype == at::kBFloat16;
-  auto model = target::random_target(config, config.num_layers - 1, options, 1);
-  const target::IncrementalTarget target(*model);
+  const char* stages_text = std::getenv("DECODE_STAGES");
+  const size_t stages = stages_text == nullptr ? 1 : static_cast<size_t>(std::max(1, std::atoi(stages_text)));
+  auto model = target::random_staged_target(config, config.num_layers - 1,
+                                            std::vector<target::TargetOptions>(stages, options), 1);
+  const target::IncrementalTarget target(model->models());
   const drafter::DrafterShape shape = drafter::shape_for_target(config, config::DrafterConfig{});
   drafter::Drafter d(shape, at::TensorOptions().device(options.device).dtype(options.dtype));
   d.init_random(1);
   const int64_t block = shape.block_size;
   const std::vector<int64_t> tap(shape.target_layer_ids.begin(), shape.target_layer_ids.end());
-  std::printf("target %s: %lld layers, %s, %s GatedDeltaNet states, random weights; drafter %lld layers, block %lld\n",
-              argv[1], static_cast<long long>(config.num_layers), options.fp8_weights ? "FP8 projections" : "bf16",
-              bf16_states ? "bf16" : "fp32",
+  std::printf("target %s: %lld layers in %zu stage(s), %s, %s GatedDeltaNet states, random weights; drafter %lld "
+              "layers, block %lld\n",
+              argv[1], static_cast<long long>(config.num_layers), stages,
+              options.fp8_weights ? "FP8 projections" : "bf16", bf16_states ? "bf16" : "fp32",
               static_cast<long long>(shape.num_layers), static_cast<long long>(block));
 
   const auto ids = [&](int64_t n) {
@@ -419,12 +426,12 @@ int main(int argc, char** argv) {
       c10::cuda::device_synchronize();
     }, 15);
   }
-  const target::IncrementalTarget token_by_token(*model, 64);
+  const target::IncrementalTarget token_by_token(model->models(), 64);
   const auto [verify_step, verify_recurrent] = verify_ms(target, token_by_token, cache, verify_block, tap, prompt_tokens);
   drafter::DrafterContextCache context;
   d.extend_context(context, out.features);
   const at::Tensor block_ids = ids(block);
-  const double draft = median_ms(10, [&] { d.block_hidden(context, block_ids, model->embed_tokens()); });
+  const double draft = median_ms(10, [&] { d.block_hidden(context, block_ids, target.embed_tokens()); });
   const at::Tensor block_features = out.features.narrow(0, 0, block);
   const double extend = median_ms(10, [&] {
     drafter::DrafterContextCache c = context;

@@ -37,7 +37,7 @@ at::Tensor heads_side_by_side(const at::Tensor& t) {
 }
 
 // Where a group's members' rows lie in the batch tensors they share (a GatedDeltaNet layer's
-// cache.state and conv, or last.* for a crop; an attention layer's keys and values): runs of
+// StageCache state and conv, or last_gdn for a crop; an attention layer's keys and values): runs of
 // members reading one batch tensor, each run a slice of consecutive rows or an index on the
 // device. The same for every layer of a kind (a step or a crop updates all of a cache's layers
 // together): built once per step from one layer, so a step of the same sequences as the last
