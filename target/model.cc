@@ -201,6 +201,7 @@ TargetModel::TargetModel(ModelConfig config, WeightSource& w, int64_t last_layer
 
 TargetModel::TargetModel(ModelConfig config, WeightSource& w, LayerRange range, TargetOptions options)
     : config_(std::move(config)), options_(options), first_layer_(range.first), impl_(std::make_unique<Impl>()) {
+  const DeviceScope scope(options.device);  // a checkpoint's FP8 blocks dequantized at load run our kernel there
   const ModelConfig& c = config_;
   if (range.last < 0 || range.last >= c.num_layers || range.first < 0 || range.first > range.last) {
     throw std::invalid_argument(c.source + ": layers " + std::to_string(range.first) + ".." +
