@@ -99,36 +99,38 @@ std::unique_ptr<target::StagedTarget> load_decoding_target(const TargetArgs& a,
 }
 
 void check_decoding_batch(const std::string& command, const target::IncrementalTarget& target, int64_t sequences,
-                          int64_t tokens, int64_t step_tokens) {
+                          int64_t decoders, int64_t tokens, int64_t step_tokens) {
   const std::vector<int64_t> capacities = pipeline::gpu_capacities();
-  const int64_t dtype_bytes = static_cast<int64_t>(c10::elementSize(target.options().dtype));
-  const int64_t state_bytes = static_cast<int64_t>(c10::elementSize(target.options().decode_state_dtype));
-  // Per GPU, what one sequence's caches of the stages there take (several stages may share one).
-  std::map<int, int64_t> each;
+  std::vector<target::LayerRange> stages;
+  std::vector<int> gpus;
   for (size_t s = 0; s < target.stage_count(); ++s) {
     const at::Device device = target.stage(s).options().device;
-    if (!device.is_cuda() || device.index() < 0 || device.index() >= static_cast<int>(capacities.size())) continue;
-    const target::LayerRange layers{target.stage(s).first_layer(), target.stage(s).last_layer(),
-                                    s + 1 == target.stage_count()};
-    each[device.index()] +=
-        target::decoding_sequence_bytes(target.config(), tokens, step_tokens, dtype_bytes, state_bytes, layers);
+    if (!device.is_cuda() || device.index() < 0 || device.index() >= static_cast<int>(capacities.size())) return;
+    stages.push_back({target.stage(s).first_layer(), target.stage(s).last_layer(), s + 1 == target.stage_count()});
+    gpus.push_back(device.index());
   }
+  const std::map<int, int64_t> each = target::decoding_bytes_by_gpu(
+      target.config(), stages, gpus, tokens, step_tokens, static_cast<int64_t>(c10::elementSize(target.options().dtype)),
+      static_cast<int64_t>(c10::elementSize(target.options().decode_state_dtype)));
+  std::map<int, int64_t> left;
   for (const auto& [gpu, bytes] : each) {
     const std::vector<pipeline::GpuMemory> used = pipeline::gpu_memory({gpu});
     // What the weights left, less 1 GB for the CUDA context and the libraries' workspaces.
-    const int64_t left = capacities[static_cast<size_t>(gpu)] - (used.empty() ? 0 : used[0].allocated_bytes) -
-                         (int64_t{1} << 30);
-    const int64_t fits = target::decoding_batch_that_fits(left, bytes);
-    if (sequences <= fits) continue;
-    auto gb = [](int64_t b) { return log::fixed(static_cast<double>(b) / 1e9, 1); };
-    throw std::runtime_error(
-        command + ": " + std::to_string(sequences) + " sequences at once of up to " + std::to_string(tokens) +
-        " tokens need about " + gb(sequences * bytes) + " GB of decoding caches on cuda:" + std::to_string(gpu) + " (" +
-        gb(bytes) + " GB each), but the target's weights leave about " + gb(left) + " GB: " +
-        (fits > 0 ? "use --max-batch " + std::to_string(fits) + " or fewer" : "not one sequence of that length fits") +
-        ", or shorter prompts / --max-new-tokens" +
-        (target.stage_count() > 1 ? "" : ", or split the target over several GPUs (--device cuda:0,cuda:1)"));
+    left[gpu] = capacities[static_cast<size_t>(gpu)] - (used.empty() ? 0 : used[0].allocated_bytes) - (int64_t{1} << 30);
   }
+  const target::DecodingFit fit = target::decoding_batch_that_fits(each, left);
+  if (sequences <= fit.sequences) return;
+  auto gb = [](int64_t b) { return log::fixed(static_cast<double>(b) / 1e9, 1); };
+  const int64_t bytes = each.at(fit.gpu), per_decoder = fit.sequences / std::max<int64_t>(1, decoders);
+  throw std::runtime_error(
+      command + ": " + std::to_string(sequences) + " sequences at once (--max-batch" +
+      (decoders > 1 ? " x " + std::to_string(decoders) + " decoders" : "") + ") of up to " + std::to_string(tokens) +
+      " tokens need about " + gb(sequences * bytes) + " GB of decoding caches on cuda:" + std::to_string(fit.gpu) +
+      " (" + gb(bytes) + " GB each), but the target's weights leave about " + gb(left.at(fit.gpu)) + " GB there: " +
+      (per_decoder > 0 ? "use --max-batch " + std::to_string(per_decoder) + " or fewer"
+                       : "not one sequence of that length fits") +
+      ", or shorter prompts / --max-new-tokens" +
+      (target.stage_count() > 1 ? "" : ", or split the target over several GPUs (--device cuda:0,cuda:1)"));
 }
 
 }  // namespace dflash::daemon

@@ -51,13 +51,13 @@ bool parse_decoding_option(const std::string& key, const std::string& value, dec
 // float32, and float32 states. nullopt after printing "dflashd COMMAND: ..." otherwise.
 std::optional<std::vector<target::TargetOptions>> target_options(const std::string& command, const TargetArgs& a);
 
-// Refuses (std::runtime_error naming the command, the GPU, the numbers and the largest batch that
-// fits) `sequences` decoding sequences at once on `target` (all its decoders together) of up to
-// `tokens` positions, in steps of `step_tokens`, whose caches (target/decode_plan.h; each stage's
-// layers on its GPU) do not fit in what the weights left of a GPU. A batch that cannot fit would
-// run out of memory mid-run. Nothing to check on a CPU.
+// Refuses (std::runtime_error naming the command, the GPU, the numbers and the largest --max-batch
+// that fits) `sequences` decoding sequences at once on `target` (its `decoders` together) of up
+// to `tokens` positions, in steps of `step_tokens`, whose caches (target/decode_plan.h; each
+// stage's layers on its GPU) do not fit in what the weights left of a GPU. A batch that cannot
+// fit would run out of memory mid-run. Nothing to check on a CPU.
 void check_decoding_batch(const std::string& command, const target::IncrementalTarget& target, int64_t sequences,
-                          int64_t tokens, int64_t step_tokens);
+                          int64_t decoders, int64_t tokens, int64_t step_tokens);
 
 // The target with every layer (decoding needs them all), over `stages` (one per device).
 std::unique_ptr<target::StagedTarget> load_decoding_target(const TargetArgs& a,

@@ -157,7 +157,7 @@ int command_eval(const std::vector<std::string>& args) {
     d.load_export(a.drafter_dir);
     const int64_t block = d.shape().block_size;
     check_decoding_batch("dflashd eval", target, std::min<int64_t>(a.max_batch, static_cast<int64_t>(prompts.size())),
-                         static_cast<int64_t>(longest) + a.settings.max_new_tokens + block, block);
+                         1, static_cast<int64_t>(longest) + a.settings.max_new_tokens + block, block);
     const decode::SpeculativeDecoder spec(target, d);
     const decode::EvalReport report = decode::evaluate(spec, target, prompts, a.settings, a.baseline, a.max_batch);
     print_report(report);

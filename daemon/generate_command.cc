@@ -342,15 +342,15 @@ int generate(const GenerateArgs& a_in) {
               capped, context, target_config.source);
   }
   for (const auto& target : targets) {
-    const int64_t at_once = a.max_batch * static_cast<int64_t>(target->stage_count());  // its decoders together
-    check_decoding_batch("dflashd generate", *target, std::min<int64_t>(at_once, static_cast<int64_t>(prompts.size())),
+    const int64_t decoders = static_cast<int64_t>(target->stage_count());
+    check_decoding_batch("dflashd generate", *target,
+                         std::min<int64_t>(a.max_batch * decoders, static_cast<int64_t>(prompts.size())), decoders,
                          static_cast<int64_t>(longest) + a.settings.max_new_tokens, 1);
   }
   const DirectoryLock lock(a.out, "dflashd generate of " + a.prompts);  // one writer of the shards
   decode::ShardedOutput out = open_output(a, base, prompts);
   log::info("generate: {} prompts from {}, {} done before{}; {} replica(s) on {}, {} decoder(s), {} sequences at once "
-            "each, target "
-            "{} with {} GatedDeltaNet states; {}, up to {} new tokens, truncated responses {}; output {}",
+            "each, target {} with {} GatedDeltaNet states; {}, up to {} new tokens, truncated responses {}; output {}",
             prompts.size(), a.prompts, out.done_before().size(),
             out.removed_uncommitted() > 0 ? " (" + std::to_string(out.removed_uncommitted()) + " uncommitted shard(s) removed)" : "",
             targets.size(), places, running.size(), a.max_batch, dtype_name(base),

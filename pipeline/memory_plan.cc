@@ -85,12 +85,9 @@ std::map<int, int64_t> evaluation_bytes(const config::Config& config, const targ
   const std::vector<target::LayerRange> ranges =
       target::plan_target_stages(target, target.num_layers - 1, std::min<size_t>(ids.size(), target.num_layers),
                                  config.data.max_length);
-  for (size_t s = 0; s < ranges.size(); ++s) {
-    on[ids[s]] += config.eval.max_batch *
-                  target::decoding_sequence_bytes(target, config.data.max_length + config.eval.max_new_tokens,
-                                                  shape.block_size, bytes,
-                                                  config::bytes_of(config.target.decode_state_dtype), ranges[s]);
-  }
+  on = target::decoding_bytes_by_gpu(target, ranges, ids, config.data.max_length + config.eval.max_new_tokens,
+                                     shape.block_size, bytes, config::bytes_of(config.target.decode_state_dtype));
+  for (auto& [gpu, each] : on) each *= config.eval.max_batch;
   on[ids[ranges.size() - 1]] += shape.parameter_count() * bytes +
                                 (ranges.size() > 1 ? target.vocab_size * target.hidden_size * bytes : 0);
   return on;

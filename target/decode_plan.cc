@@ -33,4 +33,24 @@ int64_t decoding_batch_that_fits(int64_t free_bytes, int64_t per_sequence) {
   return std::max<int64_t>(0, free_bytes - free_bytes / 10) / per_sequence;
 }
 
+std::map<int, int64_t> decoding_bytes_by_gpu(const ModelConfig& c, const std::vector<LayerRange>& stages,
+                                             const std::vector<int>& gpus, int64_t tokens, int64_t step_tokens,
+                                             int64_t dtype_bytes, int64_t state_bytes) {
+  std::map<int, int64_t> each;
+  for (size_t s = 0; s < stages.size() && s < gpus.size(); ++s) {
+    each[gpus[s]] += decoding_sequence_bytes(c, tokens, step_tokens, dtype_bytes, state_bytes, stages[s]);
+  }
+  return each;
+}
+
+DecodingFit decoding_batch_that_fits(const std::map<int, int64_t>& each, const std::map<int, int64_t>& free) {
+  DecodingFit fit;
+  for (const auto& [gpu, bytes] : each) {
+    const auto left = free.find(gpu);
+    const int64_t here = decoding_batch_that_fits(left == free.end() ? 0 : left->second, bytes);
+    if (fit.gpu < 0 || here < fit.sequences) fit = {here, gpu};
+  }
+  return fit;
+}
+
 }  // namespace dflash::target

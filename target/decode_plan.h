@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <vector>
 
 #include "target/model_config.h"
 #include "target/stage_plan.h"
@@ -27,5 +29,19 @@ int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t st
 // The most sequences of decoding_sequence_bytes `per_sequence` that fit in `free_bytes`, keeping
 // a tenth for the prefill's activations, the allocator's fragmentation and the GEMMs' workspaces.
 int64_t decoding_batch_that_fits(int64_t free_bytes, int64_t per_sequence);
+
+// A target in pipeline stages (stage s holds `stages[s]`'s layers on GPU gpus[s]): the bytes one
+// sequence's caches take on each GPU (stages on one GPU add up; the logits on the head's).
+std::map<int, int64_t> decoding_bytes_by_gpu(const ModelConfig& c, const std::vector<LayerRange>& stages,
+                                             const std::vector<int>& gpus, int64_t tokens, int64_t step_tokens,
+                                             int64_t dtype_bytes, int64_t state_bytes);
+
+// The most sequences whose caches fit on every GPU of `each` (bytes per sequence by GPU) in
+// `free` (bytes left by GPU; none for a GPU it lacks), and the GPU that limits them.
+struct DecodingFit {
+  int64_t sequences = 0;
+  int gpu = -1;
+};
+DecodingFit decoding_batch_that_fits(const std::map<int, int64_t>& each, const std::map<int, int64_t>& free);
 
 }  // namespace dflash::target

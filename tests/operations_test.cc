@@ -588,6 +588,26 @@ TEST(DecodePlan, A27BSequencesCachesAndTheBatchThatFits) {
   EXPECT_GE(target::decoding_batch_that_fits(94'000'000'000, target::decoding_sequence_bytes(c, 768, 1, 2, 2)), 256);
 }
 
+// A target in two pipeline stages: each GPU holds its stages' share of a sequence's caches (the
+// logits on the head's), together one device's; the GPU with the least room for its share limits
+// the batch.
+TEST(DecodePlan, AStagedTargetsCachesSplitByGpuAndTheTightestGpuLimitsTheBatch) {
+  const target::ModelConfig c = qwen3_5_27b_shapes();
+  const std::vector<target::LayerRange> stages = target::plan_target_stages(c, c.num_layers - 1, 2, 4096);
+  const int64_t whole = target::decoding_sequence_bytes(c, 768, 1, 2, 4);
+  const std::map<int, int64_t> split = target::decoding_bytes_by_gpu(c, stages, {0, 1}, 768, 1, 2, 4);
+  ASSERT_EQ(split.size(), 2u);
+  EXPECT_EQ(split.at(0) + split.at(1), whole);
+  EXPECT_GT(split.at(0), 0);
+  EXPECT_EQ(target::decoding_bytes_by_gpu(c, stages, {3, 3}, 768, 1, 2, 4).at(3), whole);  // both on GPU 3
+  const target::DecodingFit roomy = target::decoding_batch_that_fits(split, {{0, 94'000'000'000}, {1, 94'000'000'000}});
+  EXPECT_GE(roomy.sequences, 256);  // half a sequence's caches per GPU: twice what one GPU fits
+  const target::DecodingFit tight = target::decoding_batch_that_fits(split, {{0, 94'000'000'000}, {1, 9'000'000'000}});
+  EXPECT_EQ(tight.gpu, 1);
+  EXPECT_EQ(tight.sequences, target::decoding_batch_that_fits(9'000'000'000, split.at(1)));
+  EXPECT_EQ(target::decoding_batch_that_fits(split, {{0, 94'000'000'000}}).sequences, 0);  // GPU 1 unknown: no room
+}
+
 // ---- item 10: config.json as a new user's files may have it ------------------------------------
 
 TEST(ModelConfigJson, DeepNestingAndNulBytesAreClearErrors) {
