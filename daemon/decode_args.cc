@@ -109,14 +109,16 @@ void check_decoding_batch(const std::string& command, const target::IncrementalT
     stages.push_back({target.stage(s).first_layer(), target.stage(s).last_layer(), s + 1 == target.stage_count()});
     gpus.push_back(device.index());
   }
-  const std::map<int, int64_t> each = target::decoding_bytes_by_gpu(
-      target.config(), stages, gpus, tokens, step_tokens, static_cast<int64_t>(c10::elementSize(target.options().dtype)),
-      static_cast<int64_t>(c10::elementSize(target.options().decode_state_dtype)));
+  const int64_t dtype_bytes = static_cast<int64_t>(c10::elementSize(target.options().dtype));
+  const int64_t state_bytes = static_cast<int64_t>(c10::elementSize(target.options().decode_state_dtype));
+  const std::map<int, int64_t> each =
+      target::decoding_bytes_by_gpu(target.config(), stages, gpus, tokens, step_tokens, dtype_bytes, state_bytes);
   std::map<int, int64_t> left;
   for (const auto& [gpu, bytes] : each) {
     const std::vector<pipeline::GpuMemory> used = pipeline::gpu_memory({gpu});
     // What the weights left, less 1 GB for the CUDA context and the libraries' workspaces.
-    left[gpu] = capacities[static_cast<size_t>(gpu)] - (used.empty() ? 0 : used[0].allocated_bytes) - (int64_t{1} << 30);
+    const int64_t allocated = used.empty() ? 0 : used[0].allocated_bytes;
+    left[gpu] = capacities[static_cast<size_t>(gpu)] - allocated - (int64_t{1} << 30);
   }
   const target::DecodingFit fit = target::decoding_batch_that_fits(each, left);
   if (sequences <= fit.sequences) return;
