@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <mutex>
 
 namespace dflash::target {
 
@@ -12,6 +13,22 @@ GdnGateValues gdn_gates_reference(const at::Tensor& a, const at::Tensor& b, cons
           at::sigmoid(b.to(at::kFloat))};
 }
 namespace {
+
+// X with system X = rhs, `system` unit lower triangular (its diagonal and upper part ignored).
+// ATen loads its CUDA linear algebra at the first linalg call on a GPU, and that load is not
+// thread-safe: two threads' first calls at once fail with "lazy wrapper should be called at most
+// once" (pytorch/pytorch#90613; seen with the two decoders of a target split into stages). The
+// first CUDA call is therefore made alone.
+at::Tensor solve_unit_lower(const at::Tensor& system, const at::Tensor& rhs) {
+  const auto solve = [&] {
+    return at::linalg_solve_triangular(system, rhs, /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+  };
+  if (!system.is_cuda()) return solve();
+  static std::once_flag loaded;
+  at::Tensor first;
+  std::call_once(loaded, [&] { first = solve(); });
+  return first.defined() ? first : solve();
+}
 
 at::Tensor l2_normalize(const at::Tensor& x) {
   return x * at::rsqrt((x * x).sum(-1, /*keepdim=*/true) + 1e-6);  // eps 1e-6 inside, as FLA and HF
@@ -71,10 +88,8 @@ at::Tensor chunk_gated_delta_rule_reference(const at::Tensor& q_in, const at::Te
   const at::Tensor k_beta = k * beta.unsqueeze(-1);
   // (I + strict_lower(diag(beta) K K^T o decay)): solve_triangular(unitriangular) ignores the diagonal.
   const at::Tensor system = at::matmul(k_beta, k.transpose(-1, -2)) * decay;
-  const at::Tensor u = at::linalg_solve_triangular(system, v * beta.unsqueeze(-1), /*upper=*/false, /*left=*/true,
-                                                   /*unitriangular=*/true);  // U = T diag(beta) V
-  const at::Tensor w = at::linalg_solve_triangular(system, k_beta * gamma.exp().unsqueeze(-1), false, true,
-                                                   true);  // W = T diag(beta e^gamma) K
+  const at::Tensor u = solve_unit_lower(system, v * beta.unsqueeze(-1));                // U = T diag(beta) V
+  const at::Tensor w = solve_unit_lower(system, k_beta * gamma.exp().unsqueeze(-1));  // W = T diag(beta e^gamma) K
   const at::Tensor intra = at::matmul(q, k.transpose(-1, -2)) * decay;  // causal, decayed Q K^T
   const at::Tensor q_decayed = q * gamma.exp().unsqueeze(-1);
   const at::Tensor gamma_last = gamma.select(-1, C - 1).unsqueeze(-1);  // [Hv, chunks, 1]
