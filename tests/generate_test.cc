@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <httplib.h>
 
 #include "common/dir_lock.h"
@@ -215,6 +216,27 @@ TEST(Generate, SeveralReplicasShareThePrompts) {
   // A replica split into pipeline stages runs a decoder per stage.
   EXPECT_EQ(generate("staged", "[[0, 1], 2]", "", "2 replica(s) on cpu + cpu, cpu, 3 decoder(s)"), one);
   EXPECT_EQ(generate("split", "", "cpu,cpu", "1 replica(s) on cpu + cpu, 2 decoder(s)"), one);
+}
+
+// On a GPU, the tiny target split into two stages there (two decoders, each on its own thread, its
+// GatedDeltaNet layers on the reference rule) gives the one-stage samples, bf16. The decoders'
+// first CUDA linear-algebra calls met in ATen's lazy, thread-unsafe library load before (a fresh
+// process each: pytorch/pytorch#90613).
+TEST(Generate, GpuTwoStagesOnOneGpuGiveTheOneStageSamples) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = test::make_temp_dir("generate-gpu-stages");
+  write_prompts(dir + "/prompts.jsonl", 24, 500);
+  for (const std::string name : {"one", "two"}) {
+    const std::string device = name == "one" ? "cuda:0" : "cuda:0,cuda:0";
+    ASSERT_EQ(run("--preset tiny-qwen3_5 --allow-slow-path --device " + device + " --prompts " + dir +
+                      "/prompts.jsonl --out " + dir + "/" + name + " --max-new-tokens 24 --max-batch 5 --truncated keep",
+                  dir + "/" + name + ".log"),
+              0)
+        << test::read_file(dir + "/" + name + ".log");
+  }
+  const auto one = read_output(dir + "/one");
+  EXPECT_EQ(one.size(), 24u);
+  EXPECT_EQ(read_output(dir + "/two"), one);
 }
 
 // Truncated responses are skipped by default (counted, recorded in the marker as handled), the
