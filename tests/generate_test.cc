@@ -229,7 +229,8 @@ TEST(Generate, GpuTwoStagesOnOneGpuGiveTheOneStageSamples) {
   for (const std::string name : {"one", "two"}) {
     const std::string device = name == "one" ? "cuda:0" : "cuda:0,cuda:0";
     ASSERT_EQ(run("--preset tiny-qwen3_5 --allow-slow-path --device " + device + " --prompts " + dir +
-                      "/prompts.jsonl --out " + dir + "/" + name + " --max-new-tokens 24 --max-batch 5 --truncated keep",
+                      "/prompts.jsonl --out " + dir + "/" + name +
+                      " --max-new-tokens 24 --max-batch 5 --truncated keep",
                   dir + "/" + name + ".log"),
               0)
         << test::read_file(dir + "/" + name + ".log");
