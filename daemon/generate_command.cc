@@ -25,6 +25,7 @@
 #include "daemon/signals.h"
 #include "decode/eval.h"
 #include "decode/generation.h"
+#include "pipeline/replicas.h"
 #include "target/incremental.h"
 #include "target/model_config.h"
 
@@ -228,8 +229,7 @@ std::vector<std::vector<target::TargetOptions>> replica_stages(const std::option
     std::vector<target::TargetOptions> replica;
     for (const int id : ids) {
       replica.push_back(stages.front());
-      replica.back().device =
-          config->gpus.device == config::Device::cpu ? at::Device(at::kCPU) : at::Device(at::kCUDA, id);
+      replica.back().device = pipeline::device_for(config->gpus, id);
     }
     out.push_back(std::move(replica));
   }

@@ -10,11 +10,12 @@
 #include "drafter/block_attention.h"
 
 namespace dflash::pipeline {
-namespace {
 
 at::Device device_for(const config::GpuConfig& gpus, int id) {
   return gpus.device == config::Device::cuda ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(id)) : at::Device(at::kCPU);
 }
+
+namespace {
 
 // drafter.attention, decided once per drafter GPU by kernel_path.h's rule: `auto` takes the fused
 // kernels where they run and refuses to fall back from them on a GPU (the split paths are 2-3x

@@ -59,6 +59,10 @@ KernelPath activations_path(const config::TrainConfig& train);
 
 void add_optimizers(Replicas& replicas, const config::TrainConfig& train, int64_t total_steps);
 
+// The device of GPU `id` of the gpus section: cuda:id, or the CPU under gpus.device: cpu (where the
+// ids only name replicas).
+at::Device device_for(const config::GpuConfig& gpus, int id);
+
 // The model dtype of target.dtype (validated by the config: bfloat16, float16 or float32).
 at::ScalarType model_dtype(config::ModelDtype dtype);
 
