@@ -98,7 +98,13 @@ void Evaluator::maybe_start(int64_t step, const drafter::Drafter& current) {
     }
     busy_ = true;
   }
-  // The replica's weights between its optimizer steps (this is its thread), to the eval's device.
+  hand_over(step, current);
+}
+
+// The replica's weights between its optimizer steps (the caller's thread: the replica's, or the
+// owner's at the end), copied to the eval's device on the caller's stream, then the step to the
+// evaluation thread with an event that its stream waits for.
+void Evaluator::hand_over(int64_t step, const drafter::Drafter& current) {
   drafter_.load_tensors(current.parameters(), "drafter replica 0 at step " + std::to_string(step));
   std::shared_ptr<ReadyEvent> ready = mark_ready(target_.device());
   {
@@ -117,9 +123,13 @@ void Evaluator::finish() {
 void Evaluator::evaluate_final(int64_t step, const drafter::Drafter& current) {
   finish();
   if (evaluated_step_ == step) return;  // the evaluation thread's writes are visible after finish()
-  const WorkerStream stream(target_.device());  // the copy and the evaluation on one stream
-  drafter_.load_tensors(current.parameters(), "the final drafter (step " + std::to_string(step) + ")");
-  evaluate(step);
+  {
+    std::lock_guard lock(mutex_);
+    if (stop_) return;
+    busy_ = true;
+  }
+  hand_over(step, current);
+  finish();
 }
 
 void Evaluator::run() {
@@ -136,8 +146,11 @@ void Evaluator::run() {
       ready = std::move(weights_ready_);
     }
     if (!stream) stream = std::make_unique<WorkerStream>(target_.device());
-    wait_ready(ready, {});  // the copy of the weights, queued on drafter replica 0's stream
+    wait_ready(ready, {});  // the copy of the weights, queued on the handing thread's stream
     try {
+      // Built once, on this thread's stream: over a replica split across GPUs it copies the
+      // embedding to the last stage's GPU (memory_plan.cc counts that copy).
+      if (!spec_) spec_ = std::make_unique<decode::SpeculativeDecoder>(target_, drafter_);
       evaluate(step);
     } catch (const std::exception& e) {
       log::error("eval at step {} failed: {} (training goes on)", step, e.what());
@@ -153,9 +166,8 @@ void Evaluator::run() {
 void Evaluator::evaluate(int64_t step) {
   c10::InferenceMode inference;
   const auto start = std::chrono::steady_clock::now();
-  const decode::SpeculativeDecoder spec(target_, drafter_);
   const bool baseline = plain_tokens_per_second_ == 0;
-  decode::EvalReport report = decode::evaluate(spec, target_, prompts_, generate_, baseline, settings_.max_batch);
+  decode::EvalReport report = decode::evaluate(*spec_, target_, prompts_, generate_, baseline, settings_.max_batch);
   if (baseline) plain_tokens_per_second_ = report.plain_tokens_per_second;
   const double speedup = plain_tokens_per_second_ > 0 ? report.spec_tokens_per_second / plain_tokens_per_second_ : 0;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

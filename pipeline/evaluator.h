@@ -7,9 +7,10 @@
 // export/best follows real acceptance, not the training proxy tau). Plain decoding of the same
 // prompts (the speed baseline) runs once, at the first evaluation: the target is frozen.
 //
-// Thread-safety: maybe_start() from drafter replica 0's thread, finish() from the owner; the
-// evaluation thread owns its drafter copy. An evaluation due while one is in flight is skipped
-// (counted), never waited for: training does not stall on evaluation.
+// Thread-safety: maybe_start() from drafter replica 0's thread, finish() and evaluate_final()
+// from the owner; every evaluation runs on the evaluation thread, which owns its drafter copy and
+// its speculative decoder. An evaluation due while one is in flight is skipped (counted), never
+// waited for: training does not stall on evaluation.
 #pragma once
 
 #include <prometheus/counter.h>
@@ -47,10 +48,11 @@ class Evaluator {
   // Waits for the evaluation in flight, if any (the end of the run).
   void finish();
   // The end of a finished run: waits for the evaluation in flight, then evaluates `current` at
-  // `step` in the caller's thread unless that step was evaluated already.
+  // `step` unless that step was evaluated already, and waits for that evaluation too.
   void evaluate_final(int64_t step, const drafter::Drafter& current);
 
  private:
+  void hand_over(int64_t step, const drafter::Drafter& current);
   void run();
   void evaluate(int64_t step);
 
@@ -71,6 +73,7 @@ class Evaluator {
 
   // ---- The evaluation thread's own (after construction) ----
   drafter::Drafter drafter_;  // the weights of the step being evaluated, on the target's device
+  std::unique_ptr<decode::SpeculativeDecoder> spec_;  // over target_ and drafter_; made at the first evaluation
   double plain_tokens_per_second_ = 0;
   double best_ = 0;
   int64_t evaluated_step_ = -1;  // the last step evaluated
