@@ -153,7 +153,7 @@ void Evaluator::run() {
       if (!spec_) spec_ = std::make_unique<decode::SpeculativeDecoder>(target_, drafter_);
       evaluate(step);
     } catch (const std::exception& e) {
-      log::error("eval at step {} failed: {} (training goes on)", step, e.what());
+      log::error("eval at step {} failed: {} (the run goes on)", step, e.what());
     }
     {
       std::lock_guard lock(mutex_);
