@@ -148,9 +148,6 @@ void Evaluator::run() {
     if (!stream) stream = std::make_unique<WorkerStream>(target_.device());
     wait_ready(ready, {});  // the copy of the weights, queued on the handing thread's stream
     try {
-      // Built once, on this thread's stream: over a replica split across GPUs it copies the
-      // embedding to the last stage's GPU (memory_plan.cc counts that copy).
-      if (!spec_) spec_ = std::make_unique<decode::SpeculativeDecoder>(target_, drafter_);
       evaluate(step);
     } catch (const std::exception& e) {
       log::error("eval at step {} failed: {} (the run goes on)", step, e.what());
@@ -166,6 +163,9 @@ void Evaluator::run() {
 void Evaluator::evaluate(int64_t step) {
   c10::InferenceMode inference;
   const auto start = std::chrono::steady_clock::now();
+  // Built once, on this thread's stream: over a replica split across GPUs it copies the embedding
+  // to the last stage's GPU (memory_plan.cc counts that copy).
+  if (!spec_) spec_ = std::make_unique<decode::SpeculativeDecoder>(target_, drafter_);
   const bool baseline = plain_tokens_per_second_ == 0;
   decode::EvalReport report = decode::evaluate(*spec_, target_, prompts_, generate_, baseline, settings_.max_batch);
   if (baseline) plain_tokens_per_second_ = report.plain_tokens_per_second;
