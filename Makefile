@@ -4,7 +4,7 @@
 # The venv with the torch wheel and the ccache live outside the clone ($(DFLASHD_CACHE)).
 DFLASHD_CACHE ?= $(HOME)/.cache/dflashd
 PRESET ?= default
-BUILD_DIR := $(if $(filter cpu,$(PRESET)),build-cpu,build)
+BUILD_DIR := $(if $(filter default,$(PRESET)),build,build-$(PRESET))
 export DFLASHD_CACHE
 # The tests compare against transformers (deploy/requirements-test.txt).
 export DFLASHD_TEST_PY ?= 1
@@ -26,7 +26,7 @@ all: build
 bootstrap:
 	@deploy/bootstrap.sh
 
-$(BUILD_DIR)/.configured: CMakeLists.txt CMakePresets.json cmake/Dependencies.cmake | bootstrap
+$(BUILD_DIR)/.configured: CMakeLists.txt CMakePresets.json cmake/Dependencies.cmake cmake/Sanitizers.cmake | bootstrap
 	cmake --preset $(PRESET) -DDFLASHD_TORCH_DIR="$$(deploy/bootstrap.sh --print-torch-dir)"
 	@touch $@
 
@@ -47,4 +47,4 @@ demo: build
 	deploy/demo.sh $(BUILD_DIR)/daemon/dflashd
 
 clean:
-	rm -rf build build-cpu
+	rm -rf build build-cpu build-asan build-tsan

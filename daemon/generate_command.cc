@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -300,37 +301,39 @@ std::optional<config::Config> apply_config(GenerateArgs* a) {
   return config;
 }
 
-int generate(const GenerateArgs& a_in) {
-  GenerateArgs a = a_in;
-  const std::optional<config::Config> config = apply_config(&a);
-  const std::optional<std::vector<target::TargetOptions>> stages = target_options("generate", a.target);
-  if (!stages) return exit_code::kUsage;
-  const target::TargetOptions& base = stages->front();
-  // Signals first: every thread started later inherits the blocked mask.
-  std::atomic<bool> stop{false};
-  SignalWatcher signals([&](int) { stop.store(true); }, [] {});
-
-  // Per replica its target and one decoder per stage, each on its own thread: a step runs the
-  // stages in turn, so while one decoder's step is on a stage another's is on the next.
+// Per replica its target and one decoder per stage, each on its own thread: a step runs the
+// stages in turn, so while one decoder's step is on a stage another's is on the next. Members
+// in the order they depend on each other (decoders on targets, targets on models).
+struct GenerateReplicas {
   std::vector<std::unique_ptr<target::StagedTarget>> models;
   std::vector<std::unique_ptr<target::IncrementalTarget>> targets;
   std::vector<std::unique_ptr<decode::PlainDecoder>> decoders;
   std::vector<const decode::Decoder*> running;
-  std::string places;
-  for (const std::vector<target::TargetOptions>& replica : replica_stages(config, *stages)) {
-    models.push_back(load_decoding_target(a.target, replica));
-    targets.push_back(std::make_unique<target::IncrementalTarget>(models.back()->models()));
+  std::string places;  // where each replica's stages are, for the log
+};
+
+GenerateReplicas load_replicas(const GenerateArgs& a, const std::optional<config::Config>& config,
+                               const std::vector<target::TargetOptions>& stages) {
+  GenerateReplicas r;
+  for (const std::vector<target::TargetOptions>& replica : replica_stages(config, stages)) {
+    r.models.push_back(load_decoding_target(a.target, replica));
+    r.targets.push_back(std::make_unique<target::IncrementalTarget>(r.models.back()->models()));
     for (size_t d = 0; d < replica.size(); ++d) {
-      decoders.push_back(std::make_unique<decode::PlainDecoder>(*targets.back()));
-      running.push_back(decoders.back().get());
+      r.decoders.push_back(std::make_unique<decode::PlainDecoder>(*r.targets.back()));
+      r.running.push_back(r.decoders.back().get());
     }
-    places += (places.empty() ? "" : ", ") + targets.back()->places();
+    r.places += (r.places.empty() ? "" : ", ") + r.targets.back()->places();
   }
-  const target::ModelConfig& target_config = targets[0]->config();
-  const std::vector<std::vector<int64_t>> prompts = read_prompts(a.prompts, target_config);
-  check_stop_tokens("--stop-token-ids", a.settings.stop_token_ids, target_config.vocab_size);
+  return r;
+}
+
+// Warns about prompts whose responses the target's context ends before --max-new-tokens, and
+// refuses a batch per decoder that does not fit a replica's GPUs (before the output is opened).
+void check_prompts_fit(const GenerateArgs& a, const GenerateReplicas& r,
+                       const std::vector<std::vector<int64_t>>& prompts) {
+  const target::ModelConfig& target_config = r.targets[0]->config();
   size_t longest = 0;
-  int64_t capped = 0;  // prompts whose responses the target's context ends before --max-new-tokens
+  int64_t capped = 0;
   const int64_t context = target_config.max_position_embeddings;
   for (const std::vector<int64_t>& p : prompts) {
     longest = std::max(longest, p.size());
@@ -341,19 +344,66 @@ int generate(const GenerateArgs& a_in) {
               "--max-new-tokens: their responses end there, as truncated (\"length\")",
               capped, context, target_config.source);
   }
-  for (const auto& target : targets) {
+  for (const auto& target : r.targets) {
     const int64_t decoders = static_cast<int64_t>(target->stage_count());
     check_decoding_batch("dflashd generate", *target,
                          std::min<int64_t>(a.max_batch * decoders, static_cast<int64_t>(prompts.size())), decoders,
                          static_cast<int64_t>(longest) + a.settings.max_new_tokens, 1);
   }
+}
+
+// The metrics endpoint (--metrics): the job's registry, healthy while the job runs.
+std::unique_ptr<HttpEndpoint> start_endpoint(const std::string& listen,
+                                             const std::shared_ptr<prometheus::Registry>& registry) {
+  if (listen.empty()) return nullptr;
+  auto health = std::make_shared<Health>();
+  health->set_healthy("generate");
+  return std::make_unique<HttpEndpoint>(listen, std::vector<std::shared_ptr<prometheus::Collectable>>{registry}, health);
+}
+
+// What run_generation reports every --log-every seconds and at the end: the log line and the
+// metrics. The rate is over the tokens decoded so far, sequences in flight included (finished
+// prompts alone would show 0 until the first long response ends).
+std::function<void(const decode::GenerationProgress&)> progress_reporter(const GenerateMetrics& metrics,
+                                                                          int64_t max_new_tokens) {
+  auto counted_tokens = std::make_shared<int64_t>(0);  // new tokens already added to the counter
+  return [metrics, max_new_tokens, counted_tokens](const decode::GenerationProgress& p) {
+    const double rate = p.decoded_per_second();
+    const int64_t done = p.done_before + p.committed;
+    const double eta = decode::generation_eta_seconds(p, max_new_tokens);
+    metrics.done->Set(static_cast<double>(done));
+    metrics.tokens_per_second->Set(rate);
+    metrics.eta->Set(std::isfinite(eta) ? eta : -1);
+    metrics.new_tokens->Increment(static_cast<double>(p.new_tokens - *counted_tokens));
+    *counted_tokens = p.new_tokens;
+    log::info("generate: {} / {} prompts ({} %), {} new tokens/s, ETA {}", p.done_before + p.finished, p.total,
+              log::fixed(100.0 * static_cast<double>(p.done_before + p.finished) / static_cast<double>(p.total), 1),
+              log::fixed(rate, 1), duration_text(eta));
+  };
+}
+
+int generate(const GenerateArgs& a_in) {
+  GenerateArgs a = a_in;
+  const std::optional<config::Config> config = apply_config(&a);
+  const std::optional<std::vector<target::TargetOptions>> stages = target_options("generate", a.target);
+  if (!stages) return exit_code::kUsage;
+  const target::TargetOptions& base = stages->front();
+  // Signals first: every thread started later inherits the blocked mask.
+  std::atomic<bool> stop{false};
+  SignalWatcher signals([&](int) { stop.store(true); }, [] {});
+
+  const GenerateReplicas replicas = load_replicas(a, config, *stages);
+  const target::ModelConfig& target_config = replicas.targets[0]->config();
+  const std::vector<std::vector<int64_t>> prompts = read_prompts(a.prompts, target_config);
+  check_stop_tokens("--stop-token-ids", a.settings.stop_token_ids, target_config.vocab_size);
+  check_prompts_fit(a, replicas, prompts);
   const DirectoryLock lock(a.out, "dflashd generate of " + a.prompts);  // one writer of the shards
   decode::ShardedOutput out = open_output(a, base, prompts);
   log::info("generate: {} prompts from {}, {} done before{}; {} replica(s) on {}, {} decoder(s), {} sequences at once "
             "each, target {} with {} GatedDeltaNet states; {}, up to {} new tokens, truncated responses {}; output {}",
             prompts.size(), a.prompts, out.done_before().size(),
             out.removed_uncommitted() > 0 ? " (" + std::to_string(out.removed_uncommitted()) + " uncommitted shard(s) removed)" : "",
-            targets.size(), places, running.size(), a.max_batch, dtype_name(base),
+            replicas.targets.size(), replicas.places, replicas.running.size(), a.max_batch, dtype_name(base),
             target::decode_state_dtype_name(base),
             decode::describe(a.settings), a.settings.max_new_tokens, a.keep_truncated ? "kept" : "skipped", a.out);
 
@@ -361,30 +411,9 @@ int generate(const GenerateArgs& a_in) {
   const GenerateMetrics metrics = register_metrics(*registry, base);
   metrics.total->Set(static_cast<double>(prompts.size()));
   metrics.done->Set(static_cast<double>(out.done_before().size()));
-  std::unique_ptr<HttpEndpoint> endpoint;
-  if (!a.metrics.empty()) {
-    auto health = std::make_shared<Health>();
-    health->set_healthy("generate");
-    endpoint = std::make_unique<HttpEndpoint>(a.metrics, std::vector<std::shared_ptr<prometheus::Collectable>>{registry},
-                                              health);
-  }
-  int64_t counted_tokens = 0;
-  auto progress = [&](const decode::GenerationProgress& p) {
-    // The rate over the tokens decoded so far, sequences in flight included (finished prompts
-    // alone would show 0 until the first long response ends).
-    const double rate = p.decoded_per_second();
-    const int64_t done = p.done_before + p.committed;
-    const double eta = decode::generation_eta_seconds(p, a.settings.max_new_tokens);
-    metrics.done->Set(static_cast<double>(done));
-    metrics.tokens_per_second->Set(rate);
-    metrics.eta->Set(std::isfinite(eta) ? eta : -1);
-    metrics.new_tokens->Increment(static_cast<double>(p.new_tokens - counted_tokens));
-    counted_tokens = p.new_tokens;
-    log::info("generate: {} / {} prompts ({} %), {} new tokens/s, ETA {}", p.done_before + p.finished, p.total,
-              log::fixed(100.0 * static_cast<double>(p.done_before + p.finished) / static_cast<double>(p.total), 1),
-              log::fixed(rate, 1), duration_text(eta));
-  };
-  decode::run_generation(running, prompts, a.settings, a.max_batch, out, stop, a.log_every, progress);
+  const std::unique_ptr<HttpEndpoint> endpoint = start_endpoint(a.metrics, registry);
+  decode::run_generation(replicas.running, prompts, a.settings, a.max_batch, out, stop, a.log_every,
+                         progress_reporter(metrics, a.settings.max_new_tokens));
   const int64_t total_done = static_cast<int64_t>(out.done_before().size()) + out.committed();
   log::info("generate: {} this run: {} prompts, {} samples written, {} truncated responses skipped, {} new tokens; {} / "
             "{} prompts in {}{}",

@@ -14,15 +14,12 @@
 namespace dflash::target {
 namespace {
 
+#ifdef DFLASHD_WITH_CUDA
 // Whether the fused kernels take rows of t: bf16 on a GPU, a row stride of whole 16 bytes.
 bool kernels_apply(const at::Tensor& t) {
-#ifdef DFLASHD_WITH_CUDA
   return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.stride(0) % 8 == 0;
-#else
-  (void)t;
-  return false;
-#endif
 }
+#endif
 
 // The shared expert's output from x's projections: [tokens, H] (undefined without one).
 at::Tensor shared_expert(const MoeShape& s, const MoeWeights& w, const at::Tensor& projected) {
