@@ -374,6 +374,61 @@ target::TargetOptions bench_options() {
 
 }  // namespace
 
+// One sequence: its prefill, plain and verify steps, the drafter's block and context extension,
+// and what a speculative step costs against a plain one. Returns {plain step, speculative step} ms.
+std::pair<double, double> single_sequence_steps(const target::IncrementalTarget& target,
+                                                const std::vector<const target::TargetModel*>& stages,
+                                                const drafter::Drafter& d, int64_t vocab_size, int prompt_tokens) {
+  const int64_t block = d.shape().block_size;
+  const std::vector<int64_t> tap(d.shape().target_layer_ids.begin(), d.shape().target_layer_ids.end());
+  const auto ids = [&](int64_t n) {
+    return at::randint(0, vocab_size - 1, {n}, at::TensorOptions().dtype(at::kLong));
+  };
+  const at::Tensor prompt = ids(prompt_tokens);
+  target::DecodeCache cache = target.new_cache();
+  target::DecodeOutput out;
+  const double prefill = median_ms(3, [&] {
+    cache = target.new_cache();
+    out = target.prefill(cache, prompt, tap);
+  });
+  const at::Tensor one = ids(1), verify_block = ids(block);
+  const double plain_step = median_ms(10, [&] {
+    target.step(cache, one, {});
+    target.crop(cache, prompt_tokens);
+  });
+  if (std::getenv("DFLASHD_PROFILE") != nullptr) {
+    bench::print_kernel_profile("plain decode step, one sequence", [&] {
+      target.step(cache, one, {});
+      target.crop(cache, prompt_tokens);
+      c10::cuda::device_synchronize();
+    }, 15);
+  }
+  const target::IncrementalTarget token_by_token(stages, 64);
+  const auto [verify_step, verify_recurrent] = verify_ms(target, token_by_token, cache, verify_block, tap, prompt_tokens);
+  drafter::DrafterContextCache context;
+  d.extend_context(context, out.features);
+  const at::Tensor block_ids = ids(block);
+  const double draft = median_ms(10, [&] { d.block_hidden(context, block_ids, target.embed_tokens()); });
+  const at::Tensor block_features = out.features.narrow(0, 0, block);
+  const double extend = median_ms(10, [&] {
+    drafter::DrafterContextCache c = context;
+    d.extend_context(c, block_features);
+  });
+  std::printf("prompt of %d tokens: prefill %.1f ms\n", prompt_tokens, prefill);
+  std::printf("plain decode step (1 token):      %7.2f ms\n", plain_step);
+  std::printf("verify step (%lld tokens):         %7.2f ms  (%.2fx a plain step)\n", static_cast<long long>(block),
+              verify_step, verify_step / plain_step);
+  std::printf("verify step, rule token by token:   %7.2f ms\n", verify_recurrent);
+  std::printf("drafter block (%lld rows):          %7.2f ms; context extension by %lld: %.2f ms\n",
+              static_cast<long long>(block), draft, static_cast<long long>(block), extend);
+  const double per_step = verify_step + draft + extend;
+  std::printf("speculative step %.2f ms: break-even acceptance length %.2f; at L = 3 / 5 / 7: %.2fx / %.2fx / %.2fx plain\n",
+              per_step, per_step / plain_step, 3 * plain_step / per_step, 5 * plain_step / per_step,
+              7 * plain_step / per_step);
+
+  return {plain_step, per_step};
+}
+
 int main(int argc, char** argv) {
   if (argc < 2 || !at::hasCUDA()) {
     std::fprintf(stderr, "usage: decode_bench CONFIG_DIR [PROMPTS NEW PROMPT_TOKENS MAX_BATCH] (needs a GPU)\n");
@@ -397,58 +452,14 @@ int main(int argc, char** argv) {
   drafter::Drafter d(shape, at::TensorOptions().device(options.device).dtype(options.dtype));
   d.init_random(1);
   const int64_t block = shape.block_size;
-  const std::vector<int64_t> tap(shape.target_layer_ids.begin(), shape.target_layer_ids.end());
   std::printf("target %s: %lld layers in %zu stage(s), %s, %s GatedDeltaNet states, random weights; drafter %lld "
               "layers, block %lld\n",
               argv[1], static_cast<long long>(config.num_layers), stages,
               options.fp8_weights ? "FP8 projections" : "bf16", bf16_states ? "bf16" : "fp32",
               static_cast<long long>(shape.num_layers), static_cast<long long>(block));
 
-  const auto ids = [&](int64_t n) {
-    return at::randint(0, config.vocab_size - 1, {n}, at::TensorOptions().dtype(at::kLong));
-  };
-  const at::Tensor prompt = ids(prompt_tokens);
-  target::DecodeCache cache = target.new_cache();
-  target::DecodeOutput out;
-  const double prefill = median_ms(3, [&] {
-    cache = target.new_cache();
-    out = target.prefill(cache, prompt, tap);
-  });
-  const at::Tensor one = ids(1), verify_block = ids(block);
-  const double plain_step = median_ms(10, [&] {
-    target.step(cache, one, {});
-    target.crop(cache, prompt_tokens);
-  });
-  if (std::getenv("DFLASHD_PROFILE") != nullptr) {
-    bench::print_kernel_profile("plain decode step, one sequence", [&] {
-      target.step(cache, one, {});
-      target.crop(cache, prompt_tokens);
-      c10::cuda::device_synchronize();
-    }, 15);
-  }
-  const target::IncrementalTarget token_by_token(model->models(), 64);
-  const auto [verify_step, verify_recurrent] = verify_ms(target, token_by_token, cache, verify_block, tap, prompt_tokens);
-  drafter::DrafterContextCache context;
-  d.extend_context(context, out.features);
-  const at::Tensor block_ids = ids(block);
-  const double draft = median_ms(10, [&] { d.block_hidden(context, block_ids, target.embed_tokens()); });
-  const at::Tensor block_features = out.features.narrow(0, 0, block);
-  const double extend = median_ms(10, [&] {
-    drafter::DrafterContextCache c = context;
-    d.extend_context(c, block_features);
-  });
-  std::printf("prompt of %d tokens: prefill %.1f ms\n", prompt_tokens, prefill);
-  std::printf("plain decode step (1 token):      %7.2f ms\n", plain_step);
-  std::printf("verify step (%lld tokens):         %7.2f ms  (%.2fx a plain step)\n", static_cast<long long>(block),
-              verify_step, verify_step / plain_step);
-  std::printf("verify step, rule token by token:   %7.2f ms\n", verify_recurrent);
-  std::printf("drafter block (%lld rows):          %7.2f ms; context extension by %lld: %.2f ms\n",
-              static_cast<long long>(block), draft, static_cast<long long>(block), extend);
-  const double per_step = verify_step + draft + extend;
-  std::printf("speculative step %.2f ms: break-even acceptance length %.2f; at L = 3 / 5 / 7: %.2fx / %.2fx / %.2fx plain\n",
-              per_step, per_step / plain_step, 3 * plain_step / per_step, 5 * plain_step / per_step,
-              7 * plain_step / per_step);
-
+  const auto [plain_step, per_step] =
+      single_sequence_steps(target, model->models(), d, config.vocab_size, prompt_tokens);
   print_memory("the single-sequence steps");
   for (int64_t batch : batch_sizes()) batched_steps(target, d, batch, prompt_tokens, plain_step);
   end_to_end(target, d, prompts, new_tokens, prompt_tokens, max_batch);

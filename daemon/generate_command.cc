@@ -358,7 +358,8 @@ std::unique_ptr<HttpEndpoint> start_endpoint(const std::string& listen,
   if (listen.empty()) return nullptr;
   auto health = std::make_shared<Health>();
   health->set_healthy("generate");
-  return std::make_unique<HttpEndpoint>(listen, std::vector<std::shared_ptr<prometheus::Collectable>>{registry}, health);
+  const std::vector<std::shared_ptr<prometheus::Collectable>> collectables{registry};
+  return std::make_unique<HttpEndpoint>(listen, collectables, health);
 }
 
 // What run_generation reports every --log-every seconds and at the end: the log line and the

@@ -437,14 +437,20 @@ target::ModelConfig qwen3_5_27b_shapes() {
   return target::parse_model_config(root.dump(), "27b.json");
 }
 
-TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNumbers) {
-  const target::ModelConfig target = qwen3_5_27b_shapes();
+// The default config on GPUs with the 27B recipe's drafter and 4,096-token sequences.
+config::Config a_27b_run() {
   config::Config c = config::load_default();
   c.gpus.device = config::Device::cuda;
   c.target.dtype = config::ModelDtype::bfloat16;
   c.drafter.num_layers = 5;
   c.drafter.mask_token_id.reset();
   c.data.max_length = 4096;
+  return c;
+}
+
+TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNumbers) {
+  const target::ModelConfig target = qwen3_5_27b_shapes();
+  config::Config c = a_27b_run();
   const drafter::DrafterShape shape = drafter::shape_for_target(target, c.drafter);
   const auto on_h200 = plan_memory(c, target, shape, {143'771LL << 20});
   ASSERT_EQ(on_h200.size(), 1u);
@@ -470,6 +476,14 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
   c.gpus.drafter = {1};
   const auto split = plan_memory(c, target, shape, {80LL << 30, 80LL << 30});
   EXPECT_TRUE(memory_plan_problems(split).empty()) << format_memory_plan(split);
+}
+
+TEST(MemoryPlan, TheEvalSectionsDecodingIsPlannedOnTheGpusOfTargetReplicaZero) {
+  const target::ModelConfig target = qwen3_5_27b_shapes();
+  config::Config c = a_27b_run();
+  c.gpus.target = {0};
+  c.gpus.drafter = {1};
+  const drafter::DrafterShape shape = drafter::shape_for_target(target, c.drafter);
   // The eval section: evaluation's copy of the drafter and its decoding caches (eval.max_batch
   // sequences of up to data.max_length + eval.max_new_tokens positions, verify steps of a block)
   // on target replica 0's GPU; bf16 states make them smaller.
@@ -504,8 +518,12 @@ TEST(MemoryPlan, A27BTargetAndDrafterOnOneGpuOfTooLittleMemoryIsRefusedWithItsNu
   ASSERT_EQ(crowded.size(), 1u) << format_memory_plan(crowded_plan);
   EXPECT_NE(crowded[0].find("lower eval.max_batch or set target.decode_state_dtype: bfloat16"), std::string::npos)
       << crowded[0];
-  c.eval = config::EvalConfig{};
+}
 
+TEST(MemoryPlan, LongSequencesOnOneGpuAskForActivationCheckpointing) {
+  const target::ModelConfig target = qwen3_5_27b_shapes();
+  config::Config c = a_27b_run();
+  const drafter::DrafterShape shape = drafter::shape_for_target(target, c.drafter);
   // 65,536-token sequences with 2,048 anchors on one H200 (issue 25's long-sequence goal): the
   // drafter's activations do not fit kept, and the refusal says how to checkpoint them; with
   // train.activation_checkpointing they do.
