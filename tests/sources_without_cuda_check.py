@@ -7,6 +7,8 @@ the default preset only. This check takes each .cc file of the CUDA build's
 compile_commands.json whose text names DFLASHD_WITH_CUDA, drops the define, the toolkit's include
 directory and the build's precompiled header (made with the define), and compiles it with
 -fsyntax-only against a precompiled ATen header of its own (made once, without the define).
+Warnings are errors here (-Werror): the CUDA build has none, and a parameter or variable that
+only the CUDA branch uses would otherwise warn unseen in every `cpu` build.
 
 Usage: sources_without_cuda_check.py BUILD_DIR/compile_commands.json
 """
@@ -64,12 +66,12 @@ def main():
         flags = without_cuda(entry.get("arguments") or shlex.split(entry["command"]), source)
         if aten is None:
             aten = precompiled_aten(flags, entry["directory"], scratch.name)
-        command = flags + aten + ["-fsyntax-only", source]
+        command = flags + aten + ["-fsyntax-only", "-Werror", source]
         result = subprocess.run(command, cwd=entry["directory"], capture_output=True, text=True)
         checked += 1
         if result.returncode != 0:
             failed.append(source)
-            print(f"{source}: does not compile without DFLASHD_WITH_CUDA:\n{result.stderr[-4000:]}")
+            print(f"{source}: does not compile cleanly without DFLASHD_WITH_CUDA:\n{result.stderr[-4000:]}")
     print(f"{checked} sources with CUDA-only parts checked without CUDA, {len(failed)} failed")
     if checked == 0:
         sys.exit("no source names DFLASHD_WITH_CUDA in " + sys.argv[1] + ": the check found nothing to check")
