@@ -4,8 +4,9 @@
 #   thread   ThreadSanitizer
 # nvcc does not take these flags, so an instrumented build has no CUDA sources (DFLASHD_CUDA=OFF).
 # libtorch, libgomp and the other wheels' libraries are not instrumented. The runtime options
-# and TSan's suppressions are compiled into every executable (common/sanitizer_options.cc), so a
-# test, the daemon processes the tests start and a binary run by hand all report alike.
+# and TSan's suppression of libgomp's interceptors are compiled into every executable
+# (common/sanitizer_options.cc), so a test, the daemon processes the tests start and a binary
+# run by hand all report alike.
 set(DFLASHD_SANITIZE "" CACHE STRING "Instrument the build: address (ASan + UBSan), thread (TSan), or empty")
 set_property(CACHE DFLASHD_SANITIZE PROPERTY STRINGS "" address thread)
 if(DFLASHD_SANITIZE STREQUAL "address")
