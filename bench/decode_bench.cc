@@ -327,7 +327,7 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
 }
 
 // Plain and speculative decoding of `prompts` random prompts end to end (decode/eval.h), at most
-// `max_batch` at once.
+// `max_batch` at once on each of the decoders (one per stage of the target).
 void end_to_end(const target::IncrementalTarget& target, const drafter::Drafter& d, int prompts, int new_tokens,
                 int prompt_tokens, int max_batch) {
   const int64_t vocab = target.config().vocab_size;
@@ -339,11 +339,12 @@ void end_to_end(const target::IncrementalTarget& target, const drafter::Drafter&
   decode::GenerateSettings settings;
   settings.max_new_tokens = new_tokens;
   const decode::SpeculativeDecoder spec(target, d);
-  const decode::EvalReport r = decode::evaluate(spec, target, set, settings, true, max_batch);
-  std::printf("%d prompts x %d new tokens, %d at once: plain %.1f s (%.1f tok/s), speculative %.1f s (%.1f tok/s) with "
-              "the random drafter (acceptance length %.3f)\n",
-              prompts, new_tokens, max_batch, r.plain_seconds, r.plain_tokens_per_second, r.spec_seconds,
-              r.spec_tokens_per_second, r.acceptance_length);
+  const decode::EvalReport r = decode::evaluate(std::vector<const decode::Decoder*>(target.stage_count(), &spec), set,
+                                                settings, true, max_batch);
+  std::printf("%d prompts x %d new tokens, %d at once on each of %lld decoder(s): plain %.1f s (%.1f tok/s), "
+              "speculative %.1f s (%.1f tok/s) with the random drafter (acceptance length %.3f)\n",
+              prompts, new_tokens, max_batch, static_cast<long long>(r.decoders), r.plain_seconds,
+              r.plain_tokens_per_second, r.spec_seconds, r.spec_tokens_per_second, r.acceptance_length);
 }
 
 // DECODE_BATCHES="16 64 128": the batch sizes of the batched rounds (16 and 64 unless given).

@@ -44,8 +44,10 @@ that greedy speculative decoding changed no output; --no-baseline skips it).
                       is a prompt up to its first supervised token (held-out training samples work)
   --max-new-tokens N  per prompt (256)
   --max-prompts N     the first N prompts only (all)
-  --max-batch N       prompts decoded at once (64): each round one batched target step for all of
-                      them; a finished prompt's place takes the next one
+  --max-batch N       prompts decoded at once per decoder (64): each round one batched target step
+                      for all of them; a finished prompt's place takes the next one. A target on one
+                      device runs one decoder, a target split over S GPUs S (each on its own thread,
+                      so that all its stages work at once), as dflashd generate does
   --temperature T     0 (greedy, the default) or the sampling temperature, with --top-p (1) and
   --top-k             --top-k (0: all); --seed S seeds the sampling (0)
   --stop-token-ids    token ids that end a prompt's output
@@ -120,8 +122,9 @@ std::optional<int> parse_eval_args(const std::vector<std::string>& args, EvalArg
 }
 
 void print_report(const decode::EvalReport& r) {
-  std::printf("prompts %lld (%s, %lld at once), new tokens %lld, verify steps %lld\n", static_cast<long long>(r.prompts),
-              decode::describe(r.settings).c_str(), static_cast<long long>(r.max_batch),
+  std::printf("prompts %lld (%s, %lld at once on each of %lld decoder(s)), new tokens %lld, verify steps %lld\n",
+              static_cast<long long>(r.prompts), decode::describe(r.settings).c_str(),
+              static_cast<long long>(r.max_batch), static_cast<long long>(r.decoders),
               static_cast<long long>(r.new_tokens), static_cast<long long>(r.verify_steps));
   std::printf("acceptance length %.3f tokens per verify step\n", r.acceptance_length);
   std::printf("accepted per draft position:");
@@ -156,10 +159,14 @@ int command_eval(const std::vector<std::string>& args) {
                        at::TensorOptions().device(target.device()).dtype(target.options().dtype));
     d.load_export(a.drafter_dir);
     const int64_t block = d.shape().block_size;
-    check_decoding_batch("dflashd eval", target, std::min<int64_t>(a.max_batch, static_cast<int64_t>(prompts.size())),
-                         1, static_cast<int64_t>(longest) + a.settings.max_new_tokens + block, block);
-    const decode::SpeculativeDecoder spec(target, d);
-    const decode::EvalReport report = decode::evaluate(spec, target, prompts, a.settings, a.baseline, a.max_batch);
+    const int64_t decoders = static_cast<int64_t>(target.stage_count());
+    check_decoding_batch("dflashd eval", target,
+                         std::min<int64_t>(a.max_batch * decoders, static_cast<int64_t>(prompts.size())), decoders,
+                         static_cast<int64_t>(longest) + a.settings.max_new_tokens + block, block);
+    const decode::SpeculativeDecoder spec(target, d);  // stateless: one object serves every decoder thread
+    const decode::EvalReport report =
+        decode::evaluate(std::vector<const decode::Decoder*>(target.stage_count(), &spec), prompts, a.settings,
+                         a.baseline, a.max_batch);
     print_report(report);
     if (!a.out.empty()) {
       write_file_atomically(a.out, report.to_json());  // throws naming the file

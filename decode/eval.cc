@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "common/token_file.h"
+#include "decode/generation.h"
 
 namespace dflash::decode {
 
@@ -38,6 +39,7 @@ std::string EvalReport::to_json() const {
   j["acceptance_length"] = acceptance_length;
   j["acceptance_at_position"] = acceptance_at;
   j["max_batch"] = max_batch;
+  j["decoders"] = decoders;
   j["spec_decode_seconds"] = spec_seconds;
   j["spec_decode_tokens_per_second"] = spec_tokens_per_second;
   if (baseline) {
@@ -69,13 +71,14 @@ std::string describe(const GenerateSettings& s) {
 
 namespace {
 
-// Decodes every prompt with `decoder`, naming the prompt's FILE:LINE on a bad one; the wall time
+// Decodes every prompt with `decoders`, naming the prompt's FILE:LINE on a bad one; the wall time
 // in *seconds.
-std::vector<Generation> decode_prompts(const Decoder& decoder, const std::vector<EvalPrompt>& prompts,
-                                       const GenerateSettings& settings, int64_t max_batch, double* seconds) {
+std::vector<Generation> decode_prompts(const std::vector<const Decoder*>& decoders,
+                                       const std::vector<EvalPrompt>& prompts, const GenerateSettings& settings,
+                                       int64_t max_batch, double* seconds) {
   std::vector<std::vector<int64_t>> ids;
   for (const EvalPrompt& p : prompts) ids.push_back(p.ids);
-  const target::ModelConfig& target_config = decoder.target().config();
+  const target::ModelConfig& target_config = decoders.front()->target().config();
   dflash::check_stop_tokens("stop_token_ids", settings.stop_token_ids, target_config.vocab_size);
   for (const EvalPrompt& p : prompts) {  // bad ids are named by their line before anything runs
     try {
@@ -85,20 +88,21 @@ std::vector<Generation> decode_prompts(const Decoder& decoder, const std::vector
     }
   }
   const auto begin = std::chrono::steady_clock::now();
-  std::vector<Generation> out = decoder.generate_all(ids, settings, max_batch);
+  std::vector<Generation> out = generate_all(decoders, ids, settings, max_batch);
   *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
   return out;
 }
 
 }  // namespace
 
-EvalReport evaluate(const SpeculativeDecoder& spec, const target::IncrementalTarget& target,
-                    const std::vector<EvalPrompt>& prompts, const GenerateSettings& settings, bool baseline,
-                    int64_t max_batch) {
+EvalReport evaluate(const std::vector<const Decoder*>& spec, const std::vector<EvalPrompt>& prompts,
+                    const GenerateSettings& settings, bool baseline, int64_t max_batch) {
+  if (spec.empty()) throw std::invalid_argument("evaluate: no decoders");
   EvalReport r;
   r.prompts = static_cast<int64_t>(prompts.size());
   r.baseline = baseline;
   r.max_batch = max_batch;
+  r.decoders = static_cast<int64_t>(spec.size());
   r.settings = settings;
   const std::vector<Generation> fast = decode_prompts(spec, prompts, settings, max_batch, &r.spec_seconds);
   std::vector<int64_t> drafted, accepted;
@@ -117,7 +121,9 @@ EvalReport evaluate(const SpeculativeDecoder& spec, const target::IncrementalTar
   }
   r.spec_tokens_per_second = r.spec_seconds > 0 ? static_cast<double>(r.new_tokens) / r.spec_seconds : 0;
   if (!baseline) return r;
-  const std::vector<Generation> plain = decode_prompts(PlainDecoder(target), prompts, settings, max_batch, &r.plain_seconds);
+  const PlainDecoder plain_decoder(spec.front()->target());  // stateless: one object serves every thread
+  const std::vector<const Decoder*> plain_running(spec.size(), &plain_decoder);
+  const std::vector<Generation> plain = decode_prompts(plain_running, prompts, settings, max_batch, &r.plain_seconds);
   int64_t plain_tokens = 0;
   if (settings.sampling.greedy()) r.mismatches = 0;
   for (size_t i = 0; i < plain.size(); ++i) {

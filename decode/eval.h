@@ -39,7 +39,8 @@ struct EvalReport {
   // Wall time of each run over all prompts (prefills included: with continuous batching they
   // interleave with the decoding rounds), and the new tokens per second over it.
   double spec_seconds = 0, plain_seconds = 0;
-  int64_t max_batch = 1;  // sequences decoded at once
+  int64_t max_batch = 1;  // sequences decoded at once by each decoder
+  int64_t decoders = 1;   // decoders at once (one per stage of the target)
   GenerateSettings settings;  // what decoded them
   double spec_tokens_per_second = 0, plain_tokens_per_second = 0, speedup = 0;
   bool baseline = false;       // plain decoding ran
@@ -50,11 +51,12 @@ struct EvalReport {
 // "greedy" or "sampled (temperature T, top_p P, top_k K)", then ", N stop tokens" if any: for logs.
 std::string describe(const GenerateSettings& settings);
 
-// Runs every prompt through speculative decoding and, with `baseline`, plain decoding, each with
-// at most `max_batch` sequences at once (continuous batching). Prompt i's random stream is
-// sequence_seed(settings.seed, i) in both runs.
-EvalReport evaluate(const SpeculativeDecoder& spec, const target::IncrementalTarget& target,
-                    const std::vector<EvalPrompt>& prompts, const GenerateSettings& settings, bool baseline,
-                    int64_t max_batch);
+// Runs every prompt through speculative decoding with `spec` and, with `baseline`, plain decoding
+// with as many plain decoders over their target: one decoder, or one per stage of a target split
+// over several GPUs (generation.h generate_all: each on its own thread, so every stage works), each
+// with at most `max_batch` sequences at once (continuous batching). Prompt i's random stream is
+// sequence_seed(settings.seed, i) in both runs, however many decoders there are.
+EvalReport evaluate(const std::vector<const Decoder*>& spec, const std::vector<EvalPrompt>& prompts,
+                    const GenerateSettings& settings, bool baseline, int64_t max_batch);
 
 }  // namespace dflash::decode

@@ -20,53 +20,117 @@ double generation_eta_seconds(const GenerationProgress& p, int64_t max_new_token
   return std::max(0.0, left * per_prompt - in_flight) / rate;
 }
 
+namespace {
+
+// The decoders' threads: each runs decoder->run() over the shared `take` and `finish`, which run
+// under the pool's lock (one at a time: they need none of their own). The first failure is kept;
+// after it `take` is not called again, so the other decoders finish what they hold and end.
+class DecoderPool {
+ public:
+  DecoderPool(const std::vector<const Decoder*>& decoders, const GenerateSettings& settings, int64_t max_batch,
+              const NextRequest& take, const Finished& finish, std::atomic<int64_t>* decoded)
+      : take_(take), finish_(finish), running_(decoders.size()) {
+    for (const Decoder* decoder : decoders) {
+      threads_.emplace_back(
+          [this, decoder, &settings, max_batch, decoded] { decode_on(*decoder, settings, max_batch, decoded); });
+    }
+  }
+  ~DecoderPool() { join(); }
+
+  // Calls `during` (without the lock) about every `seconds` until every decoder has ended, then
+  // joins their threads and rethrows the first failure (a decoder's, or one `during` threw: the
+  // decoders take no more prompts after it and end).
+  void wait(double seconds, const std::function<void()>& during) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!changed_.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return running_ == 0; })) {
+      lock.unlock();
+      std::exception_ptr failed;
+      try {
+        during();
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      lock.lock();
+      if (failed && !failure_) failure_ = failed;
+    }
+    lock.unlock();
+    join();
+    if (failure_) std::rethrow_exception(failure_);
+  }
+
+  // Holds the lock under which `take` and `finish` run (to read what they count).
+  std::unique_lock<std::mutex> lock() { return std::unique_lock<std::mutex>(mutex_); }
+
+ private:
+  void decode_on(const Decoder& decoder, const GenerateSettings& settings, int64_t max_batch,
+                 std::atomic<int64_t>* decoded) {
+    try {
+      decoder.run(
+          settings, max_batch,
+          [this](Request* r) {
+            std::lock_guard<std::mutex> lock(mutex_);
+            return failure_ == nullptr && take_(r);
+          },
+          [this](Request&& r, Generation&& g) {
+            std::lock_guard<std::mutex> lock(mutex_);
+            finish_(std::move(r), std::move(g));
+          },
+          decoded);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!failure_) failure_ = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    --running_;
+    changed_.notify_all();
+  }
+
+  void join() {
+    for (std::thread& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+
+  const NextRequest& take_;
+  const Finished& finish_;
+  // ---- Guarded by mutex_ ----
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  size_t running_;                   // decoders not yet ended
+  std::exception_ptr failure_;       // the first decoder failure
+  // ---- The owner's ----
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace
+
 void run_generation(const std::vector<const Decoder*>& decoders, const std::vector<std::vector<int64_t>>& prompts,
                     const GenerateSettings& settings, int64_t max_batch, ShardedOutput& out,
                     const std::atomic<bool>& stop, double report_seconds,
                     const std::function<void(const GenerationProgress&)>& progress) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  // Shared by the decoders' threads, guarded by `mutex`: the next prompt to hand out, the output,
-  // the counts, the first failure.
-  std::mutex mutex;
-  std::condition_variable changed;
+  // Touched only by take and finish, which the pool runs under its lock (report() takes it too):
+  // the next prompt to hand out, the output, the counts.
   size_t next = 0;
   int64_t finished = 0, new_tokens = 0;
-  size_t running = decoders.size();
   std::atomic<int64_t> decoded{0};  // every decoder's new tokens as they come (no lock)
-  std::exception_ptr failure;
-  auto failed = [&] { return failure != nullptr; };
-
-  auto take = [&](Request* r) {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (stop.load() || failed()) return false;
+  const NextRequest take = [&](Request* r) {
+    if (stop.load()) return false;
     while (next < prompts.size() && out.done_before().count(static_cast<int64_t>(next)) > 0) ++next;
     if (next == prompts.size()) return false;
     *r = {static_cast<int64_t>(next), prompts[next], sequence_seed(settings.seed, next)};
     ++next;
     return true;
   };
-  auto finish = [&](Request&& r, Generation&& g) {
-    std::lock_guard<std::mutex> lock(mutex);
+  const Finished finish = [&](Request&& r, Generation&& g) {
     ++finished;
     new_tokens += g.new_tokens();
     out.add({r.id, std::move(g.tokens), g.prompt_tokens, g.stopped});
   };
-  std::vector<std::thread> threads;
-  for (const Decoder* decoder : decoders) {
-    threads.emplace_back([&, decoder] {
-      try {
-        decoder->run(settings, max_batch, take, finish, &decoded);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!failure) failure = std::current_exception();
-      }
-      std::lock_guard<std::mutex> lock(mutex);
-      --running;
-      changed.notify_all();
-    });
-  }
+  DecoderPool pool(decoders, settings, max_batch, take, finish, &decoded);
   auto report = [&] {
+    const std::unique_lock<std::mutex> lock = pool.lock();
     GenerationProgress p;
     p.total = static_cast<int64_t>(prompts.size());
     p.done_before = static_cast<int64_t>(out.done_before().size());
@@ -77,21 +141,32 @@ void run_generation(const std::vector<const Decoder*>& decoders, const std::vect
     p.seconds = std::chrono::duration<double>(Clock::now() - start).count();
     return p;
   };
-  {
-    std::unique_lock<std::mutex> lock(mutex);
-    while (running > 0) {
-      if (!changed.wait_for(lock, std::chrono::duration<double>(report_seconds), [&] { return running == 0; })) {
-        const GenerationProgress p = report();
-        lock.unlock();
-        progress(p);
-        lock.lock();
-      }
-    }
+  std::exception_ptr failure;
+  try {
+    pool.wait(report_seconds, [&] { progress(report()); });
+  } catch (...) {
+    failure = std::current_exception();
   }
-  for (std::thread& t : threads) t.join();
-  out.flush();
+  out.flush();  // what finished is committed, failure or not
   progress(report());
   if (failure) std::rethrow_exception(failure);
+}
+
+std::vector<Generation> generate_all(const std::vector<const Decoder*>& decoders,
+                                     const std::vector<std::vector<int64_t>>& prompts, const GenerateSettings& settings,
+                                     int64_t max_batch) {
+  std::vector<Generation> out(prompts.size());
+  size_t next = 0;  // under the pool's lock, as is `out`
+  const NextRequest take = [&](Request* r) {
+    if (next == prompts.size()) return false;
+    *r = {static_cast<int64_t>(next), prompts[next], sequence_seed(settings.seed, next)};
+    ++next;
+    return true;
+  };
+  const Finished finish = [&](Request&& r, Generation&& g) { out[static_cast<size_t>(r.id)] = std::move(g); };
+  DecoderPool pool(decoders, settings, max_batch, take, finish, nullptr);
+  pool.wait(60, [] {});
+  return out;
 }
 
 }  // namespace dflash::decode

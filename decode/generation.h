@@ -34,14 +34,24 @@ struct GenerationProgress {
 // Infinity before any token is decoded.
 double generation_eta_seconds(const GenerationProgress& p, int64_t max_new_tokens);
 
-// Decodes prompts[i] for every i not in out.done_before() with `decoders`, max_batch sequences at
-// once on each, and commits them to `out` (flushing at the end). When `stop` becomes true the
-// decoders take no new prompts, finish those in flight, and what finished is committed.
-// `progress` is called about every `report_seconds` on the calling thread (and once at the end).
-// A decoder's failure stops the others; what finished is committed, then the error is rethrown.
+// Decodes prompts[i] for every i not in out.done_before() with `decoders` (as generate_all
+// below), max_batch sequences at once on each, and commits them to `out` (flushing at the end).
+// When `stop` becomes true the decoders take no new prompts, finish those in flight, and what
+// finished is committed. `progress` is called about every `report_seconds` on the calling thread
+// (and once at the end). A decoder's failure stops the others; what finished is committed, then
+// the error is rethrown.
 void run_generation(const std::vector<const Decoder*>& decoders, const std::vector<std::vector<int64_t>>& prompts,
                     const GenerateSettings& settings, int64_t max_batch, ShardedOutput& out,
                     const std::atomic<bool>& stop, double report_seconds,
                     const std::function<void(const GenerationProgress&)>& progress);
+
+// Every prompt decoded by `decoders`, each on its own thread with max_batch sequences at once (a
+// freed slot takes the next prompt), request i seeded with sequence_seed(settings.seed, i): the
+// tokens do not depend on how many decoders there are. Results in prompt order. A decoder's
+// failure stops the others taking prompts; it is rethrown once they have ended. Over a target
+// split into S stages, S decoders keep every stage working (their steps take turns on each).
+std::vector<Generation> generate_all(const std::vector<const Decoder*>& decoders,
+                                     const std::vector<std::vector<int64_t>>& prompts, const GenerateSettings& settings,
+                                     int64_t max_batch);
 
 }  // namespace dflash::decode

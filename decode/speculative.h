@@ -64,7 +64,8 @@ using Finished = std::function<void(Request&& r, Generation&& g)>;
 // (one batched drafter call before it), and finished sequences' slots take the next requests
 // (their prompts prefilled, then they join the next round: plain decoding prefills the prompts
 // that arrive together in one forward of up to kPrefillBatchTokens tokens; speculative decoding
-// one prompt at a time, in chunks).
+// one prompt at a time, in chunks). A decoder keeps no state of its own between or during calls
+// (each run()'s sequences are its own), so one object may run on several threads at once.
 class Decoder {
  public:
   virtual ~Decoder() = default;

@@ -167,7 +167,9 @@ void Evaluator::evaluate(int64_t step) {
   // to the last stage's GPU (memory_plan.cc counts that copy).
   if (!spec_) spec_ = std::make_unique<decode::SpeculativeDecoder>(target_, drafter_);
   const bool baseline = plain_tokens_per_second_ == 0;
-  decode::EvalReport report = decode::evaluate(*spec_, target_, prompts_, generate_, baseline, settings_.max_batch);
+  // One decoder, even over a split replica: eval.max_batch is what the memory plan gives it
+  // beside training (a decoder per stage would need a batch's caches per stage more).
+  decode::EvalReport report = decode::evaluate({spec_.get()}, prompts_, generate_, baseline, settings_.max_batch);
   if (baseline) plain_tokens_per_second_ = report.plain_tokens_per_second;
   const double speedup = plain_tokens_per_second_ > 0 ? report.spec_tokens_per_second / plain_tokens_per_second_ : 0;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

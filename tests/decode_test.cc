@@ -402,7 +402,8 @@ TEST(IncrementalTarget, StagesDecodeBitIdenticalToOneDevice) {
 }
 
 // Decoders over a staged target give the tokens of the same decoders over one device, plain and
-// speculative (the drafter on the last stage's device, the embedding copied there).
+// speculative (the drafter on the last stage's device, the embedding copied there), also with a
+// decoder per stage on its own thread.
 TEST(IncrementalTarget, DecodersOverStagesGiveTheOneDeviceTokens) {
   for (const char* preset : {"tiny-qwen3_5", "tiny-qwen3_next"}) {
     SCOPED_TRACE(preset);
@@ -424,11 +425,25 @@ TEST(IncrementalTarget, DecodersOverStagesGiveTheOneDeviceTokens) {
     const auto plain_split = decode::PlainDecoder(split).generate_all(prompts, settings, 3);
     const auto spec_one = decode::SpeculativeDecoder(one, d).generate_all(prompts, settings, 2);
     const auto spec_split = decode::SpeculativeDecoder(split, d).generate_all(prompts, settings, 2);
+    // A decoder per stage, as dflashd eval and generate run them: one decoder object on two
+    // threads, one sequence at once on each, so both are in flight on the stages together.
+    const decode::PlainDecoder plain(split);
+    const decode::SpeculativeDecoder spec(split, d);
+    const auto plain_threads = decode::generate_all({&plain, &plain}, prompts, settings, 1);
+    const auto spec_threads = decode::generate_all({&spec, &spec}, prompts, settings, 1);
     for (size_t i = 0; i < prompts.size(); ++i) {
       EXPECT_EQ(plain_split[i].tokens, plain_one[i].tokens) << "prompt " << i;
       EXPECT_EQ(spec_split[i].tokens, spec_one[i].tokens) << "prompt " << i;
       EXPECT_EQ(spec_split[i].acceptance, spec_one[i].acceptance) << "prompt " << i;
+      EXPECT_EQ(plain_threads[i].tokens, plain_one[i].tokens) << "prompt " << i;
+      EXPECT_EQ(spec_threads[i].tokens, spec_one[i].tokens) << "prompt " << i;
+      EXPECT_EQ(spec_threads[i].acceptance, spec_one[i].acceptance) << "prompt " << i;
     }
+    // A bad prompt fails its decoder; the other takes no more prompts, and the error comes out
+    // once both have ended.
+    std::vector<std::vector<int64_t>> with_bad = prompts;
+    with_bad.insert(with_bad.begin() + 2, std::vector<int64_t>{config.vocab_size});
+    EXPECT_THROW(decode::generate_all({&plain, &plain}, with_bad, settings, 1), std::invalid_argument);
   }
 }
 

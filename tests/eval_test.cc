@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -94,6 +95,10 @@ TEST(RealAcceptance, ADrafterTrainedOnItsTargetsOutputAcceptsThreeOrMoreTokensPe
   for (const char* key : {"new_tokens", "verify_steps", "acceptance_length", "acceptance_at_position"}) {
     EXPECT_EQ(split_report[key], report[key]) << key;
   }
+  // ... with a decoder per stage (two threads), and as losslessly.
+  EXPECT_EQ(report["decoders"], 1);
+  EXPECT_EQ(split_report["decoders"], 2);
+  EXPECT_EQ(split_report["outputs_differing_from_plain_greedy"], 0);
   // The run's eval section measured the same thing during training, every 200 steps, and chose
   // export/best by it.
   const std::string log = test::read_file(dir + "/run.log");
@@ -270,6 +275,42 @@ TEST(DflashdEval, BadCommandLinesAreClearErrors) {
   drafter::Drafter(shape, at::TensorOptions().dtype(at::kFloat)).save_export(dir + "/other");
   EXPECT_EQ(eval("--preset tiny-qwen3 --device cpu --drafter " + dir + "/other --prompts " + dir + "/prompts.jsonl"), 1);
   EXPECT_TRUE(said("reads target layer 11")) << test::read_file(dir + "/out.log");
+}
+
+// On a GPU, the tiny target split into two stages there (a speculative decoder per stage, each on
+// its own thread, the drafter on the last stage's device) gives the one-stage report, bf16. One
+// sequence at once per decoder, so every step's shapes are the same in both runs.
+TEST(DflashdEval, GpuTwoStagesOnOneGpuGiveTheOneStageReport) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = test::make_temp_dir("eval-gpu-stages");
+  std::ofstream prompts(dir + "/prompts.jsonl");
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int> ids;
+    for (int t = 0; t < 5 + 3 * i; ++t) ids.push_back((37 * i + 11 * t + 5) % 500);
+    prompts << nlohmann::json{{"input_ids", ids}}.dump() << "\n";
+  }
+  prompts.close();
+  const target::ModelConfig config = target::parse_model_config(target::preset_config_json("tiny-qwen3_5"), "tiny");
+  config::DrafterConfig dc;
+  dc.num_layers = 1;
+  dc.mask_token_id = config.vocab_size - 1;
+  const drafter::DrafterShape shape = drafter::shape_for_target(config, dc);
+  drafter::Drafter(shape, at::TensorOptions().dtype(at::kFloat)).save_export(dir + "/drafter");
+  std::map<std::string, nlohmann::json> reports;
+  for (const std::string name : {"one", "two"}) {
+    const std::string device = name == "one" ? "cuda:0" : "cuda:0,cuda:0";
+    const std::string cmd = kBinary + " eval --preset tiny-qwen3_5 --allow-slow-path --device " + device +
+                            " --drafter " + dir + "/drafter --prompts " + dir +
+                            "/prompts.jsonl --max-new-tokens 20 --max-batch 1 --out " + dir + "/" + name + ".json > " +
+                            dir + "/" + name + ".log 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << test::read_file(dir + "/" + name + ".log");
+    reports[name] = nlohmann::json::parse(test::read_file(dir + "/" + name + ".json"));
+  }
+  EXPECT_EQ(reports["two"]["decoders"], 2);
+  for (const char* key : {"new_tokens", "verify_steps", "acceptance_length", "acceptance_at_position"}) {
+    EXPECT_EQ(reports["two"][key], reports["one"][key]) << key;
+  }
+  EXPECT_EQ(reports["one"]["new_tokens"], 6 * 20);
 }
 
 }  // namespace
