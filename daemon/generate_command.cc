@@ -307,8 +307,8 @@ std::optional<config::Config> apply_config(GenerateArgs* a) {
 struct GenerateReplicas {
   std::vector<std::unique_ptr<target::StagedTarget>> models;
   std::vector<std::unique_ptr<target::IncrementalTarget>> targets;
-  std::vector<std::unique_ptr<decode::PlainDecoder>> decoders;
-  std::vector<const decode::Decoder*> running;
+  std::vector<std::unique_ptr<decode::PlainDecoder>> decoders;  // one per replica
+  std::vector<const decode::Decoder*> running;                    // one per stage: a thread each
   std::string places;  // where each replica's stages are, for the log
 };
 
@@ -318,10 +318,9 @@ GenerateReplicas load_replicas(const GenerateArgs& a, const std::optional<config
   for (const std::vector<target::TargetOptions>& replica : replica_stages(config, stages)) {
     r.models.push_back(load_decoding_target(a.target, replica));
     r.targets.push_back(std::make_unique<target::IncrementalTarget>(r.models.back()->models()));
-    for (size_t d = 0; d < replica.size(); ++d) {
-      r.decoders.push_back(std::make_unique<decode::PlainDecoder>(*r.targets.back()));
-      r.running.push_back(r.decoders.back().get());
-    }
+    r.decoders.push_back(std::make_unique<decode::PlainDecoder>(*r.targets.back()));
+    // A decoder is stateless: the one object runs on each stage's decoder thread.
+    r.running.insert(r.running.end(), replica.size(), r.decoders.back().get());
     r.places += (r.places.empty() ? "" : ", ") + r.targets.back()->places();
   }
   return r;
