@@ -611,6 +611,58 @@ TEST(PlainDecoding, SequencesStoppingAtDifferentStepsAreEachDecodedAlone) {
   }
 }
 
+// run_generation's failures: a decoder's error (a bad prompt) stops the other decoder taking
+// prompts, what finished is committed, and the error comes out; an error of the progress report
+// does the same (the decoders end rather than run on unwatched). A restart decodes what is left.
+TEST(PlainDecoding, GenerationFailuresCommitWhatFinishedAndEndEveryDecoder) {
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3"), "tiny");
+  auto model = random_target(config, config.num_layers - 1, TargetOptions{}, 47);
+  const IncrementalTarget target(*model);
+  const decode::PlainDecoder plain(target);
+  const std::vector<const decode::Decoder*> two{&plain, &plain};
+  decode::GenerateSettings settings;
+  settings.max_new_tokens = 5;
+  std::vector<std::vector<int64_t>> prompts;
+  for (int64_t i = 0; i < 8; ++i) prompts.push_back({3, 5 + i, 7});
+  prompts[4] = {config.vocab_size};  // outside the vocabulary
+  const std::string dir = test::make_temp_dir("generation-failures");
+  const std::atomic<bool> stop{false};
+  int64_t reports = 0;
+  std::set<int64_t> done;
+  {
+    decode::ShardedOutput out(dir, "{\"job\": 1}", 100, true);
+    EXPECT_THROW(decode::run_generation(two, prompts, settings, 1, out, stop, 60,
+                                        [&](const decode::GenerationProgress&) { ++reports; }),
+                 std::invalid_argument);
+    EXPECT_EQ(reports, 1);  // the final report, after the commit
+    EXPECT_GE(out.committed(), 4) << "prompts 0-3 were taken before the bad one, and finished";
+  }
+  {
+    decode::ShardedOutput out(dir, "{\"job\": 1}", 100, true);
+    done = out.done_before();
+    EXPECT_EQ(done.count(4), 0u);
+    for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(done.count(i), 1u) << "prompt " << i;
+  }
+  // A progress report that throws: the decoders take nothing more, finish what they hold, and
+  // what finished is committed before the error comes out.
+  prompts[4] = {3, 9, 7};
+  {
+    decode::ShardedOutput out(dir, "{\"job\": 1}", 100, true);
+    EXPECT_THROW(decode::run_generation(two, prompts, settings, 1, out, stop, 1e-4,
+                                        [&](const decode::GenerationProgress& p) {
+                                          if (p.finished < static_cast<int64_t>(prompts.size())) {
+                                            throw std::runtime_error("report failed");
+                                          }
+                                        }),
+                 std::runtime_error);
+  }
+  decode::ShardedOutput out(dir, "{\"job\": 1}", 100, true);
+  EXPECT_GE(out.done_before().size(), done.size());
+  decode::run_generation(two, prompts, settings, 1, out, stop, 60, [](const decode::GenerationProgress&) {});
+  decode::ShardedOutput all(dir, "{\"job\": 1}", 100, true);
+  EXPECT_EQ(all.done_before().size(), prompts.size());
+}
+
 // The live count of `dflashd generate`'s progress: every prefill and round adds its new tokens
 // as they come, never behind what finished sequences report, and in the end all of them.
 TEST(SpeculativeDecoding, TheLiveCountSeesEveryNewTokenAsItComes) {
