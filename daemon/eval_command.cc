@@ -124,8 +124,8 @@ std::optional<int> parse_eval_args(const std::vector<std::string>& args, EvalArg
 
 void print_report(const decode::EvalReport& r) {
   const std::string decoders = r.decoders > 1 ? " on each of " + std::to_string(r.decoders) + " decoders" : "";
-  std::printf("prompts %lld (%s, %lld at once%s), new tokens %lld, verify steps %lld\n", static_cast<long long>(r.prompts),
-              decode::describe(r.settings).c_str(), static_cast<long long>(r.max_batch), decoders.c_str(),
+  std::printf("prompts %lld (%s, %lld at once%s), new tokens %lld, verify steps %lld\n",
+              static_cast<long long>(r.prompts), decode::describe(r.settings).c_str(), static_cast<long long>(r.max_batch), decoders.c_str(),
               static_cast<long long>(r.new_tokens), static_cast<long long>(r.verify_steps));
   std::printf("acceptance length %.3f tokens per verify step\n", r.acceptance_length);
   std::printf("accepted per draft position:");
