@@ -96,8 +96,8 @@ class DecoderPool {
   // ---- Guarded by mutex_ ----
   std::mutex mutex_;
   std::condition_variable changed_;
-  size_t running_;                   // decoders not yet ended
-  std::exception_ptr failure_;       // the first decoder failure
+  size_t running_;              // decoders not yet ended
+  std::exception_ptr failure_;  // the first failure: a decoder's (take or finish included) or wait()'s report
   // ---- The owner's ----
   std::vector<std::thread> threads_;
 };
