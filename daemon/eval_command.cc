@@ -125,7 +125,8 @@ std::optional<int> parse_eval_args(const std::vector<std::string>& args, EvalArg
 void print_report(const decode::EvalReport& r) {
   const std::string decoders = r.decoders > 1 ? " on each of " + std::to_string(r.decoders) + " decoders" : "";
   std::printf("prompts %lld (%s, %lld at once%s), new tokens %lld, verify steps %lld\n",
-              static_cast<long long>(r.prompts), decode::describe(r.settings).c_str(), static_cast<long long>(r.max_batch), decoders.c_str(),
+              static_cast<long long>(r.prompts), decode::describe(r.settings).c_str(),
+              static_cast<long long>(r.max_batch), decoders.c_str(),
               static_cast<long long>(r.new_tokens), static_cast<long long>(r.verify_steps));
   std::printf("acceptance length %.3f tokens per verify step\n", r.acceptance_length);
   std::printf("accepted per draft position:");
@@ -166,8 +167,8 @@ int command_eval(const std::vector<std::string>& args) {
                          static_cast<int64_t>(longest) + a.settings.max_new_tokens + block, block);
     const decode::SpeculativeDecoder spec(target, d);  // stateless: one object serves every decoder thread
     const decode::EvalReport report =
-        decode::evaluate(std::vector<const decode::Decoder*>(target.stage_count(), &spec), prompts, a.settings,
-                         a.baseline, a.max_batch);
+        decode::evaluate(std::vector<const decode::Decoder*>(static_cast<size_t>(decoders), &spec), prompts,
+                         a.settings, a.baseline, a.max_batch);
     print_report(report);
     if (!a.out.empty()) {
       write_file_atomically(a.out, report.to_json());  // throws naming the file

@@ -52,8 +52,9 @@ struct EvalReport {
 std::string describe(const GenerateSettings& settings);
 
 // Runs every prompt through speculative decoding with `spec` and, with `baseline`, plain decoding
-// with as many plain decoders over their target: one decoder, or one per stage of a target split
-// over several GPUs (generation.h generate_all: each on its own thread, so every stage works), each
+// with as many plain decoders over their target: one decoder (on the calling thread), or one per
+// stage of a target split over several GPUs (generation.h generate_all: each on its own thread,
+// so every stage works), each
 // with at most `max_batch` sequences at once (continuous batching). Prompt i's random stream is
 // sequence_seed(settings.seed, i) in both runs, however many decoders there are.
 EvalReport evaluate(const std::vector<const Decoder*>& spec, const std::vector<EvalPrompt>& prompts,

@@ -155,6 +155,9 @@ void run_generation(const std::vector<const Decoder*>& decoders, const std::vect
 std::vector<Generation> generate_all(const std::vector<const Decoder*>& decoders,
                                      const std::vector<std::vector<int64_t>>& prompts, const GenerateSettings& settings,
                                      int64_t max_batch) {
+  // One decoder runs on the calling thread, on its current streams (the evaluator's own stream,
+  // which waits for the hand-over of the drafter's weights); only several need threads.
+  if (decoders.size() == 1) return decoders.front()->generate_all(prompts, settings, max_batch);
   std::vector<Generation> out(prompts.size());
   size_t next = 0;  // under the pool's lock, as is `out`
   const NextRequest take = [&](Request* r) {

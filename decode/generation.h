@@ -46,8 +46,9 @@ void run_generation(const std::vector<const Decoder*>& decoders, const std::vect
                     const std::function<void(const GenerationProgress&)>& progress);
 
 // Every prompt decoded by `decoders`, each on its own thread with max_batch sequences at once (a
-// freed slot takes the next prompt), request i seeded with sequence_seed(settings.seed, i): the
-// tokens do not depend on how many decoders there are. Results in prompt order. A decoder's
+// freed slot takes the next prompt; one decoder runs on the calling thread, on its streams),
+// request i seeded with sequence_seed(settings.seed, i): the tokens do not depend on how many
+// decoders there are. Results in prompt order. A decoder's
 // failure stops the others taking prompts; it is rethrown once they have ended. Over a target
 // split into S stages, S decoders keep every stage working (their steps take turns on each).
 std::vector<Generation> generate_all(const std::vector<const Decoder*>& decoders,
