@@ -313,5 +313,48 @@ TEST(DflashdEval, GpuTwoStagesOnOneGpuGiveTheOneStageReport) {
   EXPECT_EQ(reports["one"]["new_tokens"], 6 * 20);
 }
 
+
+// On a GPU, the eval section of a run (its own thread and stream, the drafter's weights handed
+// over from the training replica's stream) reports what `dflashd eval` reports for the drafter
+// the run exported as best, on the same prompts one at a time: the hand-over is complete before
+// the evaluation decodes, and the evaluation decodes as the command does.
+TEST(RealAcceptance, GpuTheEvalSectionReportsWhatTheCommandReports) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = test::make_temp_dir("eval-section-gpu");
+  std::ofstream prompts(dir + "/prompts.jsonl");
+  for (int i = 0; i < 5; ++i) {
+    std::vector<int> ids;
+    for (int t = 0; t < 6 + 2 * i; ++t) ids.push_back((29 * i + 13 * t + 3) % 500);
+    prompts << nlohmann::json{{"input_ids", ids}}.dump() << "\n";
+  }
+  prompts.close();
+  std::ofstream(dir + "/run.yaml") << "run: {name: eval-section-gpu, output_dir: " << dir << "/run}\n"
+                                   << "target: {preset: tiny-qwen3_5, weights: random, dtype: bfloat16, "
+                                   << "allow_slow_path: true}\n"
+                                   << "drafter: {num_layers: 1, block_size: 8, mask_token_id: 511, attention: efficient}\n"
+                                   << "gpus: {device: cuda, target: [0], drafter: [0]}\n"
+                                   << "data: {synthetic: {sequences: 64, min_length: 24, max_length: 48}}\n"
+                                   << "train: {max_steps: 6, learning_rate: 0.005, anchors_per_sequence: 16}\n"
+                                   << "eval: {every_steps: 6, prompts: " << dir << "/prompts.jsonl, max_new_tokens: 24, "
+                                   << "max_batch: 1}\n"
+                                   << "metrics: {listen: \"\"}\n";
+  const std::string run = kBinary + " run -c " + dir + "/run.yaml > " + dir + "/run.log 2>&1";
+  ASSERT_EQ(std::system(run.c_str()), 0) << test::read_file(dir + "/run.log");
+  EXPECT_NE(test::read_file(dir + "/run.log").find("eval at step 6:"), std::string::npos) << test::read_file(dir + "/run.log");
+  const nlohmann::json section = nlohmann::json::parse(test::read_file(dir + "/run/export/best/eval.json"));
+  const std::string eval = kBinary + " eval --preset tiny-qwen3_5 --allow-slow-path --device cuda:0 --drafter " + dir +
+                           "/run/export/best --prompts " + dir + "/prompts.jsonl --max-new-tokens 24 --max-batch 1 " +
+                           "--out " + dir + "/report.json > " + dir + "/eval.log 2>&1";
+  ASSERT_EQ(std::system(eval.c_str()), 0) << test::read_file(dir + "/eval.log");
+  const nlohmann::json command = nlohmann::json::parse(test::read_file(dir + "/report.json"));
+  EXPECT_EQ(section["step"], 6);
+  EXPECT_EQ(section["prompts"], 5);
+  for (const char* key : {"new_tokens", "verify_steps", "acceptance_length", "acceptance_at_position",
+                          "outputs_differing_from_plain_greedy"}) {
+    EXPECT_EQ(section[key], command[key]) << key << "\n" << section.dump() << "\n" << command.dump();
+  }
+  EXPECT_EQ(command["new_tokens"], 5 * 24);
+}
+
 }  // namespace
 }  // namespace dflash
