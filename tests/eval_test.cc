@@ -50,6 +50,16 @@ void write_target_generated(const std::string& path, const target::IncrementalTa
   }
 }
 
+// `count` prompts of 5, 8, 11, ... tokens below 500 (the tiny targets' vocabulary is 512).
+void write_prompts(const std::string& path, int count) {
+  std::ofstream prompts(path);
+  for (int i = 0; i < count; ++i) {
+    std::vector<int> ids;
+    for (int t = 0; t < 5 + 3 * i; ++t) ids.push_back((37 * i + 11 * t + 5) % 500);
+    prompts << nlohmann::json{{"input_ids", ids}}.dump() << "\n";
+  }
+}
+
 TEST(RealAcceptance, ADrafterTrainedOnItsTargetsOutputAcceptsThreeOrMoreTokensPerStep) {
   const std::string dir = test::make_temp_dir("real-acceptance");
   // The target: tiny-qwen3's shape with tied embeddings (as the small Qwen models have), random
@@ -283,13 +293,7 @@ TEST(DflashdEval, BadCommandLinesAreClearErrors) {
 TEST(DflashdEval, GpuTwoStagesOnOneGpuGiveTheOneStageReport) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const std::string dir = test::make_temp_dir("eval-gpu-stages");
-  std::ofstream prompts(dir + "/prompts.jsonl");
-  for (int i = 0; i < 6; ++i) {
-    std::vector<int> ids;
-    for (int t = 0; t < 5 + 3 * i; ++t) ids.push_back((37 * i + 11 * t + 5) % 500);
-    prompts << nlohmann::json{{"input_ids", ids}}.dump() << "\n";
-  }
-  prompts.close();
+  write_prompts(dir + "/prompts.jsonl", 6);
   const target::ModelConfig config = target::parse_model_config(target::preset_config_json("tiny-qwen3_5"), "tiny");
   config::DrafterConfig dc;
   dc.num_layers = 1;
@@ -321,13 +325,7 @@ TEST(DflashdEval, GpuTwoStagesOnOneGpuGiveTheOneStageReport) {
 TEST(RealAcceptance, GpuTheEvalSectionReportsWhatTheCommandReports) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const std::string dir = test::make_temp_dir("eval-section-gpu");
-  std::ofstream prompts(dir + "/prompts.jsonl");
-  for (int i = 0; i < 5; ++i) {
-    std::vector<int> ids;
-    for (int t = 0; t < 6 + 2 * i; ++t) ids.push_back((29 * i + 13 * t + 3) % 500);
-    prompts << nlohmann::json{{"input_ids", ids}}.dump() << "\n";
-  }
-  prompts.close();
+  write_prompts(dir + "/prompts.jsonl", 5);
   std::ofstream(dir + "/run.yaml") << "run: {name: eval-section-gpu, output_dir: " << dir << "/run}\n"
                                    << "target: {preset: tiny-qwen3_5, weights: random, dtype: bfloat16, "
                                    << "allow_slow_path: true}\n"
