@@ -329,16 +329,18 @@ TEST(RealAcceptance, GpuTheEvalSectionReportsWhatTheCommandReports) {
   std::ofstream(dir + "/run.yaml") << "run: {name: eval-section-gpu, output_dir: " << dir << "/run}\n"
                                    << "target: {preset: tiny-qwen3_5, weights: random, dtype: bfloat16, "
                                    << "allow_slow_path: true}\n"
-                                   << "drafter: {num_layers: 1, block_size: 8, mask_token_id: 511, attention: efficient}\n"
+                                   << "drafter: {num_layers: 1, block_size: 8, mask_token_id: 511, "
+                                   << "attention: efficient}\n"
                                    << "gpus: {device: cuda, target: [0], drafter: [0]}\n"
                                    << "data: {synthetic: {sequences: 64, min_length: 24, max_length: 48}}\n"
                                    << "train: {max_steps: 6, learning_rate: 0.005, anchors_per_sequence: 16}\n"
-                                   << "eval: {every_steps: 6, prompts: " << dir << "/prompts.jsonl, max_new_tokens: 24, "
-                                   << "max_batch: 1}\n"
+                                   << "eval: {every_steps: 6, prompts: " << dir << "/prompts.jsonl, "
+                                   << "max_new_tokens: 24, max_batch: 1}\n"
                                    << "metrics: {listen: \"\"}\n";
   const std::string run = kBinary + " run -c " + dir + "/run.yaml > " + dir + "/run.log 2>&1";
   ASSERT_EQ(std::system(run.c_str()), 0) << test::read_file(dir + "/run.log");
-  EXPECT_NE(test::read_file(dir + "/run.log").find("eval at step 6:"), std::string::npos) << test::read_file(dir + "/run.log");
+  const std::string log = test::read_file(dir + "/run.log");
+  EXPECT_NE(log.find("eval at step 6:"), std::string::npos) << log;
   const nlohmann::json section = nlohmann::json::parse(test::read_file(dir + "/run/export/best/eval.json"));
   const std::string eval = kBinary + " eval --preset tiny-qwen3_5 --allow-slow-path --device cuda:0 --drafter " + dir +
                            "/run/export/best --prompts " + dir + "/prompts.jsonl --max-new-tokens 24 --max-batch 1 " +
