@@ -155,11 +155,8 @@ void run_generation(const std::vector<const Decoder*>& decoders, const std::vect
 std::vector<Generation> generate_all(const std::vector<const Decoder*>& decoders,
                                      const std::vector<std::vector<int64_t>>& prompts, const GenerateSettings& settings,
                                      int64_t max_batch) {
-  // One decoder runs on the calling thread, on its current streams (the evaluator's own stream,
-  // which waits for the hand-over of the drafter's weights); only several need threads.
-  if (decoders.size() == 1) return decoders.front()->generate_all(prompts, settings, max_batch);
   std::vector<Generation> out(prompts.size());
-  size_t next = 0;  // under the pool's lock, as is `out`
+  size_t next = 0;  // with several decoders under the pool's lock, as is `out`
   const NextRequest take = [&](Request* r) {
     if (next == prompts.size()) return false;
     *r = {static_cast<int64_t>(next), prompts[next], sequence_seed(settings.seed, next)};
@@ -167,6 +164,12 @@ std::vector<Generation> generate_all(const std::vector<const Decoder*>& decoders
     return true;
   };
   const Finished finish = [&](Request&& r, Generation&& g) { out[static_cast<size_t>(r.id)] = std::move(g); };
+  // One decoder runs on the calling thread, on its current streams (the evaluator's own stream,
+  // which waits for the hand-over of the drafter's weights); only several need threads.
+  if (decoders.size() == 1) {
+    decoders.front()->run(settings, max_batch, take, finish);
+    return out;
+  }
   DecoderPool pool(decoders, settings, max_batch, take, finish, nullptr);
   pool.wait(60, [] {});
   return out;

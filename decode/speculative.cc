@@ -14,6 +14,7 @@
 #include <string>
 
 #include "common/tensor_math.h"
+#include "decode/generation.h"
 
 namespace dflash::decode {
 namespace {
@@ -272,18 +273,7 @@ void Decoder::run(const GenerateSettings& settings, int64_t max_batch, const Nex
 
 std::vector<Generation> Decoder::generate_all(const std::vector<std::vector<int64_t>>& prompts,
                                               const GenerateSettings& settings, int64_t max_batch) const {
-  std::vector<Generation> out(prompts.size());
-  size_t i = 0;
-  run(
-      settings, max_batch,
-      [&](Request* r) {
-        if (i == prompts.size()) return false;
-        *r = {static_cast<int64_t>(i), prompts[i], sequence_seed(settings.seed, i)};
-        ++i;
-        return true;
-      },
-      [&](Request&& r, Generation&& g) { out[static_cast<size_t>(r.id)] = std::move(g); });
-  return out;
+  return decode::generate_all({this}, prompts, settings, max_batch);  // on this thread (generation.h)
 }
 
 Generation Decoder::generate(const std::vector<int64_t>& prompt, const GenerateSettings& settings) const {
