@@ -60,6 +60,18 @@ void write_prompts(const std::string& path, int count) {
   }
 }
 
+// `dflashd eval` of the tiny qwen3_5 target on `device` (one prompt at a time), the drafter in
+// `drafter`, dir/prompts.jsonl: the report (dir/NAME.json), its log in dir/NAME.log.
+nlohmann::json eval_tiny_on_gpu(const std::string& dir, const std::string& name, const std::string& device,
+                                const std::string& drafter, int new_tokens) {
+  const std::string cmd = kBinary + " eval --preset tiny-qwen3_5 --allow-slow-path --device " + device +
+                          " --drafter " + drafter + " --prompts " + dir + "/prompts.jsonl --max-new-tokens " +
+                          std::to_string(new_tokens) + " --max-batch 1 --out " + dir + "/" + name + ".json > " + dir +
+                          "/" + name + ".log 2>&1";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << test::read_file(dir + "/" + name + ".log");
+  return nlohmann::json::parse(test::read_file(dir + "/" + name + ".json"));
+}
+
 TEST(RealAcceptance, ADrafterTrainedOnItsTargetsOutputAcceptsThreeOrMoreTokensPerStep) {
   const std::string dir = test::make_temp_dir("real-acceptance");
   // The target: tiny-qwen3's shape with tied embeddings (as the small Qwen models have), random
@@ -302,13 +314,7 @@ TEST(DflashdEval, GpuTwoStagesOnOneGpuGiveTheOneStageReport) {
   drafter::Drafter(shape, at::TensorOptions().dtype(at::kFloat)).save_export(dir + "/drafter");
   std::map<std::string, nlohmann::json> reports;
   for (const std::string name : {"one", "two"}) {
-    const std::string device = name == "one" ? "cuda:0" : "cuda:0,cuda:0";
-    const std::string cmd = kBinary + " eval --preset tiny-qwen3_5 --allow-slow-path --device " + device +
-                            " --drafter " + dir + "/drafter --prompts " + dir +
-                            "/prompts.jsonl --max-new-tokens 20 --max-batch 1 --out " + dir + "/" + name + ".json > " +
-                            dir + "/" + name + ".log 2>&1";
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << test::read_file(dir + "/" + name + ".log");
-    reports[name] = nlohmann::json::parse(test::read_file(dir + "/" + name + ".json"));
+    reports[name] = eval_tiny_on_gpu(dir, name, name == "one" ? "cuda:0" : "cuda:0,cuda:0", dir + "/drafter", 20);
   }
   EXPECT_EQ(reports["two"]["decoders"], 2);
   for (const char* key : {"new_tokens", "verify_steps", "acceptance_length", "acceptance_at_position"}) {
@@ -316,7 +322,6 @@ TEST(DflashdEval, GpuTwoStagesOnOneGpuGiveTheOneStageReport) {
   }
   EXPECT_EQ(reports["one"]["new_tokens"], 6 * 20);
 }
-
 
 // On a GPU, the eval section of a run (its own thread and stream, the drafter's weights handed
 // over from the training replica's stream) reports what `dflashd eval` reports for the drafter
@@ -342,11 +347,7 @@ TEST(RealAcceptance, GpuTheEvalSectionReportsWhatTheCommandReports) {
   const std::string log = test::read_file(dir + "/run.log");
   EXPECT_NE(log.find("eval at step 6:"), std::string::npos) << log;
   const nlohmann::json section = nlohmann::json::parse(test::read_file(dir + "/run/export/best/eval.json"));
-  const std::string eval = kBinary + " eval --preset tiny-qwen3_5 --allow-slow-path --device cuda:0 --drafter " + dir +
-                           "/run/export/best --prompts " + dir + "/prompts.jsonl --max-new-tokens 24 --max-batch 1 " +
-                           "--out " + dir + "/report.json > " + dir + "/eval.log 2>&1";
-  ASSERT_EQ(std::system(eval.c_str()), 0) << test::read_file(dir + "/eval.log");
-  const nlohmann::json command = nlohmann::json::parse(test::read_file(dir + "/report.json"));
+  const nlohmann::json command = eval_tiny_on_gpu(dir, "report", "cuda:0", dir + "/run/export/best", 24);
   EXPECT_EQ(section["step"], 6);
   EXPECT_EQ(section["prompts"], 5);
   for (const char* key : {"new_tokens", "verify_steps", "acceptance_length", "acceptance_at_position",
