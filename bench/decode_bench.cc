@@ -35,6 +35,7 @@
 #include "decode/eval.h"
 #include "decode/sampling.h"
 #include "drafter/drafter_config.h"
+#include "target/fused_ops.h"
 #include "target/incremental.h"
 #include "target/stages.h"
 #include "target/kernels/decode_attention.h"
@@ -178,7 +179,8 @@ void print_fp8_experts_dequantized(const target::IncrementalTarget& target,
               all.size(), ms);
 }
 
-// What choosing a plain step's tokens costs: the argmaxes, and sampled draws (temperature 0.7,
+// What choosing a plain step's tokens costs: the argmaxes (of the bf16 logits as the decoders
+// take them, and of the logits widened to fp32 first, as before session 41), and sampled draws (temperature 0.7,
 // with and without top-p 0.95: sampling_probs then choose_rows, all rows at once), the median of
 // 5 each; DFLASHD_PROFILE=1: the sampled draw's kernels.
 void sampled_choice(const std::vector<target::DecodeOutput>& out, int64_t batch) {
@@ -189,10 +191,11 @@ void sampled_choice(const std::vector<target::DecodeOutput>& out, int64_t batch)
   decode::Sampling top_p{0.7, 0.95, 0}, all{0.7, 1.0, 0};
   const auto draw = [&](const decode::Sampling& s) { decode::choose_rows(decode::sampling_probs(logits, s), u); };
   const double greedy = median_ms(5, [&] { (void)logits.argmax(-1); });
+  const double widened = median_ms(5, [&] { (void)target::widen_to_float(logits).argmax(-1); });
   const double plain = median_ms(5, [&] { draw(all); }), nucleus = median_ms(5, [&] { draw(top_p); });
-  std::printf("batch of %3lld: choosing the tokens: argmax %.2f ms; sampled at temperature 0.7 %.2f ms, with top-p "
-              "0.95 %.2f ms\n",
-              static_cast<long long>(batch), greedy, plain, nucleus);
+  std::printf("batch of %3lld: choosing the tokens: argmax %.3f ms (widened to fp32 first %.3f); sampled at "
+              "temperature 0.7 %.2f ms, with top-p 0.95 %.2f ms\n",
+              static_cast<long long>(batch), greedy, widened, plain, nucleus);
   if (std::getenv("DFLASHD_PROFILE") != nullptr) {
     bench::print_kernel_profile("a sampled choice with top-p", [&] {
       draw(top_p);

@@ -981,7 +981,7 @@ std::vector<DecodeOutput> IncrementalTarget::run_step(const std::vector<DecodeCa
     for (const int64_t count : tokens.counts) last_rows.push_back((row += count) - 1);
     normed = normed.index_select(0, values_on(last_rows, at::kLong, device));
   }
-  const at::Tensor logits = widen_to_float(at::matmul(normed, m.head.t()));
+  const at::Tensor logits = at::matmul(normed, m.head.t());
   for (at::Tensor& t : tapped) t = t.to(device);  // a GPU-to-GPU copy does not block the host
   const at::Tensor features = tapped.empty() ? at::Tensor() : at::cat(tapped, -1);
   std::vector<DecodeOutput> out(caches.size());

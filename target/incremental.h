@@ -87,7 +87,11 @@ struct DecodeCache {
 };
 
 struct DecodeOutput {
-  at::Tensor logits;    // fp32 [tokens, vocab]
+  // [tokens, vocab] in the head's dtype (bf16 on a bf16 GPU target): a greedy choice takes the
+  // argmax of these (widening to fp32 is exact, so it would choose the same token), sampling
+  // widens them (sampling_probs). At 128 sequences and a 248K vocabulary the fp32 copy would be
+  // 127 MB written and read again every step; at a verify step's 16 rows each, 2 GB.
+  at::Tensor logits;
   at::Tensor features;  // [tokens, K*H], model dtype: the tapped layers' outputs, ascending ids
 };
 

@@ -889,7 +889,9 @@ TEST(SpeculativeDecoding, MatchesDflashGenerateWithASlidingWindowDrafter) { comp
 // the same batch stepped synchronously (each step's tokens chosen and copied to the host, the next
 // ids sent from there), greedy and sampled (each sequence's own generator): the same forwards and
 // draws, so the same tokens. Then ids on the host and on the device mixed in one step (a joining
-// prompt beside sequences in flight) give what ids all on the host give.
+// prompt beside sequences in flight) give what ids all on the host give. The reference chooses
+// from the logits widened to fp32 by ATen's cast; ours from the bf16 logits the target gives (the
+// argmax) or widened by our kernel (sampled): the same tokens.
 TEST(PlainDecoding, GpuStepsInFlightAreTheSynchronousSteps) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   for (const char* preset : {"tiny-qwen3", "kernel-sized-qwen3_5"}) {
@@ -924,7 +926,9 @@ TEST(PlainDecoding, GpuStepsInFlightAreTheSynchronousSteps) {
         gens.push_back(at::make_generator<at::CPUGeneratorImpl>(decode::sequence_seed(settings.seed, j)));
       }
       for (at::Generator& g : gens) gen_pointers.push_back(&g);
-      const auto choose = [&](const at::Tensor& logits, size_t j) {  // a prefill's first token, as a step's
+      const auto choose = [&](const at::Tensor& bf16, size_t j) {  // a prefill's first token, as a step's
+        EXPECT_EQ(bf16.scalar_type(), at::kBFloat16);
+        const at::Tensor logits = bf16.to(at::kFloat);
         if (temperature == 0) return logits.argmax(-1).cpu();
         return at::tensor(decode::draw_rows(decode::sampling_probs(logits, settings.sampling), {&gens[j]}));
       };
@@ -937,7 +941,7 @@ TEST(PlainDecoding, GpuStepsInFlightAreTheSynchronousSteps) {
         if (step + 1 == settings.max_new_tokens) break;
         std::vector<at::Tensor> logits;
         for (const DecodeOutput& o : target.step_batch(all, next, {}, /*croppable=*/false)) logits.push_back(o.logits);
-        const at::Tensor rows = at::cat(logits);
+        const at::Tensor rows = at::cat(logits).to(at::kFloat);
         const at::Tensor tokens =
             temperature == 0
                 ? rows.argmax(-1).cpu()
