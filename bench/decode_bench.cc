@@ -179,10 +179,10 @@ void print_fp8_experts_dequantized(const target::IncrementalTarget& target,
               all.size(), ms);
 }
 
-// What choosing a plain step's tokens costs: the argmaxes (of the bf16 logits as the decoders
-// take them, and of the logits widened to fp32 first, as before session 41), and sampled draws (temperature 0.7,
-// with and without top-p 0.95: sampling_probs then choose_rows, all rows at once), the median of
-// 5 each; DFLASHD_PROFILE=1: the sampled draw's kernels.
+// What choosing a plain step's tokens costs: the argmaxes (of the bf16 logits, as the decoders
+// take them, and of the same logits widened to fp32 first, for comparison), and sampled draws
+// (temperature 0.7, with and without top-p 0.95: sampling_probs then choose_rows, all rows at
+// once), the median of 5 each; DFLASHD_PROFILE=1: the sampled draw's kernels.
 void sampled_choice(const std::vector<target::DecodeOutput>& out, int64_t batch) {
   std::vector<at::Tensor> rows;
   for (const target::DecodeOutput& o : out) rows.push_back(o.logits);
