@@ -247,6 +247,32 @@ void timed_prefills(const target::IncrementalTarget& target, std::vector<target:
   }
 }
 
+// A batch's plain steps (one token each), timed one by one (the host waiting) and back to back,
+// and back to back with cuBLASLt's projections and with FlashAttention's kernel. Printed as soon
+// as measured: on a GPU too small for the later rounds (an H100 at 128 sequences of 27B shapes)
+// they still report before the allocation that fails. Returns the step timed one by one.
+double plain_rounds(const target::IncrementalTarget& target, const std::vector<target::DecodeCache*>& all,
+                    const std::vector<at::Tensor>& one, double plain_one) {
+  const int64_t batch = static_cast<int64_t>(all.size());
+  const double plain = median_ms(5, [&] { target.step_batch(all, one, {}, /*croppable=*/false); });
+  const auto [back_to_back, enqueue] = back_to_back_ms(target, all, one);
+  const double back_to_back_lt =
+      back_to_back_with(target, all, one, [](bool on) { force_mma_sync(MmaKernels::projections, on); });
+  const double back_to_back_fa =
+      back_to_back_with(target, all, one, [](bool on) { target::kernels::decode_attention_off = on; });
+  std::printf("batch of %3lld: plain step %7.2f ms (%6.0f tok/s, %.1fx one sequence's rate)\n",
+              static_cast<long long>(batch), plain, 1e3 * static_cast<double>(batch) / plain,
+              static_cast<double>(batch) * plain_one / plain);
+  std::printf("batch of %3lld: plain steps back to back %.2f ms each (%.0f tok/s); the host returns from one after "
+              "%.2f ms\nbatch of %3lld: plain steps back to back with cuBLASLt's projections (not the stream-K GEMM) "
+              "%.2f ms each (%.0f tok/s)\n",
+              static_cast<long long>(batch), back_to_back, 1e3 * static_cast<double>(batch) / back_to_back, enqueue,
+              static_cast<long long>(batch), back_to_back_lt, 1e3 * static_cast<double>(batch) / back_to_back_lt);
+  std::printf("batch of %3lld: plain steps back to back with FlashAttention's kernel for the attention %.2f ms each\n",
+              static_cast<long long>(batch), back_to_back_fa);
+  return plain;
+}
+
 // Batched rounds of `batch` sequences whose caches hold `prompt_tokens` tokens: a plain step (1
 // token each), a verify step (a block each) with the crops after it, and the drafter's batched
 // block and context extension; then what 64 x 256 new tokens cost at acceptance length L.
@@ -284,24 +310,7 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
   // Plain steps as plain decoding runs them: nothing kept for a crop, the caches growing (by 20
   // tokens over the rounds and the profile); the verify rounds below crop back to the prompt.
   const std::vector<at::Tensor> one(static_cast<size_t>(batch), random_ids(1));
-  const double plain = median_ms(5, [&] { target.step_batch(all, one, {}, /*croppable=*/false); });
-  const auto [back_to_back, enqueue] = back_to_back_ms(target, all, one);
-  const double back_to_back_lt =
-      back_to_back_with(target, all, one, [](bool on) { force_mma_sync(MmaKernels::projections, on); });
-  const double back_to_back_fa =
-      back_to_back_with(target, all, one, [](bool on) { target::kernels::decode_attention_off = on; });
-  // Printed as soon as measured: on a GPU too small for the later rounds (an H100 at 128 sequences
-  // of 27B shapes) the plain steps still report before the allocation that fails.
-  std::printf("batch of %3lld: plain step %7.2f ms (%6.0f tok/s, %.1fx one sequence's rate)\n",
-              static_cast<long long>(batch), plain, 1e3 * static_cast<double>(batch) / plain,
-              static_cast<double>(batch) * plain_one / plain);
-  std::printf("batch of %3lld: plain steps back to back %.2f ms each (%.0f tok/s); the host returns from one after "
-              "%.2f ms\nbatch of %3lld: plain steps back to back with cuBLASLt's projections (not the stream-K GEMM) "
-              "%.2f ms each (%.0f tok/s)\n",
-              static_cast<long long>(batch), back_to_back, 1e3 * static_cast<double>(batch) / back_to_back, enqueue,
-              static_cast<long long>(batch), back_to_back_lt, 1e3 * static_cast<double>(batch) / back_to_back_lt);
-  std::printf("batch of %3lld: plain steps back to back with FlashAttention's kernel for the attention %.2f ms each\n",
-              static_cast<long long>(batch), back_to_back_fa);
+  const double plain = plain_rounds(target, all, one, plain_one);
   print_fp8_experts_dequantized(target, all, one);
   print_memory("plain rounds");
   profile_plain_step(target, all, one);

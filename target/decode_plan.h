@@ -17,8 +17,9 @@ namespace dflash::target {
 // `step_tokens` tokens: per GatedDeltaNet layer its state twice (a step reads the states before
 // it and writes new ones) and its conv inputs; per attention layer its keys and values at the
 // capacity they grow to (a power of two, at least 256 positions); a step's logits in the model's
-// dtype and their fp32 widening (made only for a sampled choice; counted for greedy too). dtype_bytes: the model's dtype (2 for bf16); state_bytes: the states' (4 for fp32, 2
-// for bf16: TargetOptions::decode_state_dtype).
+// dtype and their fp32 widening (made only for a sampled choice; counted for greedy too).
+// dtype_bytes: the model's dtype (2 for bf16); state_bytes: the states' (4 for fp32, 2 for bf16:
+// TargetOptions::decode_state_dtype).
 // `layers`: a pipeline stage's part (its layers; the logits only with its head); every layer
 // and the logits by default.
 int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t step_tokens, int64_t dtype_bytes,
