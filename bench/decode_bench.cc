@@ -294,8 +294,13 @@ void batched_steps(const target::IncrementalTarget& target, const drafter::Draft
     target::DecodeCache scratch = target.new_cache();
     features = target.prefill(scratch, random_ids(prompt_tokens), tap).features;
   }
+  // Each drafter context holds the prompt less a block, grown from one row (capacity 256, then
+  // doubled), so that the timed extension below fits its capacity: a context doubles when it
+  // fills, which a sequence meets once per doubling, not in every round.
+  const int64_t held = std::max<int64_t>(2, prompt_tokens - block);
   for (size_t j = 0; j < caches.size(); ++j) {
-    d.extend_context(contexts[j], features);
+    d.extend_context(contexts[j], features.narrow(0, 0, 1));
+    d.extend_context(contexts[j], features.narrow(0, 1, held - 1));
     all_contexts.push_back(&contexts[j]);
   }
   const std::vector<int64_t> lengths(static_cast<size_t>(batch), prompt_tokens);

@@ -14,6 +14,10 @@
 #include <optional>
 #include <stdexcept>
 
+#ifdef DFLASHD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
 #include "common/safetensors.h"
 #include "common/tensor_math.h"
 #include "drafter/layer_ops.h"
@@ -31,7 +35,7 @@ RopeTables rope_tables(const at::Tensor& positions, int64_t d, double theta, at:
   const at::Tensor inv_freq =
       1.0 / at::pow(theta, at::arange(0, d, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) / static_cast<double>(d))
                 .to(device);
-  const at::Tensor freqs = positions.to(device).to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
+  const at::Tensor freqs = to_device_async(positions, device).to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
   const at::Tensor emb = at::cat({freqs, freqs}, -1);
   return {emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)};
 }
@@ -281,6 +285,9 @@ void Drafter::extend_contexts(const std::vector<DrafterContextCache*>& caches,
   const at::Tensor context = trained_rms_norm(at::linear(at::cat(parts), fc_), hidden_norm_, s.rms_norm_eps);
   const int64_t n = context.size(0);
   const RopeTables rope = rope_tables(at::cat(positions), d, s.rope_theta, options_.dtype().toScalarType(), device);
+  // Every layer's rows go into every cache in one multi-tensor copy (copy_all): a copy per cache
+  // and layer was two launches per sequence and layer.
+  std::vector<at::Tensor> into, from;
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const Layer& l = layers_[i];
     const at::Tensor k = apply_rope(trained_rms_norm(at::linear(context, l.k_proj).view({n, hkv, d}), l.k_norm, s.rms_norm_eps), rope);
@@ -292,11 +299,12 @@ void Drafter::extend_contexts(const std::vector<DrafterContextCache*>& caches,
       if (count == 0) continue;
       cache.keys[i] = with_rows(cache.keys[i], begin, begin + count, {hkv, d}, k.options());
       cache.values[i] = with_rows(cache.values[i], begin, begin + count, {hkv, d}, v.options());
-      cache.keys[i].narrow(0, begin, count).copy_(k.narrow(0, row, count));
-      cache.values[i].narrow(0, begin, count).copy_(v.narrow(0, row, count));
+      into.push_back(cache.keys[i].narrow(0, begin, count)), from.push_back(k.narrow(0, row, count));
+      into.push_back(cache.values[i].narrow(0, begin, count)), from.push_back(v.narrow(0, row, count));
       row += count;
     }
   }
+  copy_all(into, from);
   for (size_t j = 0; j < caches.size(); ++j) caches[j]->length += features[j].size(0);
 }
 
@@ -305,6 +313,76 @@ at::Tensor Drafter::block_hidden(const DrafterContextCache& cache, const at::Ten
 }
 
 namespace {
+
+// Whether block_hiddens' attention runs FlashAttention's variable-length kernel (ATen's
+// _flash_attention_forward): bf16 / fp16 on an sm_80+ GPU, heads of at most 256 and a multiple
+// of 8, unless the math path was asked for (then the padded, masked SDPA of
+// block_attention_group: the portable reference). The kernel reads each sequence's keys packed
+// one after another, with no mask to build and no padding, in one launch per layer.
+bool flash_blocks_apply(const at::TensorOptions& options, int64_t head_dim, BlockAttentionPath path) {
+#ifdef DFLASHD_WITH_CUDA
+  const at::ScalarType dtype = options.dtype().toScalarType();
+  if (path == BlockAttentionPath::math || !options.device().is_cuda()) return false;
+  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || head_dim % 8 != 0 || head_dim > 256) return false;
+  return at::cuda::getDeviceProperties(options.device().index())->major >= 8;
+#else
+  (void)options, (void)head_dim, (void)path;
+  return false;
+#endif
+}
+
+// Where FlashAttention finds a block_hiddens call's rows: sequence j's queries are rows
+// cu_q[j] .. cu_q[j + 1] - 1 (its block), its keys rows cu_k[j] .. (its cached context, then its
+// block), one packed tensor per layer. Built once per call (int32 on the device).
+struct PackedBlocks {
+  at::Tensor cu_q, cu_k;
+  int64_t max_q = 0, max_k = 0;
+};
+PackedBlocks packed_blocks(const std::vector<const DrafterContextCache*>& caches, const std::vector<int64_t>& counts,
+                           const at::Device& device) {
+  PackedBlocks p;
+  std::vector<int32_t> cu_q{0}, cu_k{0};
+  for (size_t j = 0; j < caches.size(); ++j) {
+    const int64_t keys = caches[j]->length + counts[j];
+    cu_q.push_back(cu_q.back() + static_cast<int32_t>(counts[j]));
+    cu_k.push_back(cu_k.back() + static_cast<int32_t>(keys));
+    p.max_q = std::max(p.max_q, counts[j]);
+    p.max_k = std::max(p.max_k, keys);
+  }
+  std::vector<int32_t> both = cu_q;
+  both.insert(both.end(), cu_k.begin(), cu_k.end());
+  const at::Tensor on_device = values_on(both, at::kInt, device);
+  p.cu_q = on_device.narrow(0, 0, static_cast<int64_t>(cu_q.size()));
+  p.cu_k = on_device.narrow(0, static_cast<int64_t>(cu_q.size()), static_cast<int64_t>(cu_k.size()));
+  return p;
+}
+
+// Attention of every block in layer `layer` ([total, Hq, d], the blocks' rows in order) on
+// FlashAttention's kernel, with the semantics of block_attention_group: a full layer's rows see
+// the whole cached context and the whole block (not causal); a sliding layer's row r (position
+// p = context + r) sees keys > p - window up to its own (causal, aligned to the last key, with a
+// window of window - 1 keys before the query's own; its block's rows 0..r all lie inside it
+// when the window holds the block, which the caller ensures).
+at::Tensor flash_block_attention(const DrafterShape& s, const std::vector<const DrafterContextCache*>& caches,
+                                 const std::vector<int64_t>& counts, const PackedBlocks& p, int64_t layer,
+                                 const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block) {
+  std::vector<at::Tensor> keys, values;
+  for (int64_t j = 0, row = 0; j < static_cast<int64_t>(caches.size()); row += counts[j], ++j) {
+    const DrafterContextCache& cache = *caches[j];
+    if (cache.length > 0) {
+      keys.push_back(cache.keys[layer].narrow(0, 0, cache.length));
+      values.push_back(cache.values[layer].narrow(0, 0, cache.length));
+    }
+    keys.push_back(k_block.narrow(0, row, counts[j]));
+    values.push_back(v_block.narrow(0, row, counts[j]));
+  }
+  const int64_t window = s.window_of(layer);
+  const std::optional<int64_t> left = window > 0 ? std::optional<int64_t>(window - 1) : std::nullopt;
+  const std::optional<int64_t> right = window > 0 ? std::optional<int64_t>(0) : std::nullopt;
+  return std::get<0>(at::_flash_attention_forward(
+      q.contiguous(), at::cat(keys), at::cat(values), p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, /*is_causal=*/window > 0,
+      /*return_debug_mask=*/false, 1.0 / std::sqrt(static_cast<double>(s.head_dim)), left, right));
+}
 
 // Attention of a group's blocks in layer `layer` ([members * rows, Hq, d], member-major): every
 // row of a block sees its sequence's cached context and its whole block (no mask within); in a
@@ -344,7 +422,7 @@ at::Tensor block_attention_group(const DrafterShape& s, const std::vector<const 
       const at::Tensor in_block = key >= context;
       visible = visible & at::where(in_block, key - context <= row, key > context + row - window);
     }
-    mask = visible.unsqueeze(1).to(q.device());  // [G, 1, rows, longest]
+    mask = to_device_async(visible.unsqueeze(1), q.device());  // [G, 1, rows, longest]
   }
   const at::Tensor o = at::scaled_dot_product_attention(
       q.index_select(0, g.rows).view({size, rows, hq, d}).transpose(1, 2), padded_heads_first(keys, longest),
@@ -367,16 +445,33 @@ std::vector<at::Tensor> Drafter::block_hiddens(const std::vector<const DrafterCo
   std::vector<at::Tensor> ids, positions;
   std::vector<int64_t> counts;
   int64_t total = 0;
+  bool on_host = true;
   for (size_t j = 0; j < caches.size(); ++j) {
-    ids.push_back(block_ids[j].to(device, at::kLong).reshape({-1}));
+    ids.push_back(block_ids[j].to(at::kLong).reshape({-1}));
+    on_host = on_host && ids.back().is_cpu();
     const int64_t rows = ids.back().size(0), begin = caches[j]->length;
     positions.push_back(at::arange(begin, begin + rows, at::TensorOptions().dtype(at::kLong)));
     counts.push_back(rows);
     total += rows;
   }
-  const std::vector<RowGroup> groups = group_rows_by_count(counts, device);
+  // The ids in one copy that does not wait for the device (one per block made the host wait at each).
+  if (!on_host) {
+    for (at::Tensor& t : ids) t = t.to(device);
+  }
+  const at::Tensor all_ids = on_host ? to_device_async(at::cat(ids), device) : at::cat(ids);
+  // A sliding window shorter than a block would hide the block's first rows from its last on
+  // FlashAttention's window; they see the whole block up to themselves (the padded path's mask).
+  const int64_t longest_block = *std::max_element(counts.begin(), counts.end());
+  bool windows_hold_blocks = true;
+  for (int64_t i = 0; i < s.num_layers; ++i) {
+    const int64_t window = s.window_of(i);
+    windows_hold_blocks = windows_hold_blocks && (window == 0 || window >= longest_block);
+  }
+  const bool flash = windows_hold_blocks && flash_blocks_apply(options_, d, attention_path_);
+  const PackedBlocks packed = flash ? packed_blocks(caches, counts, device) : PackedBlocks{};
+  const std::vector<RowGroup> groups = flash ? std::vector<RowGroup>{} : group_rows_by_count(counts, device);
   const RopeTables rope = rope_tables(at::cat(positions), d, s.rope_theta, dtype, device);
-  at::Tensor x = at::embedding(embed, at::cat(ids)).to(dtype);
+  at::Tensor x = at::embedding(embed, all_ids).to(dtype);
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const Layer& l = layers_[i];
     const at::Tensor h = trained_rms_norm(x, l.input_norm, s.rms_norm_eps);
@@ -384,9 +479,14 @@ std::vector<at::Tensor> Drafter::block_hiddens(const std::vector<const DrafterCo
     const at::Tensor k_block =
         apply_rope(trained_rms_norm(at::linear(h, l.k_proj).view({total, hkv, d}), l.k_norm, s.rms_norm_eps), rope);
     const at::Tensor v_block = at::linear(h, l.v_proj).view({total, hkv, d});
-    at::Tensor attention = at::empty({total, hq, d}, q.options());
-    for (const RowGroup& g : groups) {
-      attention.index_copy_(0, g.rows, block_attention_group(s, caches, g, i, q, k_block, v_block));
+    at::Tensor attention;
+    if (flash) {
+      attention = flash_block_attention(s, caches, counts, packed, i, q, k_block, v_block);
+    } else {
+      attention = at::empty({total, hq, d}, q.options());
+      for (const RowGroup& g : groups) {
+        attention.index_copy_(0, g.rows, block_attention_group(s, caches, g, i, q, k_block, v_block));
+      }
     }
     x = x + at::linear(attention.view({total, hq * d}), l.o_proj);
     const at::Tensor m = trained_rms_norm(x, l.post_attention_norm, s.rms_norm_eps);

@@ -43,6 +43,7 @@ class Drafter {
 
   const DrafterShape& shape() const { return shape_; }
   // The block attention's implementation (default automatic: block_attention.h decides per call).
+  // Decoding (block_hiddens) keeps the padded, masked SDPA under `math`, the portable reference.
   void set_attention_path(BlockAttentionPath path) { attention_path_ = path; }
   // Activation checkpointing (train.activation_checkpointing): with gradients on, each layer of
   // forward() keeps only its input for backward, which runs the layer again. Same gradients;
@@ -73,8 +74,10 @@ class Drafter {
   // block sees the context before its anchor (forward() of an anchor at cache.length).
   at::Tensor block_hidden(const DrafterContextCache& cache, const at::Tensor& block_ids, const at::Tensor& embed) const;
   // The same for several sequences (batched decoding): the projections, norms and MLPs once over
-  // every block row, the attention once per group of blocks of one length (contexts padded and
-  // masked). extend_context of several caches: one fc and one k / v projection per layer.
+  // every block row; the attention on a bf16 / fp16 GPU once per layer on FlashAttention's
+  // variable-length kernel (contexts and blocks packed), else (and under the math path) once per
+  // group of blocks of one length (contexts padded and masked). extend_context of several caches:
+  // one fc and one k / v projection per layer, the rows copied into every cache at once.
   // Results per sequence, equal to the one-sequence calls up to the rounding of batched GEMMs.
   void extend_contexts(const std::vector<DrafterContextCache*>& caches, const std::vector<at::Tensor>& features) const;
   std::vector<at::Tensor> block_hiddens(const std::vector<const DrafterContextCache*>& caches,

@@ -500,6 +500,58 @@ TEST(DrafterDecoding, ABlockOverTheCachedContextIsTheTrainingForwardOfItsAnchor)
   }
 }
 
+// On a GPU in bf16 the blocks of a batch take FlashAttention's variable-length kernel (contexts
+// and blocks packed, no mask); the math path keeps the padded, masked SDPA. Both against the rows
+// of the same weights in fp32 on the host: the kernel's error no larger than the padded path's
+// (a key wrongly seen or hidden would be an error of another order). Full and sliding layers
+// (a window shorter than a block, where both take the padded path; one of a block; one longer
+// than some contexts), heads of 16 and 128, contexts of different lengths grown by batched
+// extensions, one block cut short.
+TEST(DrafterDecoding, GpuBlocksOnFlashAttentionAreAsCloseAsThePaddedPath) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3"), "tiny");
+  const auto bf16 = at::TensorOptions().device(at::kCUDA, 0).dtype(at::kBFloat16);
+  for (const int64_t head_dim : {16, 128}) {
+    for (const int window : {0, 5, 8, 13}) {
+      SCOPED_TRACE("head_dim " + std::to_string(head_dim) + ", window " + std::to_string(window));
+      drafter::DrafterShape shape = random_drafter(config, 3, 8, window).shape();
+      shape.head_dim = head_dim;
+      drafter::Drafter flash(shape, bf16), padded(shape, bf16), reference(shape, at::TensorOptions().dtype(at::kFloat));
+      flash.init_random(7);
+      padded.load_tensors(flash.parameters(), "the flash drafter");
+      padded.set_attention_path(drafter::BlockAttentionPath::math);
+      reference.load_tensors(flash.parameters(), "the flash drafter");  // the bf16 weights, widened
+      const int64_t width = shape.num_features() * config.hidden_size;
+      const at::Tensor embed = at::randn({config.vocab_size, config.hidden_size}).to(at::kBFloat16).to(at::kFloat);
+      const std::vector<std::vector<int64_t>> grown = {{3, 12, 1, 20}, {0, 8, 0, 17}};  // contexts 3, 20, 1, 37
+      std::vector<std::vector<at::Tensor>> pieces;
+      for (const std::vector<int64_t>& counts : grown) {
+        pieces.emplace_back();
+        for (int64_t n : counts) pieces.back().push_back(at::randn({n, width}).to(at::kBFloat16).to(at::kFloat));
+      }
+      std::vector<at::Tensor> blocks;
+      for (int64_t rows : {8, 8, 5, 8}) {
+        at::Tensor ids = at::full({rows}, shape.mask_token_id, at::TensorOptions().dtype(at::kLong));
+        ids[0] = rows * 7;
+        blocks.push_back(ids);
+      }
+      auto rows_of = [&](const drafter::Drafter& d, const at::Tensor& table) {
+        std::vector<drafter::DrafterContextCache> caches(4);
+        std::vector<drafter::DrafterContextCache*> growing;
+        std::vector<const drafter::DrafterContextCache*> reading;
+        for (auto& c : caches) growing.push_back(&c), reading.push_back(&c);
+        for (const std::vector<at::Tensor>& features : pieces) d.extend_contexts(growing, features);
+        return at::cat(d.block_hiddens(reading, blocks, table)).to(at::kCPU, at::kFloat);
+      };
+      const at::Tensor expected = rows_of(reference, embed);
+      const auto error = [&](const at::Tensor& got) { return ((got - expected).norm() / expected.norm()).item<double>(); };
+      const double on_flash = error(rows_of(flash, embed.to(bf16))), on_padded = error(rows_of(padded, embed.to(bf16)));
+      EXPECT_LT(on_padded, 2e-2);
+      EXPECT_LT(on_flash, 1.5 * on_padded + 2e-3) << "padded path's error " << on_padded;
+    }
+  }
+}
+
 // Greedy speculative decoding is lossless: the same tokens as plain greedy decoding of the target.
 TEST(SpeculativeDecoding, GreedyOutputIsPlainGreedyDecoding) {
   for (const char* preset : kPresets) {
