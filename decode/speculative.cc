@@ -312,13 +312,28 @@ SpeculativeDecoder::SpeculativeDecoder(const target::IncrementalTarget& target, 
 }
 
 void SpeculativeDecoder::start(Sequence& s, const GenerateSettings& settings) const {
-  const int64_t block_size = drafter_.shape().block_size;
-  s.g.drafted_at.assign(static_cast<size_t>(block_size - 1), 0);
-  s.g.accepted_at.assign(static_cast<size_t>(block_size - 1), 0);
   s.cache = target_.new_cache();
-  const target::DecodeOutput out = target_.prefill(s.cache, ids_tensor(s.request.prompt), tap_);
-  s.take_first_token(out.logits, settings.sampling);
-  drafter_.extend_context(s.context, out.features);
+  take_prefills({&s}, {target_.prefill(s.cache, ids_tensor(s.request.prompt), tap_)}, settings);
+}
+
+void SpeculativeDecoder::start_batch(const std::vector<Sequence*>& batch, const GenerateSettings& settings) const {
+  take_prefills(batch, prefill_batch(batch, tap_), settings);
+}
+
+void SpeculativeDecoder::take_prefills(const std::vector<Sequence*>& sequences,
+                                       const std::vector<target::DecodeOutput>& out,
+                                       const GenerateSettings& settings) const {
+  const size_t positions = static_cast<size_t>(drafter_.shape().block_size - 1);
+  std::vector<drafter::DrafterContextCache*> contexts;
+  std::vector<at::Tensor> features;
+  for (size_t j = 0; j < sequences.size(); ++j) {
+    Sequence& s = *sequences[j];
+    s.g.drafted_at.assign(positions, 0);
+    s.g.accepted_at.assign(positions, 0);
+    s.take_first_token(out[j].logits, settings.sampling);
+    contexts.push_back(&s.context), features.push_back(out[j].features);
+  }
+  drafter_.extend_contexts(contexts, features);
 }
 
 void SpeculativeDecoder::advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const {
@@ -435,14 +450,6 @@ void first_tokens_in_flight(const std::vector<Decoder::Sequence*>& sequences,
 }  // namespace
 
 void Decoder::start_all(const std::vector<Sequence*>& admitted, const GenerateSettings& settings) const {
-  for (Sequence* s : admitted) {
-    const auto prefill_start = Clock::now();
-    start(*s, settings);
-    s->g.prefill_seconds = seconds_since(prefill_start);
-  }
-}
-
-void PlainDecoder::start_all(const std::vector<Sequence*>& admitted, const GenerateSettings& settings) const {
   const int64_t budget = target::IncrementalTarget::kPrefillBatchTokens;
   size_t i = 0;
   while (i < admitted.size()) {
@@ -461,18 +468,26 @@ void PlainDecoder::start_all(const std::vector<Sequence*>& admitted, const Gener
       admitted[i++]->g.prefill_seconds = seconds_since(prefill_start);
       continue;
     }
-    std::vector<target::DecodeCache*> caches;
-    std::vector<at::Tensor> ids;
-    for (Sequence* s : batch) {
-      s->cache = target_.new_cache();
-      caches.push_back(&s->cache);
-      ids.push_back(ids_tensor(s->request.prompt));
-    }
-    const std::vector<target::DecodeOutput> out = target_.prefill_batch(caches, ids, {});
-    first_tokens_in_flight(batch, out, settings);
+    start_batch(batch, settings);
     const double seconds = seconds_since(prefill_start);
     for (Sequence* s : batch) s->g.prefill_seconds = seconds;
   }
+}
+
+std::vector<target::DecodeOutput> Decoder::prefill_batch(const std::vector<Sequence*>& batch,
+                                                         const std::vector<int64_t>& tap) const {
+  std::vector<target::DecodeCache*> caches;
+  std::vector<at::Tensor> ids;
+  for (Sequence* s : batch) {
+    s->cache = target_.new_cache();
+    caches.push_back(&s->cache);
+    ids.push_back(ids_tensor(s->request.prompt));
+  }
+  return target_.prefill_batch(caches, ids, tap);
+}
+
+void PlainDecoder::start_batch(const std::vector<Sequence*>& batch, const GenerateSettings& settings) const {
+  first_tokens_in_flight(batch, prefill_batch(batch, {}), settings);
 }
 
 void PlainDecoder::start(Sequence& s, const GenerateSettings& settings) const {

@@ -62,9 +62,8 @@ using Finished = std::function<void(Request&& r, Generation&& g)>;
 // A decoder over the target (and, speculative, a drafter) with continuous batching: at most
 // `max_batch` sequences in flight; each round advances all of them in one batched target step
 // (one batched drafter call before it), and finished sequences' slots take the next requests
-// (their prompts prefilled, then they join the next round: plain decoding prefills the prompts
-// that arrive together in one forward of up to kPrefillBatchTokens tokens; speculative decoding
-// one prompt at a time, in chunks). A decoder keeps no state of its own between or during calls
+// (their prompts prefilled, then they join the next round: the prompts that arrive together in
+// one forward of up to kPrefillBatchTokens tokens, a longer one alone, in chunks). A decoder keeps no state of its own between or during calls
 // (each run()'s sequences are its own), so one object may run on several threads at once.
 class Decoder {
  public:
@@ -90,9 +89,15 @@ class Decoder {
   // Prefills s's prompt and takes its first token (plain decoding: chooses it on the device and
   // leaves it in flight, for the next advance() to take).
   virtual void start(Sequence& s, const GenerateSettings& settings) const = 0;
-  // start() of sequences admitted together, each with its g.prefill_seconds set (here: one at a
-  // time, each timed alone).
-  virtual void start_all(const std::vector<Sequence*>& admitted, const GenerateSettings& settings) const;
+  // start() of sequences admitted together, each with its g.prefill_seconds set: prompts of up to
+  // kPrefillBatchTokens together through start_batch (prefill_seconds: the batch's wall time,
+  // shared), a longer one alone through start().
+  void start_all(const std::vector<Sequence*>& admitted, const GenerateSettings& settings) const;
+  // start() of several sequences whose prompts fit one prefill_batch.
+  virtual void start_batch(const std::vector<Sequence*>& batch, const GenerateSettings& settings) const = 0;
+  // The prompts of `batch` prefilled together into new caches, with the features of `tap`.
+  std::vector<target::DecodeOutput> prefill_batch(const std::vector<Sequence*>& batch,
+                                                  const std::vector<int64_t>& tap) const;
   // One round: every sequence in `active` (none finished) advances by one target step. The host
   // may learn a step's tokens one round later (plain decoding keeps one step in flight).
   virtual void advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const = 0;
@@ -116,6 +121,11 @@ class SpeculativeDecoder : public Decoder {
 
  private:
   void start(Sequence& s, const GenerateSettings& settings) const override;
+  void start_batch(const std::vector<Sequence*>& batch, const GenerateSettings& settings) const override;
+  // After the prefills `out` of `sequences` (out[j] is sequences[j]'s): each one's first token,
+  // its drafter context (all of them extended at once) and its per-position counts.
+  void take_prefills(const std::vector<Sequence*>& sequences, const std::vector<target::DecodeOutput>& out,
+                     const GenerateSettings& settings) const;
   void advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const override;
 
   const drafter::Drafter& drafter_;
@@ -132,9 +142,7 @@ class PlainDecoder : public Decoder {
 
  private:
   void start(Sequence& s, const GenerateSettings& settings) const override;
-  // Prompts of up to kPrefillBatchTokens prefilled together (prefill_seconds: the batch's wall
-  // time, shared); longer ones alone.
-  void start_all(const std::vector<Sequence*>& admitted, const GenerateSettings& settings) const override;
+  void start_batch(const std::vector<Sequence*>& batch, const GenerateSettings& settings) const override;
   void advance(const std::vector<Sequence*>& active, const GenerateSettings& settings) const override;
 };
 

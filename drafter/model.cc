@@ -362,7 +362,7 @@ PackedBlocks packed_blocks(const std::vector<const DrafterContextCache*>& caches
 // the whole cached context and the whole block (not causal); a sliding layer's row r (position
 // p = context + r) sees keys > p - window up to its own (causal, aligned to the last key, with a
 // window of window - 1 keys before the query's own; its block's rows 0..r all lie inside it
-// when the window holds the block, which the caller ensures).
+// when the window holds the block, which block_hiddens checks).
 at::Tensor flash_block_attention(const DrafterShape& s, const std::vector<const DrafterContextCache*>& caches,
                                  const std::vector<int64_t>& counts, const PackedBlocks& p, int64_t layer,
                                  const at::Tensor& q, const at::Tensor& k_block, const at::Tensor& v_block) {
@@ -459,8 +459,9 @@ std::vector<at::Tensor> Drafter::block_hiddens(const std::vector<const DrafterCo
     for (at::Tensor& t : ids) t = t.to(device);
   }
   const at::Tensor all_ids = on_host ? to_device_async(at::cat(ids), device) : at::cat(ids);
-  // A sliding window shorter than a block would hide the block's first rows from its last on
-  // FlashAttention's window; they see the whole block up to themselves (the padded path's mask).
+  // A sliding window shorter than a block (a config.json from elsewhere may say so; ours refuses
+  // it) would hide a block's first rows from its last on FlashAttention's window, where they see
+  // the whole block up to themselves: such a drafter keeps the padded path's mask.
   const int64_t longest_block = *std::max_element(counts.begin(), counts.end());
   bool windows_hold_blocks = true;
   for (int64_t i = 0; i < s.num_layers; ++i) {
