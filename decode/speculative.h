@@ -63,8 +63,9 @@ using Finished = std::function<void(Request&& r, Generation&& g)>;
 // `max_batch` sequences in flight; each round advances all of them in one batched target step
 // (one batched drafter call before it), and finished sequences' slots take the next requests
 // (their prompts prefilled, then they join the next round: the prompts that arrive together in
-// one forward of up to kPrefillBatchTokens tokens, a longer one alone, in chunks). A decoder keeps no state of its own between or during calls
-// (each run()'s sequences are its own), so one object may run on several threads at once.
+// one forward of up to kPrefillBatchTokens tokens, a longer one alone, in chunks). A decoder
+// keeps no state of its own between or during calls (each run()'s sequences are its own), so one
+// object may run on several threads at once.
 class Decoder {
  public:
   virtual ~Decoder() = default;

@@ -547,7 +547,9 @@ TEST(DrafterDecoding, GpuBlocksOnFlashAttentionAreAsCloseAsThePaddedPath) {
         return at::cat(d.block_hiddens(reading, blocks, table)).to(at::kCPU, at::kFloat);
       };
       const at::Tensor expected = rows_of(reference, embed);
-      const auto error = [&](const at::Tensor& got) { return ((got - expected).norm() / expected.norm()).item<double>(); };
+      const auto error = [&](const at::Tensor& got) {
+        return ((got - expected).norm() / expected.norm()).item<double>();
+      };
       const double on_flash = error(rows_of(flash, embed.to(bf16))), on_padded = error(rows_of(padded, embed.to(bf16)));
       EXPECT_LT(on_padded, 2e-2);
       EXPECT_LT(on_flash, 1.5 * on_padded + 2e-3) << "padded path's error " << on_padded;
