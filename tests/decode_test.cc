@@ -503,10 +503,9 @@ TEST(DrafterDecoding, ABlockOverTheCachedContextIsTheTrainingForwardOfItsAnchor)
 // On a GPU in bf16 the blocks of a batch take FlashAttention's variable-length kernel (contexts
 // and blocks packed, no mask); the math path keeps the padded, masked SDPA. Both against the rows
 // of the same weights in fp32 on the host: the kernel's error within 1.5 times the padded path's
-// (a window one key too wide fails that). Full and sliding layers
-// (a window shorter than a block, where both take the padded path; one of a block; one longer
-// than some contexts), heads of 16 and 128, contexts of different lengths grown by batched
-// extensions, one block cut short.
+// (a window one key too wide fails that). Full and sliding layers (a window shorter than a block,
+// where both take the padded path; one of a block; one longer than some contexts), heads of 16
+// and 128, contexts of different lengths grown by batched extensions, one block cut short.
 TEST(DrafterDecoding, GpuBlocksOnFlashAttentionAreAsCloseAsThePaddedPath) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const ModelConfig config = parse_model_config(preset_config_json("tiny-qwen3"), "tiny");
