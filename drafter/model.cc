@@ -14,10 +14,7 @@
 #include <optional>
 #include <stdexcept>
 
-#ifdef DFLASHD_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#endif
-
+#include "common/flash_attention.h"
 #include "common/safetensors.h"
 #include "common/tensor_math.h"
 #include "drafter/layer_ops.h"
@@ -314,21 +311,12 @@ at::Tensor Drafter::block_hidden(const DrafterContextCache& cache, const at::Ten
 
 namespace {
 
-// Whether block_hiddens' attention runs FlashAttention's variable-length kernel (ATen's
-// _flash_attention_forward): bf16 / fp16 on an sm_80+ GPU, heads of at most 256 and a multiple
-// of 8, unless the math path was asked for (then the padded, masked SDPA of
+// Whether block_hiddens' attention runs FlashAttention's variable-length kernel: where it runs
+// (common/flash_attention.h), unless the math path was asked for (then the padded, masked SDPA of
 // block_attention_group: the portable reference). The kernel reads each sequence's keys packed
 // one after another, with no mask to build and no padding, in one launch per layer.
 bool flash_blocks_apply(const at::TensorOptions& options, int64_t head_dim, BlockAttentionPath path) {
-#ifdef DFLASHD_WITH_CUDA
-  const at::ScalarType dtype = options.dtype().toScalarType();
-  if (path == BlockAttentionPath::math || !options.device().is_cuda()) return false;
-  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || head_dim % 8 != 0 || head_dim > 256) return false;
-  return at::cuda::getDeviceProperties(options.device().index())->major >= 8;
-#else
-  (void)options, (void)head_dim, (void)path;
-  return false;
-#endif
+  return path != BlockAttentionPath::math && flash_attention_runs(options, head_dim);
 }
 
 // Where FlashAttention finds a block_hiddens call's rows: sequence j's queries are rows

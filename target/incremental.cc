@@ -17,6 +17,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/flash_attention.h"
 #include "common/tensor_math.h"
 #include "target/fused_ops.h"
 #include "target/gated_delta_net.h"
@@ -139,24 +140,6 @@ void put_group_rows(const RowGroup& group, at::Tensor& out, const at::Tensor& ro
   } else {
     out.index_copy_(0, group.rows, rows);
   }
-}
-
-// Whether the attention layers of a step run FlashAttention's variable-length kernel (ATen's
-// _flash_attention_forward: bf16 / fp16 on an sm_80+ GPU, heads of at most 256, a multiple of 8)
-// rather than SDPA with a mask. The kernel reads each member's keys as the first used_k[j] rows
-// of its row of the batch (no mask to build, grouped-query heads read as they are) and costs the
-// host one launch: cuDNN's masked SDPA, which ATen picks otherwise, spent 2.6 ms of host time per
-// call at 128 sequences (bench/RESULTS.md, session 16). Same math; CPU runs keep the mask.
-bool flash_decoding_applies(const at::TensorOptions& activations, int64_t head_dim) {
-#ifdef DFLASHD_WITH_CUDA
-  const at::ScalarType dtype = activations.dtype().toScalarType();
-  if (!activations.device().is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf)) return false;
-  if (head_dim % 8 != 0 || head_dim > 256) return false;
-  return at::cuda::getDeviceProperties(activations.device().index())->major >= 8;
-#else
-  (void)activations, (void)head_dim;
-  return false;
-#endif
 }
 
 // A group's step in the attention layers, the same in each: where its members' keys and values
@@ -719,7 +702,13 @@ std::vector<KvStep> plan_kv_steps(const std::vector<Layer>& layers, const std::v
   for (size_t i = 0; i < layers.size(); ++i) {
     if (layers[i].kind == LayerKind::full_attention) attention.push_back(i);
   }
-  const bool flash = !attention.empty() && flash_decoding_applies(activations, head_dim);
+  // The attention layers run FlashAttention's variable-length kernel where it runs
+  // (common/flash_attention.h) rather than SDPA with a mask. The kernel reads each member's keys
+  // as the first used_k[j] rows of its row of the batch (no mask to build, grouped-query heads
+  // read as they are) and costs the host one launch: cuDNN's masked SDPA, which ATen picks
+  // otherwise, spent 2.6 ms of host time per call at 128 sequences (bench/RESULTS.md, session
+  // 16). Same math; CPU runs keep the mask.
+  const bool flash = !attention.empty() && flash_attention_runs(activations, head_dim);
   for (const RowGroup& group : groups) {
     if (attention.empty()) break;
     steps.push_back(plan_kv_step(group, caches, lengths, attention, activations.device(), flash, croppable));
