@@ -3,7 +3,7 @@
 # doctor, the GPU tests, the drafter step against SpecForge's (flex_attention), and the whole
 # pipeline at Qwen3.5-27B shapes. Expects the offline bundle (deploy/bundle.sh build
 # --with-tests) in dist/ and the specforge wheel in .whl/. Prints a table at the end; full logs
-# go to $OUT when set. Phases: step (default), gdn, decode, generate, ops, moe, fp8,
+# go to $OUT when set. Phases: step (default), tests (every GPU test), gdn, decode, generate, ops, moe, fp8,
 # e2e 27b|27b-fp8|27b-fp8-recipe|27b-long|27b-long-fp8|27b-98k|27b-128k-fp8|8b|35b-a3b|35b-a3b-fp8|80b-a3b-fp8
 # (bench/pipeline_MODEL.yaml).
 set -uo pipefail
@@ -18,18 +18,28 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 phase="${1:-step}"
-if [ "$phase" = ops ]; then
-  # Operations (issue 20): the kernels' GPU tests (the mma.sync variants now forced by a test
-  # hook, not the environment), NCCL abort, the attention refusal on a GPU, and what a 27B
-  # drafter checkpoint costs the drafter's thread before and after the writer thread.
-  "$B/tests/target_test" --gtest_filter='*Gpu*:GatedDelta*:FusedOps*:TargetRandom*' 2>&1 | grep -E "^\[ +(OK|FAILED|SKIPPED) |Failure|Expected|Which" | tee "$out/target_gpu_tests.txt"
-  "$B/tests/drafter_test" --gtest_filter='*Gpu*:BlockAttention.*' 2>&1 | grep -E "^\[ +(OK|FAILED|SKIPPED) |Failure|Expected|Which" | tee "$out/drafter_gpu_tests.txt"
-  DFLASHD_BINARY="$B/bin/dflashd" "$B/tests/pipeline_test" --gtest_filter='*Gpu*:NcclGradients.*' 2>&1 | grep -E "^\[ +(OK|FAILED|SKIPPED) |Failure|Expected|Which" | tee "$out/pipeline_gpu_tests.txt"
+# Every test that needs a GPU, in every test binary of the bundle: the tests named *Gpu* and the
+# GatedDeltaNet kernel and NCCL suites (all of them skip without CUDA, so CI never runs them),
+# after transformers' FP8 checkpoint is written for Fp8.GpuTappedStatesMatchTransformersFp8.
+gpu_tests() {
+  timeout 200 python3 tests/reference/make_fp8_reference.py /tmp/fp8-ref > "$out/fp8_reference.txt" 2>&1
+  for t in "$B"/tests/*_test; do
+    DFLASHD_FP8_REFERENCE_DIR=/tmp/fp8-ref DFLASHD_BINARY="$B/bin/dflashd" timeout 300 "$t" \
+      --gtest_filter='*Gpu*:GatedDeltaNetKernels.*:NcclGradients.*' 2>&1 |
+      grep -E "^\[ +(OK|FAILED|SKIPPED) |Failure|Expected|Which" > "$out/$(basename "$t")_gpu.txt"
+  done
+  echo "==== GPU tests"
+  cat "$out"/*_gpu.txt | grep -cE "^\[ +OK" | sed 's/^/passed: /'
+  cat "$out"/*_gpu.txt | grep -E "FAILED|SKIPPED" || true
+}
+if [ "$phase" = tests ]; then
+  gpu_tests
+elif [ "$phase" = ops ]; then
+  # Operations (issue 20): the GPU tests, then what a 27B drafter checkpoint costs the drafter's
+  # thread before and after the writer thread.
+  gpu_tests
   DFLASHD_EXEC=checkpoint_bench "$B/bin/dflashd" /tmp/dflashd-checkpoint-bench 2>&1 | tee "$out/checkpoint_bench.txt"
   rm -rf /tmp/dflashd-checkpoint-bench
-  echo "==== ops summary"
-  cat "$out"/*_gpu_tests.txt | grep -cE "^\[ +OK" | sed 's/^/GPU tests passed: /'
-  cat "$out"/*_gpu_tests.txt | grep -E "FAILED|SKIPPED" || true
   tail -5 "$out/checkpoint_bench.txt"
 elif [ "$phase" = fp8 ]; then
   # FP8 targets (issue 24): transformers' FP8 checkpoint and forward (the reference), the FP8 GPU
