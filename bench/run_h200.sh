@@ -19,7 +19,8 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 phase="${1:-step}"
 # Every test that needs a GPU, in every test binary of the bundle: the tests named *Gpu* and the
-# GatedDeltaNet kernel and NCCL suites (all of them skip without CUDA, so CI never runs them),
+# GatedDeltaNet kernel and NCCL suites (all of them skip without CUDA, so CI never runs them;
+# tests/gpu_test_names_check.py keeps every GPU test inside this filter),
 # after transformers' FP8 checkpoint is written for Fp8.GpuTappedStatesMatchTransformersFp8.
 gpu_tests() {
   timeout 200 python3 tests/reference/make_fp8_reference.py /tmp/fp8-ref > "$out/fp8_reference.txt" 2>&1

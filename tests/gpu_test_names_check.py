@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""Every test that skips without a GPU is one that `bench/run_h200.sh tests` selects.
+
+CI has no GPU, so a GPU test runs only when someone runs it on a GPU host; `run_h200.sh tests`
+selects them by name (`*Gpu*`, and the GatedDeltaNetKernels and NcclGradients suites). This check
+reads the test sources: a test whose body skips on a GPU condition (a GTEST_SKIP on a line that
+names CUDA, a GPU, Hopper or a device count, or right after such an `if`) must match that
+selection. It prints each test that does not and exits 1.
+
+Usage: gpu_test_names_check.py TESTS_DIR
+"""
+import pathlib
+import re
+import sys
+
+SUITES = {"GatedDeltaNetKernels", "NcclGradients"}  # bench/run_h200.sh's filter, besides *Gpu*
+HEADER = re.compile(r"^TEST(?:_F|_P)?\((\w+),\s*(\w+)\)", re.M)
+GPU_WORDS = re.compile(r"hasCUDA|device_count|GPU|CUDA|Hopper|sm_90|fp8_gemm_unavailable")
+
+
+def gpu_skips(body):
+    """Whether a test body skips on a GPU condition."""
+    lines = body.splitlines()
+    for i, line in enumerate(lines):
+        if "GTEST_SKIP" in line and (GPU_WORDS.search(line) or (i > 0 and GPU_WORDS.search(lines[i - 1]))):
+            return True
+    return False
+
+
+def main(tests_dir):
+    missing = []
+    for path in sorted(pathlib.Path(tests_dir).glob("*.cc")):
+        text = path.read_text()
+        headers = list(HEADER.finditer(text))
+        for n, m in enumerate(headers):
+            end = headers[n + 1].start() if n + 1 < len(headers) else len(text)
+            suite, name = m.group(1), m.group(2)
+            if gpu_skips(text[m.end():end]) and "Gpu" not in suite + name and suite not in SUITES:
+                missing.append(f"{path.name}: {suite}.{name} skips without a GPU but is not named *Gpu* "
+                               f"(nor in {', '.join(sorted(SUITES))}): bench/run_h200.sh tests would not run it")
+    for line in missing:
+        print(line)
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).parent))
