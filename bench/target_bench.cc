@@ -11,7 +11,11 @@
 //   An MoE target's FP8 forward runs twice: its experts dequantized per layer (kernels/
 //   grouped_fp8.h's hook `off`, in one process), then on the FP8 grouped GEMM; its MoE block also
 //   at decode's sizes (64, 128 and 512 tokens).
-// Usage: target_bench CONFIG_DIR [LAST_LAYER]   (LAST_LAYER -1: no whole forward, the MoE block only)
+//   4. with LENGTHS (e.g. 512,768,1024,768): those sequences' forwards one by one against one
+//      packed forward of all of them (cu_seqlens), bf16 and FP8: what packing short sequences
+//      into one target forward would save.
+// Usage: target_bench CONFIG_DIR [LAST_LAYER [LENGTHS]]   (LAST_LAYER -1: no whole forward, the MoE block
+// only; with LENGTHS only the packing comparison)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/core/InferenceMode.h>
@@ -93,6 +97,25 @@ void bench_forward(const target::ModelConfig& config, const char* config_dir, in
     } catch (const std::exception& e) {
       std::printf("  fp8: %s\n", e.what());
     }
+  }
+}
+
+// The sequences of `lengths` through the target one forward each, then packed into one forward.
+void bench_packing(const target::ModelConfig& config, int64_t last, const std::vector<int64_t>& lengths) {
+  std::vector<int64_t> cu{0};
+  for (const int64_t n : lengths) cu.push_back(cu.back() + n);
+  const at::Tensor ids = at::randint(0, config.vocab_size, {cu.back()}, at::TensorOptions().dtype(at::kLong));
+  target::TargetOptions options{at::Device(at::kCUDA, 0), at::kBFloat16, false};
+  for (const bool fp8 : {false, true}) {
+    if (fp8 && target::fp8_gemm_unavailable(options.device)) continue;
+    options.fp8_weights = fp8;
+    auto model = target::random_target(config, last, options, 1);
+    const double apart = median_ms(5, [&] {
+      for (size_t i = 0; i + 1 < cu.size(); ++i) model->forward(ids.narrow(0, cu[i], lengths[i]), {0, lengths[i]}, {last});
+    });
+    const double packed = median_ms(5, [&] { model->forward(ids, cu, {last}); });
+    std::printf("%s, %zu sequences, %lld tokens: one forward each %.2f ms, packed %.2f ms (%.2fx)\n",
+                fp8 ? "fp8" : "bf16", lengths.size(), static_cast<long long>(cu.back()), apart, packed, apart / packed);
   }
 }
 
@@ -184,6 +207,20 @@ int main(int argc, char** argv) {
 
   const target::ModelConfig config = target::load_model_config(argv[1]);
   const int64_t last = argc > 2 ? std::atoll(argv[2]) : config.default_tapped_layers(5).back();
+  if (argc > 3) {
+    std::vector<int64_t> lengths;
+    for (const char* at = argv[3]; *at != 0;) {
+      char* end = nullptr;
+      lengths.push_back(std::strtoll(at, &end, 10));
+      at = *end == ',' ? end + 1 : end;
+      if (lengths.back() <= 0 || (*end != ',' && *end != 0)) {
+        std::fprintf(stderr, "target_bench: LENGTHS is a comma-separated list of positive lengths, not %s\n", argv[3]);
+        return 2;
+      }
+    }
+    bench_packing(config, last, lengths);
+    return 0;
+  }
   if (last >= 0) bench_forward(config, argv[1], last, rate);
   if (config.num_experts > 0) bench_moe_block(config, rate);
   return 0;
