@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Every test that skips without a GPU is one that `bench/run_h200.sh tests` selects.
+"""Every test that skips without a GPU is one that `make test-gpu` and `run_h200.sh tests` select.
 
-CI has no GPU, so a GPU test runs only when someone runs it on a GPU host; `run_h200.sh tests`
-selects them by name (`*Gpu*`, and the GatedDeltaNetKernels and NcclGradients suites). This check
-reads the test sources: a test whose body skips on a GPU condition (a GTEST_SKIP on a line that
-names CUDA, a GPU, Hopper or a device count, or right after such an `if`) must match that
-selection. It prints each test that does not and exits 1.
+CI has no GPU, so a GPU test runs only when someone runs it on a GPU host; `make test-gpu` and
+`bench/run_h200.sh tests` select them by name: `*Gpu*`, and the GatedDeltaNetKernels and
+NcclGradients suites. This check reads the test sources: a test whose body skips on a GPU
+condition (a GTEST_SKIP on a line that names CUDA, a GPU, Hopper or a device count, or right
+after such an `if`) must match that selection. It prints each test that does not and exits 1.
 
 Usage: gpu_test_names_check.py TESTS_DIR
 """
@@ -13,7 +13,7 @@ import pathlib
 import re
 import sys
 
-SUITES = {"GatedDeltaNetKernels", "NcclGradients"}  # bench/run_h200.sh's filter, besides *Gpu*
+SUITES = {"GatedDeltaNetKernels", "NcclGradients"}  # their filter, besides *Gpu*
 HEADER = re.compile(r"^TEST(?:_F|_P)?\((\w+),\s*(\w+)\)", re.M)
 GPU_WORDS = re.compile(r"hasCUDA|device_count|GPU|CUDA|Hopper|sm_90|fp8_gemm_unavailable")
 
@@ -37,7 +37,7 @@ def main(tests_dir):
             suite, name = m.group(1), m.group(2)
             if gpu_skips(text[m.end():end]) and "Gpu" not in suite + name and suite not in SUITES:
                 missing.append(f"{path.name}: {suite}.{name} skips without a GPU but is not named *Gpu* "
-                               f"(nor in {', '.join(sorted(SUITES))}): bench/run_h200.sh tests would not run it")
+                               f"(nor in {', '.join(sorted(SUITES))}): make test-gpu would not run it")
     for line in missing:
         print(line)
     return 1 if missing else 0
