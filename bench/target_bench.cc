@@ -111,7 +111,9 @@ void bench_packing(const target::ModelConfig& config, int64_t last, const std::v
     options.fp8_weights = fp8;
     auto model = target::random_target(config, last, options, 1);
     const double apart = median_ms(5, [&] {
-      for (size_t i = 0; i + 1 < cu.size(); ++i) model->forward(ids.narrow(0, cu[i], lengths[i]), {0, lengths[i]}, {last});
+      for (size_t i = 0; i + 1 < cu.size(); ++i) {
+        model->forward(ids.narrow(0, cu[i], lengths[i]), {0, lengths[i]}, {last});
+      }
     });
     const double packed = median_ms(5, [&] { model->forward(ids, cu, {last}); });
     std::printf("%s, %zu sequences, %lld tokens: one forward each %.2f ms, packed %.2f ms (%.2fx)\n",
