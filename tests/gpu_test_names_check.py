@@ -34,8 +34,9 @@ def main(tests_dir):
         headers = list(HEADER.finditer(text))
         for n, m in enumerate(headers):
             end = headers[n + 1].start() if n + 1 < len(headers) else len(text)
+            closing = text.find("\n}\n", m.end(), end)  # the body ends at the first `}` in column 0
             suite, name = m.group(1), m.group(2)
-            if gpu_skips(text[m.end():end]) and "Gpu" not in suite + name and suite not in SUITES:
+            if gpu_skips(text[m.end():closing if closing >= 0 else end]) and "Gpu" not in suite + name and suite not in SUITES:
                 missing.append(f"{path.name}: {suite}.{name} skips without a GPU but is not named *Gpu* "
                                f"(nor in {', '.join(sorted(SUITES))}): make test-gpu would not run it")
     for line in missing:
