@@ -40,14 +40,14 @@ build: configure
 test: build
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} ctest --test-dir $(BUILD_DIR) --output-on-failure -j$$(nproc)
 
-# On a GPU host: every GPU test (the CTest check gpu_test_names keeps them named so), one at a
+# On a GPU host: every GPU test (named as tests/gpu_test_names_check.py says and checks), one at a
 # time, after transformers' FP8 checkpoint for Fp8.GpuTappedStatesMatchTransformersFp8 (which
 # transformers writes on the GPU, so the target stops where there is none).
 FP8_REFERENCE := $(CURDIR)/$(BUILD_DIR)/tests/reference/fp8
 test-gpu: build
 	$(DFLASHD_CACHE)/venv/bin/python3 tests/reference/make_fp8_reference.py $(FP8_REFERENCE)
 	DFLASHD_FP8_REFERENCE_DIR=$(FP8_REFERENCE) ctest --test-dir $(BUILD_DIR) --output-on-failure \
-	  -R 'Gpu|GatedDeltaNetKernels|NcclGradients'
+	  -R "$$(python3 tests/gpu_test_names_check.py --ctest-regex)"
 
 demo: build
 	deploy/demo.sh $(BUILD_DIR)/daemon/dflashd
