@@ -39,6 +39,7 @@
 #include "target/incremental.h"
 #include "target/stages.h"
 #include "target/kernels/decode_attention.h"
+#include "target/kernels/gated_delta_net.h"
 #include "target/kernels/grouped_fp8.h"
 #include "target/model.h"
 
@@ -248,7 +249,8 @@ void timed_prefills(const target::IncrementalTarget& target, std::vector<target:
 }
 
 // A batch's plain steps (one token each), timed one by one (the host waiting) and back to back,
-// and back to back with cuBLASLt's projections and with FlashAttention's kernel. Printed as soon
+// and back to back with cuBLASLt's projections, with FlashAttention's kernel and with every
+// GatedDeltaNet state stored every step (bf16 states defer them otherwise). Printed as soon
 // as measured: on a GPU too small for the later rounds (an H100 at 128 sequences of 27B shapes)
 // they still report before the allocation that fails. Returns the step timed one by one.
 double plain_rounds(const target::IncrementalTarget& target, const std::vector<target::DecodeCache*>& all,
@@ -260,6 +262,8 @@ double plain_rounds(const target::IncrementalTarget& target, const std::vector<t
       back_to_back_with(target, all, one, [](bool on) { force_mma_sync(MmaKernels::projections, on); });
   const double back_to_back_fa =
       back_to_back_with(target, all, one, [](bool on) { target::kernels::decode_attention_off = on; });
+  const double back_to_back_stored =
+      back_to_back_with(target, all, one, [](bool on) { target::kernels::deferred_stores_off = on; });
   std::printf("batch of %3lld: plain step %7.2f ms (%6.0f tok/s, %.1fx one sequence's rate)\n",
               static_cast<long long>(batch), plain, 1e3 * static_cast<double>(batch) / plain,
               static_cast<double>(batch) * plain_one / plain);
@@ -270,6 +274,9 @@ double plain_rounds(const target::IncrementalTarget& target, const std::vector<t
               static_cast<long long>(batch), back_to_back_lt, 1e3 * static_cast<double>(batch) / back_to_back_lt);
   std::printf("batch of %3lld: plain steps back to back with FlashAttention's kernel for the attention %.2f ms each\n",
               static_cast<long long>(batch), back_to_back_fa);
+  std::printf("batch of %3lld: plain steps back to back storing every GatedDeltaNet state every step (bf16 states: "
+              "stores not deferred) %.2f ms each\n",
+              static_cast<long long>(batch), back_to_back_stored);
   return plain;
 }
 

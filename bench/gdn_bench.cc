@@ -28,6 +28,7 @@
 #include "pipeline/flops.h"
 #include "target/gated_delta_net.h"
 #include "target/gdn_cuda.h"
+#include "target/kernels/gated_delta_net.h"
 #include "target/model.h"
 
 using namespace dflash;
@@ -129,6 +130,48 @@ void time_core(const std::vector<int64_t>& lengths, int64_t hk, int64_t hv) {
               stages[2][0], stages[2][1], stages[2][2]);
 }
 
+// The same step with the states' stores deferred (gated_delta_rule_decode_step_deferred_cuda): each
+// set's logs filled by kGdnDeferTokens steps first, then steps with every count at or past that
+// (each step 1/8 of the heads store), rotating over the four state sets as above.
+void time_deferred_step(const std::vector<at::Tensor>& states, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double step) {
+  const int64_t sequences = q.size(0), hk = q.size(2), hv = v.size(2);
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  auto addresses = [&](const at::Tensor& batch) {
+    std::vector<int64_t> rows;
+    for (int64_t r = 0; r < batch.size(0); ++r) {
+      rows.push_back(reinterpret_cast<int64_t>(static_cast<char*>(batch.data_ptr()) +
+                                               r * batch.stride(0) * static_cast<int64_t>(batch.element_size())));
+    }
+    return at::tensor(rows, at::kLong).to(at::kCUDA);
+  };
+  std::vector<at::Tensor> logs, state_rows, log_rows, counts;
+  for (const at::Tensor& set : states) {
+    const target::kernels::GdnDecodeLog layout{static_cast<int>(hk), static_cast<int>(hv)};
+    logs.push_back(at::zeros({sequences, layout.bytes()}, cuda.dtype(at::kByte)));
+    state_rows.push_back(addresses(set));
+    log_rows.push_back(addresses(logs.back()));
+  }
+  constexpr int64_t kDefer = target::kernels::kGdnDeferTokens;
+  for (int64_t n = 0; n < 2 * kDefer; ++n) counts.push_back(at::full({sequences}, n, cuda.dtype(at::kLong)));
+  auto run = [&](int set, int64_t n) {
+    (void)target::gated_delta_rule_decode_step_deferred_cuda(q, k, v, g, beta, state_rows[set],
+                                                             {log_rows[set], counts[static_cast<size_t>(n)]});
+  };
+  for (int set = 0; set < 4; ++set) {
+    for (int64_t n = 0; n < kDefer; ++n) run(set, n);
+  }
+  // Iteration i steps set i % 4 at count 8 + (i / 4) % 8: every set's counts advance by one each
+  // time it steps, as a decoding loop's do.
+  const double deferred = cuda_ms(32, [&](int i) { run(i % 4, kDefer + (i / 4) % kDefer); });
+  const double stores = cuda_ms(4, [&](int i) {
+    target::gated_delta_rule_store_deferred_cuda(state_rows[i % 4], {log_rows[i % 4], counts[7]}, hk, hv);
+  });
+  std::printf("decode step, %lld sequences, bf16 states, stores deferred: step %.3f ms (%.2fx the step above); "
+              "all stored at once %.3f ms\n",
+              static_cast<long long>(sequences), deferred, step / deferred, stores);
+}
+
 // One decoding step's state update (decode_token kernels: one token per sequence) at 27B shapes,
 // `sequences` at once, against a plain copy of the same bytes (the rate a kernel that reads and
 // writes each state once could reach) and a plain read (a sum). Four state sets rotated (each
@@ -153,6 +196,7 @@ void time_decode_step(int64_t sequences, int64_t hk, int64_t hv, at::ScalarType 
               "(%.2f TB/s); read %.3f ms (%.2f TB/s)\n",
               static_cast<long long>(sequences), state_dtype == at::kBFloat16 ? "bf16" : "fp32", bytes / 2e6, step,
               bytes / step / 1e9, copy, bytes / copy / 1e9, read, bytes / 2 / read / 1e9);
+  if (state_dtype == at::kBFloat16) time_deferred_step(states, q, k, v, g, beta, step);
 }
 
 // The whole 27B-shaped target forward at 3072 and 4096 tokens, MFU against the measured matmul

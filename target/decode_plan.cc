@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "target/kernels/gdn_log.h"
+
 namespace dflash::target {
 
 int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t step_tokens, int64_t dtype_bytes,
@@ -23,6 +25,11 @@ int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t st
                                c.linear_num_value_heads * c.linear_value_head_dim;
       bytes += 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * state_bytes +
                (c.linear_conv_kernel_dim - 1) * channels * dtype_bytes;
+      // bf16 states: plain steps' log of the tokens whose stores they defer (kernels/gdn_log.h).
+      if (state_bytes == 2) {
+        bytes += kernels::GdnDecodeLog{static_cast<int>(c.linear_num_key_heads),
+                                       static_cast<int>(c.linear_num_value_heads)}.bytes();
+      }
     }
   }
   return bytes + (layers.head ? step_tokens * c.vocab_size * (4 + dtype_bytes) : 0);

@@ -147,12 +147,22 @@ at::Tensor bind_decode_norm(const GdnOutputNorm& norm, int64_t rows, int64_t val
   return normed;
 }
 
+// Deferred stores' arguments: the logs' and pending counts' device tables, one entry a sequence.
+void bind_deferred(const GdnDeferredRows& d, int64_t sequences, kernels::GdnDecodeStep& a) {
+  expect(d.logs.is_cuda() && d.logs.scalar_type() == at::kLong && d.logs.numel() == sequences &&
+             d.pending.is_cuda() && d.pending.scalar_type() == at::kLong && d.pending.numel() == sequences &&
+             d.logs.is_contiguous() && d.pending.is_contiguous(),
+         "deferred stores: logs and pending must be int64 [sequences] on the GPU");
+  a.deferred.logs = static_cast<void* const*>(d.logs.data_ptr());
+  a.deferred.pending = d.pending.data_ptr<int64_t>();
+}
+
 // The decode step's launch: the states read from `state` (a [sequences, value_heads, 128, 128]
 // batch) or, with `state_rows` defined, where its addresses point (`state` then only gives the
 // dtype and device of the new batch). With `norm`, o is the layer's gated RMSNorm of it (GdnOutputNorm).
 GdnDecodeResult decode_step(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
                             const at::Tensor& beta_in, const at::Tensor& state_in, const at::Tensor& state_rows,
-                            const GdnOutputNorm* norm) {
+                            const GdnOutputNorm* norm, const GdnDeferredRows* deferred = nullptr) {
   constexpr int64_t D = kernels::kGdnHeadDim;
   const int64_t sequences = q_in.size(0), tokens = q_in.size(1), key_heads = q_in.size(2), value_heads = v_in.size(2);
   auto shaped = [&](const at::Tensor& t, int64_t heads) {
@@ -181,14 +191,14 @@ GdnDecodeResult decode_step(const at::Tensor& q_in, const at::Tensor& k_in, cons
     expect(state_rows.is_cuda() && state_rows.scalar_type() == at::kLong && state_rows.numel() == sequences &&
                (state_in.scalar_type() == at::kBFloat16 || state_in.scalar_type() == at::kFloat),
            "decode step: state_rows must be int64 [sequences] on the GPU, the states fp32 or bf16");
-    state = at::empty({sequences, value_heads, D, D}, state_in.options());
+    if (deferred == nullptr) state = at::empty({sequences, value_heads, D, D}, state_in.options());
   } else {
     state = (state_in.scalar_type() == at::kBFloat16 ? state_in : state_in.to(at::kFloat)).contiguous();
     expect(state.numel() == sequences * value_heads * D * D,
            "decode step: the state must be [sequences, value_heads, 128, 128]");
   }
   // The output is fp32 whatever the state's dtype (the kernel's epilogue writes fp32).
-  GdnDecodeResult r{at::empty({sequences, tokens, value_heads, D}, state.options().dtype(at::kFloat)),
+  GdnDecodeResult r{at::empty({sequences, tokens, value_heads, D}, q.options().dtype(at::kFloat)),
                     by_address ? state : at::empty_like(state)};
   kernels::GdnDecodeStep a;
   a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr();
@@ -196,8 +206,9 @@ GdnDecodeResult decode_step(const at::Tensor& q_in, const at::Tensor& k_in, cons
   a.g = g.data_ptr<float>(), a.beta = beta.data_ptr<float>();
   a.state_in = by_address ? nullptr : state.data_ptr();
   a.state_rows = by_address ? static_cast<const void* const*>(state_rows.data_ptr()) : nullptr;
-  a.state_out = r.state.data_ptr(), a.out = r.o.data_ptr<float>();
-  a.state_bf16 = state.scalar_type() == at::kBFloat16;
+  a.state_out = r.state.defined() ? r.state.data_ptr() : nullptr, a.out = r.o.data_ptr<float>();
+  a.state_bf16 = (state.defined() ? state : state_in).scalar_type() == at::kBFloat16;
+  if (deferred != nullptr) bind_deferred(*deferred, sequences, a);
   a.sequences = static_cast<int>(sequences), a.tokens = static_cast<int>(tokens);
   a.key_heads = static_cast<int>(key_heads), a.value_heads = static_cast<int>(value_heads);
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
@@ -213,6 +224,30 @@ GdnDecodeResult decode_step(const at::Tensor& q_in, const at::Tensor& k_in, cons
 }
 
 }  // namespace
+
+GdnDecodeResult gated_delta_rule_decode_step_deferred_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v, const at::Tensor& g,
+                                                           const at::Tensor& beta, const at::Tensor& state_rows,
+                                                           const GdnDeferredRows& deferred, const GdnOutputNorm* norm) {
+  expect(q.size(1) == 1, "decode step with deferred stores: one token a sequence");
+  return decode_step(q, k, v, g, beta, at::empty({0}, q.options()), state_rows, norm, &deferred);
+}
+
+void gated_delta_rule_store_deferred_cuda(const at::Tensor& state_rows, const GdnDeferredRows& deferred,
+                                          int64_t key_heads, int64_t value_heads) {
+  const int64_t sequences = state_rows.numel();
+  expect(state_rows.is_cuda() && state_rows.scalar_type() == at::kLong,
+         "deferred stores: state_rows must be int64 [sequences] on the GPU");
+  const c10::cuda::CUDAGuard guard(state_rows.device());
+  kernels::GdnDecodeStep a;
+  a.state_rows = static_cast<const void* const*>(state_rows.data_ptr());
+  a.state_bf16 = true;
+  a.sequences = static_cast<int>(sequences);
+  a.key_heads = static_cast<int>(key_heads), a.value_heads = static_cast<int>(value_heads);
+  bind_deferred(deferred, sequences, a);
+  a.deferred.store_all = true;
+  kernels::gated_delta_rule_decode_step(a, at::cuda::getCurrentCUDAStream().stream());
+}
 
 GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
@@ -454,6 +489,14 @@ GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor&, const at::T
                                                   const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   at::ScalarType, const GdnOutputNorm*) {
   throw std::logic_error("gated_delta_rule_decode_step_cuda: this build has no CUDA kernels");
+}
+GdnDecodeResult gated_delta_rule_decode_step_deferred_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                           const GdnDeferredRows&, const GdnOutputNorm*) {
+  throw std::logic_error("gated_delta_rule_decode_step_deferred_cuda: this build has no CUDA kernels");
+}
+void gated_delta_rule_store_deferred_cuda(const at::Tensor&, const GdnDeferredRows&, int64_t, int64_t) {
+  throw std::logic_error("gated_delta_rule_store_deferred_cuda: this build has no CUDA kernels");
 }
 #endif
 

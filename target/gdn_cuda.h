@@ -123,6 +123,25 @@ GdnDecodeResult gated_delta_rule_decode_step_cuda(const at::Tensor& q, const at:
                                                   const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state_rows,
                                                   at::ScalarType state_dtype, const GdnOutputNorm* norm = nullptr);
 
+// Deferred stores (kernels::GdnDeferredStores, gdn/decode_deferred.cuh): plain steps on bf16
+// states whose heads store their state every kGdnDeferTokens-th token, the tokens in between kept
+// in a log per sequence and layer. The states at state_rows are updated in place as their stores
+// fall due (GdnDecodeResult::state undefined); o is the one-token step's up to rounding (the states
+// between stores are not rounded), and the stored states are the token-by-token steps' bits.
+struct GdnDeferredRows {
+  at::Tensor logs;     // int64 [sequences] on the GPU: each sequence's log of this layer (GdnDecodeLog::bytes)
+  at::Tensor pending;  // int64 [sequences] on the GPU: tokens it stepped since its states were last all stored
+};
+GdnDecodeResult gated_delta_rule_decode_step_deferred_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v, const at::Tensor& g,
+                                                           const at::Tensor& beta, const at::Tensor& state_rows,
+                                                           const GdnDeferredRows& deferred,
+                                                           const GdnOutputNorm* norm = nullptr);
+// Every head's unstored tokens stored (the states at state_rows complete; pending is then 0 for
+// each sequence, which the caller records).
+void gated_delta_rule_store_deferred_cuda(const at::Tensor& state_rows, const GdnDeferredRows& deferred,
+                                          int64_t key_heads, int64_t value_heads);
+
 // Random inputs of one GatedDeltaNet core on `device` (the GPU tests and doctor's self-test):
 // q, k L2-normalised and v in bf16 [tokens, heads, 128], g = -decay * U(0.05, 1) and beta =
 // sigmoid(N(0, 1)) in fp32 [tokens, value_heads], `mixed` as the conv kernel returns it.

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "target/kernels/decode_attention.h"
+#include "target/kernels/gated_delta_net.h"
 #endif
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 #include "target/fused_ops.h"
 #include "target/gated_delta_net.h"
 #include "target/gdn_cuda.h"
+#include "target/kernels/gdn_log.h"
 #include "target/model_impl.h"
 
 namespace dflash::target {
@@ -505,7 +507,8 @@ constexpr int64_t kConvStepTokens = 16;
 // decode-step kernel walks each sequence's tokens in order (a 512-token prompt: 512 dependent
 // steps per CTA).
 struct GdnStep {
-  RowGather rows;
+  RowGather rows;        // the conv inputs'
+  RowGather state_rows;  // the states' (where deferred steps left them: StageCache::state_slot)
   bool one_pass = false;
   at::Tensor window_positions;
   std::optional<GdnChunkPlan> chunks;
@@ -518,26 +521,101 @@ struct GdnStep {
   // sequences with bf16 states): int64 [layers, G] on the device, member j's state in layer i at
   // state_addresses[i][j] (GatedDeltaNet layers only).
   at::Tensor state_addresses;
+  // A plain step with deferred stores (StageCache::unstored): the states updated in place at
+  // state_addresses, member j's log in layer i at log_addresses[i][j], its unstored tokens pending[j].
+  bool deferred = false;
+  at::Tensor log_addresses, pending;
 };
 
 // Every GatedDeltaNet layer's state address of each member (its row of the batch its cache holds),
 // one table for the step, or undefined where a state is not a dense row of a dense batch.
-at::Tensor state_addresses(const std::vector<Layer>& layers, const RowGroup& group,
-                           const std::vector<StageCache*>& caches, at::Device device) {
-  const int64_t size = static_cast<int64_t>(group.members.size());
+at::Tensor state_addresses(const std::vector<Layer>& layers, const std::vector<StageCache*>& members,
+                           at::Device device) {
+  const int64_t size = static_cast<int64_t>(members.size());
   std::vector<int64_t> table(layers.size() * static_cast<size_t>(size), 0);
   for (size_t i = 0; i < layers.size(); ++i) {
     if (layers[i].kind == LayerKind::full_attention) continue;
     for (int64_t j = 0; j < size; ++j) {
-      const StageCache& cache = *caches[group.members[static_cast<size_t>(j)]];
+      const StageCache& cache = *members[static_cast<size_t>(j)];
       const at::Tensor& batch = cache.state[i];
-      if (!batch.is_contiguous() || cache.slot >= batch.size(0)) return {};
+      if (!batch.is_contiguous() || cache.state_slot >= batch.size(0)) return {};
       const auto* row =
-          static_cast<const char*>(batch.data_ptr()) + cache.slot * batch.stride(0) * batch.element_size();
+          static_cast<const char*>(batch.data_ptr()) + cache.state_slot * batch.stride(0) * batch.element_size();
       table[i * static_cast<size_t>(size) + static_cast<size_t>(j)] = reinterpret_cast<int64_t>(row);
     }
   }
   return values_on(table, at::kLong, device).view({static_cast<int64_t>(layers.size()), size});
+}
+
+// Deferred stores' tables besides the state addresses: member j's log in GatedDeltaNet layer i at
+// [0][i][j] (its cache's log, allocated at its first deferred step) and its unstored tokens at [1][0][j],
+// int64 [2, layers, G] in one copy to the device.
+at::Tensor log_tables(const std::vector<Layer>& layers, const ModelConfig& c, const std::vector<StageCache*>& members,
+                      at::Device device) {
+  const int64_t size = static_cast<int64_t>(members.size()), count = static_cast<int64_t>(layers.size());
+  const kernels::GdnDecodeLog layout{static_cast<int>(c.linear_num_key_heads),
+                                     static_cast<int>(c.linear_num_value_heads)};
+  const int64_t bytes = layout.bytes();
+  std::vector<int64_t> table(static_cast<size_t>(2 * count * size), 0);
+  for (int64_t j = 0; j < size; ++j) {
+    StageCache& cache = *members[static_cast<size_t>(j)];
+    if (!cache.log.defined()) {
+      cache.log = at::empty({count, bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+    }
+    table[static_cast<size_t>(count * size + j)] = cache.unstored;
+    for (int64_t i = 0; i < count; ++i) {
+      table[static_cast<size_t>(i * size + j)] =
+          reinterpret_cast<int64_t>(static_cast<char*>(cache.log.data_ptr()) + i * bytes);
+    }
+  }
+  return values_on(table, at::kLong, device).view({2, count, size});
+}
+
+// Whether a stage's part of a step defers its GatedDeltaNet stores (StageCache::unstored): a plain
+// step (nothing kept for a crop, one token a sequence) on bf16 states where the layers run the
+// kernels, its members' states dense rows of batches holding at most 1 row in 8 beyond them. A
+// deferred step moves no state, and a batch lives while any cache holds it, so the rows of
+// sequences that finished would stay allocated; a step that does not defer gathers its members'
+// states into a batch of their own (about 1 step in 16 of continuous batching at 128 sequences).
+bool defers_stores(bool gdn_kernels, at::ScalarType state_dtype, const std::vector<Layer>& layers,
+                   const std::vector<RowGroup>& groups, const std::vector<StageCache*>& caches, bool croppable) {
+  const int64_t first = first_gdn_layer(layers);
+  if (first < 0 || croppable || !gdn_kernels || state_dtype != at::kBFloat16 || groups.size() != 1 ||
+      groups[0].count != 1) {
+    return false;
+  }
+#ifdef DFLASHD_WITH_CUDA
+  if (kernels::deferred_stores_off.load()) return false;
+#endif
+  std::vector<const at::TensorImpl*> batches;
+  int64_t rows = 0;
+  for (size_t member : groups[0].members) {
+    const at::Tensor& batch = caches[member]->state[static_cast<size_t>(first)];
+    if (std::find(batches.begin(), batches.end(), batch.unsafeGetTensorImpl()) != batches.end()) continue;
+    batches.push_back(batch.unsafeGetTensorImpl());
+    rows += batch.size(0);
+  }
+  return rows * 8 <= static_cast<int64_t>(groups[0].members.size()) * 9;
+}
+
+// Before a step that does not defer its stores: the caches' unstored tokens stored, every head's
+// state then complete where it lies.
+void store_unstored(const std::vector<Layer>& layers, const ModelConfig& c, const std::vector<StageCache*>& caches,
+                    at::Device device) {
+  std::vector<StageCache*> behind;
+  for (StageCache* cache : caches) {
+    if (cache->unstored > 0) behind.push_back(cache);
+  }
+  if (behind.empty()) return;
+  const at::Tensor states = state_addresses(layers, behind, device), logs = log_tables(layers, c, behind, device);
+  if (!states.defined()) throw std::logic_error("decode step: a state with unstored tokens is not a dense row");
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].kind == LayerKind::full_attention) continue;
+    const int64_t l = static_cast<int64_t>(i);
+    gated_delta_rule_store_deferred_cuda(states[l], {logs[0][l], logs[1][0]}, c.linear_num_key_heads,
+                                         c.linear_num_value_heads);
+  }
+  for (StageCache* cache : behind) cache->unstored = 0;
 }
 
 // The causal depthwise conv + SiLU of a group's step tokens over their window ([G, K - 1 + n, C],
@@ -553,50 +631,66 @@ at::Tensor conv_window(const GdnStep& step, const at::Tensor& window, const at::
   return all.view(window.sizes()).narrow(1, rows - n, n);
 }
 
+// A group's conv in a GatedDeltaNet layer: in one pass (GdnStep::one_pass), or over the window
+// (inputs + step rows), which a croppable step keeps and whose last K - 1 rows become the cached
+// inputs (`tails`); the step's gates formed by the conv step where `conv_gates` asks.
+struct GroupConv {
+  at::Tensor window, convolved, tails;
+  GdnGateValues gates;
+};
+GroupConv convolve_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjections& proj,
+                         const GdnGateValues& gates, const ConvStepGates* conv_gates, const RowGroup& group,
+                         const GdnStep& step, const std::vector<const at::Tensor*>& convs) {
+  const RowGather& rows = step.rows;
+  const int64_t n = group.count, size = static_cast<int64_t>(group.members.size()), kernel = p.conv.size(1);
+  const int64_t qk_channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim, channels = proj.mixed.size(1);
+  GroupConv r;
+  r.gates = gates;
+  if (step.one_pass) {
+    // The cached inputs, viewed in place, were written by an earlier step, whose kernels finished
+    // before this step's first (ATen) kernel ran: settled.
+    ConvStepResult one =
+        conv_step_cuda(rows.gather(convs), group_rows(group, proj.mixed), p.conv, conv_gates, rows.views());
+    r.convolved = one.y.view({size, n, channels});
+    r.tails = std::move(one.tails);
+    if (conv_gates != nullptr) r.gates = {one.g, one.beta};
+  } else if (step.fresh) {  // q and k normalised here for the chunked rule; the last K - 1 rows cached
+    const at::Tensor x = group_rows(group, proj.mixed);
+    r.convolved = conv1d_silu_l2norm_cuda(x, p.conv, step.window_positions, qk_channels).view({size, n, channels});
+    r.tails = x.view({size, n, channels}).narrow(1, n - (kernel - 1), kernel - 1).clone(at::MemoryFormat::Contiguous);
+  } else {
+    r.window = at::cat({rows.gather(convs), group_rows(group, proj.mixed).view({size, n, channels})}, 1);
+    r.convolved = conv_window(step, r.window, p.conv, proj.mixed.scalar_type(), step.chunks ? qk_channels : 0);
+    // The members' last K - 1 conv inputs, compact, in one copy (a view would keep the whole
+    // step's window alive: 10 MB per layer and sequence after a 512-token prefill at 27B shapes).
+    // clone, not contiguous(): with one member the narrowed window counts as contiguous.
+    r.tails = r.window.narrow(1, n, kernel - 1).clone(at::MemoryFormat::Contiguous);
+  }
+  return r;
+}
+
 // One GatedDeltaNet layer for a group, from its members' conv inputs and states (rows of the
-// batch tensors they share, read through `step.rows`): the group's new conv inputs and states
-// become their batch (member j its row j); keeps what crop() needs, as the group's batch tensors,
-// when the step is croppable. Writes the rule's o rows into `o_out` [tokens, Hv, dv] (fp32), or
-// with `norm` (a group holding every row, stepped by the decode kernel) sets o_out to the layer's
-// gated RMSNorm of them (bf16 [tokens, Hv * dv]).
+// batch tensors they share, read through `step.rows` and `step.state_rows`): the group's new conv
+// inputs and states become their batch (member j its row j; a deferred step's states stay where
+// they lie); keeps what crop() needs, as the group's batch tensors, when the step is croppable.
+// Writes the rule's o rows into `o_out` [tokens, Hv, dv] (fp32), or with `norm` (a group holding
+// every row, stepped by the decode kernel) sets o_out to the layer's gated RMSNorm of them (bf16
+// [tokens, Hv * dv]).
 void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjections& proj, const GdnGateValues& gates,
                const ConvStepGates* conv_gates, const RowGroup& group, const GdnStep& step,
                const std::vector<StageCache*>& caches, size_t layer, at::Tensor& o_out, int64_t recurrent_step_tokens,
                bool decode_kernel, bool croppable, const GdnOutputNorm* norm) {
-  const RowGather& rows = step.rows;
   const int64_t n = group.count, size = static_cast<int64_t>(group.members.size());
   const int64_t hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
-  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kernel = p.conv.size(1);
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
   std::vector<const at::Tensor*> convs, states;
   for (size_t member : group.members) {
     convs.push_back(&caches[member]->conv[layer]);
     states.push_back(&caches[member]->state[layer]);
   }
-  // The conv: in one pass (GdnStep::one_pass), or over the window (inputs + step rows), which a
-  // croppable step keeps and whose last K - 1 rows become the cached inputs.
-  at::Tensor window, convolved, tails;
-  GdnGateValues step_gates = gates;  // or formed by the conv step (conv_gates)
-  if (step.one_pass) {
-    // The cached inputs, viewed in place, were written by an earlier step, whose kernels finished
-    // before this step's first (ATen) kernel ran: settled.
-    ConvStepResult r =
-        conv_step_cuda(rows.gather(convs), group_rows(group, proj.mixed), p.conv, conv_gates, rows.views());
-    convolved = r.y.view({size, n, proj.mixed.size(1)});
-    tails = std::move(r.tails);
-    if (conv_gates != nullptr) step_gates = {r.g, r.beta};
-  } else if (step.fresh) {  // q and k normalised here for the chunked rule; the last K - 1 rows cached
-    const int64_t channels = proj.mixed.size(1);
-    const at::Tensor x = group_rows(group, proj.mixed);
-    convolved = conv1d_silu_l2norm_cuda(x, p.conv, step.window_positions, 2 * hk * dk).view({size, n, channels});
-    tails = x.view({size, n, channels}).narrow(1, n - (kernel - 1), kernel - 1).clone(at::MemoryFormat::Contiguous);
-  } else {
-    window = at::cat({rows.gather(convs), group_rows(group, proj.mixed).view({size, n, proj.mixed.size(1)})}, 1);
-    convolved = conv_window(step, window, p.conv, proj.mixed.scalar_type(), step.chunks ? 2 * hk * dk : 0);
-    // The members' last K - 1 conv inputs, compact, in one copy (a view would keep the whole
-    // step's window alive: 10 MB per layer and sequence after a 512-token prefill at 27B shapes).
-    // clone, not contiguous(): with one member the narrowed window counts as contiguous.
-    tails = window.narrow(1, n, kernel - 1).clone(at::MemoryFormat::Contiguous);
-  }
+  const GroupConv conv = convolve_group(c, p, proj, gates, conv_gates, group, step, convs);
+  const at::Tensor& convolved = conv.convolved;
+  const GdnGateValues& step_gates = conv.gates;
   const at::Tensor q = convolved.narrow(-1, 0, hk * dk).view({size, n, hk, dk});
   const at::Tensor k = convolved.narrow(-1, hk * dk, hk * dk).view({size, n, hk, dk});
   const at::Tensor v = convolved.narrow(-1, 2 * hk * dk, hv * dv).view({size, n, hv, dv});
@@ -608,12 +702,17 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
     if (step.fresh) {
       carried.dtype = states[0]->scalar_type();
     } else {
-      carried.before = rows.gather(states);
+      carried.before = step.state_rows.gather(states);
     }
     o = gated_delta_rule_cuda(convolved.reshape({size * n, proj.mixed.size(1)}), hk, hv,
                               GdnGates::precomputed(g.reshape({size * n, hv}), beta.reshape({size * n, hv})),
                               *step.chunks, {}, {}, c.rms_norm_eps, 64, nullptr, at::kFloat, &carried);
     after = std::move(carried.after);
+  } else if (step.deferred) {  // the states updated in place as their stores fall due (`after` undefined)
+    const int64_t l = static_cast<int64_t>(layer);
+    GdnDecodeResult r = gated_delta_rule_decode_step_deferred_cuda(
+        q, k, v, g, beta, step.state_addresses[l], {step.log_addresses[l], step.pending}, norm);
+    o = std::move(r.o);
   } else if (step.state_addresses.defined()) {  // each state read where it lies (no `before`: not croppable)
     const at::Tensor addresses = step.state_addresses[static_cast<int64_t>(layer)];
     GdnDecodeResult r =
@@ -621,7 +720,7 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
     after = std::move(r.state);
     o = std::move(r.o);
   } else {
-    before = rows.gather(states);
+    before = step.state_rows.gather(states);
     after = before;
     o = run_rule_group(q, k, v, g, beta, &after, recurrent_step_tokens, decode_kernel, norm);
   }
@@ -632,9 +731,9 @@ void gdn_group(const ModelConfig& c, const GatedDeltaNet& p, const GdnProjection
   }
   for (size_t member : group.members) {
     StageCache& cache = *caches[member];
-    if (croppable) cache.last_gdn[layer] = {before, q, k, v, g, beta, window};
-    cache.state[layer] = after;
-    cache.conv[layer] = tails;
+    if (croppable) cache.last_gdn[layer] = {before, q, k, v, g, beta, conv.window};
+    if (after.defined()) cache.state[layer] = after;
+    cache.conv[layer] = conv.tails;
   }
 }
 
@@ -686,7 +785,7 @@ void start_caches(const std::vector<Layer>& layers, const ModelConfig& c, const 
         cache->conv[i] = at::zeros({1, conv.size(1) - 1, conv.size(0)}, activations);
         cache->state[i] = at::zeros({1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim},
                                     activations.dtype(state_dtype));
-        cache->slot = 0;
+        cache->slot = cache->state_slot = 0;
       }
     }
   }
@@ -718,22 +817,38 @@ std::vector<KvStep> plan_kv_steps(const std::vector<Layer>& layers, const std::v
 
 // The GatedDeltaNet layers' plan of a step, per group (none without GatedDeltaNet layers); `kernels`:
 // the layers run the CUDA kernels; `croppable`: the step keeps what a crop needs.
-std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std::vector<RowGroup>& groups,
-                                    const std::vector<StageCache*>& caches, const std::vector<int64_t>& lengths,
-                                    at::Device device, bool kernels, bool croppable) {
+std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const ModelConfig& c,
+                                    const std::vector<RowGroup>& groups, const std::vector<StageCache*>& caches,
+                                    const std::vector<int64_t>& lengths, at::Device device, bool kernels,
+                                    bool croppable, bool deferred) {
   std::vector<GdnStep> steps;
   const int64_t first = first_gdn_layer(layers);
   for (const RowGroup& group : groups) {
     if (first < 0) break;
-    std::vector<const at::Tensor*> sources;
-    std::vector<int64_t> slots;
+    std::vector<const at::Tensor*> convs, states;
+    std::vector<int64_t> slots, state_slots;
+    std::vector<StageCache*> members;
     for (size_t member : group.members) {
-      sources.push_back(&caches[member]->state[first]);
+      convs.push_back(&caches[member]->conv[first]);
+      states.push_back(&caches[member]->state[first]);
       slots.push_back(caches[member]->slot);
+      state_slots.push_back(caches[member]->state_slot);
+      members.push_back(caches[member]);
     }
-    GdnStep step{RowGather(sources, slots, device), kernels && !croppable && group.count <= kConvStepTokens, {}, {},
-                 false, {}};
-    if (step.one_pass && !step.rows.whole()) step.state_addresses = state_addresses(layers, group, caches, device);
+    GdnStep step;
+    step.rows = RowGather(convs, slots, device);
+    step.state_rows = RowGather(states, state_slots, device);
+    step.one_pass = kernels && !croppable && group.count <= kConvStepTokens;
+    if (deferred || (step.one_pass && !step.state_rows.whole())) {
+      step.state_addresses = state_addresses(layers, members, device);
+    }
+    if (deferred) {
+      if (!step.state_addresses.defined()) throw std::logic_error("decode step: deferred stores need dense state rows");
+      const at::Tensor logs = log_tables(layers, c, members, device);
+      step.deferred = true;
+      step.log_addresses = logs[0];
+      step.pending = logs[1][0];
+    }
     if (kernels && !step.one_pass && !croppable) {
       std::vector<int64_t> cu_seqlens{0};
       for (size_t j = 0; j < group.members.size(); ++j) cu_seqlens.push_back(cu_seqlens.back() + group.count);
@@ -755,7 +870,7 @@ std::vector<GdnStep> plan_gdn_steps(const std::vector<Layer>& layers, const std:
 // and values row in_place_rows[j] of the shared batch when they stayed in place); a step that is
 // not croppable keeps nothing for crop().
 void record_stage(const std::vector<RowGroup>& groups, const std::vector<KvStep>& kv_steps, bool croppable,
-                  const std::vector<StageCache*>& caches) {
+                  bool deferred, const std::vector<StageCache*>& caches) {
   for (size_t g = 0; g < groups.size(); ++g) {
     const RowGroup& group = groups[g];
     const bool in_place = g < kv_steps.size() && kv_steps[g].in_place;
@@ -763,6 +878,11 @@ void record_stage(const std::vector<RowGroup>& groups, const std::vector<KvStep>
       StageCache& cache = *caches[group.members[j]];
       cache.slot = static_cast<int64_t>(j);
       cache.step_slot = in_place ? kv_steps[g].in_place_rows[j] : static_cast<int64_t>(j);
+      if (deferred) {
+        ++cache.unstored;  // the states stay where they lie
+      } else {
+        cache.state_slot = cache.slot;
+      }
     }
   }
   if (croppable) return;
@@ -920,8 +1040,13 @@ StreamState IncrementalTarget::run_stage(size_t s, const std::vector<DecodeCache
   start_caches(m.layers, c, parts, activations, model.options().decode_state_dtype);
   const std::vector<KvStep> kv_steps = plan_kv_steps(m.layers, groups, parts, tokens.begins, activations, c.head_dim,
                                                      croppable);
+  // Plain steps on bf16 states defer the GatedDeltaNet layers' stores; any other step first stores
+  // what earlier ones left unstored.
+  const bool deferred = defers_stores(model.gdn_kernels_, model.options().decode_state_dtype, m.layers, groups, parts,
+                                      croppable);
+  if (!deferred) store_unstored(m.layers, c, parts, device);
   const std::vector<GdnStep> gdn_steps =
-      plan_gdn_steps(m.layers, groups, parts, tokens.begins, device, model.gdn_kernels_, croppable);
+      plan_gdn_steps(m.layers, c, groups, parts, tokens.begins, device, model.gdn_kernels_, croppable, deferred);
   const at::Tensor position_ids = values_on(tokens.positions, at::kLong, device);
   const auto [cos, sin] = rope_tables(m.inv_freq, position_ids, model.options().dtype);
 
@@ -944,7 +1069,7 @@ StreamState IncrementalTarget::run_stage(size_t s, const std::vector<DecodeCache
       ++next;
     }
   }
-  record_stage(groups, kv_steps, croppable, parts);
+  record_stage(groups, kv_steps, croppable, deferred, parts);
   return stream.state();
 }
 
@@ -1065,7 +1190,10 @@ void IncrementalTarget::crop_stage(size_t stage, const std::vector<DecodeCache*>
     }
     for (size_t s : members) caches[s]->stages[stage].state[i] = state, caches[s]->stages[stage].conv[i] = conv;
   }
-  for (size_t j = 0; j < members.size(); ++j) caches[members[j]]->stages[stage].slot = static_cast<int64_t>(j);
+  for (size_t j = 0; j < members.size(); ++j) {
+    StageCache& cache = caches[members[j]]->stages[stage];
+    cache.slot = cache.state_slot = static_cast<int64_t>(j);
+  }
 }
 
 }  // namespace dflash::target

@@ -1,7 +1,8 @@
 // incremental.h: the target a few tokens at a time over a per-sequence cache, for decoding
 // (speculative decoding in `dflashd eval`, generation). The full-attention layers keep their
 // keys and values; the GatedDeltaNet layers their conv window and recurrent state (fp32, or bf16
-// with TargetOptions::decode_state_dtype; the rule always runs in fp32). A step appends tokens;
+// with TargetOptions::decode_state_dtype; the rule always runs in fp32; plain steps on bf16 states
+// on a GPU store each head's state every 8th token only: StageCache::unstored). A step appends tokens;
 // crop() rolls the cache back to a prefix of the last step (the accepted part of a speculative
 // block): keys and values are cut, the conv window re-cut, and the recurrent state recomputed
 // from the state before the step over the kept tokens (the step keeps the rule's inputs, a few
@@ -65,6 +66,16 @@ struct StageCache {
   // no op per sequence and layer, and the next step of the same sequences reads the batch as it is.
   std::vector<at::Tensor> conv, state;
   int64_t slot = 0;
+  // The state's row in its batch: `slot`, except after plain steps with deferred stores, which
+  // leave the states where they lie (below).
+  int64_t state_slot = 0;
+  // Deferred stores (plain one-token steps on bf16 states where the GatedDeltaNet layers run the
+  // CUDA kernels; gdn_cuda.h GdnDeferredRows): each head stores its state every 8th token only,
+  // the tokens in between logged. `unstored`: the plain steps since every head of this stage's
+  // layers last stored; `log` [layers, kernels::GdnDecodeLog::bytes] this cache's logs (its own, never
+  // shared with another sequence). Any other step first stores what is unstored.
+  int64_t unstored = 0;
+  at::Tensor log;
   // The last step, for crop(), per GatedDeltaNet layer, as batch tensors of the step's group (row
   // step_slot): the state before it, the rule's inputs over it (q, k, v [G, n, heads, d], g, beta
   // [G, n, Hv]) and the conv inputs over it ([G, K - 1 + n, channels]), n the tokens the step ran.

@@ -22,6 +22,7 @@
 #include "target/model.h"
 #include "target/layers.h"
 #include "target/stages.h"
+#include "target/kernels/gdn_log.h"
 #include "target/kernels/stream_gemm/schedule.h"
 #ifdef DFLASHD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -1065,6 +1066,69 @@ TEST(GatedDeltaNetKernels, DecodeStepFormsTheGatedNormAsItsKernelDoes) {
   }
 }
 
+// Each row's address of a batch (int64 [rows] on its device): where decoding's state and log
+// tables point.
+at::Tensor row_addresses(const at::Tensor& batch) {
+  std::vector<int64_t> rows;
+  for (int64_t r = 0; r < batch.size(0); ++r) {
+    rows.push_back(reinterpret_cast<int64_t>(static_cast<char*>(batch.data_ptr()) +
+                                             r * batch.stride(0) * static_cast<int64_t>(batch.element_size())));
+  }
+  return at::tensor(rows, at::kLong).to(batch.device());
+}
+
+// Deferred stores (gdn/decode_deferred.cuh): plain steps whose heads store their bf16 state every
+// kGdnDeferTokens-th token, the tokens between logged. Against one-token steps over 21 tokens:
+// each step's output within rounding of theirs (on odd steps the gated norm formed in the kernel),
+// and the states, wherever all are stored, their bits: sequence 0's alone after its 7th token
+// (after which its count differs from the others'), all after the 13th and the 21st. 16 value
+// heads meet every phase of the store schedule.
+TEST(GatedDeltaNetKernels, DeferredStoresKeepTheStepsStatesAndOutputs) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const int64_t sequences = 3, hk = 4, hv = 16, d = 128;
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const at::Tensor states = (0.1 * at::randn({sequences, hv, d, d}, cuda)).to(at::kBFloat16);
+  at::Tensor expected = states.clone();
+  const kernels::GdnDecodeLog layout{static_cast<int>(hk), static_cast<int>(hv)};
+  const at::Tensor logs = at::zeros({sequences, layout.bytes()}, cuda.dtype(at::kByte));
+  const at::Tensor state_rows = row_addresses(states), log_rows = row_addresses(logs);
+  const at::Tensor weight = (1.0 + 0.1 * at::randn({d}, cuda)).to(at::kBFloat16);
+  std::vector<int64_t> pending(sequences, 0);
+  const auto store = [&](int64_t first, int64_t count) {
+    const at::Tensor counts = at::tensor(pending, at::kLong).to(at::kCUDA).narrow(0, first, count);
+    gated_delta_rule_store_deferred_cuda(state_rows.narrow(0, first, count),
+                                         {log_rows.narrow(0, first, count), counts}, hk, hv);
+    for (int64_t s = first; s < first + count; ++s) pending[static_cast<size_t>(s)] = 0;
+  };
+  for (int step = 1; step <= 21; ++step) {
+    SCOPED_TRACE("token " + std::to_string(step));
+    const auto [q, k, v, g, beta] = decode_step_inputs(sequences, 1, hk, hv);
+    const at::Tensor z = at::randn({sequences, hv, d}, cuda).to(at::kBFloat16);
+    const GdnOutputNorm norm{z, weight, 1e-6};
+    const GdnDeferredRows deferred{log_rows, at::tensor(pending, at::kLong).to(at::kCUDA)};
+    const GdnDecodeResult plain = gated_delta_rule_decode_step_cuda(q, k, v, g, beta, expected);
+    const GdnDecodeResult lazy =
+        gated_delta_rule_decode_step_deferred_cuda(q, k, v, g, beta, state_rows, deferred, step % 2 ? &norm : nullptr);
+    expected = plain.state;
+    for (int64_t& n : pending) ++n;
+    if (step % 2) {
+      const at::Tensor normed = gated_rms_norm(plain.o.reshape({sequences, hv, d}), z, weight, 1e-6, at::kBFloat16);
+      EXPECT_LE(relative_l2_error(lazy.o.to(at::kFloat), normed.to(at::kFloat)), 2e-2);
+    } else {
+      EXPECT_LE(relative_l2_error(lazy.o, plain.o), 2e-2);
+    }
+    EXPECT_FALSE(lazy.state.defined());
+    if (step == 7) {
+      store(0, 1);
+      EXPECT_TRUE(at::equal(states[0], expected[0]));
+    } else if (step == 13 || step == 21) {
+      store(0, sequences);
+      EXPECT_TRUE(at::equal(states, expected));
+    }
+  }
+  EXPECT_GT(expected.abs().max().item<float>(), 0.f);
+}
+
 // Decoding on the GPU: a target whose GatedDeltaNet layers run the kernels decodes its plain
 // steps with the decode-step kernel (batched, after a prefill and a verify step with a crop);
 // its logits stay those of the same target on the reference path.
@@ -1117,6 +1181,50 @@ TEST(GatedDeltaNetKernels, DecodingOnBf16StatesMatchesTheReferencePath) {
   for (size_t i = 0; i < ca.stages[0].state.size(); ++i) {
     if (ca.stages[0].state[i].defined()) {
       EXPECT_EQ(ca.stages[0].state[i].scalar_type(), at::kBFloat16) << "layer " << i;
+    }
+  }
+}
+
+// Plain steps on bf16 states defer the GatedDeltaNet layers' stores (StageCache::unstored), against
+// the reference path, which stores every state every step. Three sequences, each prefilled alone:
+// four plain steps (their states stay in their own batches), a croppable verify step of 3 tokens
+// cropped to 2 (it stores what is unstored first, and gathers the three into one batch), six plain
+// steps, then one sequence leaves: that step does not defer (the batch would hold a finished row) and
+// gathers the two left into a batch of their own; ten plain steps more (every head's store falls
+// due). Every step's logits within rounding of the reference path's.
+TEST(GatedDeltaNetKernels, PlainStepsDeferTheirStoresAndMatchTheReferencePath) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig config = kernel_sized_qwen3_5();
+  const auto [fast_model, slow_model] = kernel_and_reference_targets(config, config.num_layers - 1, 5, at::kBFloat16);
+  const IncrementalTarget a(*fast_model), b(*slow_model);
+  const auto ids = [&](int64_t n) {
+    return at::randint(0, config.vocab_size, {n}, at::TensorOptions().dtype(at::kLong));
+  };
+  std::vector<DecodeCache> ca, cb;
+  for (int64_t length : {30, 9, 50}) {
+    ca.push_back(a.new_cache()), cb.push_back(b.new_cache());
+    const at::Tensor prompt = ids(length);
+    a.prefill(ca.back(), prompt, {}), b.prefill(cb.back(), prompt, {});
+  }
+  std::vector<size_t> members{0, 1, 2};
+  int64_t unstored = 0;
+  for (int step = 1; step <= 22; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const bool verify = step == 5, leaves = step == 12;
+    if (leaves) members = {0, 2};
+    std::vector<DecodeCache*> pa, pb;
+    std::vector<at::Tensor> next;
+    for (size_t m : members) pa.push_back(&ca[m]), pb.push_back(&cb[m]), next.push_back(ids(verify ? 3 : 1));
+    const std::vector<DecodeOutput> x = a.step_batch(pa, next, {}, verify), y = b.step_batch(pb, next, {}, verify);
+    for (size_t j = 0; j < members.size(); ++j) {
+      EXPECT_LE(relative_l2_error(x[j].logits, y[j].logits), 2e-2) << "sequence " << members[j];
+    }
+    unstored = verify || leaves ? 0 : unstored + 1;
+    for (size_t m : members) EXPECT_EQ(ca[m].stages[0].unstored, unstored) << "sequence " << m;
+    if (verify) {
+      std::vector<int64_t> lengths;
+      for (const DecodeCache* cache : pa) lengths.push_back(cache->length - 1);
+      a.crop_batch(pa, lengths), b.crop_batch(pb, lengths);
     }
   }
 }

@@ -7,6 +7,7 @@
 //   gdn/state_output_sm90.cuh 3 + 4 fused on Hopper: the state chain (mainloop) and the output
 //                             groups (epilogue), warp-specialised (wgmma)
 //   gdn/decode_step.cuh       5. decoding: a few tokens per sequence, the state read and written once
+//   gdn/decode_deferred.cuh   5b. plain decoding steps whose states are stored every kGdnDeferTokens-th token
 #include "target/kernels/gated_delta_net.h"
 
 #include <cuda_bf16.h>
@@ -22,6 +23,7 @@
 #include "target/kernels/gdn/common.cuh"
 #include "target/kernels/gdn/conv.cuh"
 #include "target/kernels/gdn/decode_step.cuh"
+#include "target/kernels/gdn/decode_deferred.cuh"
 #include "target/kernels/gdn/output.cuh"
 #include "target/kernels/gdn/prepare.cuh"
 #include "target/kernels/gdn/state.cuh"
@@ -146,10 +148,24 @@ const char* kernels_unavailable_on_current_device() {
 }
 
 void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream) {
-  if (args.sequences == 0 || args.tokens == 0) return;
   if (args.key_heads < 1 || args.value_heads % args.key_heads != 0) {
     throw std::invalid_argument("gated_delta_rule_decode_step: value heads must be a multiple of key heads");
   }
+  if (args.deferred.logs != nullptr) {
+    const bool v_pairs = reinterpret_cast<uintptr_t>(args.v) % 4 == 0 && args.v_stride % 2 == 0;
+    if (!args.state_bf16 || args.state_rows == nullptr || args.deferred.pending == nullptr ||
+        (!args.deferred.store_all && (args.tokens != 1 || !v_pairs))) {
+      throw std::invalid_argument(
+          "gated_delta_rule_decode_step: deferred stores take one token a sequence (v in 4-byte pairs), bf16 "
+          "states by address and the pending counts");
+    }
+    if (args.sequences == 0) return;
+    // Launched plainly, as the one-token kernel below.
+    decode_token_deferred_kernel<<<dim3(args.sequences * args.value_heads), kTokenThreads, 0, stream>>>(args);
+    check_cuda(cudaGetLastError(), "GatedDeltaNet kernel decode_token_deferred");
+    return;
+  }
+  if (args.sequences == 0 || args.tokens == 0) return;
   const int ctas = args.sequences * args.value_heads * kDecodeCtasPerHead;
   // One token on bf16 states (plain decoding steps): column pairs, v read as bf16 pairs.
   const bool v_pairs = reinterpret_cast<uintptr_t>(args.v) % 4 == 0 && args.v_stride % 2 == 0;

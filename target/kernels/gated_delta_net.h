@@ -33,11 +33,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
+
+#include "target/kernels/gdn_log.h"
 
 namespace dflash::target::kernels {
 
-constexpr int kGdnHeadDim = 128;
 constexpr int kGdnChunk = 64;
 constexpr int kGdnMaxGroup = 8;  // value heads per key head (the prepare kernel's shared arrays)
 
@@ -181,6 +183,17 @@ struct GdnDecodeNorm {
   float eps = 0;
   void* normed = nullptr;
 };
+// A test and benchmark hook (the daemon never sets it): plain steps store every state every step
+// instead (IncrementalTarget), to compare the two in one process.
+inline std::atomic<bool> deferred_stores_off{false};
+// Deferred stores (gdn_log.h): pending[s] the tokens sequence s stepped since all its heads last
+// stored (n), logs[s] its log of this layer (GdnDecodeLog::bytes). `store_all`: no token runs;
+// every head stores its unstored tokens (the states are then complete).
+struct GdnDeferredStores {
+  const int64_t* pending = nullptr;
+  void* const* logs = nullptr;
+  bool store_all = false;
+};
 struct GdnDecodeStep {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -196,6 +209,9 @@ struct GdnDecodeStep {
   int sequences = 0, tokens = 0, key_heads = 0, value_heads = 0;
   float scale = 0;  // q scale (head_dim^-0.5)
   GdnDecodeNorm norm;
+  // With deferred.logs set (one token, bf16 states, state_rows): the stores deferred, the states
+  // updated in place where state_rows point; state_out is not used.
+  GdnDeferredStores deferred;
 };
 void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream);
 
