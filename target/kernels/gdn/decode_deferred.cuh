@@ -104,13 +104,7 @@ __device__ __forceinline__ void replay(__nv_bfloat162 (&held)[kDecodeRows], cons
     const float decay = t.decay[m];
     const float delta0 = t.beta[m] * (v.x - decay * ks.x), delta1 = t.beta[m] * (v.y - decay * ks.y);
 #pragma unroll
-    for (int i = 0; i < kDecodeRows; ++i) {
-      const float2 s = widen_pair(held[i]);
-      float s0 = s.x * decay, s1 = s.y * decay;
-      s0 += k[i0 + i] * delta0;
-      s1 += k[i0 + i] * delta1;
-      held[i] = __floats2bfloat162_rn(s0, s1);
-    }
+    for (int i = 0; i < kDecodeRows; ++i) held[i] = stepped_pair(held[i], decay, k[i0 + i], delta0, delta1);
   }
 }
 

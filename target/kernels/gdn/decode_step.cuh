@@ -162,6 +162,17 @@ __device__ __forceinline__ float2 widen_pair(__nv_bfloat162 x) {
   return {__uint_as_float(lo), __uint_as_float(hi)};
 }
 
+// A held pair of state columns after one token: e^g S + k delta, rounded to bf16 once (the
+// one-token kernel's new state; deferred stores' replays, which must give its bits, step it so too).
+__device__ __forceinline__ __nv_bfloat162 stepped_pair(__nv_bfloat162 held, float decay, float k, float delta0,
+                                                      float delta1) {
+  const float2 s = widen_pair(held);
+  float s0 = s.x * decay, s1 = s.y * decay;
+  s0 += k * delta0;
+  s1 += k * delta1;
+  return __floats2bfloat162_rn(s0, s1);
+}
+
 // Plain decoding steps (one token per sequence) on bf16 states. The kernel above holds a column's
 // rows as fp32 across the call's tokens, so a bf16 state fills only half the registers it costs:
 // with the same CTAs resident per SM only half the bytes are in flight, and it is no faster than
@@ -273,11 +284,7 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
   auto* state_out = reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(a.state_out) + row * D * D + i0 * D + j);
 #pragma unroll
   for (int i = 0; i < kDecodeRows; ++i) {
-    const float2 s = widen_pair(held[i]);
-    float s0 = s.x * decay, s1 = s.y * decay;
-    s0 += k[i0 + i] * delta0;
-    s1 += k[i0 + i] * delta1;
-    state_out[i * (D / 2)] = __floats2bfloat162_rn(s0, s1);
+    state_out[i * (D / 2)] = stepped_pair(held[i], decay, k[i0 + i], delta0, delta1);
   }
   if (normalise) normed_output(a.norm, norm_inputs, o_row, token, head, a.value_heads, warp, lane);
 }
