@@ -576,7 +576,8 @@ at::Tensor log_tables(const std::vector<Layer>& layers, const ModelConfig& c, co
 // kernels, its members' states dense rows of batches holding at most 1 row in 8 beyond them. A
 // deferred step moves no state, and a batch lives while any cache holds it, so the rows of
 // sequences that finished would stay allocated; a step that does not defer gathers its members'
-// states into a batch of their own (about 1 step in 16 of continuous batching at 128 sequences).
+// states into a batch of their own (under continuous batching, once finished sequences hold more
+// than an eighth of the rows).
 bool defers_stores(bool gdn_kernels, at::ScalarType state_dtype, const std::vector<Layer>& layers,
                    const std::vector<RowGroup>& groups, const std::vector<StageCache*>& caches, bool croppable) {
   const int64_t first = first_gdn_layer(layers);
