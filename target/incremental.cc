@@ -527,6 +527,14 @@ struct GdnStep {
   at::Tensor log_addresses, pending;
 };
 
+// A cache's state in GatedDeltaNet layer `layer`: the address of its row of the batch it lies in,
+// or null where that row is not a dense row of a dense batch.
+const char* state_row(const StageCache& cache, size_t layer) {
+  const at::Tensor& batch = cache.state[layer];
+  if (!batch.is_contiguous() || cache.state_slot >= batch.size(0)) return nullptr;
+  return static_cast<const char*>(batch.data_ptr()) + cache.state_slot * batch.stride(0) * batch.element_size();
+}
+
 // Every GatedDeltaNet layer's state address of each member (its row of the batch its cache holds),
 // one table for the step, or undefined where a state is not a dense row of a dense batch.
 at::Tensor state_addresses(const std::vector<Layer>& layers, const std::vector<StageCache*>& members,
@@ -536,11 +544,8 @@ at::Tensor state_addresses(const std::vector<Layer>& layers, const std::vector<S
   for (size_t i = 0; i < layers.size(); ++i) {
     if (layers[i].kind == LayerKind::full_attention) continue;
     for (int64_t j = 0; j < size; ++j) {
-      const StageCache& cache = *members[static_cast<size_t>(j)];
-      const at::Tensor& batch = cache.state[i];
-      if (!batch.is_contiguous() || cache.state_slot >= batch.size(0)) return {};
-      const auto* row =
-          static_cast<const char*>(batch.data_ptr()) + cache.state_slot * batch.stride(0) * batch.element_size();
+      const char* row = state_row(*members[static_cast<size_t>(j)], i);
+      if (row == nullptr) return {};
       table[i * static_cast<size_t>(size) + static_cast<size_t>(j)] = reinterpret_cast<int64_t>(row);
     }
   }
@@ -573,11 +578,11 @@ at::Tensor log_tables(const std::vector<Layer>& layers, const ModelConfig& c, co
 
 // Whether a stage's part of a step defers its GatedDeltaNet stores (StageCache::unstored): a plain
 // step (nothing kept for a crop, one token a sequence) on bf16 states where the layers run the
-// kernels, its members' states dense rows of batches holding at most 1 row in 8 beyond them. A
-// deferred step moves no state, and a batch lives while any cache holds it, so the rows of
-// sequences that finished would stay allocated; a step that does not defer gathers its members'
-// states into a batch of their own (under continuous batching, once finished sequences hold more
-// than an eighth of the rows).
+// kernels, its members' states dense rows (state_row, every layer: the kernel reads them where
+// they lie) of batches holding at most 1 row in 8 beyond them. A deferred step moves no state, and
+// a batch lives while any cache holds it, so the rows of sequences that finished would stay
+// allocated; a step that does not defer gathers its members' states into a batch of their own
+// (under continuous batching, once finished sequences hold more than an eighth of the rows).
 bool defers_stores(bool gdn_kernels, at::ScalarType state_dtype, const std::vector<Layer>& layers,
                    const std::vector<RowGroup>& groups, const std::vector<StageCache*>& caches, bool croppable) {
   const int64_t first = first_gdn_layer(layers);
@@ -591,6 +596,9 @@ bool defers_stores(bool gdn_kernels, at::ScalarType state_dtype, const std::vect
   std::vector<const at::TensorImpl*> batches;
   int64_t rows = 0;
   for (size_t member : groups[0].members) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (layers[i].kind != LayerKind::full_attention && state_row(*caches[member], i) == nullptr) return false;
+    }
     const at::Tensor& batch = caches[member]->state[static_cast<size_t>(first)];
     if (std::find(batches.begin(), batches.end(), batch.unsafeGetTensorImpl()) != batches.end()) continue;
     batches.push_back(batch.unsafeGetTensorImpl());

@@ -151,8 +151,9 @@ void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream
   if (args.key_heads < 1 || args.value_heads % args.key_heads != 0) {
     throw std::invalid_argument("gated_delta_rule_decode_step: value heads must be a multiple of key heads");
   }
+  // One token on bf16 states (plain decoding steps): column pairs, v read as bf16 pairs.
+  const bool v_pairs = reinterpret_cast<uintptr_t>(args.v) % 4 == 0 && args.v_stride % 2 == 0;
   if (args.deferred.logs != nullptr) {
-    const bool v_pairs = reinterpret_cast<uintptr_t>(args.v) % 4 == 0 && args.v_stride % 2 == 0;
     if (!args.state_bf16 || args.state_rows == nullptr || args.deferred.pending == nullptr ||
         (!args.deferred.store_all && (args.tokens != 1 || !v_pairs))) {
       throw std::invalid_argument(
@@ -167,8 +168,6 @@ void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream
   }
   if (args.sequences == 0 || args.tokens == 0) return;
   const int ctas = args.sequences * args.value_heads * kDecodeCtasPerHead;
-  // One token on bf16 states (plain decoding steps): column pairs, v read as bf16 pairs.
-  const bool v_pairs = reinterpret_cast<uintptr_t>(args.v) % 4 == 0 && args.v_stride % 2 == 0;
   const bool one_token = args.state_bf16 && args.tokens == 1 && v_pairs;
   cudaError_t launched;
   if (one_token) {
