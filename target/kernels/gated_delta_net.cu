@@ -162,7 +162,9 @@ void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream
     }
     if (args.sequences == 0) return;
     // Launched plainly, as the one-token kernel below.
-    decode_token_deferred_kernel<<<dim3(args.sequences * args.value_heads), kTokenThreads, 0, stream>>>(args);
+    allow_shared_memory(decode_token_deferred_kernel, kStashBytes, "GatedDeltaNet kernel decode_token_deferred");
+    decode_token_deferred_kernel<<<dim3(args.sequences * args.value_heads), kTokenThreads, kStashBytes, stream>>>(
+        args);
     check_cuda(cudaGetLastError(), "GatedDeltaNet kernel decode_token_deferred");
     return;
   }
