@@ -134,22 +134,22 @@ struct StashedRows {
   __device__ __forceinline__ __nv_bfloat162 operator()(int i) const { return first[i * kPairColumns]; }
 };
 
-// One pass over the thread's rows of S_0 (columns j, j + 1): S_0^T x into partial[kDefer] and,
-// where kStores, h_m = S_0^T k_m for every slot m of `t` into partial[m].
-template <bool kStores, typename Rows>
+// One pass over the thread's rows of S_0 (columns j, j + 1): where kOutput, S_0^T x into
+// partial[kDefer]; where kStores, h_m = S_0^T k_m for every slot m of `t` into partial[m].
+template <bool kOutput, bool kStores, typename Rows>
 __device__ __forceinline__ void row_sums(Rows rows, const DeferredTokens& t, float2 (*partial)[kRowBlocks][kPairColumns],
                                          int block, int pair, int i0) {
   float2 os = {0, 0}, h[kDefer] = {};
 #pragma unroll
   for (int i = 0; i < kDecodeRows; ++i) {
     const float2 s = widen_pair(rows(i));
-    os.x += t.x[i0 + i] * s.x, os.y += t.x[i0 + i] * s.y;
+    if constexpr (kOutput) os.x += t.x[i0 + i] * s.x, os.y += t.x[i0 + i] * s.y;
     if constexpr (kStores) {
 #pragma unroll
       for (int m = 0; m < kDefer; ++m) h[m].x += t.k[m][i0 + i] * s.x, h[m].y += t.k[m][i0 + i] * s.y;
     }
   }
-  partial[kDefer][block][pair] = os;
+  if constexpr (kOutput) partial[kDefer][block][pair] = os;
   if constexpr (kStores) {
 #pragma unroll
     for (int m = 0; m < kDefer; ++m) partial[m][block][pair] = h[m];
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
   __shared__ alignas(16) float o_row[D];
   __shared__ NormInputs norm_inputs;
   __shared__ DeferredTokens tokens;
-  extern __shared__ __nv_bfloat162 stash[];
+  extern __shared__ __align__(16) __nv_bfloat162 stash[];
   const GdnDecodeLog layout{a.key_heads, a.value_heads};
   char* log = static_cast<char*>(a.deferred.logs[sequence]);
   bf16* head_state = static_cast<bf16*>(const_cast<void*>(a.state_rows[sequence])) + static_cast<int64_t>(head) * D * D;
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
     __pipeline_wait_prior(0);
     __syncthreads();
     form_mix(tokens, 0, kTokenThreads / 32, warp, lane);
-    row_sums<true>(stashed, tokens, partial, block, pair, i0);
+    row_sums<false, true>(stashed, tokens, partial, block, pair, i0);
     __syncthreads();
     store_tokens(stashed, tokens, partial, pair, i0, j, state);
     return;
@@ -284,9 +284,9 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
 
   // o = S_0^T x_0 (the thread's rows, then the column's row blocks) + sum_t c_t v_t.
   if (stores) {
-    row_sums<true>(stashed, tokens, partial, block, pair, i0);
+    row_sums<true, true>(stashed, tokens, partial, block, pair, i0);
   } else {
-    row_sums<false>(HeldRows{held}, tokens, partial, block, pair, i0);
+    row_sums<true, false>(HeldRows{held}, tokens, partial, block, pair, i0);
   }
   __syncthreads();
   if (block == 0) {
