@@ -137,8 +137,8 @@ struct StashedRows {
 // One pass over the thread's rows of S_0 (columns j, j + 1): where kOutput, S_0^T x into
 // partial[kDefer]; where kStores, h_m = S_0^T k_m for every slot m of `t` into partial[m].
 template <bool kOutput, bool kStores, typename Rows>
-__device__ __forceinline__ void row_sums(Rows rows, const DeferredTokens& t, float2 (*partial)[kRowBlocks][kPairColumns],
-                                         int block, int pair, int i0) {
+__device__ __forceinline__ void row_sums(Rows rows, const DeferredTokens& t,
+                                         float2 (*partial)[kRowBlocks][kPairColumns], int block, int pair, int i0) {
   float2 os = {0, 0}, h[kDefer] = {};
 #pragma unroll
   for (int i = 0; i < kDecodeRows; ++i) {
