@@ -162,13 +162,7 @@ void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream
     }
     if (args.sequences == 0) return;
     // Launched plainly, as the one-token kernel below.
-    allow_shared_memory(decode_token_deferred_kernel, kStashBytes, "GatedDeltaNet kernel decode_token_deferred");
-    // Three CTAs a SM need about 180 KB of shared memory: ask for the largest carveout.
-    check_cuda(cudaFuncSetAttribute(reinterpret_cast<const void*>(decode_token_deferred_kernel),
-                                    cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
-               "GatedDeltaNet kernel decode_token_deferred (carveout)");
-    decode_token_deferred_kernel<<<dim3(args.sequences * args.value_heads), kTokenThreads, kStashBytes, stream>>>(
-        args);
+    decode_token_deferred_kernel<<<dim3(args.sequences * args.value_heads), kTokenThreads, 0, stream>>>(args);
     check_cuda(cudaGetLastError(), "GatedDeltaNet kernel decode_token_deferred");
     return;
   }

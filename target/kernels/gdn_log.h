@@ -20,7 +20,7 @@ constexpr int kGdnHeadDim = 128;
 constexpr int kGdnDeferTokens = 8;
 
 // One slot of a log: each key head's normalised k (fp32, as the step normalises it), then each
-// value head's v (bf16), decay e^g and beta (fp32); slots 16-byte aligned.
+// value head's v (bf16), g and beta (fp32); slots 16-byte aligned.
 struct GdnDecodeLog {
   int key_heads = 0, value_heads = 0;
   DFLASHD_HOST_DEVICE constexpr int64_t k_offset(int key_head) const {
@@ -29,11 +29,11 @@ struct GdnDecodeLog {
   DFLASHD_HOST_DEVICE constexpr int64_t v_offset(int head) const {
     return k_offset(key_heads) + int64_t{head} * kGdnHeadDim * 2;
   }
-  DFLASHD_HOST_DEVICE constexpr int64_t decay_offset(int head) const {
+  DFLASHD_HOST_DEVICE constexpr int64_t g_offset(int head) const {
     return v_offset(value_heads) + int64_t{head} * 4;
   }
   DFLASHD_HOST_DEVICE constexpr int64_t beta_offset(int head) const {
-    return decay_offset(value_heads) + int64_t{head} * 4;
+    return g_offset(value_heads) + int64_t{head} * 4;
   }
   DFLASHD_HOST_DEVICE constexpr int64_t slot_bytes() const { return (beta_offset(value_heads) + 15) / 16 * 16; }
   // A whole log: one sequence's in one layer.
