@@ -10,10 +10,15 @@
 //   x_{p+1} = q;  c_t = beta_t (k_t . x_t),  x_{t-1} = e^g_t (x_t - c_t k_t)   for t = p + 1 .. 1;
 //   o = S_0^T x_0 + sum_t c_t v_t.
 // One warp forms the chain (p + 1 dot products of 128 elements), one pass over the state forms
-// S_0^T x_0. When the head's store is due, the CTA replays the p + 1 tokens on its held state as
-// decode_token_bf16_kernel steps a token (the same sums in the same order, rounded to bf16 after
-// each token) and stores it: the stored states are bit-identical to token-by-token steps'. The
-// output differs from theirs by rounding only (the states between stores are never rounded).
+// S_0^T x_0. When the head's store is due, the state after the tokens is the rule unrolled from
+// S_0: with h_m = S_{m-1}^T k_m (the same chain, started from k_m, through the tokens before m;
+// one warp a token), delta_m = beta_m (v_m - e^g_m h_m) and
+//   S = e^G S_0 + sum_m e^(G - G_m) k_m delta_m^T   (G_m the gates' sum up to m, G all of them).
+// The same pass over the held state forms every S_0^T y_m beside S_0^T x_0; after two barriers
+// (the sums over row blocks, then the deltas) one more pass over the held state writes S, rounded
+// to bf16 once. One-token steps round the state after every token, so the stored states are as
+// close to the fp32 rule's or closer, not the same bits; the outputs differ from theirs by
+// rounding only (the states between stores are never rounded).
 // Private to target/kernels/gated_delta_net.cu (one translation unit).
 #pragma once
 
@@ -37,6 +42,15 @@ struct DeferredTokens {
   alignas(16) bf16 v[kDefer][D];
   float decay[kDefer], beta[kDefer], coef[kDefer];
   alignas(16) float x[D];
+};
+
+// What a store adds (store_chains): for each token m, y_m with h_m = S_0^T y_m + sum_{u<m}
+// c[m][u] v_u, and k_m; both row-major by state row (one row's eight values in two 16-byte loads),
+// zero for the slots past the tokens.
+struct StoreChains {
+  alignas(16) float y[D][kDefer];
+  alignas(16) float k[D][kDefer];
+  float c[kDefer][kDefer];
 };
 
 // The head's p logged tokens (the last p before token n) copied into `t` by one warp: k and v
@@ -78,33 +92,123 @@ __device__ __forceinline__ void form_chain(DeferredTokens& t, const float* q, in
   for (int r = 0; r < D / 32; ++r) t.x[lane + 32 * r] = x[r];
 }
 
-// The held state (columns j, j + 1 as bf16 pairs, rows i0 ..) stepped through tokens 0 .. count - 1
-// of `t` as decode_token_bf16_kernel steps one: k.S over the thread's rows, then over the column's
-// row blocks in order; delta = beta (v - e^g k.S); S = e^g S + k delta, rounded to bf16. Every
-// thread of the CTA calls it (one barrier a token; the two partial buffers alternate, token m using
-// partial[(m + 1) % 2], so the first token's does not meet a caller still reading partial[0]).
-__device__ __forceinline__ void replay(__nv_bfloat162 (&held)[kDecodeRows], const DeferredTokens& t, int count,
-                                       float2 (*partial)[kRowBlocks][kPairColumns], int block, int pair, int i0,
-                                       int j) {
-  for (int m = 0; m < count; ++m) {
-    const float* k = t.k[m];
-    float2 ks = {0, 0};
+// Warp m of the CTA forms token m's chain for a store of `count` tokens (m < kDefer): x = k_m,
+// then for u = m - 1 .. 0: c[m][u] = beta_u (k_u . x), x = e^g_u (x - c[m][u] k_u); y_m = x. It
+// also writes k_m row-major; past the tokens both are zero (no padded slot reads a stale value).
+__device__ __forceinline__ void store_chains(const DeferredTokens& t, StoreChains& out, int count, int m, int lane) {
+  float x[D / 32];
 #pragma unroll
-    for (int i = 0; i < kDecodeRows; ++i) {
-      const float2 s = widen_pair(held[i]);
-      ks.x += k[i0 + i] * s.x, ks.y += k[i0 + i] * s.y;
+  for (int r = 0; r < D / 32; ++r) x[r] = m < count ? t.k[m][lane + 32 * r] : 0.f;
+#pragma unroll
+  for (int r = 0; r < D / 32; ++r) out.k[lane + 32 * r][m] = x[r];
+  for (int u = m < count ? m - 1 : -1; u >= 0; --u) {
+    float dot = 0;
+#pragma unroll
+    for (int r = 0; r < D / 32; ++r) dot += t.k[u][lane + 32 * r] * x[r];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    const float c = t.beta[u] * dot;
+#pragma unroll
+    for (int r = 0; r < D / 32; ++r) x[r] = t.decay[u] * (x[r] - c * t.k[u][lane + 32 * r]);
+    if (lane == 0) out.c[m][u] = c;
+  }
+#pragma unroll
+  for (int r = 0; r < D / 32; ++r) out.y[lane + 32 * r][m] = x[r];
+}
+
+// widen_pair in three instruction forms, one for each pass a store makes over its held state:
+// volatile asm keeps NVVM from merging the passes' widenings, but ptxas sees plain instructions and
+// would reuse the first pass's widened values in the next (64 live registers, spilled) where the
+// instructions match; distinct forms leave it the held pairs to widen again.
+template <int kForm>
+__device__ __forceinline__ float2 widen_pair_as(__nv_bfloat162 x) {
+  static_assert(kForm >= 0 && kForm <= 2);
+  if constexpr (kForm == 0) return widen_pair(x);
+  const uint32_t bits = *reinterpret_cast<const uint32_t*>(&x);
+  uint32_t lo, hi;
+  if constexpr (kForm == 1) {
+    asm volatile("prmt.b32 %0, %2, 0, 0x1044;\n\tprmt.b32 %1, %2, 0, 0x3244;" : "=r"(lo), "=r"(hi) : "r"(bits));
+  } else {
+    asm volatile("mul.lo.u32 %0, %2, 65536;\n\tlop3.b32 %1, %2, 0xffff0000, 0, 0xc0;" : "=r"(lo), "=r"(hi)
+                 : "r"(bits));
+  }
+  return {__uint_as_float(lo), __uint_as_float(hi)};
+}
+
+// The sums over the thread's rows of the held state (columns j, j + 1), into partial[.][block]:
+// S_0^T x_0 (the output's, kOutput) at partial[kDefer], and S_0^T y_m for the kSums tokens m from
+// kFirst (a store's) at partial[m]. One pass: each row widened once. A store takes two passes of
+// four tokens: the held state, eight tokens' sums and their operands exceed 80 registers.
+template <bool kOutput, int kFirst, int kSums, int kForm = 0>
+__device__ __forceinline__ void row_sums(const __nv_bfloat162 (&held)[kDecodeRows], const DeferredTokens& t,
+                                         const StoreChains& chains, float2 (*partial)[kRowBlocks][kPairColumns],
+                                         int block, int pair, int i0) {
+  static_assert(kSums == 0 || (kSums == 4 && kFirst % 4 == 0 && kFirst + kSums <= kDefer));
+  float2 os = {0, 0}, h[kSums > 0 ? kSums : 1] = {};
+#pragma unroll
+  for (int i = 0; i < kDecodeRows; ++i) {
+    const float2 s = widen_pair_as<kForm>(held[i]);
+    if constexpr (kOutput) os.x += t.x[i0 + i] * s.x, os.y += t.x[i0 + i] * s.y;
+    if constexpr (kSums > 0) {
+      const float4 y4 = *reinterpret_cast<const float4*>(&chains.y[i0 + i][kFirst]);
+      const float y[4] = {y4.x, y4.y, y4.z, y4.w};
+#pragma unroll
+      for (int m = 0; m < kSums; ++m) h[m].x += y[m] * s.x, h[m].y += y[m] * s.y;
     }
-    float2(*sums)[kPairColumns] = partial[(m + 1) % 2];
-    sums[block][pair] = ks;
-    __syncthreads();
-    ks = {0, 0};
+  }
+  if constexpr (kOutput) partial[kDefer][block][pair] = os;
 #pragma unroll
-    for (int b = 0; b < kRowBlocks; ++b) ks.x += sums[b][pair].x, ks.y += sums[b][pair].y;
-    const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.v[m][j]));
-    const float decay = t.decay[m];
-    const float delta0 = t.beta[m] * (v.x - decay * ks.x), delta1 = t.beta[m] * (v.y - decay * ks.y);
+  for (int m = 0; m < kSums; ++m) partial[kFirst + m][block][pair] = h[m];
+}
+
+// Row block b's threads form the deltas of tokens m = 2b, 2b + 1 of its column pair (zero past the
+// tokens), each scaled by e^(G - G_m), and leave them in partial[m][0][pair], which only this
+// thread reads: h_m = S_0^T y_m (over the row blocks) + sum_{u<m} c[m][u] v_u;
+// delta_m = beta_m (v_m - e^g_m h_m). Decays are products, never quotients (no overflow).
+__device__ __forceinline__ void form_deltas(const DeferredTokens& t, const StoreChains& chains, int count,
+                                            float2 (*partial)[kRowBlocks][kPairColumns], int block, int pair, int j) {
 #pragma unroll
-    for (int i = 0; i < kDecodeRows; ++i) held[i] = stepped_pair(held[i], decay, k[i0 + i], delta0, delta1);
+  for (int half = 0; half < kDefer / kRowBlocks; ++half) {
+    const int m = kDefer / kRowBlocks * block + half;
+    float2 delta = {0, 0};
+    if (m < count) {
+      float2 h = {0, 0};
+#pragma unroll
+      for (int b = 0; b < kRowBlocks; ++b) h.x += partial[m][b][pair].x, h.y += partial[m][b][pair].y;
+      for (int u = 0; u < m; ++u) {
+        const float2 vu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.v[u][j]));
+        h.x += chains.c[m][u] * vu.x, h.y += chains.c[m][u] * vu.y;
+      }
+      float later = 1;  // e^(G - G_m)
+      for (int u = m + 1; u < count; ++u) later *= t.decay[u];
+      const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.v[m][j]));
+      delta = {later * t.beta[m] * (v.x - t.decay[m] * h.x), later * t.beta[m] * (v.y - t.decay[m] * h.y)};
+    }
+    partial[m][0][pair] = delta;
+  }
+}
+
+// The state after `count` tokens written over the stored one: e^G S_0 + sum_m k_m delta_m^T (the
+// deltas scaled by form_deltas), from the held S_0, rounded to bf16 once.
+__device__ __forceinline__ void store_state(const __nv_bfloat162 (&held)[kDecodeRows], const DeferredTokens& t,
+                                            const StoreChains& chains, int count,
+                                            const float2 (*partial)[kRowBlocks][kPairColumns], int pair, int i0,
+                                            __nv_bfloat162* state) {
+  float2 delta[kDefer];
+#pragma unroll
+  for (int m = 0; m < kDefer; ++m) delta[m] = partial[m][0][pair];
+  float decay = 1;  // e^G
+  for (int m = 0; m < count; ++m) decay *= t.decay[m];
+#pragma unroll
+  for (int i = 0; i < kDecodeRows; ++i) {
+    const float2 s = widen_pair_as<2>(held[i]);
+    const float4 ka = *reinterpret_cast<const float4*>(&chains.k[i0 + i][0]);
+    const float4 kb = *reinterpret_cast<const float4*>(&chains.k[i0 + i][4]);
+    const float k[kDefer] = {ka.x, ka.y, ka.z, ka.w, kb.x, kb.y, kb.z, kb.w};
+    float s0 = decay * s.x, s1 = decay * s.y;
+#pragma unroll
+    for (int m = 0; m < kDefer; ++m) s0 += k[m] * delta[m].x, s1 += k[m] * delta[m].y;
+    state[i * (D / 2)] = __floats2bfloat162_rn(s0, s1);
   }
 }
 
@@ -125,7 +229,7 @@ __device__ __forceinline__ void log_token(const GdnDecodeLog& layout, char* log,
 }
 
 // One CTA per (sequence, value head), the thread layout of decode_token_bf16_kernel. With
-// deferred.store_all no token runs: a head with unstored tokens replays and stores them.
+// deferred.store_all no token runs: a head with unstored tokens stores them.
 __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_deferred_kernel(GdnDecodeStep a) {
   barriers::start_as_dependent();
   const int sequence = blockIdx.x / a.value_heads, head = blockIdx.x % a.value_heads;
@@ -137,11 +241,14 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
   const int p = unstored_tokens(n, head);
   const bool store_all = a.deferred.store_all;
   if (store_all && p == 0) return;
+  static_assert(kTokenThreads / 32 == kDefer, "a store forms one token's chain a warp");
   __shared__ float q[D], k[D], sums[3][D / 32];
-  __shared__ float2 partial[2][kRowBlocks][kPairColumns];
+  // Each row block's sums of a column pair: S_0^T y_m of a store's tokens m, then S_0^T x_0.
+  __shared__ float2 partial[kDefer + 1][kRowBlocks][kPairColumns];
   __shared__ alignas(16) float o_row[D];
   __shared__ NormInputs norm_inputs;
   __shared__ DeferredTokens tokens;
+  __shared__ StoreChains chains;
   const GdnDecodeLog layout{a.key_heads, a.value_heads};
   char* log = static_cast<char*>(a.deferred.logs[sequence]);
   auto* state = reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(const_cast<void*>(a.state_rows[sequence])) +
@@ -153,9 +260,14 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
   if (store_all) {
     if (warp == 1) __pipeline_wait_prior(0);
     __syncthreads();
-    replay(held, tokens, p, partial, block, pair, i0, j);
-#pragma unroll
-    for (int i = 0; i < kDecodeRows; ++i) state[i * (D / 2)] = held[i];
+    store_chains(tokens, chains, p, warp, lane);
+    __syncthreads();
+    row_sums<false, 0, 4>(held, tokens, chains, partial, block, pair, i0);
+    row_sums<false, 4, 4, 1>(held, tokens, chains, partial, block, pair, i0);
+    __syncthreads();
+    form_deltas(tokens, chains, p, partial, block, pair, j);
+    __syncthreads();
+    store_state(held, tokens, chains, p, partial, pair, i0, state);
     return;
   }
   const bool normalise = a.norm.normed != nullptr;
@@ -172,22 +284,30 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
   if (threadIdx.x == 0) tokens.decay[p] = __expf(g), tokens.beta[p] = beta;
   if (warp == 1) __pipeline_wait_prior(0);
   __syncthreads();
-  if (warp == 0) form_chain(tokens, q, p, lane);
+  // Warp 0 forms the output's chain; where the store is due the others form the tokens' (warp 1
+  // token 0's, which is k_0 itself, and its own).
+  const bool stores = store_due(n, head);
+  if (warp == 0) {
+    form_chain(tokens, q, p, lane);
+  } else if (stores) {
+    if (warp == 1) store_chains(tokens, chains, p + 1, 0, lane);
+    store_chains(tokens, chains, p + 1, warp, lane);
+  }
   __syncthreads();
 
-  // o = S_0^T x_0 (the thread's rows, then the column's row blocks) + sum_t c_t v_t.
-  float2 os = {0, 0};
-#pragma unroll
-  for (int i = 0; i < kDecodeRows; ++i) {
-    const float2 s = widen_pair(held[i]);
-    os.x += tokens.x[i0 + i] * s.x, os.y += tokens.x[i0 + i] * s.y;
+  // o = S_0^T x_0 (the thread's rows, then the column's row blocks) + sum_t c_t v_t; a store's
+  // sums S_0^T y_m in the same pass.
+  if (stores) {
+    row_sums<true, 0, 4>(held, tokens, chains, partial, block, pair, i0);
+    row_sums<false, 4, 4, 1>(held, tokens, chains, partial, block, pair, i0);
+  } else {
+    row_sums<true, 0, 0>(held, tokens, chains, partial, block, pair, i0);
   }
-  partial[0][block][pair] = os;
   __syncthreads();
   if (block == 0) {
     float2 o = {0, 0};
 #pragma unroll
-    for (int b = 0; b < kRowBlocks; ++b) o.x += partial[0][b][pair].x, o.y += partial[0][b][pair].y;
+    for (int b = 0; b < kRowBlocks; ++b) o.x += partial[kDefer][b][pair].x, o.y += partial[kDefer][b][pair].y;
     for (int m = 0; m <= p; ++m) {
       const float2 vm = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&tokens.v[m][j]));
       o.x += tokens.coef[m] * vm.x, o.y += tokens.coef[m] * vm.y;
@@ -195,10 +315,10 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
     *reinterpret_cast<float2*>(normalise ? &o_row[j] : a.out + gate * D + j) = o;
   }
   log_token(layout, log, n, key_head, head, head % ratio == 0, k, v_pair, g, beta, block, j);
-  if (store_due(n, head)) {
-    replay(held, tokens, p + 1, partial, block, pair, i0, j);
-#pragma unroll
-    for (int i = 0; i < kDecodeRows; ++i) state[i * (D / 2)] = held[i];
+  if (stores) {
+    form_deltas(tokens, chains, p + 1, partial, block, pair, j);
+    __syncthreads();
+    store_state(held, tokens, chains, p + 1, partial, pair, i0, state);
   }
   if (normalise) normed_output(a.norm, norm_inputs, o_row, token, head, a.value_heads, warp, lane);
 }
