@@ -11,10 +11,11 @@
 //   o = S_0^T x_0 + sum_t c_t v_t.
 // One warp forms the chain (p + 1 dot products of 128 elements), one pass over the state forms
 // S_0^T x_0. When the head's store is due, the state after the tokens is the rule unrolled from
-// S_0: with h_m = S_{m-1}^T k_m (the same chain, started from k_m, through the tokens before m;
-// one warp a token), delta_m = beta_m (v_m - e^g_m h_m) and
+// S_0: with h_m = S_{m-1}^T k_m = S_0^T y_m + sum_{u<m} c_{m,u} v_u (y_m and c_{m,u} the same
+// chain, started from k_m, through the tokens before m; one warp a token),
+// delta_m = beta_m (v_m - e^g_m h_m) and
 //   S = e^G S_0 + sum_m e^(G - G_m) k_m delta_m^T   (G_m the gates' sum up to m, G all of them).
-// The same pass over the held state forms every S_0^T y_m beside S_0^T x_0; after two barriers
+// The pass over the held state that forms S_0^T x_0 forms every S_0^T y_m too (in two); after two barriers
 // (the sums over row blocks, then the deltas) one more pass over the held state writes S, rounded
 // to bf16 once. One-token steps round the state after every token, so the stored states are as
 // close to the fp32 rule's or closer, not the same bits; the outputs differ from theirs by
@@ -296,7 +297,7 @@ __global__ void __launch_bounds__(kTokenThreads, kDecodeCtasPerSm) decode_token_
   __syncthreads();
 
   // o = S_0^T x_0 (the thread's rows, then the column's row blocks) + sum_t c_t v_t; a store's
-  // sums S_0^T y_m in the same pass.
+  // sums S_0^T y_m beside it, four tokens a pass.
   if (stores) {
     row_sums<true, 0, 4>(held, tokens, chains, partial, block, pair, i0);
     row_sums<false, 4, 4, 1>(held, tokens, chains, partial, block, pair, i0);

@@ -163,7 +163,7 @@ __device__ __forceinline__ float2 widen_pair(__nv_bfloat162 x) {
 }
 
 // A held pair of state columns after one token: e^g S + k delta, rounded to bf16 once (the
-// one-token kernel's new state; deferred stores' replays, which must give its bits, step it so too).
+// one-token kernel's new state).
 __device__ __forceinline__ __nv_bfloat162 stepped_pair(__nv_bfloat162 held, float decay, float k, float delta0,
                                                       float delta1) {
   const float2 s = widen_pair(held);
