@@ -72,21 +72,28 @@ __device__ __forceinline__ void fetch_logged(const GdnDecodeLog& layout, const c
   }
 }
 
-// The chain (one warp, 4 elements a lane): x = q, then for t = p .. 0: c_t = beta_t (k_t . x) and
+// One step of a chain back through token u of `t` (one warp, 4 elements of x a lane):
+// c = beta_u (k_u . x), x = e^g_u (x - c k_u); returns c.
+__device__ __forceinline__ float chain_step(const DeferredTokens& t, int u, float (&x)[D / 32], int lane) {
+  float dot = 0;
+#pragma unroll
+  for (int r = 0; r < D / 32; ++r) dot += t.k[u][lane + 32 * r] * x[r];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  const float c = t.beta[u] * dot;
+#pragma unroll
+  for (int r = 0; r < D / 32; ++r) x[r] = t.decay[u] * (x[r] - c * t.k[u][lane + 32 * r]);
+  return c;
+}
+
+// The output's chain (one warp): x = q, then for t = p .. 0: c_t = beta_t (k_t . x) and
 // x = e^g_t (x - c_t k_t). Leaves c_t in t.coef and x_0 in t.x.
 __device__ __forceinline__ void form_chain(DeferredTokens& t, const float* q, int p, int lane) {
   float x[D / 32];
 #pragma unroll
   for (int r = 0; r < D / 32; ++r) x[r] = q[lane + 32 * r];
   for (int m = p; m >= 0; --m) {
-    float dot = 0;
-#pragma unroll
-    for (int r = 0; r < D / 32; ++r) dot += t.k[m][lane + 32 * r] * x[r];
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    const float c = t.beta[m] * dot;
-#pragma unroll
-    for (int r = 0; r < D / 32; ++r) x[r] = t.decay[m] * (x[r] - c * t.k[m][lane + 32 * r]);
+    const float c = chain_step(t, m, x, lane);
     if (lane == 0) t.coef[m] = c;
   }
 #pragma unroll
@@ -103,14 +110,7 @@ __device__ __forceinline__ void store_chains(const DeferredTokens& t, StoreChain
 #pragma unroll
   for (int r = 0; r < D / 32; ++r) out.k[lane + 32 * r][m] = x[r];
   for (int u = m < count ? m - 1 : -1; u >= 0; --u) {
-    float dot = 0;
-#pragma unroll
-    for (int r = 0; r < D / 32; ++r) dot += t.k[u][lane + 32 * r] * x[r];
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    const float c = t.beta[u] * dot;
-#pragma unroll
-    for (int r = 0; r < D / 32; ++r) x[r] = t.decay[u] * (x[r] - c * t.k[u][lane + 32 * r]);
+    const float c = chain_step(t, u, x, lane);
     if (lane == 0) out.c[m][u] = c;
   }
 #pragma unroll
