@@ -15,11 +15,11 @@
 // chain, started from k_m, through the tokens before m; one warp a token),
 // delta_m = beta_m (v_m - e^g_m h_m) and
 //   S = e^G S_0 + sum_m e^(G - G_m) k_m delta_m^T   (G_m the gates' sum up to m, G all of them).
-// The pass over the held state that forms S_0^T x_0 forms every S_0^T y_m too (in two); after two barriers
-// (the sums over row blocks, then the deltas) one more pass over the held state writes S, rounded
-// to bf16 once. One-token steps round the state after every token, so the stored states are as
-// close to the fp32 rule's or closer, not the same bits; the outputs differ from theirs by
-// rounding only (the states between stores are never rounded).
+// The pass over the held state that forms S_0^T x_0 forms every S_0^T y_m too (split in two);
+// after two barriers (the sums over row blocks, then the deltas) one more pass over the held state
+// writes S, rounded to bf16 once. One-token steps round the state after every token, so the
+// stored states are as close to the fp32 rule's or closer, not the same bits; the outputs differ
+// from theirs by rounding only (the states between stores are never rounded).
 // Private to target/kernels/gated_delta_net.cu (one translation unit).
 #pragma once
 
