@@ -17,6 +17,7 @@ int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t st
   int64_t capacity = 256;
   while (capacity < tokens) capacity *= 2;
   int64_t bytes = 0;
+  bool deferred_stores = false;
   for (int64_t i = layers.first; i <= layers.last; ++i) {
     if (c.layer_types[static_cast<size_t>(i)] == LayerKind::full_attention) {
       bytes += 2 * capacity * c.num_key_value_heads * c.head_dim * dtype_bytes;
@@ -29,8 +30,14 @@ int64_t decoding_sequence_bytes(const ModelConfig& c, int64_t tokens, int64_t st
       if (state_bytes == 2) {
         bytes += kernels::GdnDecodeLog{static_cast<int>(c.linear_num_key_heads),
                                        static_cast<int>(c.linear_num_value_heads)}.bytes();
+        deferred_stores = true;
       }
     }
+  }
+  // One launch's handoff between the deferred step's kernels at a time (the layers reuse it): a
+  // store of every head's, the larger.
+  if (deferred_stores) {
+    bytes += kernels::GdnDeferredHandoff{1, static_cast<int>(c.linear_num_value_heads), true}.floats() * 4;
   }
   return bytes + (layers.head ? step_tokens * c.vocab_size * (4 + dtype_bytes) : 0);
 }

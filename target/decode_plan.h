@@ -16,9 +16,10 @@ namespace dflash::target {
 // Device bytes one sequence of up to `tokens` positions holds while it decodes in steps of
 // `step_tokens` tokens: per GatedDeltaNet layer its state twice (a step reads the states before
 // it and writes new ones), its conv inputs and, for bf16 states, the log of the tokens whose
-// stores plain steps defer (kernels/gdn_log.h); per attention layer its keys and values at the
-// capacity they grow to (a power of two, at least 256 positions); a step's logits in the model's
-// dtype and their fp32 widening (made only for a sampled choice; counted for greedy too).
+// stores plain steps defer (kernels/gdn_log.h), with the deferred step's handoff once; per
+// attention layer its keys and values at the capacity they grow to (a power of two, at least 256
+// positions); a step's logits in the model's dtype and their fp32 widening (made only for a
+// sampled choice; counted for greedy too).
 // dtype_bytes: the model's dtype (2 for bf16); state_bytes: the states' (4 for fp32, 2 for bf16:
 // TargetOptions::decode_state_dtype).
 // `layers`: a pipeline stage's part (its layers; the logits only with its head); every layer

@@ -148,13 +148,21 @@ at::Tensor bind_decode_norm(const GdnOutputNorm& norm, int64_t rows, int64_t val
 }
 
 // Deferred stores' arguments: the logs' and pending counts' device tables, one entry a sequence.
-void bind_deferred(const GdnDeferredRows& d, int64_t sequences, kernels::GdnDecodeStep& a) {
+// The logs and counts of `d`, and the launch's handoff between its two kernels (returned: it must
+// live until the launch is queued; the caching allocator reuses it after).
+at::Tensor bind_deferred(const GdnDeferredRows& d, int64_t sequences, int64_t value_heads, bool store_all,
+                         kernels::GdnDecodeStep& a) {
   expect(d.logs.is_cuda() && d.logs.scalar_type() == at::kLong && d.logs.numel() == sequences &&
              d.pending.is_cuda() && d.pending.scalar_type() == at::kLong && d.pending.numel() == sequences &&
              d.logs.is_contiguous() && d.pending.is_contiguous(),
          "deferred stores: logs and pending must be int64 [sequences] on the GPU");
   a.deferred.logs = static_cast<void* const*>(d.logs.data_ptr());
   a.deferred.pending = d.pending.data_ptr<int64_t>();
+  a.deferred.store_all = store_all;
+  const kernels::GdnDeferredHandoff layout{static_cast<int>(sequences), static_cast<int>(value_heads), store_all};
+  at::Tensor handoff = at::empty({layout.floats()}, d.logs.options().dtype(at::kFloat));
+  a.deferred.handoff = handoff.data_ptr<float>();
+  return handoff;
 }
 
 // The decode step's launch: the states read from `state` (a [sequences, value_heads, 128, 128]
@@ -208,7 +216,7 @@ GdnDecodeResult decode_step(const at::Tensor& q_in, const at::Tensor& k_in, cons
   a.state_rows = by_address ? static_cast<const void* const*>(state_rows.data_ptr()) : nullptr;
   a.state_out = r.state.defined() ? r.state.data_ptr() : nullptr, a.out = r.o.data_ptr<float>();
   a.state_bf16 = (state.defined() ? state : state_in).scalar_type() == at::kBFloat16;
-  if (deferred != nullptr) bind_deferred(*deferred, sequences, a);
+  const at::Tensor handoff = deferred ? bind_deferred(*deferred, sequences, value_heads, false, a) : at::Tensor();
   a.sequences = static_cast<int>(sequences), a.tokens = static_cast<int>(tokens);
   a.key_heads = static_cast<int>(key_heads), a.value_heads = static_cast<int>(value_heads);
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
@@ -244,8 +252,7 @@ void gated_delta_rule_store_deferred_cuda(const at::Tensor& state_rows, const Gd
   a.state_bf16 = true;
   a.sequences = static_cast<int>(sequences);
   a.key_heads = static_cast<int>(key_heads), a.value_heads = static_cast<int>(value_heads);
-  bind_deferred(deferred, sequences, a);
-  a.deferred.store_all = true;
+  const at::Tensor handoff = bind_deferred(deferred, sequences, value_heads, true, a);
   kernels::gated_delta_rule_decode_step(a, at::cuda::getCurrentCUDAStream().stream());
 }
 

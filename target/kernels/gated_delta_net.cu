@@ -155,15 +155,28 @@ void gated_delta_rule_decode_step(const GdnDecodeStep& args, cudaStream_t stream
   const bool v_pairs = reinterpret_cast<uintptr_t>(args.v) % 4 == 0 && args.v_stride % 2 == 0;
   if (args.deferred.logs != nullptr) {
     if (!args.state_bf16 || args.state_rows == nullptr || args.deferred.pending == nullptr ||
+        args.deferred.handoff == nullptr || reinterpret_cast<uintptr_t>(args.deferred.handoff) % 16 != 0 ||
         (!args.deferred.store_all && (args.tokens != 1 || !v_pairs))) {
       throw std::invalid_argument(
           "gated_delta_rule_decode_step: deferred stores take one token a sequence (v in 4-byte pairs), bf16 "
-          "states by address and the pending counts");
+          "states by address, the pending counts and a 16-byte aligned handoff");
     }
     if (args.sequences == 0) return;
-    // Launched plainly, as the one-token kernel below.
-    decode_token_deferred_kernel<<<dim3(args.sequences * args.value_heads), kTokenThreads, 0, stream>>>(args);
-    check_cuda(cudaGetLastError(), "GatedDeltaNet kernel decode_token_deferred");
+    // The chains launched plainly (they read what the conv step wrote), the state pass as their
+    // programmatic dependent: its first CTAs load their states while the chains run.
+    const Handoff handoff{args.sequences, args.value_heads, args.deferred.store_all};
+    const size_t chain_bytes =
+        GroupTokens::bytes(GroupTokens::key_span(args.value_heads / args.key_heads, args.key_heads));
+    if (chain_bytes > 48 * 1024) {  // past the default limit only where a key head has few value heads
+      check_cuda(cudaFuncSetAttribute(deferred_chains_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(chain_bytes)),
+                 "GatedDeltaNet kernel deferred_chains: shared memory");
+    }
+    deferred_chains_kernel<<<dim3(handoff.groups(), args.sequences), kChainThreads, chain_bytes, stream>>>(args);
+    check_cuda(cudaGetLastError(), "GatedDeltaNet kernel deferred_chains");
+    check_cuda(launch_dependent(deferred_state_kernel, dim3(args.sequences * args.value_heads), kTokenThreads, 0,
+                                stream, args),
+               "GatedDeltaNet kernel deferred_state");
     return;
   }
   if (args.sequences == 0 || args.tokens == 0) return;

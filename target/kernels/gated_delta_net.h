@@ -188,11 +188,13 @@ struct GdnDecodeNorm {
 inline std::atomic<bool> deferred_stores_off{false};
 // Deferred stores (gdn_log.h): pending[s] the tokens sequence s stepped since all its heads last
 // stored (n), logs[s] its log of this layer (GdnDecodeLog::bytes). `store_all`: no token runs;
-// every head stores its unstored tokens (the states are then complete).
+// every head stores its unstored tokens (the states are then complete). `handoff`: the launch's
+// scratch between its two kernels, GdnDeferredHandoff::floats() fp32 (gdn_log.h), 16-byte aligned.
 struct GdnDeferredStores {
   const int64_t* pending = nullptr;
   void* const* logs = nullptr;
   bool store_all = false;
+  float* handoff = nullptr;
 };
 struct GdnDecodeStep {
   const void* q = nullptr;

@@ -40,4 +40,30 @@ struct GdnDecodeLog {
   constexpr int64_t bytes() const { return kGdnDeferTokens * slot_bytes(); }
 };
 
+// What the deferred step's chains kernel hands its state pass (gdn/decode_deferred.cuh), fp32, in
+// one buffer per launch. A plain step: for each (sequence, value head) the output's x_0 and sum_t
+// c_t v_t (kHeadFloats), then for each (sequence, group of kGdnDeferTokens heads) the one head of
+// the group whose store falls due: its tokens' y (scaled), k and a as [128][8], [128][8] and
+// [8][128], and e^G (kStoreFloats). A store of every head (store_all): one store area per
+// (sequence, value head), no output. Zeros stand in for tokens past the head's count.
+struct GdnDeferredHandoff {
+  static constexpr int64_t kHeadFloats = 2 * kGdnHeadDim;
+  static constexpr int64_t kStoreFloats = 3 * kGdnHeadDim * kGdnDeferTokens + 4;
+  int sequences = 0, value_heads = 0;
+  bool store_all = false;
+  DFLASHD_HOST_DEVICE constexpr int groups() const { return (value_heads + kGdnDeferTokens - 1) / kGdnDeferTokens; }
+  DFLASHD_HOST_DEVICE constexpr int64_t head_offset(int sequence, int head) const {
+    return (int64_t{sequence} * value_heads + head) * kHeadFloats;
+  }
+  DFLASHD_HOST_DEVICE constexpr int64_t store_offset(int sequence, int head) const {
+    if (store_all) return (int64_t{sequence} * value_heads + head) * kStoreFloats;
+    return int64_t{sequences} * value_heads * kHeadFloats +
+           (int64_t{sequence} * groups() + head / kGdnDeferTokens) * kStoreFloats;
+  }
+  DFLASHD_HOST_DEVICE constexpr int64_t floats() const {
+    if (store_all) return int64_t{sequences} * value_heads * kStoreFloats;
+    return int64_t{sequences} * (value_heads * kHeadFloats + groups() * kStoreFloats);
+  }
+};
+
 }  // namespace dflash::target::kernels
