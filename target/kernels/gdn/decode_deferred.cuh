@@ -113,8 +113,7 @@ __device__ __forceinline__ uint2& lane_bf16x4(bf16* row, int lane) { return rein
 
 // The group's logged tokens into shared memory by cp.async (the caller commits): the k of each of
 // its key heads for the last min(n, kDefer - 1) tokens (the longest any head holds unstored), a warp
-// a token; then this warp's head's v for its p unstored tokens, two rows a warp instruction, and
-// their gates (loaded).
+// a token; then this warp's head's v for its p unstored tokens, two rows a warp instruction.
 __device__ __forceinline__ void fetch_logged(const GdnDecodeLog& layout, const char* log, int n, int first_key,
                                              int key_span, int key_heads, const GroupTokens& g, int warp, int lane) {
   const int logged = min(n, kDefer - 1), slot_bytes = static_cast<int>(layout.slot_bytes());
@@ -132,12 +131,40 @@ __device__ __forceinline__ void fetch_head(const GdnDecodeLog& layout, const cha
     const int slot = (n - p + m) & (kDefer - 1);
     mma_tile::copy16(t.v + slot * D + 8 * part, log + slot * slot_bytes + layout.v_offset(head) + 16 * part);
   }
-  if (lane < p) {
-    const int slot = (n - p + lane) & (kDefer - 1);
-    const char* row = log + slot * slot_bytes;
-    t.decay[slot] = __expf(*reinterpret_cast<const float*>(row + layout.g_offset(head)));
-    t.beta[slot] = *reinterpret_cast<const float*>(row + layout.beta_offset(head));
-  }
+}
+// A lane's logged token's gates (lane < p, slot -1 otherwise), loaded into registers with the other
+// loads and written to shared memory after them (put_gates): a store between two loads would hold
+// the second load back by one memory latency.
+struct LoggedGates {
+  int slot;
+  float g, beta;
+};
+__device__ __forceinline__ LoggedGates load_gates(const GdnDecodeLog& layout, const char* log, int n, int p, int head,
+                                                  int lane) {
+  if (lane >= p) return {-1, 0, 0};
+  const int slot = (n - p + lane) & (kDefer - 1);
+  const char* row = log + slot * static_cast<int>(layout.slot_bytes());
+  return {slot, __ldcg(reinterpret_cast<const float*>(row + layout.g_offset(head))),
+          __ldcg(reinterpret_cast<const float*>(row + layout.beta_offset(head)))};
+}
+__device__ __forceinline__ void put_gates(const LoggedGates& gates, const HeadTokens& t) {
+  if (gates.slot >= 0) t.decay[gates.slot] = __expf(gates.g), t.beta[gates.slot] = gates.beta;
+}
+
+// The step's token as its producers wrote it: its key head's q and k, its v, g and beta. These
+// loads depend on no other, so the kernel issues them first, under the pending count's and the
+// log's.
+struct StepToken {
+  uint2 q, k, v;
+  float g, beta;
+};
+__device__ __forceinline__ StepToken load_step_token(const GdnDecodeStep& a, int64_t token, int head, int key_head,
+                                                     int lane) {
+  const int64_t gate = token * a.value_heads + head;
+  return {load_bf16x4(static_cast<const bf16*>(a.q) + token * a.q_stride + key_head * D, lane),
+          load_bf16x4(static_cast<const bf16*>(a.k) + token * a.k_stride + key_head * D, lane),
+          load_bf16x4(static_cast<const bf16*>(a.v) + token * a.v_stride + head * D, lane), __ldcg(a.g + gate),
+          __ldcg(a.beta + gate)};
 }
 
 // The sum of x over the warp (lane 0's, given to every lane: all use the same bits).
@@ -147,12 +174,11 @@ __device__ __forceinline__ float warp_total(float x) {
   return __shfl_sync(0xffffffffu, x, 0);
 }
 
-// The step's q and k (one key head's 128 elements) L2-normalised, q also scaled (the rule as
-// normalise_qk forms it; the sums in another order).
-__device__ __forceinline__ void normalise_in_warp(const bf16* q_in, const bf16* k_in, float scale, Lane4& q, Lane4& k,
-                                                  int lane) {
-  q = widen4(load_bf16x4(q_in, lane));
-  k = widen4(load_bf16x4(k_in, lane));
+// The step's q and k (one key head's 128 elements, as loaded) L2-normalised, q also scaled (the rule
+// as normalise_qk forms it; the sums in another order).
+__device__ __forceinline__ void normalise_in_warp(uint2 q_in, uint2 k_in, float scale, Lane4& q, Lane4& k) {
+  q = widen4(q_in);
+  k = widen4(k_in);
   const float qq = q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w, kk = k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w;
   const float q_factor = rsqrtf(warp_total(qq) + 1e-6f) * scale, k_factor = rsqrtf(warp_total(kk) + 1e-6f);
   q = {q.x * q_factor, q.y * q_factor, q.z * q_factor, q.w * q_factor};
@@ -272,16 +298,22 @@ __global__ void __launch_bounds__(kChainThreads, kChainCtasPerSm) deferred_chain
   const GroupTokens g(chain_shared, key_span);
   const auto view = [&](int h) { return HeadTokens(g, h - group * kDefer, min(key_of(h) - first_key, key_span - 1)); };
   const HeadTokens mine = view(head);
-  const bool valid = head < a.value_heads;
+  const bool valid = head < a.value_heads, stepping = valid && !a.deferred.store_all;
+  const int64_t token = sequence;
+  // Every global load first, in two rounds of latency: the step's token with the pending count and
+  // the log's address, then the logged tokens (cp.async) and their gates.
+  const StepToken step = stepping ? load_step_token(a, token, head, key_head, lane) : StepToken{};
   const int n = static_cast<int>(a.deferred.pending[sequence]);
   const int p = valid ? unstored_tokens(n, head) : 0;
   const GdnDecodeLog layout{a.key_heads, a.value_heads};
   char* log = static_cast<char*>(a.deferred.logs[sequence]);
   fetch_logged(layout, log, n, first_key, key_span, a.key_heads, g, warp, lane);
-  if (warp == kDefer - 1) store4(g.zeros, lane, {0, 0, 0, 0});
   if (valid) fetch_head(layout, log, n, p, head, mine, lane);
   __pipeline_commit();
+  const LoggedGates gates = valid ? load_gates(layout, log, n, p, head, lane) : LoggedGates{-1, 0, 0};
+  if (warp == kDefer - 1) store4(g.zeros, lane, {0, 0, 0, 0});
   if (a.deferred.store_all) {
+    put_gates(gates, mine);
     __pipeline_wait_prior(0);
     __syncthreads();
     if (valid && p > 0) {
@@ -290,30 +322,25 @@ __global__ void __launch_bounds__(kChainThreads, kChainCtasPerSm) deferred_chain
     }
     return;
   }
-  const int64_t token = sequence;
   const int now = n & (kDefer - 1);  // the step's token's slot
   Lane4 q = {0, 0, 0, 0};
   if (valid) {
-    const int64_t gate = token * a.value_heads + head;
-    // v first: the normalisation's shuffles cover its load.
-    const uint2 v = load_bf16x4(static_cast<const bf16*>(a.v) + token * a.v_stride + head * D, lane);
     Lane4 k;
-    normalise_in_warp(static_cast<const bf16*>(a.q) + token * a.q_stride + key_head * D,
-                      static_cast<const bf16*>(a.k) + token * a.k_stride + key_head * D, a.scale, q, k, lane);
-    const float gv = a.g[gate], beta = a.beta[gate];
+    normalise_in_warp(step.q, step.k, a.scale, q, k);
     // The token joins the group's tokens at slot `now` (its k by the key head's first value head in
     // the group) and the log at the same slot (its k by the key head's first value head).
     char* slot = log + now * static_cast<int>(layout.slot_bytes());
     if (head == max(key_head * ratio, group * kDefer)) store4(mine.k + now * D, lane, k);
     if (head == key_head * ratio) store4(reinterpret_cast<float*>(slot + layout.k_offset(key_head)), lane, k);
-    lane_bf16x4(mine.v + now * D, lane) = v;
-    reinterpret_cast<uint2*>(slot + layout.v_offset(head))[lane] = v;
+    lane_bf16x4(mine.v + now * D, lane) = step.v;
+    reinterpret_cast<uint2*>(slot + layout.v_offset(head))[lane] = step.v;
     if (lane == 0) {
-      mine.decay[now] = __expf(gv), mine.beta[now] = beta;
-      *reinterpret_cast<float*>(slot + layout.g_offset(head)) = gv;
-      *reinterpret_cast<float*>(slot + layout.beta_offset(head)) = beta;
+      mine.decay[now] = __expf(step.g), mine.beta[now] = step.beta;
+      *reinterpret_cast<float*>(slot + layout.g_offset(head)) = step.g;
+      *reinterpret_cast<float*>(slot + layout.beta_offset(head)) = step.beta;
     }
   }
+  put_gates(gates, mine);  // after the normalisation, which their loads' latency covers
   __pipeline_wait_prior(0);
   __syncthreads();
   // The output's chain from q back through the step's token and the p logged ones; this warp's
