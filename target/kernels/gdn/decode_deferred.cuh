@@ -133,8 +133,8 @@ __device__ __forceinline__ void fetch_head(const GdnDecodeLog& layout, const cha
   }
 }
 // A lane's logged token's gates (lane < p, slot -1 otherwise), loaded into registers with the other
-// loads and written to shared memory after them (put_gates): a store between two loads would hold
-// the second load back by one memory latency.
+// loads and written to shared memory after them (put_gates): the compiler cannot move a load above
+// a store it may alias, so a store between two loads would cost the second a round of latency.
 struct LoggedGates {
   int slot;
   float g, beta;
@@ -152,8 +152,8 @@ __device__ __forceinline__ void put_gates(const LoggedGates& gates, const HeadTo
 }
 
 // The step's token as its producers wrote it: its key head's q and k, its v, g and beta. These
-// loads depend on no other, so the kernel issues them first, under the pending count's and the
-// log's.
+// loads depend on no other load, so the kernel issues them first, in the same round of latency as
+// the pending count and the log's address.
 struct StepToken {
   uint2 q, k, v;
   float g, beta;
