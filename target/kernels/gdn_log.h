@@ -43,9 +43,9 @@ struct GdnDecodeLog {
 // What the deferred step's chains kernel hands its state pass (gdn/decode_deferred.cuh), fp32, in
 // one buffer per launch. A plain step: for each (sequence, value head) the output's x_0 and sum_t
 // c_t v_t (kHeadFloats), then for each (sequence, group of kGdnDeferTokens heads) the one head of
-// the group whose store falls due: its tokens' y (scaled), k and a as [128][8], [128][8] and
-// [8][128], and e^G (kStoreFloats). A store of every head (store_all): one store area per
-// (sequence, value head), no output. Zeros stand in for tokens past the head's count.
+// the group whose store falls due: its tokens' y (scaled), k and a, each [8 tokens][128], and e^G
+// (kStoreFloats). A store of every head (store_all): one store area per (sequence, value head),
+// no output. Zeros stand in for tokens past the head's count.
 struct GdnDeferredHandoff {
   static constexpr int64_t kHeadFloats = 2 * kGdnHeadDim;
   static constexpr int64_t kStoreFloats = 3 * kGdnHeadDim * kGdnDeferTokens + 4;
