@@ -8,11 +8,11 @@
 //      random drafter accepts almost nothing: its tokens/s is the floor of speculative decoding,
 //      the step times give what an acceptance length L buys: L tokens per drafter + verify step).
 // Usage: decode_bench CONFIG_DIR [PROMPTS NEW PROMPT_TOKENS MAX_BATCH]   (needs a GPU); DECODE_BATCHES="16 64 128"
-// sets the batch sizes of the batched rounds (16 and 64 by default); DECODE_DTYPE=float8 keeps the
-// projections block-scaled FP8; DECODE_STATE_DTYPE=bfloat16 keeps the GatedDeltaNet states in
-// bf16 (target.decode_state_dtype); DECODE_STAGES=S builds the target as S pipeline stages, all on
-// cuda:0 (what a split costs a step beyond the stages' own work: their host planning and the
-// stream's hand-over; one GPU).
+// sets the batch sizes of the batched rounds (16 and 64 by default; a batch whose caches do not fit
+// the GPU is reported and skipped); DECODE_DTYPE=float8 keeps the projections block-scaled FP8;
+// DECODE_STATE_DTYPE=bfloat16 keeps the GatedDeltaNet states in bf16 (target.decode_state_dtype);
+// DECODE_STAGES=S builds the target as S pipeline stages, all on cuda:0 (what a split costs a step
+// beyond the stages' own work: their host planning and the stream's hand-over; one GPU).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/core/InferenceMode.h>
@@ -489,7 +489,18 @@ int main(int argc, char** argv) {
   const auto [plain_step, per_step] =
       single_sequence_steps(target, model->models(), d, config.vocab_size, prompt_tokens);
   print_memory("the single-sequence steps");
-  for (int64_t batch : batch_sizes()) batched_steps(target, d, batch, prompt_tokens, plain_step);
+  for (int64_t batch : batch_sizes()) {
+    // A batch whose caches do not fit this GPU (128 sequences at 27B shapes on an 80 GB card) is
+    // reported and skipped: its caches are freed as batched_steps unwinds, the next batch runs.
+    try {
+      batched_steps(target, d, batch, prompt_tokens, plain_step);
+    } catch (const c10::OutOfMemoryError& e) {
+      const std::string what = e.what_without_backtrace();
+      std::printf("batch of %3lld: skipped, out of GPU memory: %s\n", static_cast<long long>(batch),
+                  what.substr(0, what.find('\n')).c_str());
+      c10::cuda::CUDACachingAllocator::emptyCache();
+    }
+  }
   end_to_end(target, d, prompts, new_tokens, prompt_tokens, max_batch);
   std::printf("64 prompts x 256 tokens at acceptance length L: %.0f s plain; speculative %.0f s at L = 3, %.0f s at L = 5\n",
               64.0 * 256.0 * plain_step / 1e3, 64.0 * 256.0 / 3.0 * per_step / 1e3, 64.0 * 256.0 / 5.0 * per_step / 1e3);
