@@ -491,14 +491,14 @@ int main(int argc, char** argv) {
   print_memory("the single-sequence steps");
   for (int64_t batch : batch_sizes()) {
     // A batch whose caches do not fit this GPU (128 sequences at 27B shapes on an 80 GB card) is
-    // reported and skipped: its caches are freed as batched_steps unwinds, the next batch runs.
+    // reported and skipped: its caches are freed as batched_steps unwinds, and the caching
+    // allocator returns cached blocks to the driver by itself when the next batch needs them.
     try {
       batched_steps(target, d, batch, prompt_tokens, plain_step);
     } catch (const c10::OutOfMemoryError& e) {
       const std::string what = e.what_without_backtrace();
       std::printf("batch of %3lld: skipped, out of GPU memory: %s\n", static_cast<long long>(batch),
                   what.substr(0, what.find('\n')).c_str());
-      c10::cuda::CUDACachingAllocator::emptyCache();
     }
   }
   end_to_end(target, d, prompts, new_tokens, prompt_tokens, max_batch);
